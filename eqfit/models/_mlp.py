@@ -1,0 +1,66 @@
+from collections.abc import Callable
+from typing import Literal
+
+import equinox as eqx
+import jax
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped, Key
+
+from ._check import check_input
+
+
+class MLP(eqx.Module):
+    """A multi-layer perceptron with optional dropout after each hidden layer.
+
+    **Arguments:**
+
+    - `in_features`: the size of one input.
+    - `out_features`: the size of one output, or `"scalar"`.
+    - `width`: the size of each hidden layer.
+    - `depth`: the number of hidden layers.
+    - `activation`: applied after each hidden layer.
+    - `dropout`: the probability of dropping a hidden unit while training. With
+        `dropout > 0` the model needs a `key` when called, unless in inference mode
+        (`eqx.nn.inference_mode`).
+    - `key`: initialises the weights.
+    """
+
+    layers: tuple[eqx.nn.Linear, ...]
+    dropout: eqx.nn.Dropout
+    activation: Callable[[Array], Array] = eqx.field(static=True)
+    in_features: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | Literal["scalar"],
+        width: int,
+        depth: int,
+        *,
+        activation: Callable[[Array], Array] = jax.nn.relu,
+        dropout: float = 0.0,
+        key: Key[Array, ""],
+    ):
+        sizes = [in_features] + [width] * depth
+        keys = jax.random.split(key, depth + 1)
+        hidden = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes, sizes[1:], keys)]
+        last = eqx.nn.Linear(sizes[-1], out_features, key=keys[-1])
+        self.layers = (*hidden, last)
+        self.dropout = eqx.nn.Dropout(dropout)
+        self.activation = activation
+        self.in_features = in_features
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self, x: Float[Array, " in"], *, key: Key[Array, ""] | None = None
+    ) -> Float[Array, "..."]:
+        """**Arguments:** `x`, one example; `key`, for dropout. **Returns:** the output."""
+        check_input("MLP", x, (self.in_features,))
+        keys = (
+            [None] * len(self.layers)
+            if key is None
+            else list(jax.random.split(key, len(self.layers)))
+        )
+        for layer, k in zip(self.layers[:-1], keys):
+            x = self.dropout(self.activation(layer(x)), key=k)
+        return self.layers[-1](x)

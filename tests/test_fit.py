@@ -1,0 +1,322 @@
+"""The compiled fit and its progress path: same numbers, every sample, no recompiles."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_equal, regression_data
+
+import eqfit
+
+
+def linear(getkey, features=4):
+    return eqfit.models.LinearRegression(features, key=getkey())
+
+
+@pytest.mark.parametrize(
+    "n, batch_size, drop_remainder",
+    # A remainder batch, none, only a remainder (fewer samples than a batch), dropped.
+    [(200, 32, False), (256, 32, False), (7, 32, False), (200, 32, True)],
+)
+def test_progress_is_bitwise_equal_to_compiled(getkey, n, batch_size, drop_remainder):
+    data = regression_data(getkey(), n)
+    model = eqfit.models.MLP(4, "scalar", 16, 2, key=getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-2),
+        key=getkey(),
+        epochs=3,
+        batch_size=batch_size,
+        drop_remainder=drop_remainder,
+    )
+    compiled = eqfit.fit(model, data, progress=False, **kwargs)
+    bar = eqfit.fit(model, data, progress=True, **kwargs)
+    assert_trees_equal(compiled.model, bar.model)
+    assert_trees_equal(compiled.opt_state, bar.opt_state)
+    np.testing.assert_array_equal(compiled.history.step_loss, bar.history.step_loss)
+    np.testing.assert_array_equal(compiled.history.loss, bar.history.loss)
+
+
+def test_progress_with_per_step_keys_is_bitwise_equal(getkey):
+    data = regression_data(getkey(), 100)
+    model = eqfit.models.MLP(4, "scalar", 16, 1, dropout=0.3, key=getkey())
+
+    def loss(model, x, y, *, key):
+        keys = jax.random.split(key, x.shape[0])
+        pred = jax.vmap(lambda a, k: model(a, key=k))(x, keys)
+        return jnp.mean((pred - y) ** 2)
+
+    kwargs = dict(loss=loss, optimizer=optax.sgd(1e-2), key=getkey(), epochs=2, batch_size=16)
+    compiled = eqfit.fit(model, data, **kwargs)
+    bar = eqfit.fit(model, data, progress=True, **kwargs)
+    assert_trees_equal(compiled.model, bar.model)
+    # Dropout is live: another key gives another model.
+    other = eqfit.fit(model, data, **{**kwargs, "key": getkey()})
+    assert not np.array_equal(other.model.layers[0].weight, compiled.model.layers[0].weight)
+
+
+@pytest.mark.parametrize("progress", [False, True])
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_every_sample_used_once_per_epoch(getkey, progress, drop_remainder):
+    # A "model" of one weight per sample, a loss that sums the weights of its batch and
+    # SGD with learning rate 1: each visit to sample i lowers weights[i] by exactly 1.
+    n, batch_size, epochs = 103, 10, 3
+    index = jnp.arange(n)
+
+    def loss(weights, i):
+        return jnp.sum(weights[i])
+
+    result = eqfit.fit(
+        jnp.zeros(n),
+        (index,),
+        loss=loss,
+        optimizer=optax.sgd(1.0),
+        key=getkey(),
+        epochs=epochs,
+        batch_size=batch_size,
+        drop_remainder=drop_remainder,
+        progress=progress,
+    )
+    visits = -np.asarray(result.model)
+    if drop_remainder:
+        # Each epoch skips a different random 3 samples.
+        assert visits.sum() == epochs * (n - n % batch_size)
+        assert set(np.unique(visits)) <= set(range(epochs + 1))
+        assert np.any(visits < epochs)
+    else:
+        np.testing.assert_array_equal(visits, np.full(n, epochs, dtype=visits.dtype))
+    assert result.history.step_loss.shape == (epochs, n // batch_size + (not drop_remainder))
+
+
+def test_shuffle_changes_order_each_epoch(getkey):
+    n = 64
+
+    def loss(weights, i):
+        # Weighted by position in the batch, so the order inside a batch shows up.
+        return jnp.sum(weights[i] * jnp.arange(1.0, i.shape[0] + 1.0))
+
+    common = dict(loss=loss, optimizer=optax.sgd(1.0), batch_size=8, epochs=1)
+    a = eqfit.fit(jnp.zeros(n), (jnp.arange(n),), key=getkey(), **common).model
+    b = eqfit.fit(jnp.zeros(n), (jnp.arange(n),), key=getkey(), **common).model
+    fixed = eqfit.fit(jnp.zeros(n), (jnp.arange(n),), key=getkey(), shuffle=False, **common)
+    assert not np.array_equal(a, b)
+    np.testing.assert_array_equal(-fixed.model, np.tile(np.arange(1.0, 9.0), 8))
+
+
+def test_matches_hand_written_minibatch_sgd(getkey):
+    x, y = regression_data(getkey(), 50)
+    model = linear(getkey)
+    batch_size, lr = 16, 0.05
+    result = eqfit.fit(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(lr),
+        key=getkey(),
+        epochs=2,
+        batch_size=batch_size,
+        shuffle=False,
+    )
+    expected_losses = []
+    for _ in range(2):
+        for start in range(0, 50, batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            value, grads = eqx.filter_value_and_grad(eqfit.losses.mse)(model, xb, yb)
+            model = jax.tree.map(lambda p, g: p - lr * g, model, grads)
+            expected_losses.append(value)
+    np.testing.assert_allclose(result.model.weight, model.weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.model.bias, model.bias, rtol=1e-5, atol=1e-6)
+    step_loss = np.asarray(expected_losses).reshape(2, 4)
+    np.testing.assert_allclose(result.history.step_loss, step_loss, rtol=1e-5)
+    # The epoch loss weights each step by its batch size: 16, 16, 16 and 2.
+    weights = np.array([16, 16, 16, 2]) / 50
+    np.testing.assert_allclose(result.history.loss, step_loss @ weights, rtol=1e-5)
+    assert result.history.batch_sizes == (16, 16, 16, 2)
+
+
+def test_learns_the_seed_example(getkey):
+    x, y = regression_data(getkey(), 1000, features=10)
+    y = jnp.sum(x, axis=1)
+    result = eqfit.fit(
+        linear(getkey, 10),
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.01),
+        key=getkey(),
+        epochs=10,
+        batch_size=32,
+    )
+    np.testing.assert_allclose(result.model.weight, np.ones((1, 10)), atol=0.02)
+    assert result.history.loss[-1] < 1e-3 < result.history.loss[0]
+    assert result.history.epochs == 10
+    assert result.history.wall_time > 0
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_second_call_does_not_recompile(getkey, progress):
+    traces = []
+
+    def loss(model, x, y):
+        traces.append(1)  # runs only while JAX traces
+        return eqfit.losses.mse(model, x, y)
+
+    data = regression_data(getkey(), 100)
+    optimizer = optax.adam(1e-3)
+    kwargs = dict(loss=loss, optimizer=optimizer, epochs=2, batch_size=32, progress=progress)
+    eqfit.fit(linear(getkey), data, key=getkey(), **kwargs)
+    first = len(traces)
+    assert first > 0
+    # A new model of the same structure, new data of the same shapes, a new key.
+    eqfit.fit(linear(getkey), regression_data(getkey(), 100), key=getkey(), **kwargs)
+    assert len(traces) == first
+    # Another number of epochs is another program.
+    eqfit.fit(linear(getkey), data, key=getkey(), **{**kwargs, "epochs": 3})
+    if progress:
+        assert len(traces) == first  # chunk bounds and epochs are traced
+    else:
+        assert len(traces) > first
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_callers_model_is_left_intact(getkey, progress):
+    data = regression_data(getkey(), 64)
+    model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
+    before = jax.tree.map(np.array, eqx.filter(model, eqx.is_array))
+    result = eqfit.fit(
+        model,
+        data,
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-2),
+        key=getkey(),
+        epochs=2,
+        batch_size=16,
+        progress=progress,
+    )
+    assert_trees_equal(eqx.filter(model, eqx.is_array), before)  # still readable, unchanged
+    assert not np.array_equal(result.model.layers[0].weight, model.layers[0].weight)
+    assert type(result.model) is type(model)
+    # The input data are still usable, too.
+    assert np.isfinite(np.asarray(data[0])).all()
+
+
+def test_numpy_and_jax_inputs_agree(getkey):
+    x, y = regression_data(getkey(), 80)
+    model, key = linear(getkey), getkey()
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), epochs=2, batch_size=16)
+    from_jax = eqfit.fit(model, (x, y), key=key, **kwargs)
+    from_numpy = eqfit.fit(model, (np.asarray(x), np.asarray(y)), key=key, **kwargs)
+    assert_trees_equal(from_jax.model, from_numpy.model)
+
+
+def test_raw_uint32_key_is_accepted(getkey):
+    data = regression_data(getkey(), 40)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), epochs=1, batch_size=8)
+    raw = jax.random.key_data(jax.random.key(3))
+    a = eqfit.fit(linear(getkey), data, key=raw, **kwargs)
+    assert np.isfinite(a.history.loss).all()
+
+
+def test_filter_spec_freezes_the_rest(getkey):
+    data = regression_data(getkey(), 64)
+    model = linear(getkey)
+    only_bias = jax.tree.map(lambda _: False, model)
+    only_bias = eqx.tree_at(lambda m: m.bias, only_bias, True)
+    result = eqfit.fit(
+        model,
+        data,
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.1),
+        key=getkey(),
+        epochs=2,
+        batch_size=16,
+        filter_spec=only_bias,
+    )
+    np.testing.assert_array_equal(result.model.weight, model.weight)
+    assert not np.array_equal(result.model.bias, model.bias)
+
+
+def test_integer_leaves_ride_along(getkey):
+    class Counted(eqx.Module):
+        weight: jax.Array
+        table: jax.Array  # an integer array: never trained, still usable
+
+        def __call__(self, x):
+            return self.weight @ x + self.table[0]
+
+    model = Counted(jnp.zeros(4), jnp.array([1], dtype=jnp.int32))
+    result = eqfit.fit(
+        model,
+        regression_data(getkey(), 32),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.01),
+        key=getkey(),
+        epochs=1,
+        batch_size=8,
+    )
+    assert result.model.table.dtype == jnp.int32
+    np.testing.assert_array_equal(result.model.table, model.table)
+
+
+def test_continue_from_opt_state(getkey):
+    data = regression_data(getkey(), 64)
+    optimizer = optax.adam(1e-2)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optimizer, batch_size=16, shuffle=False)
+    first = eqfit.fit(linear(getkey), data, key=getkey(), epochs=1, **kwargs)
+    second = eqfit.fit(
+        first.model, data, key=getkey(), epochs=1, opt_state=first.opt_state, **kwargs
+    )
+    both = eqfit.fit(first.model, data, key=getkey(), epochs=1, **kwargs)
+    # Adam's step count carried over: the continued run differs from a cold restart.
+    assert int(second.opt_state[0].count) == 8
+    assert not np.array_equal(second.model.weight, both.model.weight)
+
+
+def test_zero_epochs_returns_the_model(getkey):
+    model = linear(getkey)
+    result = eqfit.fit(
+        model,
+        regression_data(getkey(), 20),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.1),
+        key=getkey(),
+        epochs=0,
+    )
+    assert_trees_equal(result.model, model)
+    assert result.history.loss.shape == (0,)
+    assert result.history.step_loss.shape == (0, 1)
+
+
+def test_history_to_dict(getkey):
+    result = eqfit.fit(
+        linear(getkey),
+        regression_data(getkey(), 20),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.1),
+        key=getkey(),
+        epochs=3,
+        batch_size=8,
+    )
+    d = result.history.to_dict()
+    assert d["epoch"] == [0, 1, 2]
+    assert d["loss"] == pytest.approx(result.history.loss.tolist())
+    assert all(isinstance(v, float) for v in d["loss"])
+
+
+def test_progress_bar_shows_epoch_step_and_loss(getkey, capsys):
+    eqfit.fit(
+        linear(getkey),
+        regression_data(getkey(), 64),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.1),
+        key=getkey(),
+        epochs=2,
+        batch_size=16,
+        progress=True,
+    )
+    err = capsys.readouterr().err
+    assert "epoch 2/2" in err
+    assert "8/8" in err
+    assert "loss=" in err
+    assert "step/s" in err
