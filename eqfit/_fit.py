@@ -1,20 +1,21 @@
 """The public `fit`: check the inputs, partition, pick the loop, combine, return the result."""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from beartype import beartype
+from jax.sharding import Mesh
 from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
 
 from ._data import as_data, as_key, plan_batches
 from ._history import History, make_history
 from ._loop import Loop, run_chunked, run_compiled
+from ._parallel import choose_placement, Device, Pmap
 from ._step import Step, takes_key
 
 
@@ -51,6 +52,8 @@ def fit(
     progress: bool = False,
     filter_spec: PyTree = eqx.is_inexact_array,
     opt_state: PyTree | None = None,
+    devices: int | Sequence[Device] | None = None,
+    mesh: Mesh | None = None,
 ) -> FitResult:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -74,6 +77,12 @@ def fit(
     - `filter_spec`: which leaves of `model` train, as in `eqx.partition`. Leaves that
         are not floating-point arrays never train.
     - `opt_state`: an optimizer state to continue from, such as a previous result's.
+    - `devices`: data parallel over these local devices (or the first `devices` of them)
+        with `eqx.filter_pmap`. Each batch is split evenly over them, so `batch_size`
+        must be a multiple of their number.
+    - `mesh`: data parallel through sharding over the first axis of this
+        `jax.sharding.Mesh`, which may span several processes (`jax.distributed`); then
+        each process passes its own rows of `data`.
 
     **Returns:**
 
@@ -89,7 +98,11 @@ def fit(
     key_ = as_key(key)
     if isinstance(epochs, bool) or epochs < 0:
         raise ValueError(f"`epochs` must be 0 or more, got {epochs}.")
-    plan = plan_batches(data_[0].shape[0], batch_size, drop_remainder)
+    placement = choose_placement(devices, mesh, batch_size)
+    num_samples = data_[0].shape[0]
+    if mesh is not None and jax.process_count() > 1:
+        num_samples *= jax.process_count()  # each process passed its own rows
+    plan = plan_batches(num_samples, batch_size, drop_remainder)
 
     # Only floating-point arrays chosen by `filter_spec` train; everything else,
     # frozen arrays included, is closed over by the step.
@@ -99,14 +112,15 @@ def fit(
     if opt_state is None:
         opt_state = optimizer.init(params)
 
-    loop = Loop(Step(static, loss, optimizer, takes_key(loss)), plan, shuffle)
+    axis_name = placement.axis_name if isinstance(placement, Pmap) else None
+    step = Step(static, loss, optimizer, takes_key(loss), axis_name)
+    loop = Loop(step, plan, shuffle, placement)
     keys = jax.random.split(key_)
     start = time.perf_counter()
     if progress:
         carry, step_loss = _run_with_bar(loop, (params, opt_state), data_, keys, epochs)
     else:
-        carry, losses = run_compiled(loop, (params, opt_state), data_, keys, jnp.asarray(0), epochs)
-        step_loss = np.asarray(losses)
+        carry, step_loss = run_compiled(loop, (params, opt_state), data_, keys, 0, epochs)
     history = make_history(step_loss, plan, time.perf_counter() - start)
     params, opt_state = carry
     return FitResult(eqx.combine(params, static), opt_state, history)

@@ -64,6 +64,10 @@ class Step(eqx.Module):
     def __call__(
         self, params: PyTree, opt_state: PyTree, batch: Batch, key: Key[Array, ""]
     ) -> tuple[PyTree, PyTree, Float[Array, ""]]:
+        if self.axis_name is not None and self.use_key:
+            # Each device's share of the batch gets its own key.
+            key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
+
         def value(p: PyTree) -> Float[Array, ""]:
             model = eqx.combine(p, self.static)
             return batch_loss(self.loss, model, batch, key if self.use_key else None)

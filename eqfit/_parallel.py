@@ -1,0 +1,213 @@
+"""Where a run lives: one device, `eqx.filter_pmap` over devices, or a sharded `Mesh`.
+
+Each placement compiles the same loop functions its own way and moves arrays to and from
+its layout. The loop itself only asks it how to cut a batch.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, PyTree, Shaped, UInt32
+
+from ._data import Batch, Data, take
+
+
+Donate = Literal["all-except-first", "none"]
+# `jax.Device`, which type checkers see as a variable rather than a class.
+Device = Any
+
+
+class OneDevice(eqx.Module):
+    """The default: everything on JAX's default device, compiled with `eqx.filter_jit`."""
+
+    def compile(self, fn: Callable, donate: Donate) -> Callable:
+        return _filter_jit(fn, donate)
+
+    def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
+        del sharded
+        return tree
+
+    def get(self, tree: PyTree) -> PyTree:
+        return tree
+
+    def full_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+        return take(data, index)
+
+    def remainder_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+        return take(data, index)
+
+
+class Pmap(eqx.Module):
+    """Data parallel with `eqx.filter_pmap`: one replica of everything per device.
+
+    Each full batch is split evenly over the devices, and the step averages losses and
+    gradients with `lax.pmean`. The remainder batch, which need not split evenly, is
+    computed whole on every device, so the replicas stay identical without a pmean.
+    """
+
+    devices: tuple[Device, ...] = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True, default="devices")
+
+    def compile(self, fn: Callable, donate: Donate) -> Callable:
+        # Donation under pmap would need "all-except-first", which filter_pmap lacks.
+        del donate
+        return _filter_pmap(fn, self.devices, self.axis_name)
+
+    def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
+        del sharded  # every device keeps the whole dataset and gathers its share
+        sharding = NamedSharding(Mesh(np.array(self.devices), ("d",)), P("d"))
+
+        def replicate(x: Any) -> Any:
+            if not eqx.is_array(x):
+                return x
+            x = jnp.asarray(x)
+            shards = [jax.device_put(x[None], d) for d in self.devices]
+            shape = (len(self.devices), *x.shape)
+            return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+        return jax.tree.map(replicate, tree)
+
+    def get(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, tree)
+
+    def full_batch(
+        self, data: Data, index: UInt32[Array, " batch"]
+    ) -> tuple[Shaped[Array, "share ..."], ...]:
+        share = index.shape[0] // len(self.devices)
+        start = jax.lax.axis_index(self.axis_name) * share
+        return take(data, jax.lax.dynamic_slice_in_dim(index, start, share))
+
+    def remainder_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+        return take(data, index)
+
+
+class Sharded(eqx.Module):
+    """Data parallel through sharding: the data split over the mesh's first axis, the
+    parameters replicated, and one SPMD program that XLA partitions. The mesh may span
+    several processes started with `jax.distributed.initialize`; then each process passes
+    its own part of the data.
+    """
+
+    mesh: Mesh = eqx.field(static=True)
+
+    @property
+    def axis(self) -> str:
+        return self.mesh.axis_names[0]
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def compile(self, fn: Callable, donate: Donate) -> Callable:
+        return _filter_jit(fn, donate)
+
+    def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
+        spec = P(self.axis) if sharded else P()
+        sharding = NamedSharding(self.mesh, spec)
+        multiprocess = jax.process_count() > 1
+
+        def place(x: Any) -> Any:
+            if not eqx.is_array(x):
+                return x
+            if multiprocess:
+                # Each process holds its own rows of the data (and a full copy of
+                # everything replicated); JAX stitches them into one global array.
+                if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                    bits = jax.make_array_from_process_local_data(
+                        sharding, np.asarray(jax.random.key_data(x))
+                    )
+                    return jax.random.wrap_key_data(bits, impl=jax.random.key_impl(x))
+                local = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+                if sharded and x.shape[0] % local:
+                    raise ValueError(
+                        "With a mesh over several processes each passes its own rows of "
+                        f"`data`: process {jax.process_index()} passed {x.shape[0]} rows, "
+                        f"which do not split evenly over its {local} devices in the mesh."
+                    )
+                return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+            if sharded and x.shape[0] % self.num_devices:
+                return jax.device_put(x, NamedSharding(self.mesh, P()))
+            return jax.device_put(x, sharding)
+
+        return jax.tree.map(place, tree)
+
+    def get(self, tree: PyTree) -> PyTree:
+        return tree
+
+    def full_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+        return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, P(self.axis)))
+
+    def remainder_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+        splits = index.shape[0] % self.num_devices == 0
+        spec = P(self.axis) if splits else P()
+        return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, spec))
+
+
+Placement = OneDevice | Pmap | Sharded
+
+
+def choose_placement(
+    devices: int | Sequence[Device] | None, mesh: Mesh | None, batch_size: int
+) -> Placement:
+    """Checks `devices` and `mesh` against each other and `batch_size`; returns a placement."""
+    if devices is not None and mesh is not None:
+        raise ValueError(
+            "Give `devices=` (pmap) or `mesh=` (sharding), not both: "
+            f"got {_count(devices)} devices and a mesh of shape {dict(mesh.shape)}."
+        )
+    if mesh is not None:
+        # eqfit places every array itself and constrains each batch inside the program,
+        # which needs the mesh's axes in "auto" mode (`jax.make_mesh` makes explicit ones).
+        auto = (AxisType.Auto,) * len(mesh.axis_names)
+        placement: Placement = Sharded(Mesh(mesh.devices, mesh.axis_names, axis_types=auto))
+        count, what = placement.num_devices, f"the mesh axis {placement.axis!r}"
+    elif devices is not None:
+        available = jax.local_devices()
+        if isinstance(devices, int) and not isinstance(devices, bool):
+            if devices < 1 or devices > len(available):
+                raise ValueError(
+                    f"`devices={devices}` asks for {devices} devices, but "
+                    f"{len(available)} local devices are available ({available})."
+                )
+            chosen = tuple(available[:devices])
+        else:
+            chosen = tuple(devices)  # type: ignore[arg-type]
+            if not chosen:
+                raise ValueError("`devices` is empty: give at least one device.")
+            missing = [d for d in chosen if d not in available]
+            if missing:
+                raise ValueError(
+                    f"`devices` names {missing}, which are not among this process's "
+                    f"{len(available)} local devices."
+                )
+        placement = Pmap(chosen)
+        count, what = len(chosen), "the devices"
+    else:
+        return OneDevice()
+    if batch_size % count:
+        lower, upper = (batch_size // count) * count, -(-batch_size // count) * count
+        raise ValueError(
+            f"`batch_size`={batch_size} does not split evenly over {count} devices "
+            f"({what}); use a multiple of {count}, such as {lower or upper} or {upper}."
+        )
+    return placement
+
+
+def _count(devices: Any) -> int:
+    return devices if isinstance(devices, int) else len(devices)
+
+
+@functools.cache
+def _filter_jit(fn: Callable, donate: Donate) -> Callable:
+    return eqx.filter_jit(fn, donate=donate)
+
+
+@functools.cache
+def _filter_pmap(fn: Callable, devices: tuple[Device, ...], axis_name: str) -> Callable:
+    return eqx.filter_pmap(fn, axis_name=axis_name, devices=devices)  # type: ignore[arg-type]

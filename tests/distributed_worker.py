@@ -1,0 +1,39 @@
+"""One process of the two-process `jax.distributed` test (run by test_parallel.py).
+
+Usage: python distributed_worker.py PROCESS_ID PORT OUT.npz
+"""
+
+import sys
+
+import jax
+
+
+process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 2)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+)
+
+import equinox as eqx  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from shared_problem import problem  # noqa: E402
+
+import eqfit  # noqa: E402
+
+
+model, (x, y), kwargs = problem()
+# Devices in process order, so the global data is process 0's rows, then process 1's.
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+mesh = Mesh(np.array(devices), ("batch",))
+half = x.shape[0] // 2
+rows = slice(process_id * half, (process_id + 1) * half)
+arrays = {}
+for progress in (False, True):
+    result = eqfit.fit(model, (x[rows], y[rows]), mesh=mesh, progress=progress, **kwargs)
+    leaves = jax.tree.leaves(eqx.filter(result.model, eqx.is_array))
+    arrays[f"loss_{progress}"] = result.history.loss
+    arrays.update({f"leaf{i}_{progress}": np.asarray(a) for i, a in enumerate(leaves)})
+np.savez(out, **arrays)
+jax.distributed.shutdown()

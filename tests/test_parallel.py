@@ -1,0 +1,196 @@
+"""Several devices: `devices=` (filter_pmap) and `mesh=` (sharding) give the one-device answer."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, regression_data
+from shared_problem import problem
+
+import eqfit
+
+
+def mesh8():
+    return jax.make_mesh((8,), ("batch",))
+
+
+def test_eight_simulated_devices():
+    assert len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize("parallel", ["devices", "mesh"])
+@pytest.mark.parametrize("progress", [False, True])
+@pytest.mark.parametrize("n", [256, 203])  # 203: a remainder of 11, which 8 does not split
+def test_same_answer_as_one_device(getkey, parallel, progress, n):
+    data = regression_data(getkey(), n)
+    model = eqfit.models.MLP(4, "scalar", 16, 2, key=getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-2),
+        key=getkey(),
+        epochs=3,
+        batch_size=32,
+    )
+    one = eqfit.fit(model, data, **kwargs)
+    extra = {"devices": 8} if parallel == "devices" else {"mesh": mesh8()}
+    many = eqfit.fit(model, data, progress=progress, **extra, **kwargs)
+    assert_trees_close(many.model, one.model)
+    assert_trees_close(many.opt_state, one.opt_state)
+    np.testing.assert_allclose(many.history.step_loss, one.history.step_loss, rtol=1e-5)
+    # An ordinary, unreplicated model comes back.
+    assert many.model.layers[0].weight.shape == model.layers[0].weight.shape
+    assert type(many.model) is type(model)
+
+
+def test_pmap_over_a_list_of_devices(getkey):
+    data = regression_data(getkey(), 64)
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), key=getkey(), batch_size=16)
+    one = eqfit.fit(model, data, **kwargs)
+    four = eqfit.fit(model, data, devices=jax.devices()[2:6], **kwargs)
+    assert_trees_close(four.model, one.model)
+
+
+def test_pmap_progress_equals_pmap_compiled(getkey):
+    data = regression_data(getkey(), 100)
+    model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-2),
+        key=getkey(),
+        epochs=2,
+        batch_size=16,
+        devices=4,
+    )
+    compiled = eqfit.fit(model, data, **kwargs)
+    bar = eqfit.fit(model, data, progress=True, **kwargs)
+    assert_trees_close(bar.model, compiled.model, rtol=0, atol=0)
+
+
+def test_mesh_with_data_not_divisible_by_devices(getkey):
+    # 203 rows cannot be split over 8 devices: the data is replicated, batches still split.
+    data = regression_data(getkey(), 203)
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.05), key=getkey(), batch_size=16)
+    one = eqfit.fit(model, data, **kwargs)
+    many = eqfit.fit(model, data, mesh=mesh8(), **kwargs)
+    assert_trees_close(many.model, one.model)
+
+
+def test_per_device_keys_are_distinct_and_deterministic(getkey):
+    data = regression_data(getkey(), 64)
+    model = eqfit.models.MLP(4, "scalar", 32, 1, dropout=0.5, key=getkey())
+
+    def loss(model, x, y, *, key):
+        keys = jax.random.split(key, x.shape[0])
+        return jnp.mean((jax.vmap(lambda a, k: model(a, key=k))(x, keys) - y) ** 2)
+
+    kwargs = dict(loss=loss, optimizer=optax.sgd(0.01), key=getkey(), batch_size=16, devices=4)
+    a = eqfit.fit(model, data, **kwargs)
+    b = eqfit.fit(model, data, **kwargs)
+    assert_trees_close(a.model, b.model, rtol=0, atol=0)
+
+
+def test_batch_size_not_divisible_by_devices(getkey):
+    data = regression_data(getkey(), 64)
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), key=getkey(), batch_size=20)
+    with pytest.raises(ValueError, match=r"`batch_size`=20 does not split evenly over 8 devices"):
+        eqfit.fit(model, data, devices=8, **kwargs)
+    with pytest.raises(ValueError, match=r"over 8 devices \(the mesh axis 'batch'\).*16 or 24"):
+        eqfit.fit(model, data, mesh=mesh8(), **kwargs)
+
+
+def test_empty_device_list(getkey):
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    with pytest.raises(ValueError, match=r"`devices` is empty"):
+        eqfit.fit(
+            model,
+            regression_data(getkey(), 64),
+            loss=eqfit.losses.mse,
+            optimizer=optax.sgd(0.1),
+            key=getkey(),
+            devices=[],
+        )
+
+
+def test_more_devices_than_available(getkey):
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    with pytest.raises(ValueError, match=r"`devices=16` asks for 16 devices, but 8 local"):
+        eqfit.fit(
+            model,
+            regression_data(getkey(), 64),
+            loss=eqfit.losses.mse,
+            optimizer=optax.sgd(0.1),
+            key=getkey(),
+            devices=16,
+        )
+
+
+def test_devices_and_mesh_together(getkey):
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    with pytest.raises(ValueError, match=r"not both: got 8 devices and a mesh of shape"):
+        eqfit.fit(
+            model,
+            regression_data(getkey(), 64),
+            loss=eqfit.losses.mse,
+            optimizer=optax.sgd(0.1),
+            key=getkey(),
+            devices=8,
+            mesh=mesh8(),
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_with_jax_distributed(tmp_path):
+    """Two real processes, two CPU devices each, joined by `jax.distributed` over gloo."""
+    here = Path(__file__).parent
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("XLA_FLAGS", None)
+    outs = [tmp_path / f"process{i}.npz" for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(here / "distributed_worker.py"), str(i), str(port), str(outs[i])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = []
+    try:
+        for w in workers:
+            logs.append(w.communicate(timeout=120)[0])
+    finally:
+        for w in workers:
+            w.kill()
+    for w, log in zip(workers, logs):
+        assert w.returncode == 0, log[-3000:]
+
+    model, data, kwargs = problem()
+    reference = eqfit.fit(model, data, **kwargs)
+    expected = [np.asarray(a) for a in jax.tree.leaves(eqx.filter(reference.model, eqx.is_array))]
+    for out in outs:
+        got = np.load(out)
+        for progress in (False, True):
+            np.testing.assert_allclose(got[f"loss_{progress}"], reference.history.loss, rtol=1e-5)
+            for i, leaf in enumerate(expected):
+                np.testing.assert_allclose(got[f"leaf{i}_{progress}"], leaf, rtol=1e-5, atol=1e-6)
