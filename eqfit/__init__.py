@@ -1,7 +1,13 @@
 """eqfit: typed, compiled training for Equinox models."""
 
-from . import losses as losses, models as models
-from ._fit import fit as fit, FitResult as FitResult
+from . import losses as losses, metrics as metrics, models as models
+from ._early_stopping import EarlyStopping as EarlyStopping
+from ._fit import (
+    Callback as Callback,
+    fit as fit,
+    FitResult as FitResult,
+    NonFiniteLossError as NonFiniteLossError,
+)
 from ._history import History as History
 
 

@@ -1,12 +1,14 @@
-"""The History record: arrays in, plain numbers out."""
+"""The History record: arrays in, plain numbers and plots out."""
 
+import csv
 import dataclasses
-from typing import Any
+import os
+from typing import Any, Literal
 
 import numpy as np
-from jaxtyping import Float
 
-from ._data import BatchPlan
+
+StopReason = Literal["early_stopping", "non_finite_loss", "callback"] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,35 +17,104 @@ class History:
 
     **Attributes:**
 
-    - `loss`: the mean training loss of each epoch, shape `(epochs,)`. Each step's loss
-        is weighted by its batch size, so with a remainder batch this is the mean over
-        samples, exactly as one full-batch pass would average a mean loss.
-    - `step_loss`: the loss of every step, shape `(epochs, steps_per_epoch)`. It is the
-        loss of the parameters *before* that step's update.
+    - `values`: per-epoch values by name: `"loss"`, each metric's name, and with
+        validation `"val_loss"` and `"val_<metric>"`. Each has one entry per epoch that
+        ran (a trailing member axis for ensembles). Also readable as `history["name"]`.
+    - `step_loss`: the loss of every step, shape `(epochs, steps_per_epoch)`: the loss of
+        the parameters *before* that step's update.
     - `batch_sizes`: the size of each step's batch within an epoch.
     - `wall_time`: seconds spent in `fit`, compilation included.
+    - `best_epoch`: the best epoch by the early-stopping monitor, if there was one.
+    - `stop_reason`: why training ended before its last epoch, or `None`.
+
+    Training values weight each step by its batch size, so with a remainder batch they are
+    the mean over samples, as one full-batch pass would average a mean loss.
     """
 
-    loss: Float[np.ndarray, " epochs"]
-    step_loss: Float[np.ndarray, "epochs steps"]
+    values: dict[str, np.ndarray]
+    step_loss: np.ndarray
     batch_sizes: tuple[int, ...]
     wall_time: float
+    best_epoch: int | None = None
+    stop_reason: StopReason = None
+
+    @property
+    def loss(self) -> np.ndarray:
+        """The mean training loss of each epoch."""
+        return self.values["loss"]
+
+    @property
+    def val_loss(self) -> np.ndarray | None:
+        """The validation loss after each epoch, or `None` without validation."""
+        return self.values.get("val_loss")
+
+    @property
+    def metrics(self) -> dict[str, np.ndarray]:
+        """Every per-epoch value except the losses."""
+        return {k: v for k, v in self.values.items() if k not in ("loss", "val_loss")}
 
     @property
     def epochs(self) -> int:
         """How many epochs ran."""
         return int(self.loss.shape[0])
 
+    def __getitem__(self, name: str) -> np.ndarray:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise KeyError(f"No {name!r} in the history; it has {sorted(self.values)}.") from None
+
     def to_dict(self) -> dict[str, Any]:
-        """The per-epoch values as lists of floats, keyed by name."""
-        return {"epoch": list(range(self.epochs)), "loss": self.loss.tolist()}
+        """The per-epoch values as lists of plain floats, keyed by name, with `"epoch"`."""
+        return {"epoch": list(range(self.epochs))} | {
+            name: value.tolist() for name, value in self.values.items()
+        }
+
+    def to_csv(self, path: str | os.PathLike) -> None:
+        """Writes one row per epoch, one column per value."""
+        rows = self.to_dict()
+        names = list(rows)
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(names)
+            for i in range(self.epochs):
+                writer.writerow([rows[name][i] for name in names])
+
+    def plot(self, path: str | os.PathLike | None = None) -> Any:
+        """Draws the loss (and validation loss) per epoch, and each metric beside it.
+
+        Needs matplotlib: `pip install "eqfit[plot]"`. Saves a PNG at `path` if given.
+
+        **Returns:**
+
+        The matplotlib `Figure`.
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg") if path is not None else None
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError('History.plot needs matplotlib: pip install "eqfit[plot]"') from e
+        groups = ["loss"] + [m for m in self.metrics if not m.startswith("val_")]
+        fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.5), squeeze=False)
+        epochs = np.arange(1, self.epochs + 1)
+        for ax, name in zip(axes[0], groups):
+            ax.plot(epochs, self.values[name], label=f"train {name}")
+            if f"val_{name}" in self.values:
+                ax.plot(epochs, self.values[f"val_{name}"], label=f"validation {name}")
+            if self.best_epoch is not None:
+                ax.axvline(self.best_epoch + 1, color="grey", linestyle=":", label="best")
+            ax.set_xlabel("epoch")
+            ax.set_title(name)
+            ax.legend()
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return fig
 
 
-def make_history(
-    step_loss: Float[np.ndarray, "epochs steps"], plan: BatchPlan, wall_time: float
-) -> History:
-    sizes = (plan.batch_size,) * plan.num_full + ((plan.remainder,) if plan.remainder else ())
-    step_loss = np.asarray(step_loss, dtype=np.float32)
-    weights = np.asarray(sizes, dtype=np.float64)
-    loss = (step_loss.astype(np.float64) @ weights / weights.sum()).astype(np.float32)
-    return History(loss, step_loss, sizes, wall_time)
+def epoch_values(step_values: np.ndarray, batch_sizes: tuple[int, ...]) -> np.ndarray:
+    """Per-epoch means of per-step values `(epochs, steps, ...)`, weighted by batch size."""
+    weights = np.asarray(batch_sizes, np.float64) / sum(batch_sizes)
+    return np.einsum("es...,s->e...", step_values.astype(np.float64), weights).astype(np.float32)

@@ -1,248 +1,430 @@
-"""The compiled multi-epoch scan, and the chunked runner that the progress bar drives."""
+"""The compiled multi-epoch loop, and the chunked runner that the progress bar drives."""
 
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, Key, PyTree, UInt32
+import optax
+from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
 from ._data import BatchPlan, Data, epoch_order
+from ._early_stopping import EarlyStopping
+from ._evaluate import evaluate_batches
 from ._parallel import OneDevice, Placement
 from ._step import Step
 
 
-Carry = tuple[PyTree, PyTree]  # (params, opt_state)
 Keys = Key[Array, "2"]  # (shuffle key, step key)
-Losses = Float[Array, " steps"]
+OnNan = Literal["raise", "stop", "skip"]
+
+
+class TrainState(eqx.Module):
+    """Everything the loop carries from step to step, all arrays."""
+
+    params: PyTree
+    opt_state: PyTree
+    model_state: PyTree
+    epoch: Int[Array, ""]  # epochs completed
+    stopped: Bool[Array, ""]
+    nan_step: Int[Array, ""]  # the first global step whose loss was not finite, or -1
+    best_value: Float[Array, ""]
+    best_epoch: Int[Array, ""]
+    wait: Int[Array, ""]  # epochs since the best one
+    best_params: PyTree  # kept only for EarlyStopping(restore_best=True)
+    best_model_state: PyTree
+
+
+class Record(eqx.Module):
+    """What the loop writes down, preallocated for the whole run."""
+
+    step_loss: Float[Array, "epochs steps"]
+    step_metrics: Float[Array, "epochs steps metrics"]
+    val: Float[Array, "epochs values"]  # [val_loss, *val_metrics] after each epoch
 
 
 class Loop(eqx.Module):
-    """A run's static description: the step, the batch plan, the shuffle, the placement.
-
-    It holds no arrays (beyond any frozen ones of the model), so it is hashed as a static
-    argument of the compiled programs.
+    """A run's static description. It holds no arrays (beyond any frozen ones of the
+    model), so it is hashed as a static argument of the compiled programs.
     """
 
     step: Step
     plan: BatchPlan
     shuffle: bool
     placement: Placement = OneDevice()
+    validate: bool = False
+    early_stopping: EarlyStopping | None = None
+    on_nan: OnNan = "raise"
+
+    # -- names and sizes
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.step.objective.metrics)
+
+    @property
+    def log_names(self) -> tuple[str, ...]:
+        """The per-epoch values, in the order of the vector `end_epoch` computes."""
+        names = ("loss", *self.metric_names)
+        return names + tuple(f"val_{n}" for n in names) if self.validate else names
+
+    def weights(self) -> Float[Array, " steps"]:
+        plan = self.plan
+        sizes = [plan.batch_size] * plan.num_full + ([plan.remainder] if plan.remainder else [])
+        return jnp.asarray(sizes, jnp.float32) / sum(sizes)
+
+    # -- the state at the start
+
+    def init(
+        self, params: PyTree, opt_state: PyTree, model_state: PyTree, epochs: int
+    ) -> tuple[TrainState, Record]:
+        keep_best = self.early_stopping is not None and self.early_stopping.restore_best
+        maximise = self.early_stopping is not None and self.early_stopping.mode == "max"
+        state = TrainState(
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            epoch=jnp.asarray(0, jnp.int32),
+            stopped=jnp.asarray(False),
+            nan_step=jnp.asarray(-1, jnp.int32),
+            best_value=jnp.asarray(-jnp.inf if maximise else jnp.inf, jnp.float32),
+            best_epoch=jnp.asarray(-1, jnp.int32),
+            wait=jnp.asarray(0, jnp.int32),
+            best_params=params if keep_best else None,
+            best_model_state=model_state if keep_best else None,
+        )
+        steps, metrics = self.plan.steps_per_epoch, len(self.metric_names)
+        epochs = max(epochs, 1)  # a row to trace the loop with, even for zero epochs
+        record = Record(
+            step_loss=jnp.zeros((epochs, steps)),
+            step_metrics=jnp.zeros((epochs, steps, metrics)),
+            val=jnp.zeros((epochs, 1 + metrics if self.validate else 0)),
+        )
+        return state, record
+
+    # -- one epoch, in pieces the chunked runner can call apart
 
     def order(self, keys: Keys, epoch: Int[Array, ""]) -> UInt32[Array, " n"]:
         return epoch_order(keys[0], epoch, self.plan.num_samples, self.shuffle)
 
-    def step_key(self, keys: Keys, epoch: Int[Array, ""], j: Any) -> Key[Array, ""]:
+    def _step_at(
+        self, step: Step, s: TrainState, r: Record, batch: Any, keys: Keys, j: Any
+    ) -> tuple[TrainState, Record]:
         # One key per global step, so a step's key does not depend on how the run is
         # cut into chunks or checkpoints.
-        return jax.random.fold_in(keys[1], epoch * self.plan.steps_per_epoch + j)
+        t = s.epoch * self.plan.steps_per_epoch + j
+        params, opt_state, model_state, loss, metrics, finite = step(
+            s.params, s.opt_state, s.model_state, batch, jax.random.fold_in(keys[1], t)
+        )
+        first_nan = ~finite & (s.nan_step < 0)
+        s = dataclasses.replace(
+            s,
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            nan_step=jnp.where(first_nan, t, s.nan_step),
+            stopped=s.stopped | (~finite if self.on_nan != "skip" else False),
+        )
+        r = dataclasses.replace(
+            r,
+            step_loss=r.step_loss.at[s.epoch, j].set(loss),
+            step_metrics=r.step_metrics.at[s.epoch, j].set(metrics),
+        )
+        return s, r
 
     def run_steps(
         self,
-        carry: Carry,
-        losses: Losses,
+        s: TrainState,
+        r: Record,
         data: Data,
         order: UInt32[Array, " n"],
         keys: Keys,
-        epoch: Int[Array, ""],
         start: Any,
         stop: Any,
-    ) -> tuple[Carry, Losses]:
-        """Full batches `start` to `stop` of one epoch.
-
-        With Python ints for `start` and `stop` this is a `lax.scan`; with traced ones a
-        `while_loop`. The body is the same, so both give the same bits.
-        """
+    ) -> tuple[TrainState, Record]:
+        """Full batches `start` to `stop` of the current epoch, or until stopped."""
         size = self.plan.batch_size
         if self.plan.num_full == 0:  # fewer samples than one batch: only the remainder
-            return carry, losses
+            return s, r
 
-        def body(j: Any, state: tuple[Carry, Losses]) -> tuple[Carry, Losses]:
-            (params, opt_state), losses = state
+        def cond(carry: tuple[Any, TrainState, Record]) -> Bool[Array, ""]:
+            j, s, _ = carry
+            return (j < stop) & ~s.stopped
+
+        def body(carry: tuple[Any, TrainState, Record]) -> tuple[Any, TrainState, Record]:
+            j, s, r = carry
             index = jax.lax.dynamic_slice_in_dim(order, j * size, size)
             batch = self.placement.full_batch(data, index)
-            params, opt_state, loss = self.step(
-                params, opt_state, batch, self.step_key(keys, epoch, j)
-            )
-            return (params, opt_state), losses.at[j].set(loss)
+            s, r = self._step_at(self.step, s, r, batch, keys, j)
+            return j + 1, s, r
 
-        return jax.lax.fori_loop(start, stop, body, (carry, losses))
+        _, s, r = jax.lax.while_loop(cond, body, (jnp.asarray(start, jnp.int32), s, r))
+        return s, r
 
-    def run_remainder(
+    def end_epoch(
         self,
-        carry: Carry,
-        losses: Losses,
+        s: TrainState,
+        r: Record,
         data: Data,
+        val_data: Data | None,
         order: UInt32[Array, " n"],
         keys: Keys,
-        epoch: Int[Array, ""],
-    ) -> tuple[Carry, Losses]:
-        """The epoch's last, smaller batch, traced at its own shape.
+    ) -> tuple[TrainState, Record, Float[Array, " logs"]]:
+        """The remainder step, then validation and early stopping. Nothing if stopped.
 
-        It is never split over devices (it need not divide evenly), so its step has no
-        cross-device mean.
+        The remainder is never split over devices (it need not divide evenly), so its
+        step has no cross-device mean.
         """
         plan = self.plan
-        if plan.remainder == 0:
-            return carry, losses
-        index = order[plan.num_full * plan.batch_size :]
-        batch = self.placement.remainder_batch(data, index)
-        step = dataclasses.replace(self.step, axis_name=None)
-        params, opt_state, loss = step(*carry, batch, self.step_key(keys, epoch, plan.num_full))
-        return (params, opt_state), losses.at[plan.num_full].set(loss)
+
+        def skip(s: TrainState, r: Record) -> tuple[TrainState, Record]:
+            return s, r
+
+        def remainder(s: TrainState, r: Record) -> tuple[TrainState, Record]:
+            index = order[plan.num_full * plan.batch_size :]
+            batch = self.placement.remainder_batch(data, index)
+            step = dataclasses.replace(self.step, axis_name=None)
+            return self._step_at(step, s, r, batch, keys, plan.num_full)
+
+        def close(s: TrainState, r: Record) -> tuple[TrainState, Record]:
+            return self._close_epoch(s, r, val_data)
+
+        if plan.remainder:
+            s, r = jax.lax.cond(s.stopped, skip, remainder, s, r)
+        s, r = jax.lax.cond(s.stopped, skip, close, s, r)
+        return s, r, self.logs(s, r)
+
+    def _close_epoch(
+        self, s: TrainState, r: Record, val_data: Data | None
+    ) -> tuple[TrainState, Record]:
+        e = s.epoch
+        if self.validate:
+            assert val_data is not None
+            model = eqx.combine(s.params, self.step.static)
+            values = evaluate_batches(
+                self.step.objective, model, s.model_state, val_data, self.plan.batch_size
+            )
+            r = dataclasses.replace(r, val=r.val.at[e].set(values))
+        s = dataclasses.replace(s, epoch=e + 1)
+        stopping = self.early_stopping
+        if stopping is None:
+            return s, r
+        value = self.epoch_logs(r, e)[self.log_names.index(stopping.monitor)]
+        sign = 1.0 if stopping.mode == "min" else -1.0
+        improved = sign * (s.best_value - value) > stopping.min_delta
+        wait = jnp.where(improved, 0, s.wait + 1)
+        s = dataclasses.replace(
+            s,
+            best_value=jnp.where(improved, value, s.best_value),
+            best_epoch=jnp.where(improved, e, s.best_epoch),
+            wait=wait,
+            stopped=wait >= stopping.patience,
+            best_params=(
+                optax.tree.where(improved, s.params, s.best_params)
+                if stopping.restore_best
+                else None
+            ),
+            best_model_state=(
+                optax.tree.where(improved, s.model_state, s.best_model_state)
+                if stopping.restore_best
+                else None
+            ),
+        )
+        return s, r
+
+    def epoch_logs(self, r: Record, e: Int[Array, ""]) -> Float[Array, " logs"]:
+        """Epoch `e`'s values, in the order of `log_names`."""
+        w = self.weights()
+        train = jnp.concatenate([(w @ r.step_loss[e])[None], w @ r.step_metrics[e]])
+        return jnp.concatenate([train, r.val[e]]) if self.validate else train
+
+    def logs(self, s: TrainState, r: Record) -> Float[Array, " logs"]:
+        """The last finished epoch's values, then `[stopped, epoch]` for the host."""
+        last = jnp.maximum(s.epoch - 1, 0)
+        flags = jnp.stack([s.stopped, s.epoch]).astype(jnp.float32)
+        return jnp.concatenate([self.epoch_logs(r, last), flags])
 
     def run_epoch(
-        self, carry: Carry, data: Data, keys: Keys, epoch: Int[Array, ""]
-    ) -> tuple[Carry, Losses]:
-        losses = jnp.zeros(self.plan.steps_per_epoch)
-        order = self.order(keys, epoch)
-        carry, losses = self.run_steps(
-            carry, losses, data, order, keys, epoch, 0, self.plan.num_full
+        self, s: TrainState, r: Record, data: Data, val_data: Data | None, keys: Keys
+    ) -> tuple[TrainState, Record]:
+        order = self.order(keys, s.epoch)
+        s, r = self.run_steps(s, r, data, order, keys, 0, self.plan.num_full)
+        s, r, _ = self.end_epoch(s, r, data, val_data, order, keys)
+        return s, r
+
+
+class Inputs(eqx.Module):
+    """The arrays a run reads but never changes, passed first so they are not donated."""
+
+    loop: Loop
+    data: Data
+    val_data: Data | None
+    keys: Key[Array, "*replicas 2"]  # a leading device axis under pmap
+
+    def place(self) -> "Inputs":
+        """Moves everything to the placement's layout: the data split, the rest copied."""
+        p = self.loop.placement
+        return Inputs(
+            p.put(self.loop),
+            p.put(self.data, sharded=True),
+            p.put(self.val_data, sharded=True),
+            p.put(self.keys),
         )
-        return self.run_remainder(carry, losses, data, order, keys, epoch)
 
 
 def _run_epochs(
-    loop: Loop,
-    carry: Carry,
-    data: Data,
-    keys: Keys,
-    first_epoch: Int[Array, ""],
-    num_epochs: int,
-) -> tuple[Carry, Float[Array, "epochs steps"]]:
-    def epoch(carry: Carry, e: Int[Array, ""]) -> tuple[Carry, Losses]:
-        return loop.run_epoch(carry, data, keys, e)
+    inputs: Inputs, s: TrainState, r: Record, stop_epoch: Int[Array, ""]
+) -> tuple[TrainState, Record]:
+    def cond(carry: tuple[TrainState, Record]) -> Bool[Array, ""]:
+        s, _ = carry
+        return (s.epoch < stop_epoch) & ~s.stopped
 
-    return jax.lax.scan(epoch, carry, first_epoch + jnp.arange(num_epochs))
+    def body(carry: tuple[TrainState, Record]) -> tuple[TrainState, Record]:
+        return inputs.loop.run_epoch(*carry, inputs.data, inputs.val_data, inputs.keys)
+
+    return jax.lax.while_loop(cond, body, (s, r))
 
 
 def run_compiled(
-    loop: Loop,
-    carry: Carry,
-    data: Data,
-    keys: Keys,
-    first_epoch: int,
-    num_epochs: int,
-) -> tuple[Carry, Float[np.ndarray, "epochs steps"]]:
-    """The whole run as one program: a scan over epochs of a scan over batches.
-
-    **Returns:**
-
-    The final `(params, opt_state)` and the per-step losses, shape `(epochs, steps)`.
+    inputs: Inputs, s: TrainState, r: Record, stop_epoch: int
+) -> tuple[TrainState, Record]:
+    """Epochs up to `stop_epoch` (or until stopped) as one program: a loop over epochs of
+    a loop over batches.
     """
-    p = loop.placement
+    p = inputs.loop.placement
     run = p.compile(_run_epochs, "none")
-    carry, losses = run(
-        p.put(loop),
-        p.put(carry),
-        p.put(data, sharded=True),
-        p.put(keys),
-        p.put(jnp.asarray(first_epoch)),
-        num_epochs,
-    )
-    carry, losses = p.get((carry, losses))
-    return carry, np.asarray(losses)
+    out = run(inputs.place(), p.put(s), p.put(r), p.put(jnp.asarray(stop_epoch, jnp.int32)))
+    return p.get(out)
 
 
 # The chunked runner. A chunk is a range of full batches inside one epoch; the epoch's
-# remainder step and the next epoch's order are one more call. Bounds are traced, so
-# every chunk length shares one compilation. On one device the carry and the epoch's loss
-# buffer are donated between calls (they are copies made by `run_chunked`, never the
-# caller's); "all-except-first" keeps the data, order and keys, passed first, alive.
+# remainder step, validation, early stopping and the next epoch's order are one more call.
+# Bounds are traced, so every chunk length shares one compilation. On one device the
+# state and record are donated between calls: they are copies made by `Loop.init`,
+# never the caller's arrays; "all-except-first" keeps the inputs, passed first, alive.
 
 
-def _first_order(static: tuple[Loop, Keys, Int[Array, ""]]) -> UInt32[Array, " n"]:
-    loop, keys, epoch = static
-    return loop.order(keys, epoch)
+def _first_order(inputs: Inputs, s: TrainState) -> UInt32[Array, " n"]:
+    return inputs.loop.order(inputs.keys, s.epoch)
 
 
 def _chunk(
-    static: tuple[Loop, Data, UInt32[Array, " n"], Keys, Int[Array, "3"]],
-    carry: Carry,
-    losses: Losses,
-) -> tuple[Carry, Losses, Float[Array, ""]]:
-    loop, data, order, keys, bounds = static
-    epoch, start, stop = bounds[0], bounds[1], bounds[2]
-    carry, losses = loop.run_steps(carry, losses, data, order, keys, epoch, start, stop)
-    steps = jnp.arange(losses.shape[0])
-    return carry, losses, jnp.sum(jnp.where((steps >= start) & (steps < stop), losses, 0.0))
+    inputs: tuple[Inputs, UInt32[Array, " n"], Int[Array, "2"]], s: TrainState, r: Record
+) -> tuple[TrainState, Record, Float[Array, ""]]:
+    inputs_, order, bounds = inputs
+    loop, start, stop = inputs_.loop, bounds[0], bounds[1]
+    e = s.epoch
+    s, r = loop.run_steps(s, r, inputs_.data, order, inputs_.keys, start, stop)
+    steps = jnp.arange(loop.plan.steps_per_epoch)
+    ran = (steps >= start) & (steps < stop)
+    return s, r, jnp.sum(jnp.where(ran, r.step_loss[e], 0.0))
 
 
 def _epoch_end(
-    static: tuple[Loop, Data, UInt32[Array, " n"], Keys, Int[Array, ""]],
-    carry: Carry,
-    losses: Losses,
-) -> tuple[Carry, Losses, UInt32[Array, " n"]]:
-    loop, data, order, keys, epoch = static
-    carry, losses = loop.run_remainder(carry, losses, data, order, keys, epoch)
-    return carry, losses, loop.order(keys, epoch + 1)
+    inputs: tuple[Inputs, UInt32[Array, " n"]], s: TrainState, r: Record
+) -> tuple[TrainState, Record, UInt32[Array, " n"], Float[Array, " logs"]]:
+    inputs_, order = inputs
+    loop = inputs_.loop
+    s, r, logs = loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, inputs_.keys)
+    return s, r, loop.order(inputs_.keys, s.epoch), logs
+
+
+class Progress:
+    """What the chunked runner tells the host as results arrive."""
+
+    def on_steps(self, epoch: int, steps: int, loss_sum: float) -> None:
+        """`steps` more steps of `epoch` finished, their losses summing to `loss_sum`."""
+
+    def on_epoch(self, epoch: int, logs: dict[str, float]) -> bool:
+        """Epoch `epoch` finished with these values. Return `True` to stop training."""
+        return False
 
 
 def run_chunked(
-    loop: Loop,
-    carry: Carry,
-    data: Data,
-    keys: Keys,
+    inputs: Inputs,
+    s: TrainState,
+    r: Record,
     num_epochs: int,
-    on_chunk: Callable[[int, int, float], None],
+    progress: Progress,
+    sync_epochs: bool,
     seconds_per_chunk: float = 0.2,
-) -> tuple[Carry, Float[np.ndarray, "epochs steps"]]:
-    """The same run as `run_compiled`, in chunks, calling `on_chunk(epoch, steps, loss_sum)`.
+) -> tuple[TrainState, Record]:
+    """The same run as `run_compiled`, in chunks, reporting to `progress`.
 
-    Chunk i+1 is dispatched before chunk i's loss is read, so the host's wait for the bar
-    overlaps the device's work. The chunk length adapts so that each takes about
-    `seconds_per_chunk`.
+    Chunk i+1 is dispatched before chunk i's results are read, so the host's wait for the
+    bar overlaps the device's work. With `sync_epochs` (callbacks that may stop training)
+    each epoch's values are read before the next epoch is dispatched. The chunk length
+    adapts so that each takes about `seconds_per_chunk`.
     """
+    loop = inputs.loop
     plan, p = loop.plan, loop.placement
     first_order = p.compile(_first_order, "none")
     chunk = p.compile(_chunk, "all-except-first")
     epoch_end = p.compile(_epoch_end, "all-except-first")
 
-    loop, data, keys = p.put(loop), p.put(data, sharded=True), p.put(keys)
-    carry = p.put(jax.tree.map(lambda x: jnp.array(x, copy=True), carry))
-    order = first_order((loop, keys, p.put(jnp.asarray(0))))
-    epoch_losses = []
-    pending: tuple[int, int, Any] | None = None
+    # Copies, so that donating them never touches the caller's arrays.
+    s = jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+    inputs, s, r = inputs.place(), p.put(s), p.put(r)
+    order = first_order(inputs, s)
+    pending: list[Callable[[], bool]] = []
     size = 8  # a quick first redraw; later chunks adapt
     clock, steps_since = time.perf_counter(), 0
 
-    def report() -> None:
-        nonlocal pending, clock, steps_since, size
-        if pending is None:
-            return
-        epoch, steps, loss_sum = pending
-        on_chunk(epoch, steps, float(p.get(loss_sum)))  # waits for that chunk only
-        pending = None
+    def report() -> bool:
+        """Reads what has finished; `True` if training should stop."""
+        nonlocal clock, steps_since, size
+        stop = False
+        for read in pending:
+            stop = read() or stop
+        pending.clear()
         now = time.perf_counter()
         seconds_per_step = (now - clock) / max(steps_since, 1)
         clock, steps_since = now, 0
         size = max(1, int(seconds_per_chunk / max(seconds_per_step, 1e-7)))
+        return stop
+
+    def steps_done(epoch: int, steps: int, loss_sum: Array) -> Callable[[], bool]:
+        def read() -> bool:
+            progress.on_steps(epoch, steps, float(p.get(loss_sum)))  # waits for it only
+            return False
+
+        return read
+
+    def epoch_done(epoch: int, logs: Array) -> Callable[[], bool]:
+        def read() -> bool:
+            values = np.asarray(p.get(logs)).tolist()
+            stopped, epochs_done = bool(values[-2]), int(values[-1])
+            if epochs_done <= epoch:  # stopped before this epoch ended: nothing to log
+                return True
+            wants_stop = progress.on_epoch(epoch, dict(zip(loop.log_names, values[:-2])))
+            return stopped or wants_stop
+
+        return read
 
     for epoch in range(num_epochs):
-        losses = p.put(jnp.zeros(plan.steps_per_epoch))
         for start, stop in _ranges(plan.num_full, lambda: size):
-            bounds = p.put(jnp.asarray([epoch, start, stop]))
-            carry, losses, loss_sum = chunk((loop, data, order, keys, bounds), carry, losses)
+            bounds = p.put(jnp.asarray([start, stop], jnp.int32))
+            s, r, loss_sum = chunk((inputs, order, bounds), s, r)
             steps_since += stop - start
-            report()
-            pending = (epoch, stop - start, loss_sum)
-        carry, losses, order = epoch_end(
-            (loop, data, order, keys, p.put(jnp.asarray(epoch))), carry, losses
-        )
-        epoch_losses.append(losses)
+            if report():
+                return p.get((s, r))
+            pending.append(steps_done(epoch, stop - start, loss_sum))
+        s, r, order, logs = epoch_end((inputs, order), s, r)
         if plan.remainder:
             steps_since += 1
-            report()
-            pending = (epoch, 1, losses[..., plan.num_full])
+            remainder_loss = r.step_loss[..., epoch, plan.num_full]
+            if report():
+                return p.get((s, r))
+            pending.append(steps_done(epoch, 1, remainder_loss))
+        pending.append(epoch_done(epoch, logs))
+        if sync_epochs and report():
+            return p.get((s, r))
     report()
-    history = np.zeros((num_epochs, plan.steps_per_epoch), np.float32)
-    for epoch, losses in enumerate(epoch_losses):
-        history[epoch] = np.asarray(p.get(losses))
-    return p.get(carry), history
+    return p.get((s, r))
 
 
 def _ranges(total: int, size: Callable[[], int]) -> Iterator[tuple[int, int]]:

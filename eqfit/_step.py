@@ -1,22 +1,25 @@
 """Build the pure training step `(params, opt_state, batch, key) -> (params, opt_state, loss)`."""
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Key, PyTree
+from jaxtyping import Array, Bool, Float, Key, PyTree
 
 from ._data import Batch
 
 
-def takes_key(loss: Callable[..., Any]) -> bool:
-    """Whether `loss` accepts a keyword argument `key` (for dropout and the like)."""
+Metrics = Mapping[str, Callable[..., Any]]
+
+
+def takes_key(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` accepts a keyword argument `key` (for dropout and the like)."""
     try:
-        parameters = inspect.signature(loss).parameters
+        parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
     param = parameters.get("key")
@@ -26,60 +29,107 @@ def takes_key(loss: Callable[..., Any]) -> bool:
     )
 
 
-def batch_loss(
-    loss: Callable[..., Any],
-    model: PyTree,
-    batch: Batch,
-    key: Key[Array, ""] | None,
-) -> Float[Array, ""]:
-    """Calls `loss(model, *batch)` (with `key=` if given) and checks it is a float scalar."""
-    value = loss(model, *batch) if key is None else loss(model, *batch, key=key)
+def check_scalar(value: Any, what: str) -> Float[Array, ""]:
+    """Refuses a loss or metric that is not a float scalar, giving what it returned."""
     if not isinstance(value, jax.Array) or value.shape != ():
         shape = getattr(value, "shape", None)
+        got = f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
         raise ValueError(
-            "`loss(model, *batch)` must return a scalar, but it returned "
-            + (f"an array of shape {tuple(shape)}" if shape is not None else repr(value))
-            + ". Reduce it over the batch, e.g. with `jnp.mean`."
+            f"{what} must return a scalar, but it returned {got}. "
+            "Reduce it over the batch, e.g. with `jnp.mean`."
         )
     if not jnp.issubdtype(value.dtype, jnp.floating):
-        raise TypeError(
-            f"`loss(model, *batch)` must return a float scalar, got dtype {value.dtype}."
-        )
+        if jnp.issubdtype(value.dtype, jnp.number) or value.dtype == jnp.bool_:
+            if what.startswith("metric"):
+                return value.astype(jnp.float32)
+        raise TypeError(f"{what} must return a float scalar, got dtype {value.dtype}.")
     return value
+
+
+class Objective(eqx.Module):
+    """How to call the user's loss and metrics on a batch, with or without model state."""
+
+    loss: Callable[..., Any]
+    metrics: tuple[tuple[str, Callable[..., Any]], ...] = ()
+    stateful: bool = False
+    use_key: bool = False
+
+    def value(
+        self, model: PyTree, model_state: PyTree, batch: Batch, key: Key[Array, ""] | None
+    ) -> tuple[Float[Array, ""], PyTree]:
+        """The loss, and the model state after the batch (`None` without state)."""
+        args = (model, model_state, *batch) if self.stateful else (model, *batch)
+        kwargs = {"key": key} if self.use_key and key is not None else {}
+        out = self.loss(*args, **kwargs)
+        if self.stateful:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError(
+                    "With `state=`, `loss(model, state, *batch)` must return "
+                    f"`(value, new_state)`, got {type(out).__name__}."
+                )
+            value, model_state = out
+        else:
+            value = out
+        return check_scalar(value, "`loss(model, *batch)`"), model_state
+
+    def metric_values(
+        self, model: PyTree, model_state: PyTree, batch: Batch
+    ) -> Float[Array, " metrics"]:
+        """Each metric on the batch, in order; an empty vector without metrics."""
+        args = (model, model_state, *batch) if self.stateful else (model, *batch)
+        values = [check_scalar(fn(*args), f"metric {name!r}") for name, fn in self.metrics]
+        return jnp.stack(values).astype(jnp.float32) if values else jnp.zeros(0)
 
 
 class Step(eqx.Module):
     """One optimisation step on a batch, with the model's static structure closed over.
 
-    A `Step` holds no arrays, so it hashes as part of a compiled program: two `fit` calls
-    with the same model structure, loss and optimizer share one compilation.
+    A `Step` holds no arrays of its own, so it hashes as part of a compiled program: two
+    `fit` calls with the same model structure, loss and optimizer share one compilation.
+    An update whose loss is not finite is not applied, so the parameters are always the
+    last finite ones; the caller decides whether to stop.
     """
 
     static: PyTree
-    loss: Callable[..., Any]
+    objective: Objective
     optimizer: optax.GradientTransformation
-    use_key: bool
     axis_name: str | None = None
 
     def __call__(
-        self, params: PyTree, opt_state: PyTree, batch: Batch, key: Key[Array, ""]
-    ) -> tuple[PyTree, PyTree, Float[Array, ""]]:
-        if self.axis_name is not None and self.use_key:
+        self,
+        params: PyTree,
+        opt_state: PyTree,
+        model_state: PyTree,
+        batch: Batch,
+        key: Key[Array, ""],
+    ) -> tuple[PyTree, PyTree, PyTree, Float[Array, ""], Float[Array, " metrics"], Bool[Array, ""]]:
+        if self.axis_name is not None and self.objective.use_key:
             # Each device's share of the batch gets its own key.
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
 
-        def value(p: PyTree) -> Float[Array, ""]:
+        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree]]:
             model = eqx.combine(p, self.static)
-            return batch_loss(self.loss, model, batch, key if self.use_key else None)
+            loss, new_state = self.objective.value(model, model_state, batch, key)
+            return loss, (model, new_state)
 
-        loss, grads = jax.value_and_grad(value)(params)
+        (loss, (model, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
+        # Metrics see the model before this step's update, as the loss does.
+        metrics = self.objective.metric_values(model, model_state, batch)
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
             # the per-device means is the mean over the whole batch.
-            loss, grads = jax.lax.pmean((loss, grads), self.axis_name)
+            loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), self.axis_name)
         # `value=` lets optax transformations that read the loss (reduce_on_plateau)
         # work unchanged; with_extra_args_support makes plain ones ignore it.
         optimizer = optax.with_extra_args_support(self.optimizer)
-        updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
-        params = eqx.apply_updates(params, updates)
-        return params, opt_state, loss
+        updates, new_opt_state = optimizer.update(grads, opt_state, params, value=loss)
+        new_params = eqx.apply_updates(params, updates)
+        finite = jnp.isfinite(loss)
+        return (
+            optax.tree.where(finite, new_params, params),
+            optax.tree.where(finite, new_opt_state, opt_state),
+            optax.tree.where(finite, new_state, model_state),
+            loss,
+            metrics,
+            finite,
+        )
