@@ -10,6 +10,7 @@ from jaxtyping import Array, Int, Key, Shaped, UInt32
 
 Data = tuple[Shaped[Array, "n ..."], ...]
 Batch = tuple[Shaped[Array, "batch ..."], ...]
+ValData = tuple[Shaped[Array, "n_val ..."], ...]
 
 
 def as_data(data: Any) -> tuple[Array, ...]:

@@ -23,6 +23,7 @@ from ._step import Objective, Step, takes_key
 
 
 ArrayData = tuple[Shaped[Array | np.ndarray, "n ..."], ...]
+ValidationData = tuple[Shaped[Array | np.ndarray, "n_val ..."], ...]
 
 
 @runtime_checkable
@@ -77,7 +78,7 @@ def fit(
     filter_spec: PyTree = eqx.is_inexact_array,
     opt_state: PyTree | None = None,
     state: PyTree | None = None,
-    validation_data: ArrayData | None = None,
+    validation_data: ValidationData | None = None,
     validation_split: float | None = None,
     metrics: Mapping[str, Callable[..., Any]] | None = None,
     early_stopping: EarlyStopping | None = None,

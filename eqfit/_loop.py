@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
-from ._data import BatchPlan, Data, epoch_order
+from ._data import BatchPlan, Data, epoch_order, ValData
 from ._early_stopping import EarlyStopping
 from ._evaluate import evaluate_batches
 from ._parallel import OneDevice, Placement
@@ -170,7 +170,7 @@ class Loop(eqx.Module):
         s: TrainState,
         r: Record,
         data: Data,
-        val_data: Data | None,
+        val_data: ValData | None,
         order: UInt32[Array, " n"],
         keys: Keys,
     ) -> tuple[TrainState, Record, Float[Array, " logs"]]:
@@ -199,7 +199,7 @@ class Loop(eqx.Module):
         return s, r, self.logs(s, r)
 
     def _close_epoch(
-        self, s: TrainState, r: Record, val_data: Data | None
+        self, s: TrainState, r: Record, val_data: ValData | None
     ) -> tuple[TrainState, Record]:
         e = s.epoch
         if self.validate:
@@ -249,7 +249,7 @@ class Loop(eqx.Module):
         return jnp.concatenate([self.epoch_logs(r, last), flags])
 
     def run_epoch(
-        self, s: TrainState, r: Record, data: Data, val_data: Data | None, keys: Keys
+        self, s: TrainState, r: Record, data: Data, val_data: ValData | None, keys: Keys
     ) -> tuple[TrainState, Record]:
         order = self.order(keys, s.epoch)
         s, r = self.run_steps(s, r, data, order, keys, 0, self.plan.num_full)
@@ -262,7 +262,7 @@ class Inputs(eqx.Module):
 
     loop: Loop
     data: Data
-    val_data: Data | None
+    val_data: ValData | None
     keys: Key[Array, "*replicas 2"]  # a leading device axis under pmap
 
     def place(self) -> "Inputs":
