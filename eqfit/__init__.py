@@ -9,6 +9,7 @@ from ._fit import (
     NonFiniteLossError as NonFiniteLossError,
 )
 from ._history import History as History
+from ._predict import evaluate as evaluate, predict as predict
 
 
 __version__ = "0.1.0"

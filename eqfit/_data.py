@@ -2,10 +2,11 @@
 
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, Key, Shaped, UInt32
+from jaxtyping import Array, Int, Key, PyTree, Shaped, UInt32
 
 
 Data = tuple[Shaped[Array, "n ..."], ...]
@@ -144,3 +145,22 @@ def _describe(x: Any) -> str:
     if _is_array(x):
         return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
     return f"a {type(x).__name__}"
+
+
+def ensemble_size(model: PyTree) -> int:
+    """The number of members of a stacked model, checked."""
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    if not leaves or any(leaf.ndim == 0 for leaf in leaves):
+        shapes = [tuple(leaf.shape) for leaf in leaves][:4]
+        raise ValueError(
+            "With `ensemble=True`, `model` must be a stack of members: every array needs "
+            f"a leading member axis, but some are scalars (shapes {shapes}...). Build it "
+            "with `eqx.filter_vmap(make_model)(jax.random.split(key, members))`."
+        )
+    sizes = {leaf.shape[0] for leaf in leaves}
+    if len(sizes) > 1:
+        raise ValueError(
+            "With `ensemble=True`, every array of `model` must have the same leading "
+            f"(member) size, but they have sizes {sorted(sizes)}."
+        )
+    return sizes.pop()

@@ -14,7 +14,7 @@ from beartype import beartype
 from jax.sharding import Mesh
 from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
 
-from ._data import as_data, as_key, plan_batches
+from ._data import as_data, as_key, ensemble_size, plan_batches
 from ._early_stopping import EarlyStopping
 from ._history import epoch_values, History, StopReason
 from ._loop import Inputs, Loop, Progress, Record, run_chunked, run_compiled, TrainState
@@ -86,6 +86,7 @@ def fit(
     callbacks: Sequence[Callback] = (),
     devices: int | Sequence[Device] | None = None,
     mesh: Mesh | None = None,
+    ensemble: bool = False,
 ) -> FitResult:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -128,6 +129,12 @@ def fit(
     - `mesh`: data parallel through sharding over the first axis of this
         `jax.sharding.Mesh`, which may span several processes (`jax.distributed`); then
         each process passes its own rows of `data`.
+    - `ensemble`: `model` is a stack of members (every array with a leading member axis,
+        as `eqx.filter_vmap` builds it), trained side by side in one program. Member `i`
+        trains as it would alone with key `jax.random.split(key, members)[i]`: its own
+        shuffle and per-step keys. `state` and `opt_state`, if given, are stacked too.
+        With `devices=` or `mesh=`, each batch is split over the devices and every
+        device holds all members.
 
     **Returns:**
 
@@ -150,7 +157,13 @@ def fit(
             "`callbacks` run on the host between epochs, which only the `progress=True` "
             "path has; the compiled path runs no Python while it trains."
         )
-    shuffle_key, step_key, split_key = jax.random.split(key_, 3)
+    members = ensemble_size(model) if ensemble else None
+    if members is not None and validation_split is not None:
+        raise ValueError(
+            "`validation_split` would hold out different samples for each member of an "
+            "ensemble; pass `validation_data` instead."
+        )
+    keys, split_key = _keys(key_, members)
     data_, val_data = _validation(data_, validation_data, validation_split, split_key)
     placement = choose_placement(devices, mesh, batch_size)
     num_samples = data_[0].shape[0]
@@ -166,7 +179,7 @@ def fit(
     params, frozen = eqx.partition(params, eqx.is_inexact_array)
     static = eqx.combine(frozen, static)
     if opt_state is None:
-        opt_state = optimizer.init(params)
+        opt_state = (jax.vmap(optimizer.init) if ensemble else optimizer.init)(params)
 
     objective = Objective(
         loss, tuple((metrics or {}).items()), stateful=state is not None, use_key=takes_key(loss)
@@ -180,19 +193,30 @@ def fit(
         validate=val_data is not None,
         early_stopping=early_stopping,
         on_nan=on_nan,
+        ensemble=ensemble,
     )
     if early_stopping is not None and early_stopping.monitor not in loop.log_names:
         raise ValueError(
             f"`early_stopping.monitor` is {early_stopping.monitor!r}, which this run does "
             f"not compute; it computes {list(loop.log_names)}."
         )
-    s, r = loop.init(params, opt_state, state, epochs)
-    inputs = Inputs(loop, data_, val_data, jnp.stack([shuffle_key, step_key]))
+    init = lambda p, o, st: loop.init(p, o, st, epochs)  # noqa: E731
+    s, r = (jax.vmap(init) if ensemble else init)(params, opt_state, state)
+    inputs = Inputs(loop, data_, val_data, keys)
     if progress:
         s, r = _run_with_bar(inputs, s, r, epochs, callbacks)
     else:
         s, r = run_compiled(inputs, s, r, epochs)
     return _result(loop, s, r, static, time.perf_counter() - start)
+
+
+def _keys(key: Key[Array, ""], members: int | None) -> tuple[Array, Key[Array, ""]]:
+    """The (shuffle, step) keys, per member for an ensemble, and the split key."""
+    if members is None:
+        shuffle_key, step_key, split_key = jax.random.split(key, 3)
+        return jnp.stack([shuffle_key, step_key]), split_key
+    per_member = jax.vmap(lambda k: jax.random.split(k, 3)[:2])(jax.random.split(key, members))
+    return per_member, jax.random.split(key, 3)[2]
 
 
 def _validation(
@@ -228,47 +252,79 @@ def _validation(
 
 
 def _result(loop: Loop, s: TrainState, r: Record, static: PyTree, wall_time: float) -> FitResult:
-    plan = loop.plan
+    """Reads the run's record back into a History and the trained model."""
+    plan, stopping = loop.plan, loop.early_stopping
     sizes = (plan.batch_size,) * plan.num_full + ((plan.remainder,) if plan.remainder else ())
-    epochs_done, nan_step = int(s.epoch), int(s.nan_step)
-    stopped_by_nan = nan_step >= 0 and loop.on_nan != "skip"
-    ran = epochs_done + (1 if stopped_by_nan and nan_step // len(sizes) >= epochs_done else 0)
-    step_loss = np.asarray(r.step_loss)[:ran].copy()
-    if stopped_by_nan:  # steps after the non-finite one never ran
-        step_loss.reshape(-1)[nan_step + 1 :] = np.nan
-    names = loop.log_names
-    train = np.concatenate([step_loss[..., None], np.asarray(r.step_metrics)[:ran]], axis=-1)
-    values = epoch_values(train, sizes)
-    if loop.validate:
-        values = np.concatenate([values, np.asarray(r.val)[:ran]], axis=-1)
-    stopping = loop.early_stopping
-    best_epoch = int(s.best_epoch) if stopping is not None and int(s.best_epoch) >= 0 else None
-    reason: StopReason = None
-    if stopped_by_nan:
-        reason = "non_finite_loss"
-    elif bool(s.stopped) and stopping is not None:
-        reason = "early_stopping"
-    elif ran < r.step_loss.shape[0]:
-        reason = "callback"
+    steps = len(sizes)
+    # One row per member (a single model is an ensemble of one, squeezed at the end).
+    epochs_done, nan_step, best, stopped = (
+        np.atleast_1d(np.asarray(x)) for x in (s.epoch, s.nan_step, s.best_epoch, s.stopped)
+    )
+    members = len(epochs_done)
+    step_loss = np.asarray(r.step_loss).reshape(members, *r.step_loss.shape[-2:])
+    step_metrics = np.asarray(r.step_metrics).reshape(members, *r.step_metrics.shape[-3:])
+    val = np.asarray(r.val).reshape(members, *r.val.shape[-2:])
+    by_nan = (nan_step >= 0) & (loop.on_nan != "skip")
+    # An epoch cut short by a non-finite loss counts as run, with NaN for its lost steps.
+    ran = epochs_done + (by_nan & (nan_step // steps >= epochs_done))
+    rows = int(ran.max())
+    losses = np.full((members, rows, steps), np.nan, np.float32)
+    values = np.full((members, rows, len(loop.log_names)), np.nan, np.float32)
+    reasons: list[StopReason] = []
+    for i in range(members):
+        n = int(ran[i])
+        losses[i, :n] = step_loss[i, :n]
+        if by_nan[i]:
+            losses[i].reshape(-1)[nan_step[i] + 1 :] = np.nan
+        train = np.concatenate([losses[i, :n, :, None], step_metrics[i, :n]], axis=-1)
+        member_values = epoch_values(train, sizes)
+        if loop.validate:
+            member_values = np.concatenate([member_values, val[i, :n]], axis=-1)
+        values[i, :n] = member_values
+        if by_nan[i]:
+            reasons.append("non_finite_loss")
+        elif stopped[i] and stopping is not None:
+            reasons.append("early_stopping")
+        else:
+            reasons.append("callback" if n < step_loss.shape[1] else None)
+    best_epochs = [int(b) if stopping is not None and b >= 0 else None for b in best]
+
+    def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
+        return x[0] if not loop.ensemble else np.moveaxis(x, 0, -1)
+
     history = History(
-        {name: values[:, i] for i, name in enumerate(names)},
-        step_loss,
+        {name: squeeze(values[..., i]) for i, name in enumerate(loop.log_names)},
+        squeeze(losses),
         sizes,
         wall_time,
-        best_epoch,
-        reason,
+        tuple(best_epochs) if loop.ensemble else best_epochs[0],
+        tuple(reasons) if loop.ensemble else reasons[0],
     )
     params, model_state = s.params, s.model_state
-    if stopping is not None and stopping.restore_best and best_epoch is not None:
-        params, model_state = s.best_params, s.best_model_state
+    if stopping is not None and stopping.restore_best:
+        restore = jnp.asarray([b is not None for b in best_epochs])
+        if not loop.ensemble:
+            restore = restore[0]
+
+        def pick(best: PyTree, last: PyTree) -> PyTree:
+            def one(b: Array, x: Array) -> Array:
+                return jnp.where(
+                    restore.reshape(restore.shape + (1,) * (x.ndim - restore.ndim)), b, x
+                )
+
+            return jax.tree.map(one, best, last)
+
+        params, model_state = pick(s.best_params, params), pick(s.best_model_state, model_state)
     result = FitResult(eqx.combine(params, static), s.opt_state, history, model_state)
-    if stopped_by_nan and loop.on_nan == "raise":
-        epoch, step = divmod(nan_step, len(sizes))
+    if by_nan.any() and loop.on_nan == "raise":
+        i = int(np.argmax(by_nan))
+        epoch, step = divmod(int(nan_step[i]), steps)
+        member = f"member {i}: " if loop.ensemble else ""
         raise NonFiniteLossError(
-            f"The loss was not finite at epoch {epoch}, step {step} (step {nan_step} of the "
-            "run). Training stopped there; the last finite model, from before that step, "
-            "is in this error's `.result`. Pass `on_nan='skip'` to skip such steps, or "
-            "`on_nan='stop'` to return early without an error.",
+            f"The loss was not finite at {member}epoch {epoch}, step {step} (step "
+            f"{int(nan_step[i])} of the run). Training stopped there; the last finite model, "
+            "from before that step, is in this error's `.result`. Pass `on_nan='skip'` to "
+            "skip such steps, or `on_nan='stop'` to return early without an error.",
             result,
             epoch,
             step,

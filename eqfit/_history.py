@@ -27,6 +27,10 @@ class History:
     - `best_epoch`: the best epoch by the early-stopping monitor, if there was one.
     - `stop_reason`: why training ended before its last epoch, or `None`.
 
+    For an ensemble every per-epoch value has a last axis of members, `step_loss` is
+    `(epochs, steps, members)`, `best_epoch` and `stop_reason` are tuples with one entry
+    per member, and a member that stopped early has NaN for the epochs it did not run.
+
     Training values weight each step by its batch size, so with a remainder batch they are
     the mean over samples, as one full-batch pass would average a mean loss.
     """
@@ -35,8 +39,8 @@ class History:
     step_loss: np.ndarray
     batch_sizes: tuple[int, ...]
     wall_time: float
-    best_epoch: int | None = None
-    stop_reason: StopReason = None
+    best_epoch: int | None | tuple[int | None, ...] = None
+    stop_reason: StopReason | tuple[StopReason, ...] = None
 
     @property
     def loss(self) -> np.ndarray:
@@ -103,7 +107,7 @@ class History:
             ax.plot(epochs, self.values[name], label=f"train {name}")
             if f"val_{name}" in self.values:
                 ax.plot(epochs, self.values[f"val_{name}"], label=f"validation {name}")
-            if self.best_epoch is not None:
+            if isinstance(self.best_epoch, int):
                 ax.axvline(self.best_epoch + 1, color="grey", linestyle=":", label="best")
             ax.set_xlabel("epoch")
             ax.set_title(name)

@@ -59,6 +59,15 @@ class Loop(eqx.Module):
     validate: bool = False
     early_stopping: EarlyStopping | None = None
     on_nan: OnNan = "raise"
+    ensemble: bool = False  # state, record and keys carry a leading member axis
+
+    def per_member(self, fn: Callable) -> Callable:
+        """`fn(keys, s, r, *rest)`, vmapped over the members when training an ensemble.
+
+        Members share the data but each has its own keys, so its own shuffle and dropout:
+        member i trains exactly as it would alone, side by side in one program.
+        """
+        return jax.vmap(fn) if self.ensemble else fn
 
     # -- names and sizes
 
@@ -279,14 +288,19 @@ class Inputs(eqx.Module):
 def _run_epochs(
     inputs: Inputs, s: TrainState, r: Record, stop_epoch: Int[Array, ""]
 ) -> tuple[TrainState, Record]:
-    def cond(carry: tuple[TrainState, Record]) -> Bool[Array, ""]:
-        s, _ = carry
-        return (s.epoch < stop_epoch) & ~s.stopped
+    loop = inputs.loop
 
-    def body(carry: tuple[TrainState, Record]) -> tuple[TrainState, Record]:
-        return inputs.loop.run_epoch(*carry, inputs.data, inputs.val_data, inputs.keys)
+    def run(keys: Keys, s: TrainState, r: Record) -> tuple[TrainState, Record]:
+        def cond(carry: tuple[TrainState, Record]) -> Bool[Array, ""]:
+            s, _ = carry
+            return (s.epoch < stop_epoch) & ~s.stopped
 
-    return jax.lax.while_loop(cond, body, (s, r))
+        def body(carry: tuple[TrainState, Record]) -> tuple[TrainState, Record]:
+            return loop.run_epoch(*carry, inputs.data, inputs.val_data, keys)
+
+        return jax.lax.while_loop(cond, body, (s, r))
+
+    return loop.per_member(run)(inputs.keys, s, r)
 
 
 def run_compiled(
@@ -308,29 +322,40 @@ def run_compiled(
 # never the caller's arrays; "all-except-first" keeps the inputs, passed first, alive.
 
 
-def _first_order(inputs: Inputs, s: TrainState) -> UInt32[Array, " n"]:
-    return inputs.loop.order(inputs.keys, s.epoch)
+def _first_order(inputs: Inputs, s: TrainState) -> UInt32[Array, "*members n"]:
+    loop = inputs.loop
+    return loop.per_member(lambda keys, s: loop.order(keys, s.epoch))(inputs.keys, s)
 
 
 def _chunk(
-    inputs: tuple[Inputs, UInt32[Array, " n"], Int[Array, "2"]], s: TrainState, r: Record
-) -> tuple[TrainState, Record, Float[Array, ""]]:
+    inputs: tuple[Inputs, UInt32[Array, "*members n"], Int[Array, "2"]],
+    s: TrainState,
+    r: Record,
+) -> tuple[TrainState, Record, Float[Array, "*members"]]:
     inputs_, order, bounds = inputs
     loop, start, stop = inputs_.loop, bounds[0], bounds[1]
-    e = s.epoch
-    s, r = loop.run_steps(s, r, inputs_.data, order, inputs_.keys, start, stop)
     steps = jnp.arange(loop.plan.steps_per_epoch)
     ran = (steps >= start) & (steps < stop)
-    return s, r, jnp.sum(jnp.where(ran, r.step_loss[e], 0.0))
+
+    def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
+        e = s.epoch
+        s, r = loop.run_steps(s, r, inputs_.data, order, keys, start, stop)
+        return s, r, jnp.sum(jnp.where(ran, r.step_loss[e], 0.0))
+
+    return loop.per_member(run)(inputs_.keys, s, r, order)
 
 
 def _epoch_end(
-    inputs: tuple[Inputs, UInt32[Array, " n"]], s: TrainState, r: Record
-) -> tuple[TrainState, Record, UInt32[Array, " n"], Float[Array, " logs"]]:
+    inputs: tuple[Inputs, UInt32[Array, "*members n"]], s: TrainState, r: Record
+) -> tuple[TrainState, Record, UInt32[Array, "*members n"], Float[Array, "*members logs"]]:
     inputs_, order = inputs
     loop = inputs_.loop
-    s, r, logs = loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, inputs_.keys)
-    return s, r, loop.order(inputs_.keys, s.epoch), logs
+
+    def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
+        s, r, logs = loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, keys)
+        return s, r, loop.order(keys, s.epoch), logs
+
+    return loop.per_member(run)(inputs_.keys, s, r, order)
 
 
 class Progress:
@@ -389,15 +414,17 @@ def run_chunked(
 
     def steps_done(epoch: int, steps: int, loss_sum: Array) -> Callable[[], bool]:
         def read() -> bool:
-            progress.on_steps(epoch, steps, float(p.get(loss_sum)))  # waits for it only
+            # Waits for that chunk only. An ensemble reports its members' mean.
+            progress.on_steps(epoch, steps, float(np.mean(p.get(loss_sum))))
             return False
 
         return read
 
     def epoch_done(epoch: int, logs: Array) -> Callable[[], bool]:
         def read() -> bool:
-            values = np.asarray(p.get(logs)).tolist()
-            stopped, epochs_done = bool(values[-2]), int(values[-1])
+            members = np.asarray(p.get(logs)).reshape(-1, len(loop.log_names) + 2)
+            values = members.mean(axis=0).tolist()
+            stopped, epochs_done = bool(members[:, -2].all()), int(members[:, -1].max())
             if epochs_done <= epoch:  # stopped before this epoch ended: nothing to log
                 return True
             wants_stop = progress.on_epoch(epoch, dict(zip(loop.log_names, values[:-2])))

@@ -1,0 +1,213 @@
+"""Many models in one program, and batched predict/evaluate."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, regression_data
+
+import eqfit
+
+
+MEMBERS = 4
+
+
+def member(tree, i):
+    return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, tree)
+
+
+def stacked_mlps(key, members=MEMBERS, **kwargs):
+    make = lambda k: eqfit.models.MLP(4, "scalar", 16, 1, key=k, **kwargs)  # noqa: E731
+    return eqx.filter_vmap(make)(jax.random.split(key, members))
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_each_member_trains_as_it_would_alone(getkey, progress):
+    data, val = regression_data(getkey(), 103), regression_data(getkey(), 21)
+    models = stacked_mlps(getkey())
+    key = getkey()
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-2),
+        epochs=3,
+        batch_size=16,
+        validation_data=val,
+    )
+    result = eqfit.fit(models, data, key=key, ensemble=True, progress=progress, **kwargs)
+    assert result.history.loss.shape == (3, MEMBERS)
+    assert result.history.val_loss is not None and result.history.val_loss.shape == (3, MEMBERS)
+    assert result.history.step_loss.shape == (3, 7, MEMBERS)
+    for i, k in enumerate(jax.random.split(key, MEMBERS)):
+        alone = eqfit.fit(member(models, i), data, key=k, **kwargs)
+        assert_trees_close(member(result.model, i), alone.model)
+        np.testing.assert_allclose(result.history.loss[:, i], alone.history.loss, rtol=1e-5)
+        np.testing.assert_allclose(result.history.val_loss[:, i], alone.history.val_loss, rtol=1e-5)
+    # Members differ: their own initialisation, shuffle and keys.
+    assert not np.allclose(result.history.loss[:, 0], result.history.loss[:, 1])
+
+
+def test_members_have_their_own_dropout_keys(getkey):
+    data = regression_data(getkey(), 64)
+    # Identical members: only the keys can tell them apart.
+    one = eqfit.models.MLP(4, "scalar", 16, 1, dropout=0.5, key=getkey())
+    models = jax.tree.map(lambda a: jnp.stack([a, a]) if eqx.is_array(a) else a, one)
+
+    def loss(model, x, y, *, key):
+        keys = jax.random.split(key, x.shape[0])
+        return jnp.mean((jax.vmap(lambda a, k: model(a, key=k))(x, keys) - y) ** 2)
+
+    key = getkey()
+    kwargs = dict(loss=loss, optimizer=optax.sgd(0.01), epochs=2, batch_size=16)
+    result = eqfit.fit(models, data, key=key, ensemble=True, **kwargs)
+    alone = eqfit.fit(one, data, key=jax.random.split(key, 2)[1], **kwargs)
+    assert_trees_close(member(result.model, 1), alone.model)
+    assert not np.allclose(result.model.layers[0].weight[0], result.model.layers[0].weight[1])
+
+
+def test_ensemble_with_state_and_early_stopping(getkey):
+    from test_features import batchnorm_loss, BatchNormNet
+
+    data, val = regression_data(getkey(), 64), regression_data(getkey(), 16)
+    make = eqx.filter_vmap(lambda k: eqx.nn.make_with_state(BatchNormNet)(k))
+    models, states = make(jax.random.split(getkey(), 3))
+    key = getkey()
+    kwargs = dict(
+        loss=batchnorm_loss,
+        optimizer=optax.adam(3e-2),
+        epochs=8,
+        batch_size=16,
+        validation_data=val,
+        early_stopping=eqfit.EarlyStopping(2),
+    )
+    result = eqfit.fit(models, data, state=states, key=key, ensemble=True, **kwargs)
+    assert isinstance(result.history.best_epoch, tuple) and len(result.history.best_epoch) == 3
+    for i, k in enumerate(jax.random.split(key, 3)):
+        alone = eqfit.fit(member(models, i), data, state=member(states, i), key=k, **kwargs)
+        assert_trees_close(member(result.model, i), alone.model, rtol=1e-4, atol=1e-5)
+        assert_trees_close(member(result.state, i), alone.state, rtol=1e-4, atol=1e-5)
+        assert result.history.best_epoch[i] == alone.history.best_epoch
+        ran = alone.history.epochs
+        np.testing.assert_allclose(
+            result.history.val_loss[:ran, i], alone.history.val_loss, rtol=1e-4
+        )
+        assert np.isnan(result.history.val_loss[ran:, i]).all()
+
+
+@pytest.mark.parametrize("parallel", ["devices", "mesh"])
+def test_ensemble_over_devices(getkey, parallel):
+    data = regression_data(getkey(), 100)
+    models = stacked_mlps(getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), epochs=2, batch_size=16
+    )
+    one = eqfit.fit(models, data, ensemble=True, **kwargs)
+    extra = {"devices": 8} if parallel == "devices" else {"mesh": jax.make_mesh((8,), ("b",))}
+    many = eqfit.fit(models, data, ensemble=True, progress=True, **extra, **kwargs)
+    assert_trees_close(many.model, one.model)
+
+
+def test_learning_rate_sweep_through_inject_hyperparams(getkey):
+    """Each member its own learning rate, in one program: stack the optimizer states."""
+    data = regression_data(getkey(), 64)
+    models = stacked_mlps(getkey(), members=3)
+    rates = jnp.array([0.001, 0.01, 0.1])
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.0)
+    params = eqx.filter(models, eqx.is_inexact_array)
+    opt_state = jax.vmap(optimizer.init)(params)
+    opt_state.hyperparams["learning_rate"] = rates
+    key = getkey()
+    kwargs = dict(loss=eqfit.losses.mse, epochs=2, batch_size=16)
+    result = eqfit.fit(
+        models, data, key=key, ensemble=True, optimizer=optimizer, opt_state=opt_state, **kwargs
+    )
+    for i, k in enumerate(jax.random.split(key, 3)):
+        alone = eqfit.fit(member(models, i), data, key=k, optimizer=optax.sgd(rates[i]), **kwargs)
+        assert_trees_close(member(result.model, i), alone.model)
+    np.testing.assert_array_equal(result.opt_state.hyperparams["learning_rate"], rates)
+
+
+def test_ensemble_needs_a_stacked_model(getkey):
+    data = regression_data(getkey(), 32)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), key=getkey(), ensemble=True)
+    with pytest.raises(ValueError, match=r"leading member axis"):
+        eqfit.fit(Scalarish(jnp.asarray(1.0)), data, **kwargs)
+    uneven = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())  # leading sizes 8, 8, 1, 1
+    with pytest.raises(ValueError, match=r"same leading \(member\) size.*\[1, 8\]"):
+        eqfit.fit(uneven, data, **kwargs)
+    with pytest.raises(ValueError, match=r"validation_split"):
+        eqfit.fit(stacked_mlps(getkey()), data, validation_split=0.2, **kwargs)
+
+
+class Scalarish(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return self.w * jnp.sum(x)
+
+
+def test_predict_equals_vmap(getkey):
+    model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())
+    x = jax.random.normal(getkey(), (103, 4))
+    expected = jax.vmap(model)(x)
+    for batch_size in (10, 103, 500):
+        np.testing.assert_allclose(
+            eqfit.predict(model, x, batch_size=batch_size), expected, rtol=1e-6
+        )
+    np.testing.assert_allclose(
+        eqfit.predict(model, np.asarray(x), batch_size=32), expected, rtol=1e-6
+    )
+
+
+def test_predict_uses_inference_mode(getkey):
+    model = eqfit.models.MLP(4, 3, 16, 1, dropout=0.9, key=getkey())
+    x = jax.random.normal(getkey(), (20, 4))
+    expected = jax.vmap(eqx.nn.inference_mode(model))(x)
+    np.testing.assert_allclose(eqfit.predict(model, x, batch_size=8), expected, rtol=1e-6)
+
+
+def test_predict_ensemble(getkey):
+    models = stacked_mlps(getkey())
+    x = jax.random.normal(getkey(), (37, 4))
+    out = eqfit.predict(models, x, batch_size=16, ensemble=True)
+    assert out.shape == (MEMBERS, 37)
+    for i in range(MEMBERS):
+        np.testing.assert_allclose(out[i], jax.vmap(member(models, i))(x), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"leading member axis"):
+        eqfit.predict(Scalarish(jnp.asarray(1.0)), x, batch_size=4, ensemble=True)
+
+
+def test_evaluate_equals_full_batch(getkey):
+    model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())
+    x = jax.random.normal(getkey(), (103, 4))
+    y = jnp.arange(103) % 3
+    metrics = {"accuracy": eqfit.metrics.accuracy}
+    got = eqfit.evaluate(
+        model, (x, y), loss=eqfit.losses.softmax_cross_entropy, metrics=metrics, batch_size=10
+    )
+    assert set(got) == {"loss", "accuracy"} and all(isinstance(v, float) for v in got.values())
+    full = eqfit.losses.softmax_cross_entropy(model, x, y)
+    np.testing.assert_allclose(got["loss"], full, rtol=1e-6)
+    np.testing.assert_allclose(got["accuracy"], eqfit.metrics.accuracy(model, x, y), rtol=1e-6)
+
+
+def test_evaluate_with_state(getkey):
+    from test_features import batchnorm_loss, BatchNormNet
+
+    model, state = eqx.nn.make_with_state(BatchNormNet)(getkey())
+    x, y = regression_data(getkey(), 50)
+    got = eqfit.evaluate(model, (x, y), loss=batchnorm_loss, state=state, batch_size=16)
+    expected, _ = batchnorm_loss(eqx.nn.inference_mode(model), state, x, y)
+    np.testing.assert_allclose(got["loss"], expected, rtol=1e-5)
+
+
+def test_predict_and_evaluate_check_their_inputs(getkey):
+    model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())
+    x = jnp.ones((10, 4))
+    with pytest.raises(ValueError, match=r"`batch_size` must be at least 1, got 0"):
+        eqfit.predict(model, x, batch_size=0)
+    with pytest.raises(ValueError, match=r"`data` is empty"):
+        eqfit.evaluate(model, (x[:0], x[:0]), loss=eqfit.losses.mse, batch_size=4)
+    with pytest.raises(ValueError, match=r"`data\[0\]` has 10 samples but `data\[1\]` has 9"):
+        eqfit.evaluate(model, (x, x[:9]), loss=eqfit.losses.mse, batch_size=4)
