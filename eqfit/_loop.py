@@ -30,6 +30,7 @@ class TrainState(eqx.Module):
     opt_state: PyTree
     model_state: PyTree
     epoch: Int[Array, ""]  # epochs completed
+    step: Int[Array, ""]  # full batches done in the current epoch
     stopped: Bool[Array, ""]
     nan_step: Int[Array, ""]  # the first global step whose loss was not finite, or -1
     best_value: Float[Array, ""]
@@ -98,6 +99,7 @@ class Loop(eqx.Module):
             opt_state=opt_state,
             model_state=model_state,
             epoch=jnp.asarray(0, jnp.int32),
+            step=jnp.asarray(0, jnp.int32),
             stopped=jnp.asarray(False),
             nan_step=jnp.asarray(-1, jnp.int32),
             best_value=jnp.asarray(-jnp.inf if maximise else jnp.inf, jnp.float32),
@@ -169,7 +171,7 @@ class Loop(eqx.Module):
             index = jax.lax.dynamic_slice_in_dim(order, j * size, size)
             batch = self.placement.full_batch(data, index)
             s, r = self._step_at(self.step, s, r, batch, keys, j)
-            return j + 1, s, r
+            return j + 1, dataclasses.replace(s, step=j + 1), r
 
         _, s, r = jax.lax.while_loop(cond, body, (jnp.asarray(start, jnp.int32), s, r))
         return s, r
@@ -218,7 +220,7 @@ class Loop(eqx.Module):
                 self.step.objective, model, s.model_state, val_data, self.plan.batch_size
             )
             r = dataclasses.replace(r, val=r.val.at[e].set(values))
-        s = dataclasses.replace(s, epoch=e + 1)
+        s = dataclasses.replace(s, epoch=e + 1, step=jnp.zeros_like(s.step))
         stopping = self.early_stopping
         if stopping is None:
             return s, r
@@ -257,11 +259,17 @@ class Loop(eqx.Module):
         flags = jnp.stack([s.stopped, s.epoch]).astype(jnp.float32)
         return jnp.concatenate([self.epoch_logs(r, last), flags])
 
+    def all_logs(self, s: TrainState, r: Record) -> Float[Array, "epochs logs"]:
+        """Every epoch's values, each row followed by `[stopped, epochs done]` now."""
+        rows = jax.vmap(lambda e: self.epoch_logs(r, e))(jnp.arange(r.step_loss.shape[0]))
+        flags = jnp.stack([s.stopped, s.epoch]).astype(jnp.float32)
+        return jnp.concatenate([rows, jnp.broadcast_to(flags, (rows.shape[0], 2))], axis=1)
+
     def run_epoch(
         self, s: TrainState, r: Record, data: Data, val_data: ValData | None, keys: Keys
     ) -> tuple[TrainState, Record]:
         order = self.order(keys, s.epoch)
-        s, r = self.run_steps(s, r, data, order, keys, 0, self.plan.num_full)
+        s, r = self.run_steps(s, r, data, order, keys, s.step, self.plan.num_full)
         s, r, _ = self.end_epoch(s, r, data, val_data, order, keys)
         return s, r
 
@@ -369,6 +377,13 @@ class Progress:
         return False
 
 
+def _epochs_chunk(
+    inputs: Inputs, s: TrainState, r: Record, stop_epoch: Int[Array, ""]
+) -> tuple[TrainState, Record, Float[Array, "*members epochs logs"]]:
+    s, r = _run_epochs(inputs, s, r, stop_epoch)
+    return s, r, inputs.loop.per_member(inputs.loop.all_logs)(s, r)
+
+
 def run_chunked(
     inputs: Inputs,
     s: TrainState,
@@ -380,24 +395,32 @@ def run_chunked(
 ) -> tuple[TrainState, Record]:
     """The same run as `run_compiled`, in chunks, reporting to `progress`.
 
+    A chunk is either a range of full batches inside one epoch (then the epoch's remainder
+    step, validation and early stopping are one more call), or, once an epoch is quicker
+    than a chunk should be, several whole epochs through the compiled program itself.
+    Bounds are traced, so every chunk length shares one compilation, and each piece runs
+    the same arithmetic as `run_compiled`: the results are equal bit for bit.
+
     Chunk i+1 is dispatched before chunk i's results are read, so the host's wait for the
     bar overlaps the device's work. With `sync_epochs` (callbacks that may stop training)
-    each epoch's values are read before the next epoch is dispatched. The chunk length
-    adapts so that each takes about `seconds_per_chunk`.
+    each epoch's values are read before the next epoch is dispatched. Chunks adapt to take
+    about `seconds_per_chunk` each.
     """
     loop = inputs.loop
     plan, p = loop.plan, loop.placement
     first_order = p.compile(_first_order, "none")
     chunk = p.compile(_chunk, "all-except-first")
     epoch_end = p.compile(_epoch_end, "all-except-first")
+    epochs_chunk = p.compile(_epochs_chunk, "all-except-first")
 
     # Copies, so that donating them never touches the caller's arrays.
+    first_epoch, first_step = int(np.max(s.epoch)), int(np.min(s.step))
     s = jax.tree.map(lambda x: jnp.array(x, copy=True), s)
     inputs, s, r = inputs.place(), p.put(s), p.put(r)
-    order = first_order(inputs, s)
     pending: list[Callable[[], bool]] = []
-    size = 8  # a quick first redraw; later chunks adapt
+    size = 8  # steps in the first chunk, for a quick first redraw; later chunks adapt
     clock, steps_since = time.perf_counter(), 0
+    num_logs = len(loop.log_names)
 
     def report() -> bool:
         """Reads what has finished; `True` if training should stop."""
@@ -422,24 +445,53 @@ def run_chunked(
 
     def epoch_done(epoch: int, logs: Array) -> Callable[[], bool]:
         def read() -> bool:
-            members = np.asarray(p.get(logs)).reshape(-1, len(loop.log_names) + 2)
+            members = np.asarray(p.get(logs)).reshape(-1, num_logs + 2)
             values = members.mean(axis=0).tolist()
-            stopped, epochs_done = bool(members[:, -2].all()), int(members[:, -1].max())
-            if epochs_done <= epoch:  # stopped before this epoch ended: nothing to log
+            stopped, done = bool(members[:, -2].all()), int(members[:, -1].max())
+            if done <= epoch:  # stopped before this epoch ended: nothing to log
                 return True
             wants_stop = progress.on_epoch(epoch, dict(zip(loop.log_names, values[:-2])))
             return stopped or wants_stop
 
         return read
 
-    for epoch in range(num_epochs):
-        for start, stop in _ranges(plan.num_full, lambda: size):
-            bounds = p.put(jnp.asarray([start, stop], jnp.int32))
-            s, r, loss_sum = chunk((inputs, order, bounds), s, r)
-            steps_since += stop - start
+    def epochs_done(first: int, last: int, logs: Array) -> Callable[[], bool]:
+        def read() -> bool:
+            # logs: (members, epochs, values + [stopped, epochs done]).
+            table = np.asarray(p.get(logs)).reshape(-1, r.step_loss.shape[-2], num_logs + 2)
+            done, stopped = int(table[:, first, -1].max()), bool(table[:, first, -2].all())
+            for epoch in range(first, min(last, done)):
+                values = table[:, epoch, :num_logs].mean(axis=0).tolist()
+                # Whole epochs ran in one call: the bar moves by epochs.
+                progress.on_steps(epoch, plan.steps_per_epoch, values[0] * plan.steps_per_epoch)
+                if progress.on_epoch(epoch, dict(zip(loop.log_names, values))):
+                    return True
+            return stopped or done < last
+
+        return read
+
+    epoch, order = first_epoch, None
+    while epoch < num_epochs:
+        whole_epochs = size // plan.steps_per_epoch
+        if whole_epochs >= 1 and (epoch > first_epoch or first_step == 0) and not sync_epochs:
+            stop = min(num_epochs, epoch + whole_epochs)
+            s, r, logs = epochs_chunk(inputs, s, r, p.put(jnp.asarray(stop, jnp.int32)))
+            steps_since += (stop - epoch) * plan.steps_per_epoch
             if report():
                 return p.get((s, r))
-            pending.append(steps_done(epoch, stop - start, loss_sum))
+            pending.append(epochs_done(epoch, stop, logs))
+            epoch, order = stop, None
+            continue
+        if order is None:
+            order = first_order(inputs, s)
+        start = first_step if epoch == first_epoch else 0
+        for begin, end in _ranges(start, plan.num_full, lambda: size):
+            bounds = p.put(jnp.asarray([begin, end], jnp.int32))
+            s, r, loss_sum = chunk((inputs, order, bounds), s, r)
+            steps_since += end - begin
+            if report():
+                return p.get((s, r))
+            pending.append(steps_done(epoch, end - begin, loss_sum))
         s, r, order, logs = epoch_end((inputs, order), s, r)
         if plan.remainder:
             steps_since += 1
@@ -450,12 +502,12 @@ def run_chunked(
         pending.append(epoch_done(epoch, logs))
         if sync_epochs and report():
             return p.get((s, r))
+        epoch += 1
     report()
     return p.get((s, r))
 
 
-def _ranges(total: int, size: Callable[[], int]) -> Iterator[tuple[int, int]]:
-    start = 0
+def _ranges(start: int, total: int, size: Callable[[], int]) -> Iterator[tuple[int, int]]:
     while start < total:
         stop = min(total, start + size())
         yield start, stop

@@ -317,3 +317,30 @@ def test_progress_bar_shows_epoch_step_and_loss(getkey, capsys):
     assert "8/8" in err
     assert "loss=" in err
     assert "step/s" in err
+
+
+@pytest.mark.parametrize("seconds_per_chunk", [1e-9, 1e9])
+def test_progress_in_step_chunks_and_in_epoch_chunks(getkey, monkeypatch, seconds_per_chunk):
+    # Tiny chunks: every chunk a single step inside an epoch. Huge ones: after the first
+    # 8 steps, whole epochs per call. Both must give the compiled path's bits.
+    import functools
+
+    import eqfit._fit
+
+    chunked = functools.partial(eqfit._fit.run_chunked, seconds_per_chunk=seconds_per_chunk)
+    monkeypatch.setattr(eqfit._fit, "run_chunked", chunked)
+    data = regression_data(getkey(), 150)
+    model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-2),
+        key=getkey(),
+        epochs=4,
+        batch_size=8,  # 18 full steps and a remainder of 6
+        validation_data=regression_data(getkey(), 20),
+    )
+    compiled = eqfit.fit(model, data, **kwargs)
+    bar = eqfit.fit(model, data, progress=True, **kwargs)
+    assert_trees_equal(compiled.model, bar.model)
+    np.testing.assert_array_equal(compiled.history.step_loss, bar.history.step_loss)
+    np.testing.assert_array_equal(compiled.history.val_loss, bar.history.val_loss)
