@@ -2,14 +2,14 @@
 
 from . import losses as losses, metrics as metrics, models as models
 from ._early_stopping import EarlyStopping as EarlyStopping
-from ._fit import (
-    Callback as Callback,
-    fit as fit,
-    FitResult as FitResult,
-    NonFiniteLossError as NonFiniteLossError,
-)
+from ._fit import fit as fit
 from ._history import History as History
 from ._predict import evaluate as evaluate, predict as predict
-
-
-__version__ = "0.1.0"
+from ._progress import Callback as Callback
+from ._result import (
+    FitResult as FitResult,
+    load as load,
+    NonFiniteLossError as NonFiniteLossError,
+    save as save,
+)
+from ._version import __version__ as __version__

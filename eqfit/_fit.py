@@ -1,9 +1,10 @@
 """The public `fit`: check the inputs, partition, pick the loop, combine, return the result."""
 
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -14,52 +15,18 @@ from beartype import beartype
 from jax.sharding import Mesh
 from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
 
+from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
 from ._data import as_data, as_key, ensemble_size, plan_batches
 from ._early_stopping import EarlyStopping
-from ._history import epoch_values, History, StopReason
-from ._loop import Inputs, Loop, Progress, Record, run_chunked, run_compiled, TrainState
+from ._loop import Inputs, Loop, Record, run_compiled, TrainState
 from ._parallel import choose_placement, Device, Pmap
+from ._progress import Callback, run_with_bar
+from ._result import FitResult, make_result
 from ._step import Objective, Step, takes_key
 
 
 ArrayData = tuple[Shaped[Array | np.ndarray, "n ..."], ...]
 ValidationData = tuple[Shaped[Array | np.ndarray, "n_val ..."], ...]
-
-
-@runtime_checkable
-class Callback(Protocol):
-    """Called on the host after each epoch of a `progress=True` run."""
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
-        """`logs` holds the epoch's values by name. Return `True` to stop training."""
-        ...
-
-
-class FitResult(eqx.Module):
-    """What `fit` returns.
-
-    **Attributes:**
-
-    - `model`: the trained model, of the same type as the one passed in.
-    - `opt_state`: the optimizer state; pass it back as `fit(..., opt_state=)` to go on.
-    - `history`: a [`eqfit.History`][] of per-epoch values and per-step losses.
-    - `state`: the model state (`eqx.nn.State`) after training, if `state=` was given.
-    """
-
-    model: PyTree
-    opt_state: PyTree
-    history: History
-    state: PyTree = None
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss was NaN or infinite. `result` holds the last finite model."""
-
-    def __init__(self, message: str, result: FitResult, epoch: int, step: int):
-        super().__init__(message)
-        self.result = result
-        self.epoch = epoch
-        self.step = step
 
 
 @jaxtyped(typechecker=beartype)
@@ -87,6 +54,8 @@ def fit(
     devices: int | Sequence[Device] | None = None,
     mesh: Mesh | None = None,
     ensemble: bool = False,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 1,
 ) -> FitResult:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -135,6 +104,17 @@ def fit(
         shuffle and per-step keys. `state` and `opt_state`, if given, are stacked too.
         With `devices=` or `mesh=`, each batch is split over the devices and every
         device holds all members.
+    - `checkpoint`: a directory. Every `checkpoint_every` epochs the whole training state
+        (model, optimizer state, `state`, epoch, history, early stopping) is written there,
+        atomically, keeping the last two. Calling `fit` again with the same directory
+        resumes from the newest complete checkpoint and ends with the same bits as an
+        uninterrupted run; one written by another configuration is refused. With
+        `progress=False` the compiled program runs from one checkpoint to the next.
+    - `checkpoint_every`: epochs between checkpoints.
+
+    Ctrl-C stops training at the next chunk boundary (with `progress=False`: the next
+    checkpoint boundary, or the end of the run without `checkpoint`), writes a checkpoint
+    if a directory is given, and raises `KeyboardInterrupt`. A second Ctrl-C stops at once.
 
     **Returns:**
 
@@ -203,11 +183,69 @@ def fit(
     init = lambda p, o, st: loop.init(p, o, st, epochs)  # noqa: E731
     s, r = (jax.vmap(init) if ensemble else init)(params, opt_state, state)
     inputs = Inputs(loop, data_, val_data, keys)
-    if progress:
-        s, r = _run_with_bar(inputs, s, r, epochs, callbacks)
-    else:
-        s, r = run_compiled(inputs, s, r, epochs)
-    return _result(loop, s, r, static, time.perf_counter() - start)
+    store = None
+    if checkpoint is not None:
+        if isinstance(checkpoint_every, bool) or checkpoint_every < 1:
+            raise ValueError(f"`checkpoint_every` must be at least 1, got {checkpoint_every}.")
+        store = Checkpoints(checkpoint, _config(loop, inputs, s, r, epochs, loss))
+        s, r = store.restore((s, r)) or (s, r)
+    with Interrupt().deferred() as interrupt:
+        if progress:
+            s, r = run_with_bar(inputs, s, r, epochs, callbacks, interrupt, store, checkpoint_every)
+        else:
+            s, r = _run_segments(inputs, s, r, epochs, interrupt, store, checkpoint_every)
+        if interrupt.requested:
+            if store is not None:
+                store.save((s, r), *position(s))
+            raise KeyboardInterrupt
+    return make_result(loop, s, r, static, time.perf_counter() - start)
+
+
+def _running(s: TrainState, epochs: int) -> bool:
+    return bool(np.any((np.asarray(s.epoch) < epochs) & ~np.asarray(s.stopped)))
+
+
+def _run_segments(
+    inputs: Inputs,
+    s: TrainState,
+    r: Record,
+    epochs: int,
+    interrupt: Interrupt,
+    store: Checkpoints | None,
+    every: int,
+) -> tuple[TrainState, Record]:
+    """The compiled path: one program for the run, or one per checkpoint interval (the
+    program is the same; only its traced stop epoch changes).
+    """
+    while _running(s, epochs):
+        stop = epochs if store is None else min(epochs, (position(s)[0] // every + 1) * every)
+        s, r = run_compiled(inputs, s, r, stop)
+        if store is not None:
+            store.save((s, r), *position(s))
+        if interrupt.requested:
+            break
+    return s, r
+
+
+def _config(
+    loop: Loop, inputs: Inputs, s: TrainState, r: Record, epochs: int, loss: Any
+) -> dict[str, Any]:
+    """What identifies a run for its checkpoints: shapes, settings, key; not devices."""
+    stopping = loop.early_stopping
+    return {
+        "state": describe((s, r)),
+        "data": describe(inputs.data),
+        "validation_data": describe(inputs.val_data),
+        "plan": [as_plain(v) for v in loop.plan],
+        "epochs": epochs,
+        "shuffle": loop.shuffle,
+        "on_nan": loop.on_nan,
+        "early_stopping": None if stopping is None else repr(stopping),
+        "metrics": list(loop.metric_names),
+        "loss": getattr(loss, "__qualname__", type(loss).__name__),
+        "key": np.asarray(jax.random.key_data(inputs.keys)).tolist(),
+        "ensemble": loop.ensemble,
+    }
 
 
 def _keys(key: Key[Array, ""], members: int | None) -> tuple[Array, Key[Array, ""]]:
@@ -249,121 +287,3 @@ def _validation(
     order = jax.random.permutation(key, n)
     val_index, train_index = order[:held], order[held:]
     return tuple(a[train_index] for a in data), tuple(a[val_index] for a in data)
-
-
-def _result(loop: Loop, s: TrainState, r: Record, static: PyTree, wall_time: float) -> FitResult:
-    """Reads the run's record back into a History and the trained model."""
-    plan, stopping = loop.plan, loop.early_stopping
-    sizes = (plan.batch_size,) * plan.num_full + ((plan.remainder,) if plan.remainder else ())
-    steps = len(sizes)
-    # One row per member (a single model is an ensemble of one, squeezed at the end).
-    epochs_done, nan_step, best, stopped = (
-        np.atleast_1d(np.asarray(x)) for x in (s.epoch, s.nan_step, s.best_epoch, s.stopped)
-    )
-    members = len(epochs_done)
-    step_loss = np.asarray(r.step_loss).reshape(members, *r.step_loss.shape[-2:])
-    step_metrics = np.asarray(r.step_metrics).reshape(members, *r.step_metrics.shape[-3:])
-    val = np.asarray(r.val).reshape(members, *r.val.shape[-2:])
-    by_nan = (nan_step >= 0) & (loop.on_nan != "skip")
-    # An epoch cut short by a non-finite loss counts as run, with NaN for its lost steps.
-    ran = epochs_done + (by_nan & (nan_step // steps >= epochs_done))
-    rows = int(ran.max())
-    losses = np.full((members, rows, steps), np.nan, np.float32)
-    values = np.full((members, rows, len(loop.log_names)), np.nan, np.float32)
-    reasons: list[StopReason] = []
-    for i in range(members):
-        n = int(ran[i])
-        losses[i, :n] = step_loss[i, :n]
-        if by_nan[i]:
-            losses[i].reshape(-1)[nan_step[i] + 1 :] = np.nan
-        train = np.concatenate([losses[i, :n, :, None], step_metrics[i, :n]], axis=-1)
-        member_values = epoch_values(train, sizes)
-        if loop.validate:
-            member_values = np.concatenate([member_values, val[i, :n]], axis=-1)
-        values[i, :n] = member_values
-        if by_nan[i]:
-            reasons.append("non_finite_loss")
-        elif stopped[i] and stopping is not None:
-            reasons.append("early_stopping")
-        else:
-            reasons.append("callback" if n < step_loss.shape[1] else None)
-    best_epochs = [int(b) if stopping is not None and b >= 0 else None for b in best]
-
-    def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
-        return x[0] if not loop.ensemble else np.moveaxis(x, 0, -1)
-
-    history = History(
-        {name: squeeze(values[..., i]) for i, name in enumerate(loop.log_names)},
-        squeeze(losses),
-        sizes,
-        wall_time,
-        tuple(best_epochs) if loop.ensemble else best_epochs[0],
-        tuple(reasons) if loop.ensemble else reasons[0],
-    )
-    params, model_state = s.params, s.model_state
-    if stopping is not None and stopping.restore_best:
-        restore = jnp.asarray([b is not None for b in best_epochs])
-        if not loop.ensemble:
-            restore = restore[0]
-
-        def pick(best: PyTree, last: PyTree) -> PyTree:
-            def one(b: Array, x: Array) -> Array:
-                return jnp.where(
-                    restore.reshape(restore.shape + (1,) * (x.ndim - restore.ndim)), b, x
-                )
-
-            return jax.tree.map(one, best, last)
-
-        params, model_state = pick(s.best_params, params), pick(s.best_model_state, model_state)
-    result = FitResult(eqx.combine(params, static), s.opt_state, history, model_state)
-    if by_nan.any() and loop.on_nan == "raise":
-        i = int(np.argmax(by_nan))
-        epoch, step = divmod(int(nan_step[i]), steps)
-        member = f"member {i}: " if loop.ensemble else ""
-        raise NonFiniteLossError(
-            f"The loss was not finite at {member}epoch {epoch}, step {step} (step "
-            f"{int(nan_step[i])} of the run). Training stopped there; the last finite model, "
-            "from before that step, is in this error's `.result`. Pass `on_nan='skip'` to "
-            "skip such steps, or `on_nan='stop'` to return early without an error.",
-            result,
-            epoch,
-            step,
-        )
-    return result
-
-
-class _Bar(Progress):
-    """Drives a tqdm bar and the user's callbacks from the chunked runner."""
-
-    def __init__(self, bar: Any, epochs: int, callbacks: Sequence[Callback]):
-        self.bar, self.epochs, self.callbacks = bar, epochs, callbacks
-        self.epoch, self.loss_sum, self.steps = -1, 0.0, 0
-        self.last_logs: dict[str, str] = {}
-
-    def on_steps(self, epoch: int, steps: int, loss_sum: float) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.loss_sum, self.steps = epoch, 0.0, 0
-            self.bar.set_description(f"epoch {epoch + 1}/{self.epochs}", refresh=False)
-        self.loss_sum += loss_sum
-        self.steps += steps
-        postfix = {"loss": f"{self.loss_sum / self.steps:.4g}", **self.last_logs}
-        self.bar.set_postfix(postfix, refresh=False)
-        self.bar.update(steps)
-
-    def on_epoch(self, epoch: int, logs: dict[str, float]) -> bool:
-        self.last_logs = {k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")}
-        stop = False
-        for callback in self.callbacks:
-            stop = bool(callback.on_epoch_end(epoch, dict(logs))) or stop
-        return stop
-
-
-def _run_with_bar(
-    inputs: Inputs, s: TrainState, r: Record, epochs: int, callbacks: Sequence[Callback]
-) -> tuple[TrainState, Record]:
-    from tqdm.auto import tqdm
-
-    steps = inputs.loop.plan.steps_per_epoch
-    with tqdm(total=epochs * steps, unit="step", dynamic_ncols=True) as bar:
-        progress = _Bar(bar, epochs, callbacks)
-        return run_chunked(inputs, s, r, epochs, progress, sync_epochs=bool(callbacks))

@@ -376,6 +376,13 @@ class Progress:
         """Epoch `epoch` finished with these values. Return `True` to stop training."""
         return False
 
+    def interrupted(self) -> bool:
+        """Whether to stop at this chunk boundary (Ctrl-C)."""
+        return False
+
+    def save(self, s: TrainState, r: Record) -> None:
+        """Called at each checkpoint boundary with the state there."""
+
 
 def _epochs_chunk(
     inputs: Inputs, s: TrainState, r: Record, stop_epoch: Int[Array, ""]
@@ -391,6 +398,7 @@ def run_chunked(
     num_epochs: int,
     progress: Progress,
     sync_epochs: bool,
+    checkpoint_every: int | None = None,
     seconds_per_chunk: float = 0.2,
 ) -> tuple[TrainState, Record]:
     """The same run as `run_compiled`, in chunks, reporting to `progress`.
@@ -404,7 +412,8 @@ def run_chunked(
     Chunk i+1 is dispatched before chunk i's results are read, so the host's wait for the
     bar overlaps the device's work. With `sync_epochs` (callbacks that may stop training)
     each epoch's values are read before the next epoch is dispatched. Chunks adapt to take
-    about `seconds_per_chunk` each.
+    about `seconds_per_chunk` each. Every `checkpoint_every` epochs the state goes to
+    `progress.save`; a chunk never crosses that boundary.
     """
     loop = inputs.loop
     plan, p = loop.plan, loop.placement
@@ -425,7 +434,7 @@ def run_chunked(
     def report() -> bool:
         """Reads what has finished; `True` if training should stop."""
         nonlocal clock, steps_since, size
-        stop = False
+        stop = progress.interrupted()
         for read in pending:
             stop = read() or stop
         pending.clear()
@@ -475,12 +484,16 @@ def run_chunked(
         whole_epochs = size // plan.steps_per_epoch
         if whole_epochs >= 1 and (epoch > first_epoch or first_step == 0) and not sync_epochs:
             stop = min(num_epochs, epoch + whole_epochs)
+            if checkpoint_every:
+                stop = min(stop, (epoch // checkpoint_every + 1) * checkpoint_every)
             s, r, logs = epochs_chunk(inputs, s, r, p.put(jnp.asarray(stop, jnp.int32)))
             steps_since += (stop - epoch) * plan.steps_per_epoch
             if report():
                 return p.get((s, r))
             pending.append(epochs_done(epoch, stop, logs))
             epoch, order = stop, None
+            if checkpoint_every and epoch % checkpoint_every == 0:
+                progress.save(*p.get((s, r)))
             continue
         if order is None:
             order = first_order(inputs, s)
@@ -503,6 +516,8 @@ def run_chunked(
         if sync_epochs and report():
             return p.get((s, r))
         epoch += 1
+        if checkpoint_every and epoch % checkpoint_every == 0:
+            progress.save(*p.get((s, r)))
     report()
     return p.get((s, r))
 

@@ -22,3 +22,21 @@ def problem():
         batch_size=16,
     )
     return model, (x, y), kwargs
+
+
+def checkpoint_problem(epochs=200):
+    """A run long enough to be interrupted: 4096 samples in batches of 16, many epochs."""
+    key = jax.random.key(7)
+    kx, km, kf = jax.random.split(key, 3)
+    x = np.asarray(jax.random.normal(kx, (4096, 4)))
+    y = x @ np.arange(1.0, 5.0, dtype=np.float32) + np.sin(x[:, 0])
+    model = eqfit.models.MLP(4, "scalar", 16, 1, key=km)
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=kf,
+        epochs=epochs,
+        batch_size=16,
+        validation_data=(x[:100], y[:100]),
+    )
+    return model, (x, y), kwargs

@@ -1,0 +1,85 @@
+"""The progress bar, the user's callbacks and checkpoints, driven by the chunked runner."""
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ._checkpoint import Checkpoints, Interrupt, position
+from ._loop import Inputs, Progress, Record, run_chunked, TrainState
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """Called on the host after each epoch of a `progress=True` run."""
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
+        """`logs` holds the epoch's values by name. Return `True` to stop training."""
+        ...
+
+
+class _Bar(Progress):
+    """Drives a tqdm bar, the user's callbacks and the checkpoints from the chunked runner."""
+
+    def __init__(
+        self,
+        bar: Any,
+        epochs: int,
+        callbacks: Sequence[Callback],
+        interrupt: Interrupt,
+        store: Checkpoints | None,
+    ):
+        self.bar, self.epochs, self.callbacks = bar, epochs, callbacks
+        self.interrupt, self.store = interrupt, store
+        self.epoch, self.loss_sum, self.steps = -1, 0.0, 0
+        self.last_logs: dict[str, str] = {}
+
+    def on_steps(self, epoch: int, steps: int, loss_sum: float) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.loss_sum, self.steps = epoch, 0.0, 0
+            self.bar.set_description(f"epoch {epoch + 1}/{self.epochs}", refresh=False)
+        self.loss_sum += loss_sum
+        self.steps += steps
+        postfix = {"loss": f"{self.loss_sum / self.steps:.4g}", **self.last_logs}
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(steps)
+
+    def on_epoch(self, epoch: int, logs: dict[str, float]) -> bool:
+        self.last_logs = {k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")}
+        stop = False
+        for callback in self.callbacks:
+            stop = bool(callback.on_epoch_end(epoch, dict(logs))) or stop
+        return stop
+
+    def interrupted(self) -> bool:
+        return self.interrupt.requested
+
+    def save(self, s: TrainState, r: Record) -> None:
+        if self.store is not None:
+            self.store.save((s, r), *position(s))
+
+
+def run_with_bar(
+    inputs: Inputs,
+    s: TrainState,
+    r: Record,
+    epochs: int,
+    callbacks: Sequence[Callback],
+    interrupt: Interrupt,
+    store: Checkpoints | None,
+    every: int,
+) -> tuple[TrainState, Record]:
+    from tqdm.auto import tqdm
+
+    steps = inputs.loop.plan.steps_per_epoch
+    done, step = position(s)
+    initial = min(done, epochs) * steps + step  # where a resumed run starts
+    with tqdm(total=epochs * steps, initial=initial, unit="step", dynamic_ncols=True) as bar:
+        progress = _Bar(bar, epochs, callbacks, interrupt, store)
+        return run_chunked(
+            inputs,
+            s,
+            r,
+            epochs,
+            progress,
+            sync_epochs=bool(callbacks),
+            checkpoint_every=every if store is not None else None,
+        )
