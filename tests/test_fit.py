@@ -325,10 +325,10 @@ def test_progress_in_step_chunks_and_in_epoch_chunks(getkey, monkeypatch, second
     # 8 steps, whole epochs per call. Both must give the compiled path's bits.
     import functools
 
-    import eqfit._fit
+    import eqfit._progress
 
-    chunked = functools.partial(eqfit._fit.run_chunked, seconds_per_chunk=seconds_per_chunk)
-    monkeypatch.setattr(eqfit._fit, "run_chunked", chunked)
+    chunked = functools.partial(eqfit._progress.run_chunked, seconds_per_chunk=seconds_per_chunk)
+    monkeypatch.setattr(eqfit._progress, "run_chunked", chunked)
     data = regression_data(getkey(), 150)
     model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
     kwargs = dict(
