@@ -3,7 +3,7 @@
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -23,6 +23,7 @@ from ._parallel import choose_placement, Device, Pmap
 from ._progress import Callback, run_with_bar
 from ._result import FitResult, make_result
 from ._step import Objective, Step, takes_key
+from ._stream import stream_plan, stream_source
 
 
 ArrayData = tuple[Shaped[Array | np.ndarray, "n ..."], ...]
@@ -32,7 +33,7 @@ ValidationData = tuple[Shaped[Array | np.ndarray, "n_val ..."], ...]
 @jaxtyped(typechecker=beartype)
 def fit(
     model: PyTree,
-    data: ArrayData,
+    data: ArrayData | Iterable[Any],
     *,
     loss: Callable[..., Any],
     optimizer: optax.GradientTransformation | optax.MultiSteps,
@@ -63,7 +64,9 @@ def fit(
 
     - `model`: any PyTree of arrays, usually an `eqx.Module`. It is not changed.
     - `data`: a tuple of numpy or JAX arrays sharing their leading (sample) axis. It is
-        moved to the device once; each epoch then permutes indices, not data.
+        moved to the device once; each epoch then permutes indices, not data. Data larger
+        than memory streams instead: a tuple of `np.memmap` arrays (`np.load(...,
+        mmap_mode="r")`), or a re-iterable loader yielding batches as tuples of arrays.
     - `loss`: called as `loss(model, *batch)` (or `loss(model, state, *batch)` returning
         `(value, new_state)` with `state=`), returning a scalar. If it takes a keyword
         `key`, it gets a fresh key every step (for dropout and the like).
@@ -128,7 +131,8 @@ def fit(
         `optax.adam(...)` is a new object, so keep one optimizer to reuse the program.
     """
     start = time.perf_counter()
-    data_ = as_data(data)
+    source = stream_source(data, devices, mesh, ensemble, validation_split)
+    data_ = as_data(data) if source is None else ()
     key_ = as_key(key)
     if isinstance(epochs, bool) or epochs < 0:
         raise ValueError(f"`epochs` must be 0 or more, got {epochs}.")
@@ -146,10 +150,13 @@ def fit(
     keys, split_key = _keys(key_, members)
     data_, val_data = _validation(data_, validation_data, validation_split, split_key)
     placement = choose_placement(devices, mesh, batch_size)
-    num_samples = data_[0].shape[0]
-    if mesh is not None and jax.process_count() > 1:
-        num_samples *= jax.process_count()  # each process passed its own rows
-    plan = plan_batches(num_samples, batch_size, drop_remainder)
+    if source is None:
+        num_samples = data_[0].shape[0]
+        if mesh is not None and jax.process_count() > 1:
+            num_samples *= jax.process_count()  # each process passed its own rows
+        plan = plan_batches(num_samples, batch_size, drop_remainder)
+    else:
+        plan = stream_plan(source, batch_size, drop_remainder)
     if isinstance(optimizer, optax.MultiSteps):
         optimizer = optimizer.gradient_transformation()
 
@@ -187,11 +194,18 @@ def fit(
     if checkpoint is not None:
         if isinstance(checkpoint_every, bool) or checkpoint_every < 1:
             raise ValueError(f"`checkpoint_every` must be at least 1, got {checkpoint_every}.")
-        store = Checkpoints(checkpoint, _config(loop, inputs, s, r, epochs, loss))
+        config = _config(loop, inputs, s, r, epochs, loss)
+        if source is not None:
+            config["data"] = source.describe()
+        store = Checkpoints(checkpoint, config)
         s, r = store.restore((s, r)) or (s, r)
     with Interrupt().deferred() as interrupt:
-        if progress:
-            s, r = run_with_bar(inputs, s, r, epochs, callbacks, interrupt, store, checkpoint_every)
+        every = checkpoint_every
+        if progress or source is not None:
+            # Streamed data is always trained in chunks; `progress` only shows the bar.
+            s, r = run_with_bar(
+                inputs, s, r, epochs, callbacks, interrupt, store, every, source, progress
+            )
         else:
             s, r = _run_segments(inputs, s, r, epochs, interrupt, store, checkpoint_every)
         if interrupt.requested:
@@ -268,7 +282,11 @@ def _validation(
         raise ValueError("Give `validation_data` or `validation_split`, not both.")
     if validation_data is not None:
         val = as_data(validation_data)
-        if len(val) != len(data) or any(v.shape[1:] != d.shape[1:] for v, d in zip(val, data)):
+        if (
+            data
+            and len(val) != len(data)
+            or any(v.shape[1:] != d.shape[1:] for v, d in zip(val, data))
+        ):
             raise ValueError(
                 "`validation_data` must hold arrays like `data`'s, one sample apart: "
                 f"`data` has shapes {[tuple(a.shape) for a in data]}, "

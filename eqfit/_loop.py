@@ -156,11 +156,17 @@ class Loop(eqx.Module):
         keys: Keys,
         start: Any,
         stop: Any,
+        offset: Any = 0,
     ) -> tuple[TrainState, Record]:
-        """Full batches `start` to `stop` of the current epoch, or until stopped."""
+        """Full batches `start` to `stop` of the current epoch, or until stopped.
+
+        Batch j takes rows `order[(j - offset) * batch_size :][:batch_size]` of `data`:
+        in memory `data` is the whole dataset and `offset` 0; streamed, `data` is a chunk
+        whose first batch is batch `offset` of the epoch.
+        """
         size = self.plan.batch_size
-        if self.plan.num_full == 0:  # fewer samples than one batch: only the remainder
-            return s, r
+        if self.plan.num_full == 0 or order.shape[-1] < size:
+            return s, r  # not one full batch here (in the data, or in this streamed chunk)
 
         def cond(carry: tuple[Any, TrainState, Record]) -> Bool[Array, ""]:
             j, s, _ = carry
@@ -168,7 +174,7 @@ class Loop(eqx.Module):
 
         def body(carry: tuple[Any, TrainState, Record]) -> tuple[Any, TrainState, Record]:
             j, s, r = carry
-            index = jax.lax.dynamic_slice_in_dim(order, j * size, size)
+            index = jax.lax.dynamic_slice_in_dim(order, (j - offset) * size, size)
             batch = self.placement.full_batch(data, index)
             s, r = self._step_at(self.step, s, r, batch, keys, j)
             return j + 1, dataclasses.replace(s, step=j + 1), r
@@ -184,6 +190,7 @@ class Loop(eqx.Module):
         val_data: ValData | None,
         order: UInt32[Array, " n"],
         keys: Keys,
+        offset: Any = 0,
     ) -> tuple[TrainState, Record, Float[Array, " logs"]]:
         """The remainder step, then validation and early stopping. Nothing if stopped.
 
@@ -196,7 +203,8 @@ class Loop(eqx.Module):
             return s, r
 
         def remainder(s: TrainState, r: Record) -> tuple[TrainState, Record]:
-            index = order[plan.num_full * plan.batch_size :]
+            start = (plan.num_full - offset) * plan.batch_size
+            index = jax.lax.dynamic_slice_in_dim(order, start, plan.remainder)
             batch = self.placement.remainder_batch(data, index)
             step = dataclasses.replace(self.step, axis_name=None)
             return self._step_at(step, s, r, batch, keys, plan.num_full)
@@ -336,31 +344,31 @@ def _first_order(inputs: Inputs, s: TrainState) -> UInt32[Array, "*members n"]:
 
 
 def _chunk(
-    inputs: tuple[Inputs, UInt32[Array, "*members n"], Int[Array, "2"]],
+    inputs: tuple[Inputs, UInt32[Array, "*members n"], Int[Array, "3"]],
     s: TrainState,
     r: Record,
 ) -> tuple[TrainState, Record, Float[Array, "*members"]]:
     inputs_, order, bounds = inputs
-    loop, start, stop = inputs_.loop, bounds[0], bounds[1]
+    loop, start, stop, offset = inputs_.loop, bounds[0], bounds[1], bounds[2]
     steps = jnp.arange(loop.plan.steps_per_epoch)
     ran = (steps >= start) & (steps < stop)
 
     def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
         e = s.epoch
-        s, r = loop.run_steps(s, r, inputs_.data, order, keys, start, stop)
+        s, r = loop.run_steps(s, r, inputs_.data, order, keys, start, stop, offset)
         return s, r, jnp.sum(jnp.where(ran, r.step_loss[e], 0.0))
 
     return loop.per_member(run)(inputs_.keys, s, r, order)
 
 
 def _epoch_end(
-    inputs: tuple[Inputs, UInt32[Array, "*members n"]], s: TrainState, r: Record
-) -> tuple[TrainState, Record, UInt32[Array, "*members n"], Float[Array, "*members logs"]]:
-    inputs_, order = inputs
+    inputs: tuple[Inputs, UInt32[Array, "*members n"], Int[Array, ""]], s: TrainState, r: Record
+) -> tuple[TrainState, Record, UInt32[Array, "*members n_next"], Float[Array, "*members logs"]]:
+    inputs_, order, offset = inputs
     loop = inputs_.loop
 
     def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
-        s, r, logs = loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, keys)
+        s, r, logs = loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, keys, offset)
         return s, r, loop.order(keys, s.epoch), logs
 
     return loop.per_member(run)(inputs_.keys, s, r, order)
@@ -499,13 +507,13 @@ def run_chunked(
             order = first_order(inputs, s)
         start = first_step if epoch == first_epoch else 0
         for begin, end in _ranges(start, plan.num_full, lambda: size):
-            bounds = p.put(jnp.asarray([begin, end], jnp.int32))
+            bounds = p.put(jnp.asarray([begin, end, 0], jnp.int32))
             s, r, loss_sum = chunk((inputs, order, bounds), s, r)
             steps_since += end - begin
             if report():
                 return p.get((s, r))
             pending.append(steps_done(epoch, end - begin, loss_sum))
-        s, r, order, logs = epoch_end((inputs, order), s, r)
+        s, r, order, logs = epoch_end((inputs, order, p.put(jnp.asarray(0, jnp.int32))), s, r)
         if plan.remainder:
             steps_since += 1
             remainder_loss = r.step_loss[..., epoch, plan.num_full]

@@ -5,6 +5,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._checkpoint import Checkpoints, Interrupt, position
 from ._loop import Inputs, Progress, Record, run_chunked, TrainState
+from ._stream import LoaderSource, MemmapSource, run_streamed
 
 
 @runtime_checkable
@@ -66,20 +67,22 @@ def run_with_bar(
     interrupt: Interrupt,
     store: Checkpoints | None,
     every: int,
+    source: MemmapSource | LoaderSource | None = None,
+    show: bool = True,
 ) -> tuple[TrainState, Record]:
+    """Runs the chunked path (or the streamed one, for `source`), with a bar if `show`."""
     from tqdm.auto import tqdm
 
     steps = inputs.loop.plan.steps_per_epoch
     done, step = position(s)
     initial = min(done, epochs) * steps + step  # where a resumed run starts
-    with tqdm(total=epochs * steps, initial=initial, unit="step", dynamic_ncols=True) as bar:
+    every_ = every if store is not None else None
+    with tqdm(
+        total=epochs * steps, initial=initial, unit="step", dynamic_ncols=True, disable=not show
+    ) as bar:
         progress = _Bar(bar, epochs, callbacks, interrupt, store)
+        if source is not None:
+            return run_streamed(inputs, s, r, epochs, progress, source, every_)
         return run_chunked(
-            inputs,
-            s,
-            r,
-            epochs,
-            progress,
-            sync_epochs=bool(callbacks),
-            checkpoint_every=every if store is not None else None,
+            inputs, s, r, epochs, progress, sync_epochs=bool(callbacks), checkpoint_every=every_
         )

@@ -1,0 +1,326 @@
+"""Data larger than memory: chunks of batches read from disk or a loader, double-buffered.
+
+A chunk is K consecutive batches. While the device trains on one chunk, a background
+thread reads the next from disk and moves it to the device, so host memory holds a few
+chunks whatever the data's size, and the device rarely waits.
+"""
+
+import mmap
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._data import BatchPlan, epoch_order, plan_batches
+from ._loop import _chunk, _epoch_end, Inputs, Progress, Record, TrainState
+
+
+CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
+
+
+class Chunk(NamedTuple):
+    """Rows for the full batches `first .. first + steps` of an epoch (and, for the last
+    chunk of an epoch, its remainder batch), as host arrays.
+    """
+
+    first: int
+    steps: int
+    arrays: tuple[np.ndarray, ...]
+    last: bool = False
+
+
+def _mark_last(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """The same chunks, the final one marked `last` (one chunk of lookahead)."""
+    previous = None
+    for chunk in chunks:
+        if previous is not None:
+            yield previous
+        previous = chunk
+    if previous is not None:
+        yield previous._replace(last=True)
+
+
+def stream_source(
+    data: Any, devices: Any, mesh: Any, ensemble: bool, validation_split: Any
+) -> "MemmapSource | LoaderSource | None":
+    """The source to stream `data` from, or `None` for in-memory arrays."""
+    if isinstance(data, tuple):
+        if not any(isinstance(a, np.memmap) for a in data):
+            return None
+    elif not isinstance(data, Iterable) or isinstance(data, (np.ndarray, jax.Array, str)):
+        return None
+    for name, given in (
+        ("devices", devices),
+        ("mesh", mesh),
+        ("ensemble", ensemble),
+        ("validation_split", validation_split),
+    ):
+        if given:
+            raise ValueError(
+                f"Streamed `data` (memmaps or a loader) does not support `{name}=` yet; "
+                "load the data into memory, or pass `validation_data`."
+            )
+    return MemmapSource(data) if isinstance(data, tuple) else LoaderSource(data)
+
+
+class MemmapSource:
+    """Reads blocks of consecutive rows from `np.memmap` arrays (`np.load(mmap_mode="r")`).
+
+    Rows are read with `np.fromfile` at the array's offset, not through the mapping, so
+    pages already trained on are not held in this process's memory.
+    """
+
+    def __init__(self, arrays: tuple[np.ndarray, ...]):
+        lengths = [a.shape[0] for a in arrays]
+        if any(n != lengths[0] for n in lengths):
+            raise ValueError(
+                "The arrays in `data` must share their leading (sample) axis, got lengths "
+                f"{lengths}."
+            )
+        if lengths[0] == 0:
+            raise ValueError("`data` is empty: its arrays have 0 samples.")
+        for i, a in enumerate(arrays):
+            if not (np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.bool_)):
+                raise TypeError(f"`data[{i}]` has dtype {a.dtype}; eqfit trains on numbers.")
+        self.arrays = arrays
+        self.num_samples = lengths[0]
+        self.row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in arrays)
+
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
+        return tuple(_read_rows(a, start, stop) for a in self.arrays)
+
+    def describe(self) -> list[list[Any]]:
+        return [[f"[{i}]", list(a.shape), str(a.dtype)] for i, a in enumerate(self.arrays)]
+
+
+def _read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
+    if (
+        isinstance(a, np.memmap)
+        and isinstance(a.base, mmap.mmap)
+        and a.filename is not None
+        and a.flags.c_contiguous
+    ):
+        row = int(np.prod(a.shape[1:]))
+        offset = a.offset + start * row * a.dtype.itemsize
+        out = np.fromfile(a.filename, dtype=a.dtype, count=(stop - start) * row, offset=offset)
+        return out.reshape(stop - start, *a.shape[1:])
+    return np.array(a[start:stop])
+
+
+def memmap_chunks(
+    source: MemmapSource, plan: BatchPlan, per_chunk: int, epoch: int, seed: int | None
+) -> Iterator[Chunk]:
+    """An epoch's chunks: whole blocks of `per_chunk` batches in a random order (if `seed`),
+    then the last, partial block with the remainder.
+    """
+    blocks = plan.num_full // per_chunk
+    order = np.arange(blocks) if seed is None else np.random.default_rng(seed).permutation(blocks)
+    rows = per_chunk * plan.batch_size
+    for position, block in enumerate(order.tolist()):
+        yield Chunk(position * per_chunk, per_chunk, source.read(block * rows, (block + 1) * rows))
+    first = blocks * per_chunk
+    end = plan.num_full * plan.batch_size + plan.remainder
+    if end > first * plan.batch_size:
+        yield Chunk(first, plan.num_full - first, source.read(first * plan.batch_size, end))
+
+
+class LoaderSource:
+    """A re-iterable that yields batches as tuples of arrays, such as a Grain or PyTorch
+    loader. Every batch has the same size but the last of an epoch, which may be smaller.
+    It does its own shuffling.
+    """
+
+    def __init__(self, loader: Iterable[Any]):
+        self.loader = loader
+        sizes = [len(_as_batch(b, 0)[0]) for b in loader]  # one pass to learn the epoch
+        if not sizes:
+            raise ValueError("`data` yielded no batches.")
+        self.batch_size = sizes[0]
+        if any(n != sizes[0] for n in sizes[:-1]) or sizes[-1] > sizes[0]:
+            raise ValueError(
+                "A loader's batches must all have the same size but the last of an epoch, "
+                f"which may be smaller; got sizes {sizes[:5]}...{sizes[-2:]}."
+            )
+        self.num_samples = sum(sizes)
+        self.first = _as_batch(next(iter(loader)), 0)
+
+    def describe(self) -> list[list[Any]]:
+        return [
+            [f"[{i}]", [self.num_samples, *a.shape[1:]], str(a.dtype)]
+            for i, a in enumerate(self.first)
+        ]
+
+
+def loader_chunks(source: LoaderSource, plan: BatchPlan, per_chunk: int) -> Iterator[Chunk]:
+    """An epoch's chunks: `per_chunk` batches stacked, then the rest with the remainder."""
+    held: list[tuple[np.ndarray, ...]] = []
+    first, smaller = 0, None
+    for i, batch in enumerate(source.loader):
+        arrays = _as_batch(batch, i)
+        size = len(arrays[0])
+        if smaller is not None or size > plan.batch_size:
+            raise ValueError(
+                f"The loader's batch {i} has {size} samples after a batch of {smaller}: only "
+                f"the last batch of an epoch may be smaller than {plan.batch_size}."
+            )
+        if size < plan.batch_size:
+            smaller = size
+            if plan.remainder == 0:  # drop_remainder
+                continue
+        held.append(arrays)
+        if len(held) == per_chunk and smaller is None:
+            yield Chunk(first, per_chunk, tuple(np.concatenate(parts) for parts in zip(*held)))
+            first, held = first + per_chunk, []
+    steps = len(held) - (smaller is not None and plan.remainder > 0)
+    if first + steps != plan.num_full:
+        raise ValueError(
+            f"The loader yielded {first + steps} full batches this epoch, but "
+            f"{plan.num_full} in its first."
+        )
+    if held:
+        yield Chunk(first, steps, tuple(np.concatenate(parts) for parts in zip(*held)))
+
+
+def _as_batch(batch: Any, i: int) -> tuple[np.ndarray, ...]:
+    if isinstance(batch, dict) or not isinstance(batch, (tuple, list)):
+        raise TypeError(
+            f"A loader must yield each batch as a tuple of arrays, got {type(batch).__name__} "
+            f"for batch {i}."
+        )
+    return tuple(np.asarray(a) for a in batch)
+
+
+def stream_plan(source: MemmapSource | LoaderSource, batch_size: int, drop: bool) -> BatchPlan:
+    if isinstance(source, LoaderSource):
+        if batch_size != source.batch_size:
+            raise ValueError(
+                f"`batch_size`={batch_size}, but the loader yields batches of "
+                f"{source.batch_size}: set `batch_size` to the loader's."
+            )
+    return plan_batches(source.num_samples, batch_size, drop)
+
+
+def chunk_batches(source: MemmapSource | LoaderSource, plan: BatchPlan) -> int:
+    """Batches per chunk: about `CHUNK_BYTES` of data, at least one."""
+    if isinstance(source, MemmapSource):
+        row = source.row_bytes
+    else:
+        row = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in source.first)
+    return max(1, min(plan.num_full or 1, CHUNK_BYTES // max(1, row * plan.batch_size)))
+
+
+def run_streamed(
+    inputs: Inputs,
+    s: TrainState,
+    r: Record,
+    num_epochs: int,
+    progress: Progress,
+    source: MemmapSource | LoaderSource,
+    checkpoint_every: int | None,
+) -> tuple[TrainState, Record]:
+    """Trains chunk by chunk with the chunked runner's compiled pieces, the next chunk
+    read and moved to the device in the background while the current one trains.
+
+    The randomness, for memmaps with `shuffle=True`: each epoch visits the blocks of K
+    batches in a new random order, and shuffles the rows inside each block on the device,
+    like a shuffle buffer of K batches that never holds more than a block. A loader
+    shuffles as it likes.
+    """
+    loop = inputs.loop
+    plan = loop.plan
+    per_chunk = chunk_batches(source, plan)
+    chunk_fn = _jit(_chunk)
+    epoch_end_fn = _jit(_epoch_end)
+    order_fn = jax.jit(epoch_order, static_argnums=(2, 3))
+    s = jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+    first_epoch, first_step = int(s.epoch), int(s.step)
+
+    def chunks(epoch: int) -> Iterator[Chunk]:
+        if isinstance(source, LoaderSource):
+            return _mark_last(loader_chunks(source, plan, per_chunk))
+        seed = None
+        if loop.shuffle:
+            seed = int(
+                jax.random.randint(jax.random.fold_in(inputs.keys[0], epoch), (), 0, 2**31 - 1)
+            )
+        return _mark_last(memmap_chunks(source, plan, per_chunk, epoch, seed))
+
+    def produce(out: "queue.Queue[Any]", stop: threading.Event) -> None:
+        try:
+            for epoch in range(first_epoch, num_epochs):
+                for chunk in chunks(epoch):
+                    resumed = epoch == first_epoch and not chunk.last
+                    if resumed and chunk.first + chunk.steps <= first_step:
+                        continue  # trained before a resume
+                    arrays = tuple(jax.device_put(a) for a in chunk.arrays)
+                    while not stop.is_set():
+                        try:
+                            out.put((epoch, chunk, arrays), timeout=0.1)
+                            break
+                        except queue.Full:
+                            pass
+                    if stop.is_set():
+                        return
+            out.put(None)
+        except BaseException as e:  # surfaced in the training thread
+            out.put(e)
+
+    ready: queue.Queue[Any] = queue.Queue(maxsize=2)  # the double buffer
+    stop = threading.Event()
+    reader = threading.Thread(target=produce, args=(ready, stop), daemon=True)
+    reader.start()
+    pending: list[tuple[int, int, Any]] = []
+    try:
+        while True:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                break
+            epoch, chunk, arrays = item
+            chunk_inputs = Inputs(loop, arrays, inputs.val_data, inputs.keys)
+            rows = len(chunk.arrays[0])
+            key = jax.random.fold_in(inputs.keys[0], chunk.first)
+            order = order_fn(key, jnp.asarray(epoch), rows, loop.shuffle)
+            start = max(chunk.first, first_step) if epoch == first_epoch else chunk.first
+            bounds = jnp.asarray([start, chunk.first + chunk.steps, chunk.first], jnp.int32)
+            s, r, loss_sum = chunk_fn((chunk_inputs, order, bounds), s, r)
+            for done in pending:
+                progress.on_steps(done[0], done[1], float(done[2]))
+            pending = [(epoch, chunk.first + chunk.steps - start, loss_sum)]
+            if chunk.last:
+                s, r, _, logs = epoch_end_fn(
+                    (chunk_inputs, order, jnp.asarray(chunk.first, jnp.int32)), s, r
+                )
+                values = np.asarray(logs).tolist()
+                for done in pending:
+                    progress.on_steps(done[0], done[1], float(done[2]))
+                pending = []
+                if plan.remainder:
+                    progress.on_steps(epoch, 1, float(r.step_loss[epoch, plan.num_full]))
+                stopped, epochs_done = bool(values[-2]), int(values[-1])
+                names = loop.log_names
+                if epochs_done > epoch and progress.on_epoch(epoch, dict(zip(names, values))):
+                    break
+                if checkpoint_every and (epoch + 1) % checkpoint_every == 0:
+                    progress.save(s, r)
+                if stopped:
+                    break
+            if progress.interrupted():
+                break
+        for done in pending:
+            progress.on_steps(done[0], done[1], float(done[2]))
+    finally:
+        stop.set()
+        reader.join()
+    return s, r
+
+
+def _jit(fn: Any) -> Any:
+    import equinox as eqx
+
+    return eqx.filter_jit(fn, donate="all-except-first")
