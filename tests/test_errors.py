@@ -53,10 +53,12 @@ def test_negative_epochs(setup):
 
 def test_data_not_arrays(setup):
     model, x, y, kwargs = setup
-    with pytest.raises(TypeCheckError, match=r"parameter 'data'"):
+    with pytest.raises(TypeError, match=r"`data\[0\]` must be a numpy or JAX array, got a list"):
         eqfit.fit(model, ([1.0, 2.0], [3.0, 4.0]), **kwargs)
-    with pytest.raises(TypeCheckError, match=r"parameter 'data'(.|\n)*f32\[10,3\]"):
+    with pytest.raises(TypeError, match=r"tuple of arrays.*shape \(10, 3\).*pass `\(x,\)`"):
         eqfit.fit(model, x, **kwargs)
+    with pytest.raises(TypeCheckError, match=r"parameter 'data'"):
+        eqfit.fit(model, 3.0, **kwargs)
 
 
 def test_data_of_strings(setup):
