@@ -165,8 +165,6 @@ def fit(
     params, static = eqx.partition(model, filter_spec)
     params, frozen = eqx.partition(params, eqx.is_inexact_array)
     static = eqx.combine(frozen, static)
-    if opt_state is None:
-        opt_state = (jax.vmap(optimizer.init) if ensemble else optimizer.init)(params)
 
     objective = Objective(
         loss, tuple((metrics or {}).items()), stateful=state is not None, use_key=takes_key(loss)
@@ -187,8 +185,7 @@ def fit(
             f"`early_stopping.monitor` is {early_stopping.monitor!r}, which this run does "
             f"not compute; it computes {list(loop.log_names)}."
         )
-    init = lambda p, o, st: loop.init(p, o, st, epochs)  # noqa: E731
-    s, r = (jax.vmap(init) if ensemble else init)(params, opt_state, state)
+    s, r = _start(loop, params, opt_state, state, epochs)
     inputs = Inputs(loop, data_, val_data, keys)
     store = None
     if checkpoint is not None:
@@ -231,8 +228,10 @@ def _run_segments(
     """The compiled path: one program for the run, or one per checkpoint interval (the
     program is the same; only its traced stop epoch changes).
     """
+    if store is None:  # one program for the whole run, dispatched without a sync
+        return run_compiled(inputs, s, r, epochs)
     while _running(s, epochs):
-        stop = epochs if store is None else min(epochs, (position(s)[0] // every + 1) * every)
+        stop = min(epochs, (position(s)[0] // every + 1) * every)
         s, r = run_compiled(inputs, s, r, stop)
         if store is not None:
             store.save((s, r), *position(s))
@@ -262,6 +261,27 @@ def _config(
     }
 
 
+@eqx.filter_jit
+def _start(
+    loop: Loop, params: PyTree, opt_state: PyTree, state: PyTree, epochs: int
+) -> tuple[TrainState, Record]:
+    """The optimizer state (unless given) and the loop's starting state, as one compiled
+    call: done eagerly, its dozens of small array creations cost milliseconds a `fit`.
+    """
+
+    def start(params: PyTree, opt_state: PyTree, state: PyTree) -> tuple[TrainState, Record]:
+        if opt_state is None:
+            opt_state = loop.step.optimizer.init(params)
+        return loop.init(params, opt_state, state, epochs)
+
+    if loop.ensemble:
+        return jax.vmap(start, in_axes=(0, None if opt_state is None else 0, 0))(
+            params, opt_state, state
+        )
+    return start(params, opt_state, state)
+
+
+@eqx.filter_jit  # one dispatch rather than several eager splits
 def _keys(key: Key[Array, ""], members: int | None) -> tuple[Array, Key[Array, ""]]:
     """The (shuffle, step) keys, per member for an ensemble, and the split key."""
     if members is None:

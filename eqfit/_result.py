@@ -51,13 +51,15 @@ def make_result(
     sizes = (plan.batch_size,) * plan.num_full + ((plan.remainder,) if plan.remainder else ())
     steps = len(sizes)
     # One row per member (a single model is an ensemble of one, squeezed at the end).
-    epochs_done, nan_step, best, stopped = (
-        np.atleast_1d(np.asarray(x)) for x in (s.epoch, s.nan_step, s.best_epoch, s.stopped)
+    # One transfer for everything read here, rather than one per array.
+    host_s, host_r = jax.device_get(
+        ((s.epoch, s.nan_step, s.best_epoch, s.stopped), (r.step_loss, r.step_metrics, r.val))
     )
+    epochs_done, nan_step, best, stopped = (np.atleast_1d(x) for x in host_s)
     members = len(epochs_done)
-    step_loss = np.asarray(r.step_loss).reshape(members, *r.step_loss.shape[-2:])
-    step_metrics = np.asarray(r.step_metrics).reshape(members, *r.step_metrics.shape[-3:])
-    val = np.asarray(r.val).reshape(members, *r.val.shape[-2:])
+    step_loss = host_r[0].reshape(members, *r.step_loss.shape[-2:])
+    step_metrics = host_r[1].reshape(members, *r.step_metrics.shape[-3:])
+    val = host_r[2].reshape(members, *r.val.shape[-2:])
     by_nan = (nan_step >= 0) & (loop.on_nan != "skip")
     # An epoch cut short by a non-finite loss counts as run, with NaN for its lost steps.
     ran = epochs_done + (by_nan & (nan_step // steps >= epochs_done))

@@ -1,0 +1,127 @@
+"""Shared helpers for the benchmarks: timing, compile-event counting, the run's configuration."""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.monitoring
+
+
+# JAX reports each stage of a compilation as a duration event. Listening to them lets a
+# benchmark prove that its steady-state loop compiled nothing, and split a first call's
+# cost into tracing, lowering and XLA compilation.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileEvents:
+    """Counts and sums JAX's compilation events since the last `reset`."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration: float, **_: Any) -> None:
+        self.count[event] = self.count.get(event, 0) + 1
+        self.seconds[event] = self.seconds.get(event, 0.0) + duration
+
+    def reset(self) -> None:
+        self.count.clear()
+        self.seconds.clear()
+
+    def backend_compiles(self) -> int:
+        """How many XLA programs were compiled since the last `reset`."""
+        return self.count.get(COMPILE_EVENT, 0)
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds spent tracing, lowering and compiling since the last `reset`."""
+        return {
+            "trace_s": self.seconds.get(TRACE_EVENT, 0.0),
+            "lower_s": self.seconds.get(LOWER_EVENT, 0.0),
+            "xla_compile_s": self.seconds.get(COMPILE_EVENT, 0.0),
+            "xla_compiles": float(self.backend_compiles()),
+        }
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds taken by `fn()`, which must block until its device work is done."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def config() -> dict[str, Any]:
+    """What the numbers depend on besides the benchmark's own settings."""
+    device = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "backend": jax.default_backend(),
+        "device": str(device),
+        "device_kind": getattr(device, "device_kind", None),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+    }
+
+
+def source_fingerprint(package: Path) -> str:
+    """A hash of a package's Python sources, to tie numbers to the code that made them."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table, columns padded for reading in a terminal."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    rule = "| " + " | ".join("-" * w for w in widths) + " |"
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def interleave(
+    runs: dict[str, Callable[[], Any]], repeats: int, inner: int = 3
+) -> dict[str, float]:
+    """Median seconds per run of each variant, timed A B A B in turn after a warm-up.
+
+    Each repeat times `inner` back-to-back runs of a variant (after one untimed run of it)
+    and keeps their median, so that no variant pays for the one timed before it.
+    """
+    for run in runs.values():  # compile and warm every variant first
+        run()
+        run()
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for i in range(repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            runs[name]()
+            samples[name].append(median([timed(runs[name]) for _ in range(inner)]))
+    return {name: median(xs) for name, xs in samples.items()}
