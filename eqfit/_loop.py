@@ -435,7 +435,9 @@ def run_chunked(
     s = jax.tree.map(lambda x: jnp.array(x, copy=True), s)
     inputs, s, r = inputs.place(), p.put(s), p.put(r)
     pending: list[Callable[[], bool]] = []
-    size = 8  # steps in the first chunk, for a quick first redraw; later chunks adapt
+    # Steps in the first chunk: a quick first redraw, or one whole short epoch, which is
+    # one call instead of three; later chunks adapt to the measured speed.
+    size = plan.steps_per_epoch if plan.steps_per_epoch <= 64 else 8
     clock, steps_since = time.perf_counter(), 0
     num_logs = len(loop.log_names)
 
