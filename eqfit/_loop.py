@@ -293,6 +293,8 @@ class Inputs(eqx.Module):
     def place(self) -> "Inputs":
         """Moves everything to the placement's layout: the data split, the rest copied."""
         p = self.loop.placement
+        if isinstance(p, OneDevice):
+            return self  # nothing to move; and no Module to rebuild on the hot path
         return Inputs(
             p.put(self.loop),
             p.put(self.data, sharded=True),
@@ -363,13 +365,12 @@ def _chunk(
 
 def _epoch_end(
     inputs: tuple[Inputs, UInt32[Array, "*members n"], Int[Array, ""]], s: TrainState, r: Record
-) -> tuple[TrainState, Record, UInt32[Array, "*members n_next"], Float[Array, "*members logs"]]:
+) -> tuple[TrainState, Record, Float[Array, "*members logs"]]:
     inputs_, order, offset = inputs
     loop = inputs_.loop
 
     def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
-        s, r, logs = loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, keys, offset)
-        return s, r, loop.order(keys, s.epoch), logs
+        return loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, keys, offset)
 
     return loop.per_member(run)(inputs_.keys, s, r, order)
 
@@ -417,8 +418,10 @@ def run_chunked(
     Bounds are traced, so every chunk length shares one compilation, and each piece runs
     the same arithmetic as `run_compiled`: the results are equal bit for bit.
 
-    Chunk i+1 is dispatched before chunk i's results are read, so the host's wait for the
-    bar overlaps the device's work. With `sync_epochs` (callbacks that may stop training)
+    Chunk i+1 is dispatched before chunk i's results are read, meant to overlap the host's
+    wait for the bar with the device's work. (Equinox 0.13's `filter_jit` waits for each
+    call to finish, so today the overlap is lost; with few, long chunks it costs little.)
+    With `sync_epochs` (callbacks that may stop training)
     each epoch's values are read before the next epoch is dispatched. Chunks adapt to take
     about `seconds_per_chunk` each. Every `checkpoint_every` epochs the state goes to
     `progress.save`; a chunk never crosses that boundary.
@@ -515,7 +518,8 @@ def run_chunked(
             if report():
                 return p.get((s, r))
             pending.append(steps_done(epoch, end - begin, loss_sum))
-        s, r, order, logs = epoch_end((inputs, order, p.put(jnp.asarray(0, jnp.int32))), s, r)
+        s, r, logs = epoch_end((inputs, order, p.put(jnp.asarray(0, jnp.int32))), s, r)
+        order = None  # the next epoch's order, made only if that epoch runs in steps
         if plan.remainder:
             steps_since += 1
             remainder_loss = r.step_loss[..., epoch, plan.num_full]

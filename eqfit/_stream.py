@@ -306,7 +306,7 @@ def run_streamed(
                 progress.on_steps(done[0], done[1], float(done[2]))
             pending = [(epoch, chunk.first + chunk.steps - start, loss_sum)]
             if chunk.last:
-                s, r, _, logs = epoch_end_fn(
+                s, r, logs = epoch_end_fn(
                     (chunk_inputs, order, jnp.asarray(chunk.first, jnp.int32)), s, r
                 )
                 values = np.asarray(logs).tolist()
