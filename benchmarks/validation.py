@@ -87,7 +87,8 @@ def main() -> None:
     optimizer = optax.adam(1e-3)
     stopping = eqfit.EarlyStopping(patience=100)
 
-    def eqfit_run() -> None:
+    def eqfit_run(validate: bool) -> None:
+        extra = {"validation_data": val, "early_stopping": stopping} if validate else {}
         result = eqfit.fit(
             model,
             train,
@@ -96,29 +97,16 @@ def main() -> None:
             key=jax.random.key(1),
             epochs=EPOCHS,
             batch_size=BATCH,
-            validation_data=val,
-            early_stopping=stopping,
-        )
-        jax.block_until_ready(result.model)
-
-    def plain_eqfit() -> None:
-        result = eqfit.fit(
-            model,
-            train,
-            loss=eqfit.losses.mse,
-            optimizer=optimizer,
-            key=jax.random.key(1),
-            epochs=EPOCHS,
-            batch_size=BATCH,
+            **extra,  # type: ignore[arg-type]
         )
         jax.block_until_ready(result.model)
 
     variants = {
-        "eqfit: validation + early stopping": eqfit_run,
+        "eqfit: validation + early stopping": lambda: eqfit_run(True),
         "hand-written scan: same validation": hand_written(
             model, optimizer, train, val, jax.random.key(1)
         ),
-        "eqfit: no validation": plain_eqfit,
+        "eqfit: no validation": lambda: eqfit_run(False),
     }
     seconds = interleave(variants, args.repeats)
     base = seconds["hand-written scan: same validation"]
