@@ -25,6 +25,14 @@ def as_data(data: Any) -> tuple[Array, ...]:
 
     The same tuple as JAX arrays. JAX arrays are not copied.
     """
+    check_data(data)
+    return tuple(jnp.asarray(a) for a in data)
+
+
+def check_data(data: Any) -> None:
+    """Refuses `data` that is not a non-empty tuple of numeric arrays sharing their
+    leading (sample) axis, naming the array and the sizes. Moves nothing.
+    """
     if not isinstance(data, tuple):
         hint = " For a single array pass `(x,)`." if _is_array(data) else ""
         raise TypeError(
@@ -54,7 +62,6 @@ def as_data(data: Any) -> tuple[Array, ...]:
         raise ValueError(
             f"`data` is empty: its arrays have 0 samples (shapes {[tuple(a.shape) for a in data]})."
         )
-    return tuple(jnp.asarray(a) for a in data)
 
 
 def as_key(key: Any) -> Key[Array, ""]:
@@ -80,6 +87,11 @@ class BatchPlan(NamedTuple):
     def steps_per_epoch(self) -> int:
         return self.num_full + (self.remainder > 0)
 
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The size of each step's batch within an epoch."""
+        return (self.batch_size,) * self.num_full + ((self.remainder,) if self.remainder else ())
+
 
 def plan_batches(num_samples: int, batch_size: int, drop_remainder: bool) -> BatchPlan:
     """Splits `num_samples` into full batches of `batch_size` and one remainder batch.
@@ -95,8 +107,7 @@ def plan_batches(num_samples: int, batch_size: int, drop_remainder: bool) -> Bat
 
     A `BatchPlan`.
     """
-    if isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be at least 1, got {batch_size}.")
+    check_batch_size(batch_size)
     num_full, remainder = divmod(num_samples, batch_size)
     if drop_remainder:
         if num_full == 0:
@@ -106,6 +117,12 @@ def plan_batches(num_samples: int, batch_size: int, drop_remainder: bool) -> Bat
             )
         remainder = 0
     return BatchPlan(num_samples, batch_size, num_full, remainder)
+
+
+def check_batch_size(batch_size: int) -> None:
+    """Refuses a `batch_size` below 1."""
+    if isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be at least 1, got {batch_size}.")
 
 
 def epoch_order(

@@ -83,8 +83,7 @@ class Loop(eqx.Module):
         return names + tuple(f"val_{n}" for n in names) if self.validate else names
 
     def weights(self) -> Float[Array, " steps"]:
-        plan = self.plan
-        sizes = [plan.batch_size] * plan.num_full + ([plan.remainder] if plan.remainder else [])
+        sizes = self.plan.batch_sizes
         return jnp.asarray(sizes, jnp.float32) / sum(sizes)
 
     # -- the state at the start
@@ -400,6 +399,13 @@ def _epochs_chunk(
     return s, r, inputs.loop.per_member(inputs.loop.all_logs)(s, r)
 
 
+def own_copy(s: TrainState) -> TrainState:
+    """A copy of every array, so that donating the state between chunks never touches the
+    caller's arrays (the state's params may be the caller's very buffers).
+    """
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+
+
 def run_chunked(
     inputs: Inputs,
     s: TrainState,
@@ -433,9 +439,8 @@ def run_chunked(
     epoch_end = p.compile(_epoch_end, "all-except-first")
     epochs_chunk = p.compile(_epochs_chunk, "all-except-first")
 
-    # Copies, so that donating them never touches the caller's arrays.
     first_epoch, first_step = int(np.max(s.epoch)), int(np.min(s.step))
-    s = jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+    s = own_copy(s)
     inputs, s, r = inputs.place(), p.put(s), p.put(r)
     pending: list[Callable[[], bool]] = []
     # Steps in the first chunk: a quick first redraw, or one whole short epoch, which is

@@ -10,7 +10,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, jaxtyped, PyTree, Shaped
 
-from ._data import as_data, ensemble_size
+from ._data import as_data, check_batch_size, ensemble_size
 from ._evaluate import evaluate_batches
 from ._step import Objective, takes_key
 
@@ -41,7 +41,7 @@ def predict(
     The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True`.
     """
     (x_,) = as_data((x,))
-    _check_batch_size(batch_size)
+    check_batch_size(batch_size)
     if ensemble:
         ensemble_size(model)
     return _predict(eqx.nn.inference_mode(model), x_, batch_size, ensemble)
@@ -92,7 +92,7 @@ def evaluate(
     `{"loss": ..., **{name: ...}}` as plain floats.
     """
     data_ = as_data(data)
-    _check_batch_size(batch_size)
+    check_batch_size(batch_size)
     objective = Objective(loss, tuple((metrics or {}).items()), state is not None, takes_key(loss))
     values = _evaluate(objective, model, state, data_, batch_size)
     names = ("loss", *(name for name, _ in objective.metrics))
@@ -100,8 +100,3 @@ def evaluate(
 
 
 _evaluate = eqx.filter_jit(evaluate_batches)
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be at least 1, got {batch_size}.")

@@ -48,7 +48,7 @@ def make_result(
 ) -> FitResult:
     """Reads the run's record back into a History and the trained model."""
     plan, stopping = loop.plan, loop.early_stopping
-    sizes = (plan.batch_size,) * plan.num_full + ((plan.remainder,) if plan.remainder else ())
+    sizes = plan.batch_sizes
     steps = len(sizes)
     # One row per member (a single model is an ensemble of one, squeezed at the end).
     # One transfer for everything read here, rather than one per array.

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._data import BatchPlan, plan_batches
-from ._loop import _chunk, _epoch_end, Inputs, Progress, Record, TrainState
+from ._data import BatchPlan, check_data, plan_batches
+from ._loop import _chunk, _epoch_end, Inputs, own_copy, Progress, Record, TrainState
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
@@ -76,19 +76,9 @@ class MemmapSource:
     """
 
     def __init__(self, arrays: tuple[np.ndarray, ...]):
-        lengths = [a.shape[0] for a in arrays]
-        if any(n != lengths[0] for n in lengths):
-            raise ValueError(
-                "The arrays in `data` must share their leading (sample) axis, got lengths "
-                f"{lengths}."
-            )
-        if lengths[0] == 0:
-            raise ValueError("`data` is empty: its arrays have 0 samples.")
-        for i, a in enumerate(arrays):
-            if not (np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.bool_)):
-                raise TypeError(f"`data[{i}]` has dtype {a.dtype}; eqfit trains on numbers.")
+        check_data(arrays)  # the same checks as in-memory data, nothing read
         self.arrays = arrays
-        self.num_samples = lengths[0]
+        self.num_samples = arrays[0].shape[0]
         self.row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in arrays)
 
     def read(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
@@ -246,7 +236,7 @@ def run_streamed(
     per_chunk = chunk_batches(source, plan)
     chunk_fn = _jit(_chunk)
     epoch_end_fn = _jit(_epoch_end)
-    s = jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+    s = own_copy(s)
     first_epoch, first_step = int(s.epoch), int(s.step)
 
     def chunks(epoch: int) -> Iterator[Chunk]:

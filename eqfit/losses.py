@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, jaxtyped, Shaped
 Model = Callable[..., Array]
 
 
-def _predict(model: Model, x: Array, like: Array, name: str) -> Array:
+def _predict_like(model: Model, x: Array, like: Array, name: str) -> Array:
     out = jax.vmap(model)(x)
     if out.shape != like.shape:
         # Broadcasting (batch, 1) against (batch,) would silently give a (batch, batch)
@@ -43,7 +43,7 @@ def mse(
 
     `mean((model(x_i) - y_i) ** 2)` over the batch and every output.
     """
-    return jnp.mean(optax.squared_error(_predict(model, x, y, "mse"), y))
+    return jnp.mean(optax.squared_error(_predict_like(model, x, y, "mse"), y))
 
 
 @jaxtyped(typechecker=beartype)
@@ -89,6 +89,6 @@ def binary_cross_entropy(
 
     The mean sigmoid cross-entropy over the batch and every output.
     """
-    logits = _predict(model, x, y, "binary_cross_entropy")
+    logits = _predict_like(model, x, y, "binary_cross_entropy")
     labels = y.astype(logits.dtype)
     return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, labels))

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, Shaped
 
+from .losses import _predict_like
+
 
 Model = Callable[..., Array]
 
@@ -40,7 +42,7 @@ def binary_accuracy(
 
     **Returns:** the accuracy over the batch and every output, in [0, 1].
     """
-    return jnp.mean((jax.vmap(model)(x) > 0) == (y > 0.5))
+    return jnp.mean((_predict_like(model, x, y, "binary_accuracy") > 0) == (y > 0.5))
 
 
 @jaxtyped(typechecker=beartype)
@@ -53,10 +55,4 @@ def mae(
 
     **Returns:** `mean(|model(x_i) - y_i|)` over the batch and every output.
     """
-    pred = jax.vmap(model)(x)
-    if pred.shape != y.shape:
-        raise ValueError(
-            f"`mae`: the model's outputs have shape {tuple(pred.shape)} but `y` has shape "
-            f"{tuple(y.shape)}; they must match."
-        )
-    return jnp.mean(jnp.abs(pred - y))
+    return jnp.mean(jnp.abs(_predict_like(model, x, y, "mae") - y))
