@@ -26,7 +26,7 @@ def as_data(data: Any) -> tuple[Array, ...]:
     The same tuple as JAX arrays. JAX arrays are not copied.
     """
     check_data(data)
-    return tuple(jnp.asarray(a) for a in data)
+    return tuple(a if isinstance(a, jax.Array) else jnp.asarray(a) for a in data)
 
 
 def check_data(data: Any) -> None:
@@ -73,6 +73,17 @@ def as_key(key: Any) -> Key[Array, ""]:
     raise TypeError(
         f"`key` must be a single PRNG key such as `jax.random.key(0)`, got {_describe(key)}."
     )
+
+
+def split_keys(key: Key[Array, ""], members: int | None) -> tuple[Array, Key[Array, ""]]:
+    """The (shuffle, step) keys, `(members, 2)` of them for an ensemble, and the key that
+    chooses `validation_split`'s samples.
+    """
+    if members is None:
+        shuffle_key, step_key, split_key = jax.random.split(key, 3)
+        return jnp.stack([shuffle_key, step_key]), split_key
+    per_member = jax.vmap(lambda k: jax.random.split(k, 3)[:2])(jax.random.split(key, members))
+    return per_member, jax.random.split(key, 3)[2]
 
 
 class BatchPlan(NamedTuple):

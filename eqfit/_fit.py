@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from beartype import beartype
@@ -16,13 +15,13 @@ from jax.sharding import Mesh
 from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
 
 from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
-from ._data import as_data, as_key, ensemble_size, plan_batches
+from ._data import as_data, as_key, ensemble_size, plan_batches, split_keys
 from ._early_stopping import EarlyStopping
-from ._loop import Inputs, Loop, Record, run_compiled, TrainState
-from ._parallel import choose_placement, Device, Pmap
+from ._loop import Inputs, Loop, Record, run_compiled, Settings, split_model, train, TrainState
+from ._parallel import choose_placement, Device, OneDevice
 from ._progress import Callback, run_with_bar
 from ._result import FitResult, make_result
-from ._step import Objective, Step, takes_key
+from ._step import takes_key
 from ._stream import stream_plan, stream_source
 
 
@@ -147,8 +146,7 @@ def fit(
             "`validation_split` would hold out different samples for each member of an "
             "ensemble; pass `validation_data` instead."
         )
-    keys, split_key = _keys(key_, members)
-    data_, val_data = _validation(data_, validation_data, validation_split, split_key)
+    data_, val_data = _validation(data_, validation_data, validation_split, key_)
     placement = choose_placement(devices, mesh, batch_size)
     if source is None:
         num_samples = data_[0].shape[0]
@@ -160,56 +158,68 @@ def fit(
     if isinstance(optimizer, optax.MultiSteps):
         optimizer = optimizer.gradient_transformation()
 
-    # Only floating-point arrays chosen by `filter_spec` train; everything else,
-    # frozen arrays included, is closed over by the step.
-    params, static = eqx.partition(model, filter_spec)
-    params, frozen = eqx.partition(params, eqx.is_inexact_array)
-    static = eqx.combine(frozen, static)
-
-    objective = Objective(
-        loss, tuple((metrics or {}).items()), stateful=state is not None, use_key=takes_key(loss)
-    )
-    axis_name = placement.axis_name if isinstance(placement, Pmap) else None
-    loop = Loop(
-        Step(static, objective, optimizer, axis_name),
-        plan,
-        shuffle,
-        placement,
+    settings = Settings(
+        loss,
+        tuple((metrics or {}).items()),
+        stateful=state is not None,
+        use_key=takes_key(loss),
+        optimizer=optimizer,
+        filter_spec=filter_spec,
+        plan=plan,
+        shuffle=shuffle,
         validate=val_data is not None,
         early_stopping=early_stopping,
         on_nan=on_nan,
         ensemble=ensemble,
     )
-    if early_stopping is not None and early_stopping.monitor not in loop.log_names:
+    if early_stopping is not None and early_stopping.monitor not in settings.log_names:
         raise ValueError(
             f"`early_stopping.monitor` is {early_stopping.monitor!r}, which this run does "
-            f"not compute; it computes {list(loop.log_names)}."
+            f"not compute; it computes {list(settings.log_names)}."
         )
-    s, r = _start(loop, params, opt_state, state, epochs)
-    inputs = Inputs(loop, data_, val_data, keys)
-    store = None
-    if checkpoint is not None:
-        if isinstance(checkpoint_every, bool) or checkpoint_every < 1:
-            raise ValueError(f"`checkpoint_every` must be at least 1, got {checkpoint_every}.")
-        config = _config(loop, inputs, s, r, epochs, loss)
-        if source is not None:
-            config["data"] = source.describe()
-        store = Checkpoints(checkpoint, config)
-        s, r = store.restore((s, r)) or (s, r)
+    if checkpoint is not None and (isinstance(checkpoint_every, bool) or checkpoint_every < 1):
+        raise ValueError(f"`checkpoint_every` must be at least 1, got {checkpoint_every}.")
+    one_program = (
+        not progress
+        and source is None
+        and checkpoint is None
+        and isinstance(placement, OneDevice)
+        and callable(filter_spec)  # hashable, unlike most filter trees
+        and not any(eqx.is_array(x) for x in jax.tree.leaves((loss, settings.metrics)))
+    )
     with Interrupt().deferred() as interrupt:
-        every = checkpoint_every
-        if progress or source is not None:
-            # Streamed data is always trained in chunks; `progress` only shows the bar.
-            s, r = run_with_bar(
-                inputs, s, r, epochs, callbacks, interrupt, store, every, source, progress
-            )
+        if one_program:
+            # The usual call, kept lean: one program from the model to the trained one.
+            run = train(settings, epochs, members, model, opt_state, state, data_, val_data, key_)
+            model, opt_state, state, summary, r = run
         else:
-            s, r = _run_segments(inputs, s, r, epochs, interrupt, store, checkpoint_every)
-        if interrupt.requested:
-            if store is not None:
+            params, static = split_model(model, filter_spec)
+            loop = settings.loop(static, placement)
+            s, r = _start(loop, params, opt_state, state, epochs)
+            inputs = Inputs(data_, val_data, _keys(key_, members)[0])
+            store = None
+            if checkpoint is not None:
+                config = _config(loop, inputs, s, r, epochs, loss)
+                if source is not None:
+                    config["data"] = source.describe()
+                store = Checkpoints(checkpoint, config)
+                s, r = store.restore((s, r)) or (s, r)
+            if progress or source is not None:
+                # Streamed data is always trained in chunks; `progress` only shows the bar.
+                every = checkpoint_every
+                s, r = run_with_bar(
+                    loop, inputs, s, r, epochs, callbacks, interrupt, store, every, source, progress
+                )
+            else:
+                s, r = _run_segments(loop, inputs, s, r, epochs, interrupt, store, checkpoint_every)
+            if interrupt.requested and store is not None:
                 store.save((s, r), *position(s))
+            params, state, summary = _finish(loop, s)
+            model, opt_state = eqx.combine(params, static), s.opt_state
+        if interrupt.requested:
             raise KeyboardInterrupt
-    return make_result(loop, s, r, static, time.perf_counter() - start)
+    wall_time = time.perf_counter() - start
+    return make_result(settings, model, opt_state, state, summary, r, wall_time)
 
 
 def _running(s: TrainState, epochs: int) -> bool:
@@ -217,6 +227,7 @@ def _running(s: TrainState, epochs: int) -> bool:
 
 
 def _run_segments(
+    loop: Loop,
     inputs: Inputs,
     s: TrainState,
     r: Record,
@@ -229,10 +240,10 @@ def _run_segments(
     program is the same; only its traced stop epoch changes).
     """
     if store is None:  # one program for the whole run, dispatched without a sync
-        return run_compiled(inputs, s, r, epochs)
+        return run_compiled(loop, inputs, s, r, epochs)
     while _running(s, epochs):
         stop = min(epochs, (position(s)[0] // every + 1) * every)
-        s, r = run_compiled(inputs, s, r, stop)
+        s, r = run_compiled(loop, inputs, s, r, stop)
         if store is not None:
             store.save((s, r), *position(s))
         if interrupt.requested:
@@ -261,34 +272,10 @@ def _config(
     }
 
 
-@eqx.filter_jit
-def _start(
-    loop: Loop, params: PyTree, opt_state: PyTree, state: PyTree, epochs: int
-) -> tuple[TrainState, Record]:
-    """The optimizer state (unless given) and the loop's starting state, as one compiled
-    call: done eagerly, its dozens of small array creations cost milliseconds a `fit`.
-    """
-
-    def start(params: PyTree, opt_state: PyTree, state: PyTree) -> tuple[TrainState, Record]:
-        if opt_state is None:
-            opt_state = loop.step.optimizer.init(params)
-        return loop.init(params, opt_state, state, epochs)
-
-    if loop.ensemble:
-        return jax.vmap(start, in_axes=(0, None if opt_state is None else 0, 0))(
-            params, opt_state, state
-        )
-    return start(params, opt_state, state)
-
-
-@eqx.filter_jit  # one dispatch rather than several eager splits
-def _keys(key: Key[Array, ""], members: int | None) -> tuple[Array, Key[Array, ""]]:
-    """The (shuffle, step) keys, per member for an ensemble, and the split key."""
-    if members is None:
-        shuffle_key, step_key, split_key = jax.random.split(key, 3)
-        return jnp.stack([shuffle_key, step_key]), split_key
-    per_member = jax.vmap(lambda k: jax.random.split(k, 3)[:2])(jax.random.split(key, members))
-    return per_member, jax.random.split(key, 3)[2]
+# Done eagerly, the start's dozens of small array creations cost milliseconds a `fit`.
+_start = OneDevice().compile(Loop.start, static=(4,))
+_finish = OneDevice().compile(Loop.finish)
+_keys = jax.jit(split_keys, static_argnums=1)
 
 
 def _validation(
@@ -322,6 +309,6 @@ def _validation(
             f"`validation_split` must be in (0, 1) and leave training data; got "
             f"{validation_split}, which holds out {held} of {n} samples."
         )
-    order = jax.random.permutation(key, n)
+    order = jax.random.permutation(_keys(key, None)[1], n)
     val_index, train_index = order[:held], order[held:]
     return tuple(a[train_index] for a in data), tuple(a[val_index] for a in data)

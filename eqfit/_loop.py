@@ -3,7 +3,7 @@
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -12,11 +12,11 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
-from ._data import BatchPlan, Data, epoch_order, ValData
+from ._data import BatchPlan, Data, epoch_order, split_keys, ValData
 from ._early_stopping import EarlyStopping
 from ._evaluate import evaluate_batches
-from ._parallel import OneDevice, Placement
-from ._step import Step
+from ._parallel import OneDevice, Placement, Pmap
+from ._step import Objective, Step
 
 
 Keys = Key[Array, "2"]  # (shuffle key, step key)
@@ -48,6 +48,22 @@ class Record(eqx.Module):
     val: Float[Array, "epochs values"]  # [val_loss, *val_metrics] after each epoch
 
 
+def log_names(metric_names: tuple[str, ...], validate: bool) -> tuple[str, ...]:
+    names = ("loss", *metric_names)
+    return names + tuple(f"val_{n}" for n in names) if validate else names
+
+
+def split_model(model: PyTree, filter_spec: Any) -> tuple[PyTree, PyTree]:
+    """The leaves that train (floating-point arrays chosen by `filter_spec`), and the rest,
+    frozen arrays included, which the step closes over.
+    """
+    params, static = eqx.partition(model, filter_spec)
+    if filter_spec is not eqx.is_inexact_array:
+        params, frozen = eqx.partition(params, eqx.is_inexact_array)
+        static = eqx.combine(frozen, static)
+    return params, static
+
+
 class Loop(eqx.Module):
     """A run's static description. It holds no arrays (beyond any frozen ones of the
     model), so it is hashed as a static argument of the compiled programs.
@@ -70,6 +86,13 @@ class Loop(eqx.Module):
         """
         return jax.vmap(fn) if self.ensemble else fn
 
+    @property
+    def holds_arrays(self) -> bool:
+        """Whether any leaf is an array (a frozen leaf of the model, or one in a loss that
+        is a Module): then the loop must be traced, not hashed, by a compiled program.
+        """
+        return any(eqx.is_array(leaf) for leaf in jax.tree.leaves(self))
+
     # -- names and sizes
 
     @property
@@ -79,14 +102,28 @@ class Loop(eqx.Module):
     @property
     def log_names(self) -> tuple[str, ...]:
         """The per-epoch values, in the order of the vector `end_epoch` computes."""
-        names = ("loss", *self.metric_names)
-        return names + tuple(f"val_{n}" for n in names) if self.validate else names
+        return log_names(self.metric_names, self.validate)
 
     def weights(self) -> Float[Array, " steps"]:
         sizes = self.plan.batch_sizes
         return jnp.asarray(sizes, jnp.float32) / sum(sizes)
 
     # -- the state at the start
+
+    def start(
+        self, params: PyTree, opt_state: PyTree, model_state: PyTree, epochs: int
+    ) -> tuple[TrainState, Record]:
+        """The optimizer's state (unless given) and the loop's, per member for an ensemble."""
+
+        def start(params: PyTree, opt_state: PyTree, model_state: PyTree):
+            if opt_state is None:
+                opt_state = self.step.optimizer.init(params)
+            return self.init(params, opt_state, model_state, epochs)
+
+        if self.ensemble:
+            in_axes = (0, None if opt_state is None else 0, 0)
+            return jax.vmap(start, in_axes=in_axes)(params, opt_state, model_state)
+        return start(params, opt_state, model_state)
 
     def init(
         self, params: PyTree, opt_state: PyTree, model_state: PyTree, epochs: int
@@ -272,6 +309,24 @@ class Loop(eqx.Module):
         flags = jnp.stack([s.stopped, s.epoch]).astype(jnp.float32)
         return jnp.concatenate([rows, jnp.broadcast_to(flags, (rows.shape[0], 2))], axis=1)
 
+    def finish(self, s: TrainState) -> tuple[PyTree, PyTree, Int[Array, "*members 4"]]:
+        """The trained parameters and model state: those of the best epoch if early
+        stopping restores it. Then `[epochs done, first non-finite step or -1, best epoch
+        or -1, stopped]`, what the host reads back besides the record.
+        """
+        restore = self.early_stopping is not None and self.early_stopping.restore_best
+
+        def finish(s: TrainState) -> tuple[PyTree, PyTree, Int[Array, " 4"]]:
+            params, model_state = s.params, s.model_state
+            if restore:
+                found = s.best_epoch >= 0
+                params = optax.tree.where(found, s.best_params, params)
+                model_state = optax.tree.where(found, s.best_model_state, model_state)
+            flags = (s.epoch, s.nan_step, s.best_epoch, s.stopped.astype(jnp.int32))
+            return params, model_state, jnp.stack(flags)
+
+        return jax.vmap(finish)(s) if self.ensemble else finish(s)
+
     def run_epoch(
         self, s: TrainState, r: Record, data: Data, val_data: ValData | None, keys: Keys
     ) -> tuple[TrainState, Record]:
@@ -281,32 +336,68 @@ class Loop(eqx.Module):
         return s, r
 
 
-class Inputs(eqx.Module):
-    """The arrays a run reads but never changes, passed first so they are not donated."""
+class Settings(NamedTuple):
+    """Everything a run's program depends on but the model and the placement.
 
-    loop: Loop
+    Quick to hash, so the one-program path (`train`) takes it as a static argument and
+    builds the `Loop` while tracing, rather than building and hashing one every call.
+    """
+
+    loss: Callable[..., Any]
+    metrics: tuple[tuple[str, Callable[..., Any]], ...]
+    stateful: bool
+    use_key: bool
+    optimizer: optax.GradientTransformation
+    filter_spec: Any
+    plan: BatchPlan
+    shuffle: bool
+    validate: bool
+    early_stopping: EarlyStopping | None
+    on_nan: OnNan
+    ensemble: bool
+
+    @property
+    def log_names(self) -> tuple[str, ...]:
+        return log_names(tuple(name for name, _ in self.metrics), self.validate)
+
+    def loop(self, static: PyTree, placement: Placement = OneDevice()) -> Loop:
+        axis_name = placement.axis_name if isinstance(placement, Pmap) else None
+        objective = Objective(self.loss, self.metrics, self.stateful, self.use_key)
+        return Loop(
+            Step(static, objective, self.optimizer, axis_name),
+            self.plan,
+            self.shuffle,
+            placement,
+            self.validate,
+            self.early_stopping,
+            self.on_nan,
+            self.ensemble,
+        )
+
+
+class Inputs(eqx.Module):
+    """The arrays a run reads but never changes (never donated)."""
+
     data: Data
     val_data: ValData | None
     keys: Key[Array, "*replicas 2"]  # a leading device axis under pmap
 
-    def place(self) -> "Inputs":
+    def place(self, p: Placement) -> "Inputs":
         """Moves everything to the placement's layout: the data split, the rest copied."""
-        p = self.loop.placement
         if isinstance(p, OneDevice):
             return self  # nothing to move; and no Module to rebuild on the hot path
         return Inputs(
-            p.put(self.loop),
-            p.put(self.data, sharded=True),
-            p.put(self.val_data, sharded=True),
-            p.put(self.keys),
+            p.put(self.data, sharded=True), p.put(self.val_data, sharded=True), p.put(self.keys)
         )
 
 
-def _run_epochs(
-    inputs: Inputs, s: TrainState, r: Record, stop_epoch: Int[Array, ""]
-) -> tuple[TrainState, Record]:
-    loop = inputs.loop
+# Every compiled function below takes the loop first: `Placement.compile` makes it a
+# static argument, hashed rather than flattened on each call.
 
+
+def _run_epochs(
+    loop: Loop, inputs: Inputs, s: TrainState, r: Record, stop_epoch: Int[Array, ""]
+) -> tuple[TrainState, Record]:
     def run(keys: Keys, s: TrainState, r: Record) -> tuple[TrainState, Record]:
         def cond(carry: tuple[TrainState, Record]) -> Bool[Array, ""]:
             s, _ = carry
@@ -321,57 +412,129 @@ def _run_epochs(
 
 
 def run_compiled(
-    inputs: Inputs, s: TrainState, r: Record, stop_epoch: int
+    loop: Loop, inputs: Inputs, s: TrainState, r: Record, stop_epoch: int
 ) -> tuple[TrainState, Record]:
     """Epochs up to `stop_epoch` (or until stopped) as one program: a loop over epochs of
     a loop over batches.
     """
-    p = inputs.loop.placement
-    run = p.compile(_run_epochs, "none")
-    out = run(inputs.place(), p.put(s), p.put(r), p.put(jnp.asarray(stop_epoch, jnp.int32)))
-    return p.get(out)
+    p = loop.placement
+    run = p.compile(_run_epochs)
+    stop = p.put(jnp.asarray(stop_epoch, jnp.int32))
+    return p.get(run(p.put(loop), inputs.place(p), p.put(s), p.put(r), stop))
+
+
+def _train(
+    settings: Settings,
+    treedef: Any,
+    static_leaves: tuple[Any, ...],
+    epochs: int,
+    members: int | None,
+    arrays: list[Array],
+    opt_state: PyTree,
+    model_state: PyTree,
+    data: Data,
+    val_data: ValData | None,
+    key: Key[Array, ""],
+) -> tuple[list[Array], PyTree, Int[Array, "*members 4"], PyTree, Record]:
+    model = _unflatten(treedef, static_leaves, arrays)
+    params, static = split_model(model, settings.filter_spec)
+    loop = settings.loop(static)
+    keys, _ = split_keys(key, members)
+    s, r = loop.start(params, opt_state, model_state, epochs)
+    stop = jnp.asarray(epochs, jnp.int32)
+    s, r = _run_epochs(loop, Inputs(data, val_data, keys), s, r, stop)
+    params, model_state, summary = loop.finish(s)
+    trained = [leaf for leaf in jax.tree.leaves(eqx.combine(params, static)) if eqx.is_array(leaf)]
+    return trained, model_state, summary, s.opt_state, r
+
+
+_train_jit = jax.jit(_train, static_argnums=(0, 1, 2, 3, 4))
+
+
+def train(
+    settings: Settings,
+    epochs: int,
+    members: int | None,
+    model: PyTree,
+    opt_state: PyTree | None,
+    model_state: PyTree,
+    data: Data,
+    val_data: ValData | None,
+    key: Key[Array, ""],
+) -> tuple[PyTree, PyTree, PyTree, Int[Array, "*members 4"], Record]:
+    """A whole run on one device, from the model to the trained one, as one program: the
+    keys, the optimizer's first state, every epoch and `Loop.finish`.
+
+    Most `fit` calls take this path, so its host work is kept to a minimum: the model is
+    flattened once, its arrays are the dynamic arguments of a plain `jax.jit`, and its
+    structure, other leaves and the settings are static ones. Everything else (the
+    partition, the `Loop`) happens while tracing. It needs the settings to hold no arrays.
+
+    **Returns:**
+
+    The trained model, the optimizer state, the model state, the summary of `Loop.finish`
+    and the record.
+    """
+    leaves, treedef = jax.tree.flatten(model)
+    static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+    static = (settings, treedef, static_leaves, epochs, members)
+    out = _train_jit(*static, arrays, opt_state, model_state, data, val_data, key)
+    trained, model_state, summary, opt_state, r = out
+    return _unflatten(treedef, static_leaves, trained), opt_state, model_state, summary, r
+
+
+def _unflatten(treedef: Any, static_leaves: tuple[Any, ...], arrays: list[Any]) -> PyTree:
+    """The inverse of `train`'s split of a model's leaves (`None` marks an array's place:
+    it is never a leaf itself).
+    """
+    it = iter(arrays)
+    return jax.tree.unflatten(treedef, [next(it) if x is None else x for x in static_leaves])
 
 
 # The chunked runner. A chunk is a range of full batches inside one epoch; the epoch's
 # remainder step, validation, early stopping and the next epoch's order are one more call.
 # Bounds are traced, so every chunk length shares one compilation. On one device the
-# state and record are donated between calls: they are copies made by `Loop.init`,
-# never the caller's arrays; "all-except-first" keeps the inputs, passed first, alive.
+# state and record, always the last two arguments, are donated between calls: they are
+# copies made by `Loop.init`, never the caller's arrays.
 
 
-def _first_order(inputs: Inputs, s: TrainState) -> UInt32[Array, "*members n"]:
-    loop = inputs.loop
+def _first_order(loop: Loop, inputs: Inputs, s: TrainState) -> UInt32[Array, "*members n"]:
     return loop.per_member(lambda keys, s: loop.order(keys, s.epoch))(inputs.keys, s)
 
 
 def _chunk(
-    inputs: tuple[Inputs, UInt32[Array, "*members n"], Int[Array, "3"]],
+    loop: Loop,
+    inputs: Inputs,
+    order: UInt32[Array, "*members n"],
+    bounds: Int[Array, "3"],
     s: TrainState,
     r: Record,
 ) -> tuple[TrainState, Record, Float[Array, "*members"]]:
-    inputs_, order, bounds = inputs
-    loop, start, stop, offset = inputs_.loop, bounds[0], bounds[1], bounds[2]
+    start, stop, offset = bounds[0], bounds[1], bounds[2]
     steps = jnp.arange(loop.plan.steps_per_epoch)
     ran = (steps >= start) & (steps < stop)
 
     def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
         e = s.epoch
-        s, r = loop.run_steps(s, r, inputs_.data, order, keys, start, stop, offset)
+        s, r = loop.run_steps(s, r, inputs.data, order, keys, start, stop, offset)
         return s, r, jnp.sum(jnp.where(ran, r.step_loss[e], 0.0))
 
-    return loop.per_member(run)(inputs_.keys, s, r, order)
+    return loop.per_member(run)(inputs.keys, s, r, order)
 
 
 def _epoch_end(
-    inputs: tuple[Inputs, UInt32[Array, "*members n"], Int[Array, ""]], s: TrainState, r: Record
+    loop: Loop,
+    inputs: Inputs,
+    order: UInt32[Array, "*members n"],
+    offset: Int[Array, ""],
+    s: TrainState,
+    r: Record,
 ) -> tuple[TrainState, Record, Float[Array, "*members logs"]]:
-    inputs_, order, offset = inputs
-    loop = inputs_.loop
-
     def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
-        return loop.end_epoch(s, r, inputs_.data, inputs_.val_data, order, keys, offset)
+        return loop.end_epoch(s, r, inputs.data, inputs.val_data, order, keys, offset)
 
-    return loop.per_member(run)(inputs_.keys, s, r, order)
+    return loop.per_member(run)(inputs.keys, s, r, order)
 
 
 class Progress:
@@ -393,10 +556,10 @@ class Progress:
 
 
 def _epochs_chunk(
-    inputs: Inputs, s: TrainState, r: Record, stop_epoch: Int[Array, ""]
+    loop: Loop, inputs: Inputs, stop_epoch: Int[Array, ""], s: TrainState, r: Record
 ) -> tuple[TrainState, Record, Float[Array, "*members epochs logs"]]:
-    s, r = _run_epochs(inputs, s, r, stop_epoch)
-    return s, r, inputs.loop.per_member(inputs.loop.all_logs)(s, r)
+    s, r = _run_epochs(loop, inputs, s, r, stop_epoch)
+    return s, r, loop.per_member(loop.all_logs)(s, r)
 
 
 def own_copy(s: TrainState) -> TrainState:
@@ -407,6 +570,7 @@ def own_copy(s: TrainState) -> TrainState:
 
 
 def run_chunked(
+    loop: Loop,
     inputs: Inputs,
     s: TrainState,
     r: Record,
@@ -432,16 +596,15 @@ def run_chunked(
     about `seconds_per_chunk` each. Every `checkpoint_every` epochs the state goes to
     `progress.save`; a chunk never crosses that boundary.
     """
-    loop = inputs.loop
     plan, p = loop.plan, loop.placement
-    first_order = p.compile(_first_order, "none")
-    chunk = p.compile(_chunk, "all-except-first")
-    epoch_end = p.compile(_epoch_end, "all-except-first")
-    epochs_chunk = p.compile(_epochs_chunk, "all-except-first")
+    first_order = p.compile(_first_order)
+    chunk = p.compile(_chunk, donate=(4, 5))
+    epoch_end = p.compile(_epoch_end, donate=(4, 5))
+    epochs_chunk = p.compile(_epochs_chunk, donate=(3, 4))
 
     first_epoch, first_step = int(np.max(s.epoch)), int(np.min(s.step))
     s = own_copy(s)
-    inputs, s, r = inputs.place(), p.put(s), p.put(r)
+    loop, inputs, s, r = p.put(loop), inputs.place(p), p.put(s), p.put(r)
     pending: list[Callable[[], bool]] = []
     # Steps in the first chunk: a quick first redraw, or one whole short epoch, which is
     # one call instead of three; later chunks adapt to the measured speed.
@@ -504,7 +667,7 @@ def run_chunked(
             stop = min(num_epochs, epoch + whole_epochs)
             if checkpoint_every:
                 stop = min(stop, (epoch // checkpoint_every + 1) * checkpoint_every)
-            s, r, logs = epochs_chunk(inputs, s, r, p.put(jnp.asarray(stop, jnp.int32)))
+            s, r, logs = epochs_chunk(loop, inputs, p.put(jnp.asarray(stop, jnp.int32)), s, r)
             steps_since += (stop - epoch) * plan.steps_per_epoch
             if report():
                 return p.get((s, r))
@@ -514,16 +677,16 @@ def run_chunked(
                 progress.save(*p.get((s, r)))
             continue
         if order is None:
-            order = first_order(inputs, s)
+            order = first_order(loop, inputs, s)
         start = first_step if epoch == first_epoch else 0
         for begin, end in _ranges(start, plan.num_full, lambda: size):
             bounds = p.put(jnp.asarray([begin, end, 0], jnp.int32))
-            s, r, loss_sum = chunk((inputs, order, bounds), s, r)
+            s, r, loss_sum = chunk(loop, inputs, order, bounds, s, r)
             steps_since += end - begin
             if report():
                 return p.get((s, r))
             pending.append(steps_done(epoch, end - begin, loss_sum))
-        s, r, logs = epoch_end((inputs, order, p.put(jnp.asarray(0, jnp.int32))), s, r)
+        s, r, logs = epoch_end(loop, inputs, order, p.put(jnp.asarray(0, jnp.int32)), s, r)
         order = None  # the next epoch's order, made only if that epoch runs in steps
         if plan.remainder:
             steps_since += 1

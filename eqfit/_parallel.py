@@ -6,7 +6,7 @@ its layout. The loop itself only asks it how to cut a batch.
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -18,7 +18,6 @@ from jaxtyping import Array, PyTree, Shaped, UInt32
 from ._data import Batch, Data, take
 
 
-Donate = Literal["all-except-first", "none"]
 # `jax.Device`, which type checkers see as a variable rather than a class.
 Device = Any
 
@@ -26,8 +25,10 @@ Device = Any
 class OneDevice(eqx.Module):
     """The default: everything on JAX's default device, compiled with `eqx.filter_jit`."""
 
-    def compile(self, fn: Callable, donate: Donate) -> Callable:
-        return _filter_jit(fn, donate)
+    def compile(
+        self, fn: Callable, donate: tuple[int, ...] = (), static: tuple[int, ...] = ()
+    ) -> Callable:
+        return _jit(fn, donate, static)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         del sharded
@@ -54,9 +55,12 @@ class Pmap(eqx.Module):
     devices: tuple[Device, ...] = eqx.field(static=True)
     axis_name: str = eqx.field(static=True, default="devices")
 
-    def compile(self, fn: Callable, donate: Donate) -> Callable:
-        # Donation under pmap would need "all-except-first", which filter_pmap lacks.
-        del donate
+    def compile(
+        self, fn: Callable, donate: tuple[int, ...] = (), static: tuple[int, ...] = ()
+    ) -> Callable:
+        # filter_pmap cannot donate some arguments and not others; it finds the static
+        # arguments (the loop, Python ints) itself.
+        del donate, static
         return _filter_pmap(fn, self.devices, self.axis_name)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
@@ -96,8 +100,10 @@ class Sharded(eqx.Module):
     def num_devices(self) -> int:
         return self.mesh.shape[self.axis]
 
-    def compile(self, fn: Callable, donate: Donate) -> Callable:
-        return _filter_jit(fn, donate)
+    def compile(
+        self, fn: Callable, donate: tuple[int, ...] = (), static: tuple[int, ...] = ()
+    ) -> Callable:
+        return _jit(fn, donate, static)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         spec = P(self.axis) if sharded else P()
@@ -212,8 +218,20 @@ def _first_replica(tree: PyTree) -> PyTree:
 
 
 @functools.cache
-def _filter_jit(fn: Callable, donate: Donate) -> Callable:
-    return eqx.filter_jit(fn, donate=donate)
+def _jit(fn: Callable, donate: tuple[int, ...], static: tuple[int, ...]) -> Callable:
+    """`fn(loop, *args)` compiled. Usually a plain `jax.jit` with the loop as a static
+    argument: hashing it is about a tenth of what `eqx.filter_jit` spends flattening the
+    loop and every argument on each call, and a `fit` makes several calls. A loop that
+    holds arrays cannot be hashed; it goes through `eqx.filter_jit`, without donation.
+    """
+    plain = jax.jit(fn, static_argnums=(0, *static), donate_argnums=donate)
+    traced = eqx.filter_jit(fn)
+
+    @functools.wraps(fn)
+    def call(loop: Any, *args: Any) -> Any:
+        return (traced if loop.holds_arrays else plain)(loop, *args)
+
+    return call
 
 
 @functools.cache

@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ._checkpoint import Checkpoints, Interrupt, position
-from ._loop import Inputs, Progress, Record, run_chunked, TrainState
+from ._loop import Inputs, Loop, Progress, Record, run_chunked, TrainState
 from ._stream import LoaderSource, MemmapSource, run_streamed
 
 
@@ -59,6 +59,7 @@ class _Bar(Progress):
 
 
 def run_with_bar(
+    loop: Loop,
     inputs: Inputs,
     s: TrainState,
     r: Record,
@@ -73,7 +74,7 @@ def run_with_bar(
     """Runs the chunked path (or the streamed one, for `source`), with a bar if `show`."""
     from tqdm.auto import tqdm
 
-    steps = inputs.loop.plan.steps_per_epoch
+    steps = loop.plan.steps_per_epoch
     done, step = position(s)
     initial = min(done, epochs) * steps + step  # where a resumed run starts
     every_ = every if store is not None else None
@@ -82,7 +83,6 @@ def run_with_bar(
     ) as bar:
         progress = _Bar(bar, epochs, callbacks, interrupt, store)
         if source is not None:
-            return run_streamed(inputs, s, r, epochs, progress, source, every_)
-        return run_chunked(
-            inputs, s, r, epochs, progress, sync_epochs=bool(callbacks), checkpoint_every=every_
-        )
+            return run_streamed(loop, inputs, s, r, epochs, progress, source, every_)
+        sync = bool(callbacks)
+        return run_chunked(loop, inputs, s, r, epochs, progress, sync, checkpoint_every=every_)

@@ -7,13 +7,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, Int, PyTree
 
 from ._checkpoint import serialise, versions, write_atomically
 from ._history import epoch_values, History, StopReason
-from ._loop import Loop, Record, TrainState
+from ._loop import Record, Settings
 
 
 class FitResult(eqx.Module):
@@ -30,7 +29,17 @@ class FitResult(eqx.Module):
     model: PyTree
     opt_state: PyTree
     history: History
-    state: PyTree = None
+    state: PyTree
+
+    # Written out, rather than generated, so that Equinox does not flatten every argument
+    # looking for transformed functions: a tenth of `fit`'s own time on small runs.
+    def __init__(
+        self, model: PyTree, opt_state: PyTree, history: History, state: PyTree = None
+    ) -> None:
+        self.model = model
+        self.opt_state = opt_state
+        self.history = history
+        self.state = state
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -44,78 +53,70 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def make_result(
-    loop: Loop, s: TrainState, r: Record, static: PyTree, wall_time: float
+    settings: Settings,
+    model: PyTree,
+    opt_state: PyTree,
+    model_state: PyTree,
+    summary: Int[Array, "*members 4"],
+    r: Record,
+    wall_time: float,
 ) -> FitResult:
-    """Reads the run's record back into a History and the trained model."""
-    plan, stopping = loop.plan, loop.early_stopping
-    sizes = plan.batch_sizes
+    """Reads the run's record back into a History, beside the trained model.
+
+    `summary` is `Loop.finish`'s. One row per member: a single model is an ensemble of
+    one, squeezed at the end. Everything is read in one transfer, and the work on the
+    host is a few whole-array operations: it runs while the caller waits.
+    """
+    sizes, stopping = settings.plan.batch_sizes, settings.early_stopping
     steps = len(sizes)
-    # One row per member (a single model is an ensemble of one, squeezed at the end).
-    # One transfer for everything read here, rather than one per array.
-    host_s, host_r = jax.device_get(
-        ((s.epoch, s.nan_step, s.best_epoch, s.stopped), (r.step_loss, r.step_metrics, r.val))
+    summary_, step_loss, step_metrics, val = jax.device_get(
+        (summary, r.step_loss, r.step_metrics, r.val)
     )
-    epochs_done, nan_step, best, stopped = (np.atleast_1d(x) for x in host_s)
+    epochs_done, nan_step, best, stopped = np.reshape(summary_, (-1, 4)).T
     members = len(epochs_done)
-    step_loss = host_r[0].reshape(members, *r.step_loss.shape[-2:])
-    step_metrics = host_r[1].reshape(members, *r.step_metrics.shape[-3:])
-    val = host_r[2].reshape(members, *r.val.shape[-2:])
-    by_nan = (nan_step >= 0) & (loop.on_nan != "skip")
+    step_loss = step_loss.reshape(members, *r.step_loss.shape[-2:])
+    step_metrics = step_metrics.reshape(members, *r.step_metrics.shape[-3:])
+    val = val.reshape(members, *r.val.shape[-2:])
+    by_nan = (nan_step >= 0) & (settings.on_nan != "skip")
     # An epoch cut short by a non-finite loss counts as run, with NaN for its lost steps.
     ran = epochs_done + (by_nan & (nan_step // steps >= epochs_done))
     rows = int(ran.max())
-    losses = np.full((members, rows, steps), np.nan, np.float32)
-    values = np.full((members, rows, len(loop.log_names)), np.nan, np.float32)
+    epoch = np.arange(rows)[None, :, None]
+    step = epoch * steps + np.arange(steps)
+    lost = by_nan[:, None, None] & (step > nan_step[:, None, None])
+    losses = np.where((epoch < ran[:, None, None]) & ~lost, step_loss[:, :rows], np.nan)
+    values = epoch_values(
+        np.concatenate([losses[..., None], step_metrics[:, :rows]], axis=-1), sizes
+    )
+    if settings.validate:
+        values = np.concatenate([values, val[:, :rows]], axis=-1)
+    values = np.where(epoch < ran[:, None, None], values, np.nan).astype(np.float32)
     reasons: list[StopReason] = []
     for i in range(members):
-        n = int(ran[i])
-        losses[i, :n] = step_loss[i, :n]
-        if by_nan[i]:
-            losses[i].reshape(-1)[nan_step[i] + 1 :] = np.nan
-        train = np.concatenate([losses[i, :n, :, None], step_metrics[i, :n]], axis=-1)
-        member_values = epoch_values(train, sizes)
-        if loop.validate:
-            member_values = np.concatenate([member_values, val[i, :n]], axis=-1)
-        values[i, :n] = member_values
         if by_nan[i]:
             reasons.append("non_finite_loss")
         elif stopped[i] and stopping is not None:
             reasons.append("early_stopping")
         else:
-            reasons.append("callback" if n < step_loss.shape[1] else None)
+            reasons.append("callback" if ran[i] < step_loss.shape[1] else None)
     best_epochs = [int(b) if stopping is not None and b >= 0 else None for b in best]
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
-        return x[0] if not loop.ensemble else np.moveaxis(x, 0, -1)
+        return x[0] if not settings.ensemble else np.moveaxis(x, 0, -1)
 
     history = History(
-        {name: squeeze(values[..., i]) for i, name in enumerate(loop.log_names)},
-        squeeze(losses),
+        {name: squeeze(values[..., i]) for i, name in enumerate(settings.log_names)},
+        squeeze(losses.astype(np.float32)),
         sizes,
         wall_time,
-        tuple(best_epochs) if loop.ensemble else best_epochs[0],
-        tuple(reasons) if loop.ensemble else reasons[0],
+        tuple(best_epochs) if settings.ensemble else best_epochs[0],
+        tuple(reasons) if settings.ensemble else reasons[0],
     )
-    params, model_state = s.params, s.model_state
-    if stopping is not None and stopping.restore_best:
-        restore = jnp.asarray([b is not None for b in best_epochs])
-        if not loop.ensemble:
-            restore = restore[0]
-
-        def pick(best: PyTree, last: PyTree) -> PyTree:
-            def one(b: Array, x: Array) -> Array:
-                return jnp.where(
-                    restore.reshape(restore.shape + (1,) * (x.ndim - restore.ndim)), b, x
-                )
-
-            return jax.tree.map(one, best, last)
-
-        params, model_state = pick(s.best_params, params), pick(s.best_model_state, model_state)
-    result = FitResult(eqx.combine(params, static), s.opt_state, history, model_state)
-    if by_nan.any() and loop.on_nan == "raise":
+    result = FitResult(model, opt_state, history, model_state)
+    if by_nan.any() and settings.on_nan == "raise":
         i = int(np.argmax(by_nan))
         epoch, step = divmod(int(nan_step[i]), steps)
-        member = f"member {i}: " if loop.ensemble else ""
+        member = f"member {i}: " if settings.ensemble else ""
         raise NonFiniteLossError(
             f"The loss was not finite at {member}epoch {epoch}, step {step} (step "
             f"{int(nan_step[i])} of the run). Training stopped there; the last finite model, "

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._data import BatchPlan, check_data, plan_batches
-from ._loop import _chunk, _epoch_end, Inputs, own_copy, Progress, Record, TrainState
+from ._loop import _chunk, _epoch_end, Inputs, Loop, own_copy, Progress, Record, TrainState
+from ._parallel import OneDevice
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
@@ -215,6 +216,7 @@ def chunk_batches(source: MemmapSource | LoaderSource, plan: BatchPlan) -> int:
 
 
 def run_streamed(
+    loop: Loop,
     inputs: Inputs,
     s: TrainState,
     r: Record,
@@ -231,11 +233,10 @@ def run_streamed(
     in the reading thread), like a shuffle buffer of K batches that never holds more than
     a block. Both come from `key` and the epoch. A loader shuffles as it likes.
     """
-    loop = inputs.loop
     plan = loop.plan
     per_chunk = chunk_batches(source, plan)
-    chunk_fn = _jit(_chunk)
-    epoch_end_fn = _jit(_epoch_end)
+    chunk_fn = OneDevice().compile(_chunk, donate=(4, 5))
+    epoch_end_fn = OneDevice().compile(_epoch_end, donate=(4, 5))
     s = own_copy(s)
     first_epoch, first_step = int(s.epoch), int(s.step)
 
@@ -287,18 +288,17 @@ def run_streamed(
             if item is None:
                 break
             epoch, chunk, (arrays, arrays_order) = item
-            chunk_inputs = Inputs(loop, arrays, inputs.val_data, inputs.keys)
+            chunk_inputs = Inputs(arrays, inputs.val_data, inputs.keys)
             order = arrays_order
             start = max(chunk.first, first_step) if epoch == first_epoch else chunk.first
             bounds = jnp.asarray([start, chunk.first + chunk.steps, chunk.first], jnp.int32)
-            s, r, loss_sum = chunk_fn((chunk_inputs, order, bounds), s, r)
+            s, r, loss_sum = chunk_fn(loop, chunk_inputs, order, bounds, s, r)
             for done in pending:
                 progress.on_steps(done[0], done[1], float(done[2]))
             pending = [(epoch, chunk.first + chunk.steps - start, loss_sum)]
             if chunk.last:
-                s, r, logs = epoch_end_fn(
-                    (chunk_inputs, order, jnp.asarray(chunk.first, jnp.int32)), s, r
-                )
+                offset = jnp.asarray(chunk.first, jnp.int32)
+                s, r, logs = epoch_end_fn(loop, chunk_inputs, order, offset, s, r)
                 values = np.asarray(logs).tolist()
                 for done in pending:
                     progress.on_steps(done[0], done[1], float(done[2]))
@@ -321,9 +321,3 @@ def run_streamed(
         stop.set()
         reader.join()
     return s, r
-
-
-def _jit(fn: Any) -> Any:
-    import equinox as eqx
-
-    return eqx.filter_jit(fn, donate="all-except-first")
