@@ -57,6 +57,7 @@ COMPILE_EPOCHS = (1, 5, 20)
 VARIANTS = ("compiled", "progress", "floor", "floor_xidx", "usual")
 
 Data = tuple[jax.Array, jax.Array]
+_DEVNULL = open(os.devnull, "w")  # noqa: SIM115 (open for the whole run)
 Run = Callable[[], Any]  # one full training run; blocks until the device is done
 
 
@@ -86,21 +87,17 @@ def eqfit_run(
     epochs: int,
     progress: bool,
 ) -> eqfit.FitResult:
-    """One `eqfit.fit`, blocking on its result; tqdm's bar goes to os.devnull."""
-    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
-        result = eqfit.fit(
-            model,
-            data,
-            loss=eqfit.losses.mse,
-            optimizer=optimizer,
-            key=key,
-            epochs=epochs,
-            batch_size=batch_size,
-            progress=progress,
-        )
-        # `fit` already reads the losses back to numpy; block on the model too, so
-        # that no work is left in flight when the clock stops.
-        return jax.block_until_ready(result)
+    """One `eqfit.fit`, blocking on its result; tqdm's bar (if any) goes to os.devnull."""
+    kwargs: dict[str, Any] = dict(
+        loss=eqfit.losses.mse, optimizer=optimizer, key=key, epochs=epochs, batch_size=batch_size
+    )
+    # Only the bar writes: the compiled path is timed without the redirection.
+    quiet = contextlib.redirect_stderr(_DEVNULL) if progress else contextlib.nullcontext()
+    with quiet:
+        result = eqfit.fit(model, data, progress=progress, **kwargs)
+    # `fit` already reads the losses back to numpy; block on the model too, so that no
+    # work is left in flight when the clock stops.
+    return jax.block_until_ready(result)
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,11 +43,8 @@ def check_data(data: Any) -> None:
     for i, a in enumerate(data):
         if not _is_array(a):
             raise TypeError(f"`data[{i}]` must be a numpy or JAX array, got {_describe(a)}.")
-        dtype = np.dtype(a.dtype) if not _is_key(a) else None
-        if dtype is not None and not (
-            np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)
-        ):
-            raise TypeError(f"`data[{i}]` has dtype {dtype}; eqfit trains on numeric arrays.")
+        if not _is_numeric(a.dtype):
+            raise TypeError(f"`data[{i}]` has dtype {a.dtype}; eqfit trains on numeric arrays.")
         if a.ndim == 0:
             raise ValueError(f"`data[{i}]` is a scalar; every array needs a leading sample axis.")
     lengths = [a.shape[0] for a in data]
@@ -163,6 +160,13 @@ def take(data: Data, index: UInt32[Array, " batch"]) -> Batch:
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _is_numeric(dtype: Any) -> bool:
+    """Numbers and booleans, bfloat16 and the other ML types included; PRNG keys too."""
+    if isinstance(dtype, np.dtype) and dtype.kind in "biufc":
+        return True  # the common case, without the slower `jnp.issubdtype`
+    return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _is_key(x: Any) -> bool:

@@ -17,7 +17,19 @@ from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
 from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
 from ._data import as_data, as_key, ensemble_size, plan_batches, split_keys
 from ._early_stopping import EarlyStopping
-from ._loop import Inputs, Loop, Record, run_compiled, Settings, split_model, train, TrainState
+from ._loop import (
+    flags,
+    Inputs,
+    Loop,
+    outcome,
+    Record,
+    resume_point,
+    run_compiled,
+    Settings,
+    split_model,
+    train,
+    TrainState,
+)
 from ._parallel import choose_placement, Device, OneDevice
 from ._progress import Callback, run_with_bar
 from ._result import FitResult, make_result
@@ -187,39 +199,53 @@ def fit(
         and callable(filter_spec)  # hashable, unlike most filter trees
         and not any(eqx.is_array(x) for x in jax.tree.leaves((loss, settings.metrics)))
     )
-    with Interrupt().deferred() as interrupt:
-        if one_program:
-            # The usual call, kept lean: one program from the model to the trained one.
-            run = train(settings, epochs, members, model, opt_state, state, data_, val_data, key_)
-            model, opt_state, state, summary, r = run
-        else:
+    if one_program:
+        # The usual call, kept lean: one program from the model to the trained one. A
+        # Ctrl-C during it lands when the run ends, as a deferred one would.
+        run = train(settings, epochs, members, model, opt_state, state, data_, val_data, key_)
+        model, opt_state, state, outcome_ = run
+    else:
+        with Interrupt().deferred() as interrupt:
             params, static = split_model(model, filter_spec)
             loop = settings.loop(static, placement)
-            s, r = _start(loop, params, opt_state, state, epochs)
-            inputs = Inputs(data_, val_data, _keys(key_, members)[0])
-            store = None
+            keys, s, r = _start(loop, params, opt_state, state, key_, members, epochs)
+            inputs = Inputs(data_, val_data, keys)
+            store, begin = None, (0, 0)  # (epochs done, steps into the next)
             if checkpoint is not None:
                 config = _config(loop, inputs, s, r, epochs, loss)
                 if source is not None:
                     config["data"] = source.describe()
                 store = Checkpoints(checkpoint, config)
-                s, r = store.restore((s, r)) or (s, r)
+                restored = store.restore((s, r))
+                if restored is not None:
+                    s, r = restored
+                    begin = resume_point(s.epoch, s.step)
             if progress or source is not None:
                 # Streamed data is always trained in chunks; `progress` only shows the bar.
-                every = checkpoint_every
                 s, r = run_with_bar(
-                    loop, inputs, s, r, epochs, callbacks, interrupt, store, every, source, progress
+                    loop,
+                    inputs,
+                    s,
+                    r,
+                    begin,
+                    epochs,
+                    callbacks,
+                    interrupt,
+                    store,
+                    checkpoint_every,
+                    source,
+                    show=progress,
                 )
             else:
                 s, r = _run_segments(loop, inputs, s, r, epochs, interrupt, store, checkpoint_every)
-            if interrupt.requested and store is not None:
-                store.save((s, r), *position(s))
-            params, state, summary = _finish(loop, s)
+            if interrupt.requested:
+                if store is not None:
+                    store.save((s, r), *position(s))
+                raise KeyboardInterrupt
+            params, state = loop.trained(s)
             model, opt_state = eqx.combine(params, static), s.opt_state
-        if interrupt.requested:
-            raise KeyboardInterrupt
-    wall_time = time.perf_counter() - start
-    return make_result(settings, model, opt_state, state, summary, r, wall_time)
+            outcome_ = _outcome(plan, on_nan, settings.validate, flags(s), r)
+    return make_result(settings, model, opt_state, state, outcome_, start)
 
 
 def _running(s: TrainState, epochs: int) -> bool:
@@ -272,10 +298,25 @@ def _config(
     }
 
 
-# Done eagerly, the start's dozens of small array creations cost milliseconds a `fit`.
-_start = OneDevice().compile(Loop.start, static=(4,))
-_finish = OneDevice().compile(Loop.finish)
+def _start_run(
+    loop: Loop,
+    params: PyTree,
+    opt_state: PyTree,
+    model_state: PyTree,
+    key: Key[Array, ""],
+    members: int | None,
+    epochs: int,
+) -> tuple[Array, TrainState, Record]:
+    """The keys and `Loop.start`, as one program: done eagerly, their dozens of small array
+    creations would cost milliseconds a `fit`.
+    """
+    keys, _ = split_keys(key, members)
+    return keys, *loop.start(params, opt_state, model_state, epochs)
+
+
+_start = OneDevice().compile(_start_run, static=(5, 6))
 _keys = jax.jit(split_keys, static_argnums=1)
+_outcome = jax.jit(outcome, static_argnums=(0, 1, 2))
 
 
 def _validation(

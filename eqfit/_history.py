@@ -116,11 +116,3 @@ class History:
         if path is not None:
             fig.savefig(path, dpi=100)
         return fig
-
-
-def epoch_values(step_values: np.ndarray, batch_sizes: tuple[int, ...]) -> np.ndarray:
-    """Per-epoch means of per-step values `(..., epochs, steps, values)`, weighted by
-    batch size.
-    """
-    weights = np.asarray(batch_sizes, np.float64) / sum(batch_sizes)
-    return np.einsum("...sk,s->...k", step_values.astype(np.float64), weights).astype(np.float32)

@@ -40,6 +40,11 @@ class TrainState(eqx.Module):
     best_model_state: PyTree
 
 
+def flags(s: TrainState) -> tuple[Array, Array, Array, Array]:
+    """What `outcome` needs of the final state."""
+    return s.epoch, s.nan_step, s.best_epoch, s.stopped
+
+
 class Record(eqx.Module):
     """What the loop writes down, preallocated for the whole run."""
 
@@ -309,23 +314,19 @@ class Loop(eqx.Module):
         flags = jnp.stack([s.stopped, s.epoch]).astype(jnp.float32)
         return jnp.concatenate([rows, jnp.broadcast_to(flags, (rows.shape[0], 2))], axis=1)
 
-    def finish(self, s: TrainState) -> tuple[PyTree, PyTree, Int[Array, "*members 4"]]:
-        """The trained parameters and model state: those of the best epoch if early
-        stopping restores it. Then `[epochs done, first non-finite step or -1, best epoch
-        or -1, stopped]`, what the host reads back besides the record.
+    def trained(self, s: TrainState) -> tuple[PyTree, PyTree]:
+        """The trained parameters and model state: the best epoch's if early stopping
+        restores it (and found one), else the last.
         """
-        restore = self.early_stopping is not None and self.early_stopping.restore_best
+        if self.early_stopping is None or not self.early_stopping.restore_best:
+            return s.params, s.model_state
 
-        def finish(s: TrainState) -> tuple[PyTree, PyTree, Int[Array, " 4"]]:
-            params, model_state = s.params, s.model_state
-            if restore:
-                found = s.best_epoch >= 0
-                params = optax.tree.where(found, s.best_params, params)
-                model_state = optax.tree.where(found, s.best_model_state, model_state)
-            flags = (s.epoch, s.nan_step, s.best_epoch, s.stopped.astype(jnp.int32))
-            return params, model_state, jnp.stack(flags)
+        def pick(s: TrainState) -> tuple[PyTree, PyTree]:
+            found = s.best_epoch >= 0
+            params = optax.tree.where(found, s.best_params, s.params)
+            return params, optax.tree.where(found, s.best_model_state, s.model_state)
 
-        return jax.vmap(finish)(s) if self.ensemble else finish(s)
+        return jax.vmap(pick)(s) if self.ensemble else pick(s)
 
     def run_epoch(
         self, s: TrainState, r: Record, data: Data, val_data: ValData | None, keys: Keys
@@ -373,6 +374,53 @@ class Settings(NamedTuple):
             self.on_nan,
             self.ensemble,
         )
+
+
+class Outcome(NamedTuple):
+    """What the host reads back after a run, worked out on the device so that the host
+    has little left to do once it has waited. One row per member: a single model is an
+    ensemble of one.
+    """
+
+    epochs: Int[Array, " members"]  # epochs run; one cut short by a non-finite loss counts
+    nan_step: Int[Array, " members"]  # the first non-finite step of the run, or -1
+    best_epoch: Int[Array, " members"]  # by the early-stopping monitor, or -1
+    stopped: Bool[Array, " members"]
+    step_loss: Float[Array, "members epochs steps"]  # NaN where no step ran
+    values: Float[Array, "members epochs logs"]  # the per-epoch `log_names`; NaN if not run
+
+
+def outcome(
+    plan: BatchPlan,
+    on_nan: OnNan,
+    validate: bool,
+    flags: tuple[Array, Array, Array, Array],
+    r: Record,
+) -> Outcome:
+    """The `Outcome` of a run from its state's `(epoch, nan_step, best_epoch, stopped)`
+    and its record. (Not the whole `Settings`: a loss that holds arrays cannot be hashed.)
+
+    Training values weight each step by its batch size, as `Loop.epoch_logs` does for
+    early stopping, so the two agree to the bit.
+    """
+    epoch_count, nan_step, best, stopped = (jnp.reshape(x, (-1,)) for x in flags)
+    members, steps = epoch_count.shape[0], plan.steps_per_epoch
+    step_loss = r.step_loss.reshape(members, -1, steps)
+    step_metrics = r.step_metrics.reshape(members, *step_loss.shape[1:], -1)
+    by_nan = (nan_step >= 0) & (on_nan != "skip")
+    ran = epoch_count + (by_nan & (nan_step // steps >= epoch_count))
+    epoch = jnp.arange(step_loss.shape[1])[None, :, None]
+    lost = by_nan[:, None, None] & (epoch * steps + jnp.arange(steps) > nan_step[:, None, None])
+    ran_epoch = epoch < ran[:, None, None]
+    losses = jnp.where(ran_epoch & ~lost, step_loss, jnp.nan)
+    sizes = plan.batch_sizes
+    weights = jnp.asarray(sizes, jnp.float32) / sum(sizes)
+    train = jnp.concatenate([losses[..., None], step_metrics], axis=-1)
+    values = jnp.einsum("mesk,s->mek", train, weights)
+    if validate:
+        values = jnp.concatenate([values, r.val.reshape(members, *r.val.shape[-2:])], axis=-1)
+    values = jnp.where(ran_epoch, values, jnp.nan)
+    return Outcome(ran, nan_step, best, stopped, losses, values)
 
 
 class Inputs(eqx.Module):
@@ -435,7 +483,7 @@ def _train(
     data: Data,
     val_data: ValData | None,
     key: Key[Array, ""],
-) -> tuple[list[Array], PyTree, Int[Array, "*members 4"], PyTree, Record]:
+) -> tuple[list[Array], PyTree, PyTree, Outcome]:
     model = _unflatten(treedef, static_leaves, arrays)
     params, static = split_model(model, settings.filter_spec)
     loop = settings.loop(static)
@@ -443,9 +491,14 @@ def _train(
     s, r = loop.start(params, opt_state, model_state, epochs)
     stop = jnp.asarray(epochs, jnp.int32)
     s, r = _run_epochs(loop, Inputs(data, val_data, keys), s, r, stop)
-    params, model_state, summary = loop.finish(s)
+    params, model_state = loop.trained(s)
     trained = [leaf for leaf in jax.tree.leaves(eqx.combine(params, static)) if eqx.is_array(leaf)]
-    return trained, model_state, summary, s.opt_state, r
+    return (
+        trained,
+        model_state,
+        s.opt_state,
+        outcome(settings.plan, settings.on_nan, settings.validate, flags(s), r),
+    )
 
 
 _train_jit = jax.jit(_train, static_argnums=(0, 1, 2, 3, 4))
@@ -461,9 +514,9 @@ def train(
     data: Data,
     val_data: ValData | None,
     key: Key[Array, ""],
-) -> tuple[PyTree, PyTree, PyTree, Int[Array, "*members 4"], Record]:
+) -> tuple[PyTree, PyTree, PyTree, Outcome]:
     """A whole run on one device, from the model to the trained one, as one program: the
-    keys, the optimizer's first state, every epoch and `Loop.finish`.
+    keys, the optimizer's first state, every epoch, `Loop.trained` and the `Outcome`.
 
     Most `fit` calls take this path, so its host work is kept to a minimum: the model is
     flattened once, its arrays are the dynamic arguments of a plain `jax.jit`, and its
@@ -472,16 +525,15 @@ def train(
 
     **Returns:**
 
-    The trained model, the optimizer state, the model state, the summary of `Loop.finish`
-    and the record.
+    The trained model, the optimizer state, the model state and the `Outcome`.
     """
     leaves, treedef = jax.tree.flatten(model)
     static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
     arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
     static = (settings, treedef, static_leaves, epochs, members)
     out = _train_jit(*static, arrays, opt_state, model_state, data, val_data, key)
-    trained, model_state, summary, opt_state, r = out
-    return _unflatten(treedef, static_leaves, trained), opt_state, model_state, summary, r
+    trained, model_state, opt_state, outcome_ = out
+    return _unflatten(treedef, static_leaves, trained), opt_state, model_state, outcome_
 
 
 def _unflatten(treedef: Any, static_leaves: tuple[Any, ...], arrays: list[Any]) -> PyTree:
@@ -495,8 +547,9 @@ def _unflatten(treedef: Any, static_leaves: tuple[Any, ...], arrays: list[Any]) 
 # The chunked runner. A chunk is a range of full batches inside one epoch; the epoch's
 # remainder step, validation, early stopping and the next epoch's order are one more call.
 # Bounds are traced, so every chunk length shares one compilation. On one device the
-# state and record, always the last two arguments, are donated between calls: they are
-# copies made by `Loop.init`, never the caller's arrays.
+# state and record, always the last two arguments, are donated between calls. They come
+# from a compiled start (`fit`'s `_start`), whose outputs are new buffers even where they
+# equal its inputs, or from a checkpoint: never the caller's arrays (a test holds to it).
 
 
 def _first_order(loop: Loop, inputs: Inputs, s: TrainState) -> UInt32[Array, "*members n"]:
@@ -562,11 +615,16 @@ def _epochs_chunk(
     return s, r, loop.per_member(loop.all_logs)(s, r)
 
 
-def own_copy(s: TrainState) -> TrainState:
-    """A copy of every array, so that donating the state between chunks never touches the
-    caller's arrays (the state's params may be the caller's very buffers).
+def resume_point(
+    epoch: Int[Array | np.ndarray, "*members"], step: Int[Array | np.ndarray, "*members"]
+) -> tuple[int, int]:
+    """Where the members still training stand, from each member's epochs done and steps
+    into the next: (epochs done, steps into the next). Those that stopped early are
+    behind, or stopped inside the epoch, and stay there.
     """
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+    epoch, step = np.asarray(epoch).reshape(-1), np.asarray(step).reshape(-1)
+    last = int(epoch.max())
+    return last, int(step[epoch == last].max())
 
 
 def run_chunked(
@@ -574,6 +632,7 @@ def run_chunked(
     inputs: Inputs,
     s: TrainState,
     r: Record,
+    begin: tuple[int, int],
     num_epochs: int,
     progress: Progress,
     sync_epochs: bool,
@@ -588,13 +647,13 @@ def run_chunked(
     Bounds are traced, so every chunk length shares one compilation, and each piece runs
     the same arithmetic as `run_compiled`: the results are equal bit for bit.
 
-    Chunk i+1 is dispatched before chunk i's results are read, meant to overlap the host's
-    wait for the bar with the device's work. (Equinox 0.13's `filter_jit` waits for each
-    call to finish, so today the overlap is lost; with few, long chunks it costs little.)
-    With `sync_epochs` (callbacks that may stop training)
-    each epoch's values are read before the next epoch is dispatched. Chunks adapt to take
-    about `seconds_per_chunk` each. Every `checkpoint_every` epochs the state goes to
-    `progress.save`; a chunk never crosses that boundary.
+    The run starts at `begin`, `(epochs done, steps into the next)`: given, not read from
+    `s`, so that nothing waits for the start's program. Chunk i+1 is dispatched before
+    chunk i's results are read, so the host updates the bar while the device works. With
+    `sync_epochs` (callbacks that may stop training) each epoch's values are read before
+    the next epoch is dispatched. Chunks adapt to take about `seconds_per_chunk` each.
+    Every `checkpoint_every` epochs the state goes to `progress.save`; a chunk never
+    crosses that boundary.
     """
     plan, p = loop.plan, loop.placement
     first_order = p.compile(_first_order)
@@ -602,8 +661,7 @@ def run_chunked(
     epoch_end = p.compile(_epoch_end, donate=(4, 5))
     epochs_chunk = p.compile(_epochs_chunk, donate=(3, 4))
 
-    first_epoch, first_step = int(np.max(s.epoch)), int(np.min(s.step))
-    s = own_copy(s)
+    first_epoch, first_step = begin
     loop, inputs, s, r = p.put(loop), inputs.place(p), p.put(s), p.put(r)
     pending: list[Callable[[], bool]] = []
     # Steps in the first chunk: a quick first redraw, or one whole short epoch, which is
@@ -679,13 +737,13 @@ def run_chunked(
         if order is None:
             order = first_order(loop, inputs, s)
         start = first_step if epoch == first_epoch else 0
-        for begin, end in _ranges(start, plan.num_full, lambda: size):
-            bounds = p.put(jnp.asarray([begin, end, 0], jnp.int32))
+        for low, end in _ranges(start, plan.num_full, lambda: size):
+            bounds = p.put(jnp.asarray([low, end, 0], jnp.int32))
             s, r, loss_sum = chunk(loop, inputs, order, bounds, s, r)
-            steps_since += end - begin
+            steps_since += end - low
             if report():
                 return p.get((s, r))
-            pending.append(steps_done(epoch, end - begin, loss_sum))
+            pending.append(steps_done(epoch, end - low, loss_sum))
         s, r, logs = epoch_end(loop, inputs, order, p.put(jnp.asarray(0, jnp.int32)), s, r)
         order = None  # the next epoch's order, made only if that epoch runs in steps
         if plan.remainder:

@@ -5,6 +5,7 @@ its layout. The loop itself only asks it how to cut a batch.
 """
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,6 +149,7 @@ class Sharded(eqx.Module):
 
 
 Placement = OneDevice | Pmap | Sharded
+_ONE_DEVICE = OneDevice()  # built once: constructing a Module costs microseconds a `fit`
 
 
 def choose_placement(
@@ -187,7 +189,7 @@ def choose_placement(
         placement = Pmap(chosen)
         count, what = len(chosen), "the devices"
     else:
-        return OneDevice()
+        return _ONE_DEVICE
     if batch_size % count:
         lower, upper = (batch_size // count) * count, -(-batch_size // count) * count
         raise ValueError(
@@ -220,18 +222,64 @@ def _first_replica(tree: PyTree) -> PyTree:
 @functools.cache
 def _jit(fn: Callable, donate: tuple[int, ...], static: tuple[int, ...]) -> Callable:
     """`fn(loop, *args)` compiled. Usually a plain `jax.jit` with the loop as a static
-    argument: hashing it is about a tenth of what `eqx.filter_jit` spends flattening the
-    loop and every argument on each call, and a `fit` makes several calls. A loop that
-    holds arrays cannot be hashed; it goes through `eqx.filter_jit`, without donation.
+    argument (through `_Static`), which costs far less per call than `eqx.filter_jit`
+    flattening the loop and every argument; a `fit` on the progress path makes several
+    calls. A loop that holds arrays cannot be hashed: it goes through `eqx.filter_jit`,
+    without donation.
     """
-    plain = jax.jit(fn, static_argnums=(0, *static), donate_argnums=donate)
+    plain = jax.jit(
+        lambda key, *args: fn(key.loop, *args),
+        static_argnums=(0, *static),
+        donate_argnums=donate,
+    )
     traced = eqx.filter_jit(fn)
 
     @functools.wraps(fn)
     def call(loop: Any, *args: Any) -> Any:
-        return (traced if loop.holds_arrays else plain)(loop, *args)
+        key = _static(loop)
+        return traced(loop, *args) if key is None else plain(key, *args)
 
     return call
+
+
+class _Static:
+    """A loop as a static argument: hashed once, and one object per distinct loop, so that
+    JAX's cache finds it by identity instead of comparing two loops field by field.
+    """
+
+    __slots__ = ("loop", "hash", "__weakref__")
+
+    def __init__(self, loop: Any):
+        self.loop, self.hash = loop, hash(loop)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _Static) or self.hash != other.hash:
+            return False
+        return self.loop is other.loop or bool(self.loop == other.loop)
+
+
+# One `_Static` per distinct loop, alive while a compiled program keeps it as its key.
+_interned: "weakref.WeakValueDictionary[_Static, _Static]" = weakref.WeakValueDictionary()
+_last: tuple[Any, _Static | None] = (None, None)  # the last loop seen: `fit` reuses one
+
+
+def _static(loop: Any) -> "_Static | None":
+    """The interned `_Static` of `loop`, or `None` if it holds arrays."""
+    global _last
+    last = _last
+    if last[0] is loop:
+        return last[1]
+    key = None
+    if not loop.holds_arrays:
+        new = _Static(loop)
+        key = _interned.setdefault(new, new)
+    _last = (loop, key)
+    return key
 
 
 @functools.cache

@@ -63,6 +63,7 @@ def run_with_bar(
     inputs: Inputs,
     s: TrainState,
     r: Record,
+    begin: tuple[int, int],
     epochs: int,
     callbacks: Sequence[Callback],
     interrupt: Interrupt,
@@ -75,7 +76,7 @@ def run_with_bar(
     from tqdm.auto import tqdm
 
     steps = loop.plan.steps_per_epoch
-    done, step = position(s)
+    done, step = begin
     initial = min(done, epochs) * steps + step  # where a resumed run starts
     every_ = every if store is not None else None
     with tqdm(
@@ -83,6 +84,8 @@ def run_with_bar(
     ) as bar:
         progress = _Bar(bar, epochs, callbacks, interrupt, store)
         if source is not None:
-            return run_streamed(loop, inputs, s, r, epochs, progress, source, every_)
+            return run_streamed(loop, inputs, s, r, begin, epochs, progress, source, every_)
         sync = bool(callbacks)
-        return run_chunked(loop, inputs, s, r, epochs, progress, sync, checkpoint_every=every_)
+        return run_chunked(
+            loop, inputs, s, r, begin, epochs, progress, sync, checkpoint_every=every_
+        )

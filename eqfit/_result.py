@@ -2,17 +2,18 @@
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import PyTree
 
 from ._checkpoint import serialise, versions, write_atomically
-from ._history import epoch_values, History, StopReason
-from ._loop import Record, Settings
+from ._history import History, StopReason
+from ._loop import Outcome, Settings
 
 
 class FitResult(eqx.Module):
@@ -57,69 +58,47 @@ def make_result(
     model: PyTree,
     opt_state: PyTree,
     model_state: PyTree,
-    summary: Int[Array, "*members 4"],
-    r: Record,
-    wall_time: float,
+    outcome: Outcome,
+    start: float,
 ) -> FitResult:
-    """Reads the run's record back into a History, beside the trained model.
-
-    `summary` is `Loop.finish`'s. One row per member: a single model is an ensemble of
-    one, squeezed at the end. Everything is read in one transfer, and the work on the
-    host is a few whole-array operations: it runs while the caller waits.
+    """The result of a run, with its History read from the run's `Outcome`: one transfer,
+    then slicing. (The host's work after a run costs several times its usual speed, with
+    its caches cold from the wait; so the arithmetic stays on the device.)
     """
-    sizes, stopping = settings.plan.batch_sizes, settings.early_stopping
-    steps = len(sizes)
-    summary_, step_loss, step_metrics, val = jax.device_get(
-        (summary, r.step_loss, r.step_metrics, r.val)
-    )
-    epochs_done, nan_step, best, stopped = np.reshape(summary_, (-1, 4)).T
-    members = len(epochs_done)
-    step_loss = step_loss.reshape(members, *r.step_loss.shape[-2:])
-    step_metrics = step_metrics.reshape(members, *r.step_metrics.shape[-3:])
-    val = val.reshape(members, *r.val.shape[-2:])
-    by_nan = (nan_step >= 0) & (settings.on_nan != "skip")
-    # An epoch cut short by a non-finite loss counts as run, with NaN for its lost steps.
-    ran = epochs_done + (by_nan & (nan_step // steps >= epochs_done))
-    rows = int(ran.max())
-    epoch = np.arange(rows)[None, :, None]
-    step = epoch * steps + np.arange(steps)
-    lost = by_nan[:, None, None] & (step > nan_step[:, None, None])
-    losses = np.where((epoch < ran[:, None, None]) & ~lost, step_loss[:, :rows], np.nan)
-    values = epoch_values(
-        np.concatenate([losses[..., None], step_metrics[:, :rows]], axis=-1), sizes
-    )
-    if settings.validate:
-        values = np.concatenate([values, val[:, :rows]], axis=-1)
-    values = np.where(epoch < ran[:, None, None], values, np.nan).astype(np.float32)
+    o = jax.device_get(outcome)
+    wall_time = time.perf_counter() - start  # `start`: when `fit` began
+    rows = int(o.epochs.max())
+    stopping = settings.early_stopping
     reasons: list[StopReason] = []
-    for i in range(members):
-        if by_nan[i]:
+    for ran, nan_step, stopped in zip(o.epochs, o.nan_step, o.stopped):
+        if nan_step >= 0 and settings.on_nan != "skip":
             reasons.append("non_finite_loss")
-        elif stopped[i] and stopping is not None:
+        elif stopped and stopping is not None:
             reasons.append("early_stopping")
         else:
-            reasons.append("callback" if ran[i] < step_loss.shape[1] else None)
-    best_epochs = [int(b) if stopping is not None and b >= 0 else None for b in best]
+            reasons.append("callback" if ran < o.step_loss.shape[1] else None)
+    best_epochs = [int(b) if stopping is not None and b >= 0 else None for b in o.best_epoch]
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
         return x[0] if not settings.ensemble else np.moveaxis(x, 0, -1)
 
+    values = squeeze(o.values[:, :rows])
     history = History(
-        {name: squeeze(values[..., i]) for i, name in enumerate(settings.log_names)},
-        squeeze(losses.astype(np.float32)),
-        sizes,
+        {name: values[:, i] for i, name in enumerate(settings.log_names)},
+        squeeze(o.step_loss[:, :rows]),
+        settings.plan.batch_sizes,
         wall_time,
         tuple(best_epochs) if settings.ensemble else best_epochs[0],
         tuple(reasons) if settings.ensemble else reasons[0],
     )
     result = FitResult(model, opt_state, history, model_state)
-    if by_nan.any() and settings.on_nan == "raise":
-        i = int(np.argmax(by_nan))
-        epoch, step = divmod(int(nan_step[i]), steps)
+    if settings.on_nan == "raise" and (o.nan_step >= 0).any():
+        i = int(np.argmax(o.nan_step >= 0))
+        epoch, step = divmod(int(o.nan_step[i]), settings.plan.steps_per_epoch)
         member = f"member {i}: " if settings.ensemble else ""
         raise NonFiniteLossError(
             f"The loss was not finite at {member}epoch {epoch}, step {step} (step "
-            f"{int(nan_step[i])} of the run). Training stopped there; the last finite model, "
+            f"{int(o.nan_step[i])} of the run). Training stopped there; the last finite model, "
             "from before that step, is in this error's `.result`. Pass `on_nan='skip'` to "
             "skip such steps, or `on_nan='stop'` to return early without an error.",
             result,

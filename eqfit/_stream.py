@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._data import BatchPlan, check_data, plan_batches
-from ._loop import _chunk, _epoch_end, Inputs, Loop, own_copy, Progress, Record, TrainState
+from ._loop import _chunk, _epoch_end, Inputs, Loop, Progress, Record, TrainState
 from ._parallel import OneDevice
 
 
@@ -220,6 +220,7 @@ def run_streamed(
     inputs: Inputs,
     s: TrainState,
     r: Record,
+    begin: tuple[int, int],
     num_epochs: int,
     progress: Progress,
     source: MemmapSource | LoaderSource,
@@ -237,8 +238,7 @@ def run_streamed(
     per_chunk = chunk_batches(source, plan)
     chunk_fn = OneDevice().compile(_chunk, donate=(4, 5))
     epoch_end_fn = OneDevice().compile(_epoch_end, donate=(4, 5))
-    s = own_copy(s)
-    first_epoch, first_step = int(s.epoch), int(s.step)
+    first_epoch, first_step = begin
 
     def chunks(epoch: int) -> Iterator[Chunk]:
         if isinstance(source, LoaderSource):

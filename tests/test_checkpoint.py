@@ -184,3 +184,16 @@ def test_save_and_load(getkey, tmp_path):
     with pytest.raises(ValueError, match=r"not an eqfit file"):
         (tmp_path / "other.eqx").write_bytes(b"nonsense")
         eqfit.load(tmp_path / "other.eqx", like=model)
+
+
+def test_resume_point_follows_the_members_still_training():
+    from eqfit._loop import resume_point
+
+    def at(epochs, steps):
+        return resume_point(np.asarray(epochs, np.int32), np.asarray(steps, np.int32))
+
+    assert at(3, 5) == (3, 5)
+    # Member 0 stopped early, two epochs back: the others go on from epoch 5, step 3.
+    assert at([3, 5, 5], [0, 3, 3]) == (5, 3)
+    # Member 1 stopped inside epoch 5 (a non-finite loss); the rest had finished it.
+    assert at([6, 5, 6], [0, 2, 0]) == (6, 0)

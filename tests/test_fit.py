@@ -344,3 +344,72 @@ def test_progress_in_step_chunks_and_in_epoch_chunks(getkey, monkeypatch, second
     assert_trees_equal(compiled.model, bar.model)
     np.testing.assert_array_equal(compiled.history.step_loss, bar.history.step_loss)
     np.testing.assert_array_equal(compiled.history.val_loss, bar.history.val_loss)
+
+
+class WeightedMSE(eqx.Module):
+    """A loss that is a Module holding an array: it is traced, not hashed."""
+
+    weights: jax.Array
+
+    def __call__(self, model, x, y):
+        return jnp.mean(self.weights[0] * (jax.vmap(model)(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("case", ["frozen_by_callable", "frozen_by_tree", "loss_module"])
+def test_every_way_of_compiling_agrees(getkey, case):
+    """The one-program path (static settings), the loop hashed as a static argument, and
+    the loop traced (it holds arrays) must all train alike, on both paths.
+    """
+    data = regression_data(getkey(), 60)
+    model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), epochs=2, batch_size=16
+    )
+    if case == "frozen_by_callable":  # biases train, weights are frozen floats
+        kwargs["filter_spec"] = lambda x: eqx.is_inexact_array(x) and x.ndim == 1
+    elif case == "frozen_by_tree":
+        spec = jax.tree.map(lambda _: True, model)
+        kwargs["filter_spec"] = eqx.tree_at(lambda m: m.layers[0].weight, spec, False)
+    else:
+        kwargs["loss"] = WeightedMSE(jnp.asarray([2.0]))
+    compiled = eqfit.fit(model, data, **kwargs)
+    chunked = eqfit.fit(model, data, progress=True, **kwargs)
+    assert_trees_equal(compiled.model, chunked.model)
+    np.testing.assert_array_equal(compiled.history.step_loss, chunked.history.step_loss)
+    if case == "loss_module":
+        plain = eqfit.fit(model, data, **{**kwargs, "loss": eqfit.losses.mse})
+        np.testing.assert_allclose(compiled.history.loss, 2 * plain.history.loss, rtol=1e-5)
+    else:
+        frozen = model.layers[0].weight
+        np.testing.assert_array_equal(compiled.model.layers[0].weight, frozen)
+        assert not np.array_equal(compiled.model.layers[0].bias, model.layers[0].bias)
+
+
+def test_bfloat16_inputs_train(getkey):
+    x, y = regression_data(getkey(), 64)
+    result = eqfit.fit(
+        linear(getkey),
+        (x.astype(jnp.bfloat16), y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.05),
+        key=getkey(),
+        epochs=3,
+        batch_size=16,
+    )
+    assert result.history.loss[-1] < result.history.loss[0]
+
+
+def test_wall_time_covers_the_training(getkey):
+    """The run is dispatched asynchronously; the wall time must still include it."""
+    import time
+
+    data = regression_data(getkey(), 4096)
+    model = eqfit.models.MLP(4, "scalar", 64, 2, key=getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse, optimizer=optax.adam(1e-3), key=getkey(), epochs=30, batch_size=8
+    )
+    eqfit.fit(model, data, **kwargs)  # compiles
+    start = time.perf_counter()
+    result = eqfit.fit(model, data, **kwargs)
+    elapsed = time.perf_counter() - start
+    assert 0.5 * elapsed <= result.history.wall_time <= elapsed
