@@ -1,5 +1,6 @@
 """The public `fit`: check the inputs, partition, pick the loop, combine, return the result."""
 
+import functools
 import math
 import os
 import time
@@ -30,7 +31,7 @@ from ._loop import (
     train,
     TrainState,
 )
-from ._parallel import choose_placement, Device, OneDevice
+from ._parallel import choose_placement, Device, OneDevice, Placement
 from ._progress import Callback, run_with_bar
 from ._result import FitResult, make_result
 from ._step import takes_key
@@ -207,7 +208,7 @@ def fit(
     else:
         with Interrupt().deferred() as interrupt:
             params, static = split_model(model, filter_spec)
-            loop = settings.loop(static, placement)
+            loop = _loop_for(settings, static, placement)
             keys, s, r = _start(loop, params, opt_state, state, key_, members, epochs)
             inputs = Inputs(data_, val_data, keys)
             store, begin = None, (0, 0)  # (epochs done, steps into the next)
@@ -246,6 +247,24 @@ def fit(
             model, opt_state = eqx.combine(params, static), s.opt_state
             outcome_ = _outcome(plan, on_nan, settings.validate, flags(s), r)
     return make_result(settings, model, opt_state, state, outcome_, start)
+
+
+def _loop_for(settings: Settings, static: PyTree, placement: Placement) -> Loop:
+    """`settings.loop(static, placement)`, the same object for the same configuration, so
+    that compiled calls find it by identity rather than hashing and comparing it anew.
+    """
+    leaves, treedef = jax.tree.flatten(static)
+    try:
+        return _cached_loop(settings, treedef, tuple(leaves), placement)
+    except TypeError:  # unhashable: arrays (frozen leaves, a loss holding them) and such
+        return settings.loop(static, placement)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_loop(
+    settings: Settings, treedef: Any, leaves: tuple[Any, ...], placement: Placement
+) -> Loop:
+    return settings.loop(jax.tree.unflatten(treedef, leaves), placement)
 
 
 def _running(s: TrainState, epochs: int) -> bool:

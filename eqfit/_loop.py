@@ -467,7 +467,7 @@ def run_compiled(
     """
     p = loop.placement
     run = p.compile(_run_epochs)
-    stop = p.put(jnp.asarray(stop_epoch, jnp.int32))
+    stop = p.put(np.asarray(stop_epoch, np.int32))
     return p.get(run(p.put(loop), inputs.place(p), p.put(s), p.put(r), stop))
 
 
@@ -550,6 +550,9 @@ def _unflatten(treedef: Any, static_leaves: tuple[Any, ...], arrays: list[Any]) 
 # state and record, always the last two arguments, are donated between calls. They come
 # from a compiled start (`fit`'s `_start`), whose outputs are new buffers even where they
 # equal its inputs, or from a checkpoint: never the caller's arrays (a test holds to it).
+# Between calls the host runs no JAX operation of its own: bounds go in as numpy arrays,
+# since building a JAX array (`jnp.asarray`) or indexing one waits for the device to
+# finish every chunk already queued, and the bar would then cost a sync per chunk.
 
 
 def _first_order(loop: Loop, inputs: Inputs, s: TrainState) -> UInt32[Array, "*members n"]:
@@ -583,9 +586,14 @@ def _epoch_end(
     offset: Int[Array, ""],
     s: TrainState,
     r: Record,
-) -> tuple[TrainState, Record, Float[Array, "*members logs"]]:
+) -> tuple[TrainState, Record, Float[Array, "*members logs"], Float[Array, "*members"]]:
+    """The epoch's end: its values (`Loop.logs`) and its remainder step's loss (or 0)."""
+
     def run(keys: Keys, s: TrainState, r: Record, order: UInt32[Array, " n"]):
-        return loop.end_epoch(s, r, inputs.data, inputs.val_data, order, keys, offset)
+        e = s.epoch
+        s, r, logs = loop.end_epoch(s, r, inputs.data, inputs.val_data, order, keys, offset)
+        remainder_loss = r.step_loss[e, loop.plan.num_full] if loop.plan.remainder else 0.0
+        return s, r, logs, jnp.asarray(remainder_loss, jnp.float32)
 
     return loop.per_member(run)(inputs.keys, s, r, order)
 
@@ -686,14 +694,14 @@ def run_chunked(
     def steps_done(epoch: int, steps: int, loss_sum: Array) -> Callable[[], bool]:
         def read() -> bool:
             # Waits for that chunk only. An ensemble reports its members' mean.
-            progress.on_steps(epoch, steps, float(np.mean(p.get(loss_sum))))
+            progress.on_steps(epoch, steps, float(p.host(loss_sum).mean()))
             return False
 
         return read
 
     def epoch_done(epoch: int, logs: Array) -> Callable[[], bool]:
         def read() -> bool:
-            members = np.asarray(p.get(logs)).reshape(-1, num_logs + 2)
+            members = p.host(logs).reshape(-1, num_logs + 2)
             values = members.mean(axis=0).tolist()
             stopped, done = bool(members[:, -2].all()), int(members[:, -1].max())
             if done <= epoch:  # stopped before this epoch ended: nothing to log
@@ -706,7 +714,7 @@ def run_chunked(
     def epochs_done(first: int, last: int, logs: Array) -> Callable[[], bool]:
         def read() -> bool:
             # logs: (members, epochs, values + [stopped, epochs done]).
-            table = np.asarray(p.get(logs)).reshape(-1, r.step_loss.shape[-2], num_logs + 2)
+            table = p.host(logs).reshape(-1, r.step_loss.shape[-2], num_logs + 2)
             done, stopped = int(table[:, first, -1].max()), bool(table[:, first, -2].all())
             for epoch in range(first, min(last, done)):
                 values = table[:, epoch, :num_logs].mean(axis=0).tolist()
@@ -725,7 +733,7 @@ def run_chunked(
             stop = min(num_epochs, epoch + whole_epochs)
             if checkpoint_every:
                 stop = min(stop, (epoch // checkpoint_every + 1) * checkpoint_every)
-            s, r, logs = epochs_chunk(loop, inputs, p.put(jnp.asarray(stop, jnp.int32)), s, r)
+            s, r, logs = epochs_chunk(loop, inputs, p.put(np.asarray(stop, np.int32)), s, r)
             steps_since += (stop - epoch) * plan.steps_per_epoch
             if report():
                 return p.get((s, r))
@@ -738,17 +746,17 @@ def run_chunked(
             order = first_order(loop, inputs, s)
         start = first_step if epoch == first_epoch else 0
         for low, end in _ranges(start, plan.num_full, lambda: size):
-            bounds = p.put(jnp.asarray([low, end, 0], jnp.int32))
+            bounds = p.put(np.asarray([low, end, 0], np.int32))
             s, r, loss_sum = chunk(loop, inputs, order, bounds, s, r)
             steps_since += end - low
             if report():
                 return p.get((s, r))
             pending.append(steps_done(epoch, end - low, loss_sum))
-        s, r, logs = epoch_end(loop, inputs, order, p.put(jnp.asarray(0, jnp.int32)), s, r)
+        offset = p.put(np.asarray(0, np.int32))
+        s, r, logs, remainder_loss = epoch_end(loop, inputs, order, offset, s, r)
         order = None  # the next epoch's order, made only if that epoch runs in steps
         if plan.remainder:
             steps_since += 1
-            remainder_loss = r.step_loss[..., epoch, plan.num_full]
             if report():
                 return p.get((s, r))
             pending.append(steps_done(epoch, 1, remainder_loss))

@@ -38,6 +38,10 @@ class OneDevice(eqx.Module):
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
+    def host(self, x: Array) -> np.ndarray:
+        """`x` read back to numpy: waits for `x` only, not for work queued after it."""
+        return np.asarray(x)
+
     def full_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
         return take(data, index)
 
@@ -72,6 +76,10 @@ class Pmap(eqx.Module):
     def get(self, tree: PyTree) -> PyTree:
         arrays, rest = eqx.partition(tree, eqx.is_array)
         return eqx.combine(_first_replica(arrays), rest)
+
+    def host(self, x: Array) -> np.ndarray:
+        # On the host: a compiled `get` would queue behind the work dispatched since.
+        return np.asarray(np.asarray(x)[0])
 
     def full_batch(
         self, data: Data, index: UInt32[Array, " batch"]
@@ -138,6 +146,9 @@ class Sharded(eqx.Module):
 
     def get(self, tree: PyTree) -> PyTree:
         return tree
+
+    def host(self, x: Array) -> np.ndarray:
+        return np.asarray(x)
 
     def full_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
         return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, P(self.axis)))

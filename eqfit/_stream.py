@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._data import BatchPlan, check_data, plan_batches
@@ -291,20 +290,20 @@ def run_streamed(
             chunk_inputs = Inputs(arrays, inputs.val_data, inputs.keys)
             order = arrays_order
             start = max(chunk.first, first_step) if epoch == first_epoch else chunk.first
-            bounds = jnp.asarray([start, chunk.first + chunk.steps, chunk.first], jnp.int32)
+            bounds = np.asarray([start, chunk.first + chunk.steps, chunk.first], np.int32)
             s, r, loss_sum = chunk_fn(loop, chunk_inputs, order, bounds, s, r)
             for done in pending:
                 progress.on_steps(done[0], done[1], float(done[2]))
             pending = [(epoch, chunk.first + chunk.steps - start, loss_sum)]
             if chunk.last:
-                offset = jnp.asarray(chunk.first, jnp.int32)
-                s, r, logs = epoch_end_fn(loop, chunk_inputs, order, offset, s, r)
+                offset = np.asarray(chunk.first, np.int32)
+                s, r, logs, remainder_loss = epoch_end_fn(loop, chunk_inputs, order, offset, s, r)
                 values = np.asarray(logs).tolist()
                 for done in pending:
                     progress.on_steps(done[0], done[1], float(done[2]))
                 pending = []
                 if plan.remainder:
-                    progress.on_steps(epoch, 1, float(r.step_loss[epoch, plan.num_full]))
+                    progress.on_steps(epoch, 1, float(remainder_loss))
                 stopped, epochs_done = bool(values[-2]), int(values[-1])
                 names = loop.log_names
                 if epochs_done > epoch and progress.on_epoch(epoch, dict(zip(names, values))):
