@@ -177,7 +177,6 @@ def fit(
         stateful=state is not None,
         use_key=takes_key(loss),
         optimizer=optimizer,
-        filter_spec=filter_spec,
         plan=plan,
         shuffle=shuffle,
         validate=val_data is not None,
@@ -197,13 +196,17 @@ def fit(
         and source is None
         and checkpoint is None
         and isinstance(placement, OneDevice)
-        and callable(filter_spec)  # hashable, unlike most filter trees
+        # A function applied to every leaf, not a tree of them (even a callable Module).
+        and callable(filter_spec)
+        and jax.tree_util.treedef_is_leaf(jax.tree.structure(filter_spec))
         and not any(eqx.is_array(x) for x in jax.tree.leaves((loss, settings.metrics)))
     )
     if one_program:
         # The usual call, kept lean: one program from the model to the trained one. A
         # Ctrl-C during it lands when the run ends, as a deferred one would.
-        run = train(settings, epochs, members, model, opt_state, state, data_, val_data, key_)
+        run = train(
+            settings, filter_spec, epochs, members, model, opt_state, state, data_, val_data, key_
+        )
         model, opt_state, state, outcome_ = run
     else:
         with Interrupt().deferred() as interrupt:

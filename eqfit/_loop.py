@@ -349,7 +349,6 @@ class Settings(NamedTuple):
     stateful: bool
     use_key: bool
     optimizer: optax.GradientTransformation
-    filter_spec: Any
     plan: BatchPlan
     shuffle: bool
     validate: bool
@@ -378,16 +377,15 @@ class Settings(NamedTuple):
 
 class Outcome(NamedTuple):
     """What the host reads back after a run, worked out on the device so that the host
-    has little left to do once it has waited. One row per member: a single model is an
-    ensemble of one.
+    has little left to do once it has waited, and packed in two arrays so that reading
+    it is two transfers. One row per member: a single model is an ensemble of one.
     """
 
-    epochs: Int[Array, " members"]  # epochs run; one cut short by a non-finite loss counts
-    nan_step: Int[Array, " members"]  # the first non-finite step of the run, or -1
-    best_epoch: Int[Array, " members"]  # by the early-stopping monitor, or -1
-    stopped: Bool[Array, " members"]
-    step_loss: Float[Array, "members epochs steps"]  # NaN where no step ran
-    values: Float[Array, "members epochs logs"]  # the per-epoch `log_names`; NaN if not run
+    # [epochs run (one cut short by a non-finite loss counts), the first non-finite step
+    # of the run or -1, the best epoch by the early-stopping monitor or -1, stopped]
+    flags: Int[Array, "members 4"]
+    # Each epoch's step losses, then its `log_names` values; NaN where nothing ran.
+    table: Float[Array, "members epochs steps_and_logs"]
 
 
 def outcome(
@@ -420,7 +418,8 @@ def outcome(
     if validate:
         values = jnp.concatenate([values, r.val.reshape(members, *r.val.shape[-2:])], axis=-1)
     values = jnp.where(ran_epoch, values, jnp.nan)
-    return Outcome(ran, nan_step, best, stopped, losses, values)
+    flags_ = jnp.stack([ran, nan_step, best, stopped.astype(ran.dtype)], axis=-1)
+    return Outcome(flags_, jnp.concatenate([losses, values], axis=-1))
 
 
 class Inputs(eqx.Module):
@@ -475,6 +474,7 @@ def _train(
     settings: Settings,
     treedef: Any,
     static_leaves: tuple[Any, ...],
+    trains: tuple[bool, ...],
     epochs: int,
     members: int | None,
     arrays: list[Array],
@@ -484,8 +484,10 @@ def _train(
     val_data: ValData | None,
     key: Key[Array, ""],
 ) -> tuple[list[Array], PyTree, PyTree, Outcome]:
-    model = _unflatten(treedef, static_leaves, arrays)
-    params, static = split_model(model, settings.filter_spec)
+    # As `eqx.partition` would split it: `None` where the other side has the leaf.
+    picked = _unflatten(treedef, static_leaves, [a if t else None for a, t in zip(arrays, trains)])
+    params = eqx.filter(picked, eqx.is_array)
+    static = _unflatten(treedef, static_leaves, [None if t else a for a, t in zip(arrays, trains)])
     loop = settings.loop(static)
     keys, _ = split_keys(key, members)
     s, r = loop.start(params, opt_state, model_state, epochs)
@@ -501,11 +503,12 @@ def _train(
     )
 
 
-_train_jit = jax.jit(_train, static_argnums=(0, 1, 2, 3, 4))
+_train_jit = jax.jit(_train, static_argnums=(0, 1, 2, 3, 4, 5))
 
 
 def train(
     settings: Settings,
+    filter_spec: Callable[[Any], Any],
     epochs: int,
     members: int | None,
     model: PyTree,
@@ -520,8 +523,9 @@ def train(
 
     Most `fit` calls take this path, so its host work is kept to a minimum: the model is
     flattened once, its arrays are the dynamic arguments of a plain `jax.jit`, and its
-    structure, other leaves and the settings are static ones. Everything else (the
-    partition, the `Loop`) happens while tracing. It needs the settings to hold no arrays.
+    structure, other leaves, which arrays train (by `filter_spec`, a callable: compared by
+    what it chose, so a new lambda each call does not recompile) and the settings are
+    static ones. The `Loop` is built while tracing. The settings must hold no arrays.
 
     **Returns:**
 
@@ -530,15 +534,16 @@ def train(
     leaves, treedef = jax.tree.flatten(model)
     static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
     arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
-    static = (settings, treedef, static_leaves, epochs, members)
+    trains = tuple(eqx.is_inexact_array(a) and bool(filter_spec(a)) for a in arrays)
+    static = (settings, treedef, static_leaves, trains, epochs, members)
     out = _train_jit(*static, arrays, opt_state, model_state, data, val_data, key)
     trained, model_state, opt_state, outcome_ = out
     return _unflatten(treedef, static_leaves, trained), opt_state, model_state, outcome_
 
 
 def _unflatten(treedef: Any, static_leaves: tuple[Any, ...], arrays: list[Any]) -> PyTree:
-    """The inverse of `train`'s split of a model's leaves (`None` marks an array's place:
-    it is never a leaf itself).
+    """The inverse of `train`'s split of a model's leaves: `None` in `static_leaves` marks
+    an array's place (it is never a leaf itself), filled in order from `arrays`.
     """
     it = iter(arrays)
     return jax.tree.unflatten(treedef, [next(it) if x is None else x for x in static_leaves])

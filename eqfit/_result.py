@@ -65,40 +65,46 @@ def make_result(
     then slicing. (The host's work after a run costs several times its usual speed, with
     its caches cold from the wait; so the arithmetic stays on the device.)
     """
-    o = jax.device_get(outcome)
+    flags, table = jax.device_get(outcome)
     wall_time = time.perf_counter() - start  # `start`: when `fit` began
-    rows = int(o.epochs.max())
-    stopping = settings.early_stopping
+    # Python lists for the per-member bookkeeping: quicker than numpy scalars.
+    epochs, nan_steps, best, stopped = flags.T.tolist()
+    steps, stopping, by_nan = (
+        settings.plan.steps_per_epoch,
+        settings.early_stopping,
+        settings.on_nan != "skip",
+    )
     reasons: list[StopReason] = []
-    for ran, nan_step, stopped in zip(o.epochs, o.nan_step, o.stopped):
-        if nan_step >= 0 and settings.on_nan != "skip":
+    for ran, nan_step, stop in zip(epochs, nan_steps, stopped):
+        if by_nan and nan_step >= 0:
             reasons.append("non_finite_loss")
-        elif stopped and stopping is not None:
+        elif stop and stopping is not None:
             reasons.append("early_stopping")
         else:
-            reasons.append("callback" if ran < o.step_loss.shape[1] else None)
-    best_epochs = [int(b) if stopping is not None and b >= 0 else None for b in o.best_epoch]
+            reasons.append("callback" if ran < table.shape[1] else None)
+    best_epochs = [b if stopping is not None and b >= 0 else None for b in best]
+    rows = max(epochs)
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
         return x[0] if not settings.ensemble else np.moveaxis(x, 0, -1)
 
-    values = squeeze(o.values[:, :rows])
+    values = squeeze(table[:, :rows, steps:])
     history = History(
         {name: values[:, i] for i, name in enumerate(settings.log_names)},
-        squeeze(o.step_loss[:, :rows]),
+        squeeze(table[:, :rows, :steps]),
         settings.plan.batch_sizes,
         wall_time,
         tuple(best_epochs) if settings.ensemble else best_epochs[0],
         tuple(reasons) if settings.ensemble else reasons[0],
     )
     result = FitResult(model, opt_state, history, model_state)
-    if settings.on_nan == "raise" and (o.nan_step >= 0).any():
-        i = int(np.argmax(o.nan_step >= 0))
-        epoch, step = divmod(int(o.nan_step[i]), settings.plan.steps_per_epoch)
+    if settings.on_nan == "raise" and max(nan_steps) >= 0:
+        i = next(i for i, t in enumerate(nan_steps) if t >= 0)
+        epoch, step = divmod(nan_steps[i], steps)
         member = f"member {i}: " if settings.ensemble else ""
         raise NonFiniteLossError(
             f"The loss was not finite at {member}epoch {epoch}, step {step} (step "
-            f"{int(o.nan_step[i])} of the run). Training stopped there; the last finite model, "
+            f"{nan_steps[i]} of the run). Training stopped there; the last finite model, "
             "from before that step, is in this error's `.result`. Pass `on_nan='skip'` to "
             "skip such steps, or `on_nan='stop'` to return early without an error.",
             result,

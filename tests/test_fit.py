@@ -413,3 +413,25 @@ def test_wall_time_covers_the_training(getkey):
     result = eqfit.fit(model, data, **kwargs)
     elapsed = time.perf_counter() - start
     assert 0.5 * elapsed <= result.history.wall_time <= elapsed
+
+
+def test_a_new_filter_function_each_call_does_not_recompile(getkey):
+    """What a callable `filter_spec` chose is part of the program, not the function."""
+    traces = []
+
+    def loss(model, x, y):
+        traces.append(1)  # runs only while JAX traces
+        return eqfit.losses.mse(model, x, y)
+
+    data = regression_data(getkey(), 64)
+    kwargs = dict(loss=loss, optimizer=optax.sgd(0.1), epochs=1, batch_size=16)
+    model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
+    only_biases = eqfit.fit(model, data, key=getkey(), filter_spec=lambda x: x.ndim == 1, **kwargs)
+    first = len(traces)
+    again = eqfit.fit(model, data, key=getkey(), filter_spec=lambda x: x.ndim == 1, **kwargs)
+    assert len(traces) == first
+    np.testing.assert_array_equal(again.model.layers[0].weight, model.layers[0].weight)
+    assert not np.array_equal(only_biases.model.layers[0].bias, model.layers[0].bias)
+    # Choosing other leaves is another program.
+    eqfit.fit(model, data, key=getkey(), filter_spec=lambda x: x.ndim == 2, **kwargs)
+    assert len(traces) > first
