@@ -80,10 +80,13 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def position(s: Any) -> tuple[int, int]:
-    """Where a run stands: (epochs done, steps into the next), the slowest member's."""
-    epoch = np.asarray(s.epoch).reshape(-1)
-    i = int(np.argmin(epoch))
-    return int(epoch[i]), int(np.asarray(s.step).reshape(-1)[i])
+    """Where a run stands: (epochs done, steps into the next) of the members still
+    training. Those that stopped early are behind, or stopped inside an epoch, and stay
+    there; they must not hold the others back.
+    """
+    epoch, step = np.asarray(s.epoch).reshape(-1), np.asarray(s.step).reshape(-1)
+    last = int(epoch.max())
+    return last, int(step[epoch == last].max())
 
 
 class Checkpoints:

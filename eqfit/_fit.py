@@ -24,7 +24,6 @@ from ._loop import (
     Loop,
     outcome,
     Record,
-    resume_point,
     run_compiled,
     Settings,
     split_model,
@@ -200,6 +199,7 @@ def fit(
         and callable(filter_spec)
         and jax.tree_util.treedef_is_leaf(jax.tree.structure(filter_spec))
         and not any(eqx.is_array(x) for x in jax.tree.leaves((loss, settings.metrics)))
+        and _hashable(settings)
     )
     if one_program:
         # The usual call, kept lean: one program from the model to the trained one. A
@@ -223,7 +223,7 @@ def fit(
                 restored = store.restore((s, r))
                 if restored is not None:
                     s, r = restored
-                    begin = resume_point(s.epoch, s.step)
+                    begin = position(s)
             if progress or source is not None:
                 # Streamed data is always trained in chunks; `progress` only shows the bar.
                 s, r = run_with_bar(
@@ -249,7 +249,7 @@ def fit(
             params, state = loop.trained(s)
             model, opt_state = eqx.combine(params, static), s.opt_state
             outcome_ = _outcome(plan, on_nan, settings.validate, flags(s), r)
-    return make_result(settings, model, opt_state, state, outcome_, start)
+    return make_result(settings, model, opt_state, state, outcome_, epochs, start)
 
 
 def _loop_for(settings: Settings, static: PyTree, placement: Placement) -> Loop:
@@ -258,16 +258,30 @@ def _loop_for(settings: Settings, static: PyTree, placement: Placement) -> Loop:
     """
     leaves, treedef = jax.tree.flatten(static)
     try:
-        return _cached_loop(settings, treedef, tuple(leaves), placement)
+        types = tuple(map(type, leaves))  # `1 == 1.0`, yet they trace differently
+        return _cached_loop(settings, treedef, tuple(leaves), types, placement)
     except TypeError:  # unhashable: arrays (frozen leaves, a loss holding them) and such
         return settings.loop(static, placement)
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_loop(
-    settings: Settings, treedef: Any, leaves: tuple[Any, ...], placement: Placement
+    settings: Settings,
+    treedef: Any,
+    leaves: tuple[Any, ...],
+    types: tuple[type, ...],
+    placement: Placement,
 ) -> Loop:
+    del types
     return settings.loop(jax.tree.unflatten(treedef, leaves), placement)
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:  # a loss that is a Module with a list field, say
+        return False
+    return True
 
 
 def _running(s: TrainState, epochs: int) -> bool:

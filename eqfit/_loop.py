@@ -70,8 +70,8 @@ def split_model(model: PyTree, filter_spec: Any) -> tuple[PyTree, PyTree]:
 
 
 class Loop(eqx.Module):
-    """A run's static description. It holds no arrays (beyond any frozen ones of the
-    model), so it is hashed as a static argument of the compiled programs.
+    """A run's static description. It holds no arrays beyond any frozen ones of the model,
+    so it is usually a static argument of the compiled programs (`Placement.compile`).
     """
 
     step: Step
@@ -90,13 +90,6 @@ class Loop(eqx.Module):
         member i trains exactly as it would alone, side by side in one program.
         """
         return jax.vmap(fn) if self.ensemble else fn
-
-    @property
-    def holds_arrays(self) -> bool:
-        """Whether any leaf is an array (a frozen leaf of the model, or one in a loss that
-        is a Module): then the loop must be traced, not hashed, by a compiled program.
-        """
-        return any(eqx.is_array(leaf) for leaf in jax.tree.leaves(self))
 
     # -- names and sizes
 
@@ -299,7 +292,10 @@ class Loop(eqx.Module):
     def epoch_logs(self, r: Record, e: Int[Array, ""]) -> Float[Array, " logs"]:
         """Epoch `e`'s values, in the order of `log_names`."""
         w = self.weights()
-        train = jnp.concatenate([(w @ r.step_loss[e])[None], w @ r.step_metrics[e]])
+        # Full float32 precision: on GPUs a default-precision dot may round through TF32.
+        loss = jnp.dot(w, r.step_loss[e], precision=jax.lax.Precision.HIGHEST)
+        metrics = jnp.dot(w, r.step_metrics[e], precision=jax.lax.Precision.HIGHEST)
+        train = jnp.concatenate([loss[None], metrics])
         return jnp.concatenate([train, r.val[e]]) if self.validate else train
 
     def logs(self, s: TrainState, r: Record) -> Float[Array, " logs"]:
@@ -399,7 +395,7 @@ def outcome(
     and its record. (Not the whole `Settings`: a loss that holds arrays cannot be hashed.)
 
     Training values weight each step by its batch size, as `Loop.epoch_logs` does for
-    early stopping, so the two agree to the bit.
+    early stopping (both at full float32 precision).
     """
     epoch_count, nan_step, best, stopped = (jnp.reshape(x, (-1,)) for x in flags)
     members, steps = epoch_count.shape[0], plan.steps_per_epoch
@@ -414,7 +410,7 @@ def outcome(
     sizes = plan.batch_sizes
     weights = jnp.asarray(sizes, jnp.float32) / sum(sizes)
     train = jnp.concatenate([losses[..., None], step_metrics], axis=-1)
-    values = jnp.einsum("mesk,s->mek", train, weights)
+    values = jnp.einsum("mesk,s->mek", train, weights, precision=jax.lax.Precision.HIGHEST)
     if validate:
         values = jnp.concatenate([values, r.val.reshape(members, *r.val.shape[-2:])], axis=-1)
     values = jnp.where(ran_epoch, values, jnp.nan)
@@ -474,6 +470,7 @@ def _train(
     settings: Settings,
     treedef: Any,
     static_leaves: tuple[Any, ...],
+    leaf_types: tuple[type, ...],  # only a key: `1 == 1.0`, yet they trace differently
     trains: tuple[bool, ...],
     epochs: int,
     members: int | None,
@@ -494,7 +491,7 @@ def _train(
     stop = jnp.asarray(epochs, jnp.int32)
     s, r = _run_epochs(loop, Inputs(data, val_data, keys), s, r, stop)
     params, model_state = loop.trained(s)
-    trained = [leaf for leaf in jax.tree.leaves(eqx.combine(params, static)) if eqx.is_array(leaf)]
+    trained = [leaf for leaf in jax.tree.leaves(params) if eqx.is_array(leaf)]
     return (
         trained,
         model_state,
@@ -503,7 +500,7 @@ def _train(
     )
 
 
-_train_jit = jax.jit(_train, static_argnums=(0, 1, 2, 3, 4, 5))
+_train_jit = jax.jit(_train, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 
 
 def train(
@@ -535,10 +532,14 @@ def train(
     static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
     arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
     trains = tuple(eqx.is_inexact_array(a) and bool(filter_spec(a)) for a in arrays)
-    static = (settings, treedef, static_leaves, trains, epochs, members)
+    leaf_types = tuple(map(type, static_leaves))
+    static = (settings, treedef, static_leaves, leaf_types, trains, epochs, members)
     out = _train_jit(*static, arrays, opt_state, model_state, data, val_data, key)
     trained, model_state, opt_state, outcome_ = out
-    return _unflatten(treedef, static_leaves, trained), opt_state, model_state, outcome_
+    # Only the trained arrays come back: the frozen ones are the caller's, untouched.
+    it = iter(trained)
+    arrays = [next(it) if t else a for a, t in zip(arrays, trains)]
+    return _unflatten(treedef, static_leaves, arrays), opt_state, model_state, outcome_
 
 
 def _unflatten(treedef: Any, static_leaves: tuple[Any, ...], arrays: list[Any]) -> PyTree:
@@ -551,7 +552,7 @@ def _unflatten(treedef: Any, static_leaves: tuple[Any, ...], arrays: list[Any]) 
 
 # The chunked runner. A chunk is a range of full batches inside one epoch; the epoch's
 # remainder step, validation, early stopping and the next epoch's order are one more call.
-# Bounds are traced, so every chunk length shares one compilation. On one device the
+# Bounds are traced, so every chunk length shares one compilation. Except under pmap, the
 # state and record, always the last two arguments, are donated between calls. They come
 # from a compiled start (`fit`'s `_start`), whose outputs are new buffers even where they
 # equal its inputs, or from a checkpoint: never the caller's arrays (a test holds to it).
@@ -626,18 +627,6 @@ def _epochs_chunk(
 ) -> tuple[TrainState, Record, Float[Array, "*members epochs logs"]]:
     s, r = _run_epochs(loop, inputs, s, r, stop_epoch)
     return s, r, loop.per_member(loop.all_logs)(s, r)
-
-
-def resume_point(
-    epoch: Int[Array | np.ndarray, "*members"], step: Int[Array | np.ndarray, "*members"]
-) -> tuple[int, int]:
-    """Where the members still training stand, from each member's epochs done and steps
-    into the next: (epochs done, steps into the next). Those that stopped early are
-    behind, or stopped inside the epoch, and stay there.
-    """
-    epoch, step = np.asarray(epoch).reshape(-1), np.asarray(step).reshape(-1)
-    last = int(epoch.max())
-    return last, int(step[epoch == last].max())
 
 
 def run_chunked(

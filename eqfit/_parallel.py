@@ -24,7 +24,7 @@ Device = Any
 
 
 class OneDevice(eqx.Module):
-    """The default: everything on JAX's default device, compiled with `eqx.filter_jit`."""
+    """The default: everything on JAX's default device, compiled with `jax.jit`."""
 
     def compile(
         self, fn: Callable, donate: tuple[int, ...] = (), static: tuple[int, ...] = ()
@@ -235,8 +235,8 @@ def _jit(fn: Callable, donate: tuple[int, ...], static: tuple[int, ...]) -> Call
     """`fn(loop, *args)` compiled. Usually a plain `jax.jit` with the loop as a static
     argument (through `_Static`), which costs far less per call than `eqx.filter_jit`
     flattening the loop and every argument; a `fit` on the progress path makes several
-    calls. A loop that holds arrays cannot be hashed: it goes through `eqx.filter_jit`,
-    without donation.
+    calls. A loop that holds arrays (frozen leaves of the model, a loss that is a Module
+    with arrays) or unhashable leaves goes through `eqx.filter_jit`, without donation.
     """
     plain = jax.jit(
         lambda key, *args: fn(key.loop, *args),
@@ -254,14 +254,17 @@ def _jit(fn: Callable, donate: tuple[int, ...], static: tuple[int, ...]) -> Call
 
 
 class _Static:
-    """A loop as a static argument: hashed once, and one object per distinct loop, so that
-    JAX's cache finds it by identity instead of comparing two loops field by field.
+    """A loop as a static argument, keyed on its flattened form (its structure, and its
+    leaves with their types, so that `1` and `1.0` differ): hashed once, and one object per
+    distinct loop, so that JAX's cache finds it by identity.
     """
 
-    __slots__ = ("loop", "hash", "__weakref__")
+    __slots__ = ("loop", "key", "hash", "__weakref__")
 
-    def __init__(self, loop: Any):
-        self.loop, self.hash = loop, hash(loop)
+    def __init__(self, loop: Any, treedef: Any, leaves: list[Any]):
+        self.loop = loop
+        self.key = (treedef, tuple(leaves), tuple(map(type, leaves)))
+        self.hash = hash(self.key)  # TypeError for an unhashable leaf
 
     def __hash__(self) -> int:
         return self.hash
@@ -271,7 +274,7 @@ class _Static:
             return True
         if not isinstance(other, _Static) or self.hash != other.hash:
             return False
-        return self.loop is other.loop or bool(self.loop == other.loop)
+        return self.loop is other.loop or self.key == other.key
 
 
 # One `_Static` per distinct loop, alive while a compiled program keeps it as its key.
@@ -280,15 +283,21 @@ _last: tuple[Any, _Static | None] = (None, None)  # the last loop seen: `fit` re
 
 
 def _static(loop: Any) -> "_Static | None":
-    """The interned `_Static` of `loop`, or `None` if it holds arrays."""
+    """The interned `_Static` of `loop`; `None` if it must be traced: it holds arrays, or
+    a leaf that cannot be hashed.
+    """
     global _last
     last = _last
     if last[0] is loop:
         return last[1]
-    key = None
-    if not loop.holds_arrays:
-        new = _Static(loop)
-        key = _interned.setdefault(new, new)
+    leaves, treedef = jax.tree.flatten(loop)
+    if any(eqx.is_array(leaf) for leaf in leaves):
+        return None  # not remembered in `_last`: that would keep its arrays alive
+    try:
+        new = _Static(loop, treedef, leaves)
+    except TypeError:
+        return None
+    key = _interned.setdefault(new, new)
     _last = (loop, key)
     return key
 

@@ -59,6 +59,7 @@ def make_result(
     opt_state: PyTree,
     model_state: PyTree,
     outcome: Outcome,
+    epochs: int,
     start: float,
 ) -> FitResult:
     """The result of a run, with its History read from the run's `Outcome`: one transfer,
@@ -68,30 +69,31 @@ def make_result(
     flags, table = jax.device_get(outcome)
     wall_time = time.perf_counter() - start  # `start`: when `fit` began
     # Python lists for the per-member bookkeeping: quicker than numpy scalars.
-    epochs, nan_steps, best, stopped = flags.T.tolist()
+    ran_epochs, nan_steps, best, stopped = flags.T.tolist()
     steps, stopping, by_nan = (
         settings.plan.steps_per_epoch,
         settings.early_stopping,
         settings.on_nan != "skip",
     )
     reasons: list[StopReason] = []
-    for ran, nan_step, stop in zip(epochs, nan_steps, stopped):
+    for ran, nan_step, stop in zip(ran_epochs, nan_steps, stopped):
         if by_nan and nan_step >= 0:
             reasons.append("non_finite_loss")
         elif stop and stopping is not None:
             reasons.append("early_stopping")
         else:
-            reasons.append("callback" if ran < table.shape[1] else None)
+            reasons.append("callback" if ran < epochs else None)
     best_epochs = [b if stopping is not None and b >= 0 else None for b in best]
-    rows = max(epochs)
+    rows = max(ran_epochs)
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
         return x[0] if not settings.ensemble else np.moveaxis(x, 0, -1)
 
+    # Copies: the transfer's arrays are read-only, and each value gets its own.
     values = squeeze(table[:, :rows, steps:])
     history = History(
-        {name: values[:, i] for i, name in enumerate(settings.log_names)},
-        squeeze(table[:, :rows, :steps]),
+        {name: values[:, i].copy() for i, name in enumerate(settings.log_names)},
+        squeeze(table[:, :rows, :steps]).copy(),
         settings.plan.batch_sizes,
         wall_time,
         tuple(best_epochs) if settings.ensemble else best_epochs[0],

@@ -84,8 +84,8 @@ class Objective(eqx.Module):
 class Step(eqx.Module):
     """One optimisation step on a batch, with the model's static structure closed over.
 
-    A `Step` holds no arrays of its own, so it hashes as part of a compiled program: two
-    `fit` calls with the same model structure, loss and optimizer share one compilation.
+    A `Step` holds no arrays of its own, so it is static in a compiled program: two `fit`
+    calls with the same model structure, loss and optimizer share one compilation.
     An update whose loss is not finite is not applied, so the parameters are always the
     last finite ones; the caller decides whether to stop.
     """

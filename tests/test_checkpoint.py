@@ -186,14 +186,42 @@ def test_save_and_load(getkey, tmp_path):
         eqfit.load(tmp_path / "other.eqx", like=model)
 
 
-def test_resume_point_follows_the_members_still_training():
-    from eqfit._loop import resume_point
+def test_position_follows_the_members_still_training():
+    from types import SimpleNamespace
+
+    from eqfit._checkpoint import position
 
     def at(epochs, steps):
-        return resume_point(np.asarray(epochs, np.int32), np.asarray(steps, np.int32))
+        return position(SimpleNamespace(epoch=np.asarray(epochs), step=np.asarray(steps)))
 
     assert at(3, 5) == (3, 5)
     # Member 0 stopped early, two epochs back: the others go on from epoch 5, step 3.
     assert at([3, 5, 5], [0, 3, 3]) == (5, 3)
     # Member 1 stopped inside epoch 5 (a non-finite loss); the rest had finished it.
     assert at([6, 5, 6], [0, 2, 0]) == (6, 0)
+
+
+def test_ensemble_with_a_stopped_member_checkpoints_to_the_end(getkey, tmp_path):
+    """A member that stops early must not hold the others' checkpoints back."""
+    import jax
+    import jax.numpy as jnp
+
+    data = regression_data(getkey(), 64)
+    keys = jax.random.split(getkey(), 2)
+    members = eqx.filter_vmap(lambda k: eqfit.models.LinearRegression(4, key=k))(keys)
+    # Member 1 starts with an infinite weight: its first loss is not finite, so it stops.
+    members = eqx.tree_at(lambda m: m.weight, members, members.weight.at[1, 0, 0].set(jnp.inf))
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.05),
+        key=getkey(),
+        epochs=4,
+        batch_size=16,
+        ensemble=True,
+        on_nan="stop",
+    )
+    plain = eqfit.fit(members, data, **kwargs)
+    saved = eqfit.fit(members, data, checkpoint=tmp_path / "run", **kwargs)
+    assert plain.history.stop_reason == (None, "non_finite_loss")
+    assert_trees_equal(plain.model, saved.model)
+    assert checkpoints(tmp_path / "run")[-1].startswith("ckpt-000004")

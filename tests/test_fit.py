@@ -283,6 +283,7 @@ def test_zero_epochs_returns_the_model(getkey):
     assert_trees_equal(result.model, model)
     assert result.history.loss.shape == (0,)
     assert result.history.step_loss.shape == (0, 1)
+    assert result.history.stop_reason is None  # nothing stopped it: it was asked for none
 
 
 def test_history_to_dict(getkey):
@@ -355,10 +356,31 @@ class WeightedMSE(eqx.Module):
         return jnp.mean(self.weights[0] * (jax.vmap(model)(x) - y) ** 2)
 
 
-@pytest.mark.parametrize("case", ["frozen_by_callable", "frozen_by_tree", "loss_module"])
-def test_every_way_of_compiling_agrees(getkey, case):
-    """The one-program path (static settings), the loop hashed as a static argument, and
-    the loop traced (it holds arrays) must all train alike, on both paths.
+class ScaledMSE(eqx.Module):
+    """A loss that is a Module with a list field: it cannot be hashed."""
+
+    scales: list
+
+    def __call__(self, model, x, y):
+        return jnp.mean(self.scales[0] * (jax.vmap(model)(x) - y) ** 2)
+
+
+class Stack(eqx.Module):
+    """A model with a list field, as in Equinox's own examples: it cannot be hashed."""
+
+    layers: list
+
+    def __call__(self, x):
+        return self.layers[1](jax.nn.relu(self.layers[0](x)))
+
+
+CASES = ["frozen_by_callable", "frozen_by_tree", "loss_module", "list_loss", "list_model"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_way_of_compiling_agrees(getkey, case, tmp_path):
+    """The one-program path (static settings), the loop as a static argument, and the loop
+    traced (it holds arrays, or cannot be hashed) must all train alike, on every path.
     """
     data = regression_data(getkey(), 60)
     model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
@@ -370,18 +392,28 @@ def test_every_way_of_compiling_agrees(getkey, case):
     elif case == "frozen_by_tree":
         spec = jax.tree.map(lambda _: True, model)
         kwargs["filter_spec"] = eqx.tree_at(lambda m: m.layers[0].weight, spec, False)
-    else:
+    elif case == "loss_module":
         kwargs["loss"] = WeightedMSE(jnp.asarray([2.0]))
+    elif case == "list_loss":
+        kwargs["loss"] = ScaledMSE([2.0])
+    else:
+        k1, k2 = jax.random.split(getkey())
+        model = Stack([eqx.nn.Linear(4, 8, key=k1), eqx.nn.Linear(8, "scalar", key=k2)])
     compiled = eqfit.fit(model, data, **kwargs)
     chunked = eqfit.fit(model, data, progress=True, **kwargs)
-    assert_trees_equal(compiled.model, chunked.model)
-    np.testing.assert_array_equal(compiled.history.step_loss, chunked.history.step_loss)
-    if case == "loss_module":
+    saved = eqfit.fit(model, data, checkpoint=tmp_path / "run", **kwargs)
+    for other in (chunked, saved):
+        assert_trees_equal(compiled.model, other.model)
+        np.testing.assert_array_equal(compiled.history.step_loss, other.history.step_loss)
+    if case in ("loss_module", "list_loss"):
         plain = eqfit.fit(model, data, **{**kwargs, "loss": eqfit.losses.mse})
         np.testing.assert_allclose(compiled.history.loss, 2 * plain.history.loss, rtol=1e-5)
+    elif case == "list_model":
+        assert not np.array_equal(compiled.model.layers[0].weight, model.layers[0].weight)
     else:
         frozen = model.layers[0].weight
         np.testing.assert_array_equal(compiled.model.layers[0].weight, frozen)
+        assert compiled.model.layers[0].weight is frozen  # the caller's own, not a copy
         assert not np.array_equal(compiled.model.layers[0].bias, model.layers[0].bias)
 
 
