@@ -137,9 +137,12 @@ def fit(
 
     !!! warning "What triggers a compilation"
 
-        The run is compiled once per model structure, `loss`, `metrics` and `optimizer`
-        objects, data shapes and `(epochs, batch_size, shuffle, drop_remainder)`. A new
-        `optax.adam(...)` is a new object, so keep one optimizer to reuse the program.
+        The run is compiled once per model structure (with its non-array leaves), the
+        arrays `filter_spec` chooses, the `loss`, `metrics` and `optimizer` objects, data
+        shapes, `(epochs, batch_size, shuffle, drop_remainder)` and the other settings
+        (`early_stopping`, `on_nan`, validation, `state`, `ensemble`). A new
+        `optax.adam(...)` is a new object, so keep one optimizer to reuse the program; a
+        new `filter_spec` function that chooses the same arrays reuses it.
     """
     start = time.perf_counter()
     source = stream_source(data, devices, mesh, ensemble, validation_split)

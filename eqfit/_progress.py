@@ -1,6 +1,6 @@
 """The progress bar, the user's callbacks and checkpoints, driven by the chunked runner."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ._checkpoint import Checkpoints, Interrupt, position
@@ -18,20 +18,35 @@ class Callback(Protocol):
 
 
 class _Bar(Progress):
-    """Drives a tqdm bar, the user's callbacks and the checkpoints from the chunked runner."""
+    """Drives a tqdm bar, the user's callbacks and the checkpoints from the chunked runner.
+
+    The bar is made at the first report, when the device already has work queued: making
+    it costs a fraction of a millisecond that would otherwise delay the first chunk.
+    """
 
     def __init__(
         self,
-        bar: Any,
+        make_bar: Callable[[], Any],
         epochs: int,
         callbacks: Sequence[Callback],
         interrupt: Interrupt,
         store: Checkpoints | None,
     ):
-        self.bar, self.epochs, self.callbacks = bar, epochs, callbacks
+        self.make_bar, self.made = make_bar, None
+        self.epochs, self.callbacks = epochs, callbacks
         self.interrupt, self.store = interrupt, store
         self.epoch, self.loss_sum, self.steps = -1, 0.0, 0
         self.last_logs: dict[str, str] = {}
+
+    @property
+    def bar(self) -> Any:
+        if self.made is None:
+            self.made = self.make_bar()
+        return self.made
+
+    def close(self) -> None:
+        if self.made is not None:
+            self.made.close()
 
     def on_steps(self, epoch: int, steps: int, loss_sum: float) -> None:
         if epoch != self.epoch:
@@ -79,13 +94,18 @@ def run_with_bar(
     done, step = begin
     initial = min(done, epochs) * steps + step  # where a resumed run starts
     every_ = every if store is not None else None
-    with tqdm(
-        total=epochs * steps, initial=initial, unit="step", dynamic_ncols=True, disable=not show
-    ) as bar:
-        progress = _Bar(bar, epochs, callbacks, interrupt, store)
+    total = epochs * steps
+
+    def make_bar() -> Any:
+        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=not show)
+
+    progress = _Bar(make_bar, epochs, callbacks, interrupt, store)
+    try:
         if source is not None:
             return run_streamed(loop, inputs, s, r, begin, epochs, progress, source, every_)
         sync = bool(callbacks)
         return run_chunked(
             loop, inputs, s, r, begin, epochs, progress, sync, checkpoint_every=every_
         )
+    finally:
+        progress.close()
