@@ -327,6 +327,17 @@ def floor_compile(model: Any, data: Data, batch_size: int = 32) -> dict[str, flo
     return {"trace_lower_s": mid - start, "compile_s": end - mid, "total_s": end - start}
 
 
+def fixed_cost(model: Any, data: Data, calls: int = 500) -> dict[str, float]:
+    """The host work of one `fit` call, warm: `fit(epochs=0)` back to back (its program
+    only makes the optimizer's state and an empty history), median seconds per call.
+    """
+    opt, key = optax.adam(LEARNING_RATE), jax.random.key(0)
+    run = lambda: eqfit_run(model, data, opt, key, 256, 0, False)  # noqa: E731
+    run()
+    samples = [median([timed(run) for _ in range(calls // 10)]) for _ in range(10)]
+    return {"epochs0_fit_s": median(samples)}
+
+
 def fresh_runs(data: Data, repeats: int, batch_size: int = 32) -> dict[str, list[float]]:
     """New model, new optimizer, one full training run, compile included; interleaved."""
     out: dict[str, list[float]] = {"eqfit": [], "usual": []}
@@ -515,6 +526,7 @@ def main() -> None:
     floor_c = floor_compile(model, data)
     print("fresh runs...", file=sys.stderr)
     fresh = fresh_runs(data, fresh_repeats)
+    fixed = fixed_cost(model, data)
 
     cfg = {
         **config(),
@@ -543,6 +555,11 @@ def main() -> None:
         f"(each the median of {inner} runs, except the usual loop)"
     )
     results = report(times, extra, compiles, floor_c, fresh)
+    print(
+        "\nHost work per `fit` call, warm (`fit(epochs=0)` back to back, median): "
+        f"{fixed['epochs0_fit_s'] * 1e3:.2f} ms"
+    )
+    results["fixed_cost"] = fixed
     results["config"] = cfg
     results["total_wall_s"] = time.perf_counter() - start
     results["loadavg_before"] = load_before
