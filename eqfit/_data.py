@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, Key, PyTree, Shaped, UInt32
+from jaxtyping import Array, Float, Int, Key, PyTree, Shaped, UInt32
 
 
 Data = tuple[Shaped[Array, "n ..."], ...]
@@ -94,6 +94,11 @@ class BatchPlan(NamedTuple):
     @property
     def steps_per_epoch(self) -> int:
         return self.num_full + (self.remainder > 0)
+
+    def weights(self) -> Float[Array, " steps"]:
+        """Each step's share of an epoch's samples: per-epoch means weight steps by it."""
+        sizes = self.batch_sizes
+        return jnp.asarray(sizes, jnp.float32) / sum(sizes)
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:

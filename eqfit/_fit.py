@@ -27,6 +27,7 @@ from ._loop import (
     run_compiled,
     Settings,
     split_model,
+    start_run,
     train,
     TrainState,
 )
@@ -337,23 +338,8 @@ def _config(
     }
 
 
-def _start_run(
-    loop: Loop,
-    params: PyTree,
-    opt_state: PyTree,
-    model_state: PyTree,
-    key: Key[Array, ""],
-    members: int | None,
-    epochs: int,
-) -> tuple[Array, TrainState, Record]:
-    """The keys and `Loop.start`, as one program: done eagerly, their dozens of small array
-    creations would cost milliseconds a `fit`.
-    """
-    keys, _ = split_keys(key, members)
-    return keys, *loop.start(params, opt_state, model_state, epochs)
-
-
-_start = OneDevice().compile(_start_run, static=(5, 6))
+# Done eagerly, the start's dozens of small array creations would cost milliseconds a `fit`.
+_start = OneDevice().compile(start_run, static=(5, 6))
 _keys = jax.jit(split_keys, static_argnums=1)
 _outcome = jax.jit(outcome, static_argnums=(0, 1, 2))
 

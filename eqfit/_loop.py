@@ -102,10 +102,6 @@ class Loop(eqx.Module):
         """The per-epoch values, in the order of the vector `end_epoch` computes."""
         return log_names(self.metric_names, self.validate)
 
-    def weights(self) -> Float[Array, " steps"]:
-        sizes = self.plan.batch_sizes
-        return jnp.asarray(sizes, jnp.float32) / sum(sizes)
-
     # -- the state at the start
 
     def start(
@@ -291,7 +287,7 @@ class Loop(eqx.Module):
 
     def epoch_logs(self, r: Record, e: Int[Array, ""]) -> Float[Array, " logs"]:
         """Epoch `e`'s values, in the order of `log_names`."""
-        w = self.weights()
+        w = self.plan.weights()
         # Full float32 precision: on GPUs a default-precision dot may round through TF32.
         loss = jnp.dot(w, r.step_loss[e], precision=jax.lax.Precision.HIGHEST)
         metrics = jnp.dot(w, r.step_metrics[e], precision=jax.lax.Precision.HIGHEST)
@@ -407,10 +403,8 @@ def outcome(
     lost = by_nan[:, None, None] & (epoch * steps + jnp.arange(steps) > nan_step[:, None, None])
     ran_epoch = epoch < ran[:, None, None]
     losses = jnp.where(ran_epoch & ~lost, step_loss, jnp.nan)
-    sizes = plan.batch_sizes
-    weights = jnp.asarray(sizes, jnp.float32) / sum(sizes)
     train = jnp.concatenate([losses[..., None], step_metrics], axis=-1)
-    values = jnp.einsum("mesk,s->mek", train, weights, precision=jax.lax.Precision.HIGHEST)
+    values = jnp.einsum("mesk,s->mek", train, plan.weights(), precision=jax.lax.Precision.HIGHEST)
     if validate:
         values = jnp.concatenate([values, r.val.reshape(members, *r.val.shape[-2:])], axis=-1)
     values = jnp.where(ran_epoch, values, jnp.nan)
@@ -466,6 +460,20 @@ def run_compiled(
     return p.get(run(p.put(loop), inputs.place(p), p.put(s), p.put(r), stop))
 
 
+def start_run(
+    loop: Loop,
+    params: PyTree,
+    opt_state: PyTree,
+    model_state: PyTree,
+    key: Key[Array, ""],
+    members: int | None,
+    epochs: int,
+) -> tuple[Array, TrainState, Record]:
+    """The (shuffle, step) keys and `Loop.start`: how every run begins."""
+    keys, _ = split_keys(key, members)
+    return keys, *loop.start(params, opt_state, model_state, epochs)
+
+
 def _train(
     settings: Settings,
     treedef: Any,
@@ -486,8 +494,7 @@ def _train(
     params = eqx.filter(picked, eqx.is_array)
     static = _unflatten(treedef, static_leaves, [None if t else a for a, t in zip(arrays, trains)])
     loop = settings.loop(static)
-    keys, _ = split_keys(key, members)
-    s, r = loop.start(params, opt_state, model_state, epochs)
+    keys, s, r = start_run(loop, params, opt_state, model_state, key, members, epochs)
     stop = jnp.asarray(epochs, jnp.int32)
     s, r = _run_epochs(loop, Inputs(data, val_data, keys), s, r, stop)
     params, model_state = loop.trained(s)
