@@ -1,5 +1,6 @@
 """Build the pure training step `(params, opt_state, batch, key) -> (params, opt_state, loss)`."""
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +19,14 @@ Metrics = Mapping[str, Callable[..., Any]]
 
 def takes_key(fn: Callable[..., Any]) -> bool:
     """Whether `fn` accepts a keyword argument `key` (for dropout and the like)."""
+    try:
+        return _takes_key(fn)  # `inspect.signature` costs a tenth of a small `fit` call
+    except TypeError:  # unhashable: a Module with a list field, say
+        return _takes_key.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_key(fn: Callable[..., Any]) -> bool:
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
