@@ -1,5 +1,6 @@
 """Check and normalise data, plan batches, order samples on the device, gather a batch."""
 
+import functools
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -175,7 +176,15 @@ def _is_numeric(dtype: Any) -> bool:
 
 
 def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return isinstance(x, jax.Array) and is_dtype(x.dtype, jax.dtypes.prng_key)
+
+
+@functools.cache
+def is_dtype(dtype: Any, kind: Any) -> bool:
+    """`jnp.issubdtype`, remembered: it costs about a microsecond a call, and `fit`
+    asks it of every array it is given.
+    """
+    return bool(jnp.issubdtype(dtype, kind))
 
 
 def _describe(x: Any) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
-from ._data import BatchPlan, Data, epoch_order, split_keys, ValData
+from ._data import BatchPlan, Data, epoch_order, is_dtype, split_keys, ValData
 from ._early_stopping import EarlyStopping
 from ._evaluate import evaluate_batches
 from ._parallel import OneDevice, Placement, Pmap
@@ -538,7 +538,7 @@ def train(
     leaves, treedef = jax.tree.flatten(model)
     static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
     arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
-    trains = tuple(eqx.is_inexact_array(a) and bool(filter_spec(a)) for a in arrays)
+    trains = tuple(bool(filter_spec(a)) and is_dtype(a.dtype, jnp.inexact) for a in arrays)
     leaf_types = tuple(map(type, static_leaves))
     static = (settings, treedef, static_leaves, leaf_types, trains, epochs, members)
     out = _train_jit(*static, arrays, opt_state, model_state, data, val_data, key)
