@@ -96,13 +96,15 @@ class Step(eqx.Module):
     A `Step` holds no arrays of its own, so it is static in a compiled program: two `fit`
     calls with the same model structure, loss and optimizer share one compilation.
     An update whose loss is not finite is not applied, so the parameters are always the
-    last finite ones; the caller decides whether to stop.
+    last finite ones; the caller decides whether to stop. With `guard=False` every update
+    is applied, and the caller undoes a non-finite one (`Loop.run_steps`).
     """
 
     static: PyTree
     objective: Objective
     optimizer: optax.GradientTransformation
     axis_name: str | None = None
+    guard: bool = True  # `False`: always update; the caller undoes a non-finite step
 
     def __call__(
         self,
@@ -143,7 +145,9 @@ class Step(eqx.Module):
 
         # A `cond`, not a `where` over every leaf: on the benchmark MLP the selects cost
         # 13% against the hand-written floor, the cond 3% (benchmarks/README.md).
-        params, opt_state, model_state = jax.lax.cond(
-            finite, apply, skip, (params, opt_state, model_state)
-        )
+        carry = (params, opt_state, model_state)
+        if not self.guard:
+            params, opt_state, model_state = apply(carry)
+        else:
+            params, opt_state, model_state = jax.lax.cond(finite, apply, skip, carry)
         return params, opt_state, model_state, loss, metrics, finite

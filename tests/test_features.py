@@ -268,8 +268,18 @@ def nan_problem(getkey):
     return model, (x, y), kwargs
 
 
+@pytest.fixture(params=["replay", "guard"])
+def nan_strategy(request, monkeypatch):
+    """Both ways the steps keep a non-finite loss from spoiling the state: unguarded
+    passes replayed from a copy (a small state) and a guard on every step (a large one).
+    """
+    if request.param == "guard":
+        monkeypatch.setattr(eqfit._loop, "_REPLAY_MAX_BYTES", -1)
+    return request.param
+
+
 @pytest.mark.parametrize("progress", [False, True])
-def test_non_finite_loss_raises_with_the_last_finite_model(getkey, progress):
+def test_non_finite_loss_raises_with_the_last_finite_model(getkey, progress, nan_strategy):
     model, (x, y), kwargs = nan_problem(getkey)
     with pytest.raises(eqfit.NonFiniteLossError, match=r"epoch 0, step 2") as info:
         eqfit.fit(model, (x, y), epochs=3, progress=progress, **kwargs)
@@ -282,14 +292,14 @@ def test_non_finite_loss_raises_with_the_last_finite_model(getkey, progress):
     assert np.isnan(error.result.history.step_loss[0, 2:]).all()
 
 
-def test_non_finite_loss_stop(getkey):
+def test_non_finite_loss_stop(getkey, nan_strategy):
     model, data, kwargs = nan_problem(getkey)
     result = both_paths(model, data, epochs=3, on_nan="stop", **kwargs)
     assert result.history.epochs == 1 and result.history.stop_reason == "non_finite_loss"
     assert np.isfinite(result.model.weight).all()
 
 
-def test_non_finite_loss_skip(getkey):
+def test_non_finite_loss_skip(getkey, nan_strategy):
     model, (x, y), kwargs = nan_problem(getkey)
     result = both_paths(model, (x, y), epochs=3, on_nan="skip", **kwargs)
     # Skipping batch 2 every epoch trains exactly as if it were not there (Adam's count
@@ -299,6 +309,17 @@ def test_non_finite_loss_skip(getkey):
     assert_trees_close(result.model, without.model, rtol=1e-6, atol=1e-7)
     assert result.history.epochs == 3 and result.history.stop_reason is None
     assert np.isnan(result.history.step_loss[:, 2]).all()
+
+
+def test_non_finite_loss_skip_twice_in_an_epoch(getkey, nan_strategy):
+    model, (x, y), kwargs = nan_problem(getkey)
+    x = x.at[5, 1].set(jnp.inf)  # step 0 too, besides step 2: two in one pass
+    result = both_paths(model, (x, y), epochs=2, on_nan="skip", **kwargs)
+    keep = np.r_[10:20, 30:40]
+    without = eqfit.fit(model, (x[keep], y[keep]), epochs=2, **kwargs)
+    assert_trees_close(result.model, without.model, rtol=1e-6, atol=1e-7)
+    assert not np.isfinite(result.history.step_loss[:, [0, 2]]).any()
+    assert np.isfinite(result.history.step_loss[:, [1, 3]]).all()
 
 
 def test_optax_schedule_and_chain(getkey, problem):
