@@ -261,9 +261,12 @@ def steady_state(
 ) -> tuple[dict[int, dict[str, list[float]]], dict[str, Any]]:
     """Interleaved timings of every variant at every batch size, after a warm-up.
 
-    One sample per variant per repeat. For the fast variants (tens of ms) a sample is the
-    median of `inner` back-to-back runs after one untimed run; the usual loop (about a
-    second, itself an average over many steps) is one run.
+    One sample per variant per repeat. The usual loop (about a second, itself an average
+    over many steps) is one run. The fast variants (tens of ms) then run in turn, A B C D
+    A B C D, `inner` times each, and a sample is the median of a variant's runs: runs
+    side by side see the same state of this shared machine, whose noise comes in bursts
+    longer than a run (timed in blocks of one variant at a time, single ratios spread
+    from 0.9 to 1.3).
     """
     runs = {bs: make_runs(model, data, bs) for bs in BATCH_SIZES}
     first: dict[str, Any] = {}
@@ -275,23 +278,25 @@ def steady_state(
             run()  # a second warm-up: caches, allocator, branch predictors
     checks = {bs: check_same_work(model, runs[bs]) | check_ready(runs[bs]) for bs in BATCH_SIZES}
 
+    fast = [v for v in VARIANTS if v != "usual"]
     times: dict[int, dict[str, list[float]]] = {bs: {v: [] for v in VARIANTS} for bs in runs}
     events.reset()
     for r in range(repeats):
-        # Rotate the order each repeat, so that no variant always runs next to the same
-        # neighbour.
-        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+        # Rotate the order each repeat, so that no variant always runs after the same one.
+        order = fast[r % len(fast) :] + fast[: r % len(fast)]
         for bs in BATCH_SIZES:
+            times[bs]["usual"].append(timed(runs[bs]["usual"]))
+            # The first run after a different workload is slower here (the floor right
+            # after the usual loop: about 15%, caches and thread wake-ups), so each fast
+            # variant runs once untimed after the usual loop.
             for name in order:
-                run = runs[bs][name]
-                if name == "usual":
-                    times[bs][name].append(timed(run))
-                    continue
-                # The first run after a different workload is slower here (the floor
-                # right after the usual loop: about 15%, caches and thread wake-ups), so
-                # an untimed run of the same variant goes first.
-                run()
-                times[bs][name].append(median([timed(run) for _ in range(inner)]))
+                runs[bs][name]()
+            samples: dict[str, list[float]] = {name: [] for name in fast}
+            for _ in range(inner):
+                for name in order:
+                    samples[name].append(timed(runs[bs][name]))
+            for name in fast:
+                times[bs][name].append(median(samples[name]))
         print(f"  steady state: repeat {r + 1}/{repeats}", file=sys.stderr)
     recompiles = events.backend_compiles()
     return times, {"first_calls": first, "checks": checks, "steady_recompiles": recompiles}
@@ -521,7 +526,7 @@ def main() -> None:
     repeats = 2 if args.quick else args.repeats
     # Sub-second samples: the median of `inner` runs each, to steady them on a noisy
     # machine. Compile and fresh-run samples take about a second each: fewer of them.
-    inner = 1 if args.quick else 3
+    inner = 1 if args.quick else 5
     side_repeats = 1 if args.quick else 3
     fresh_repeats = 2 if args.quick else min(repeats, 5)
 
