@@ -198,13 +198,15 @@ class Loop(eqx.Module):
 
         A step whose loss is not finite must leave the state as it was. Guarding every
         update with a branch costs a fixed fraction of a microsecond a step, 1 to 2% of a
-        small model's step on a CPU. So while the state is small (`_REPLAY_MAX_BYTES`) the
-        steps run unguarded, in passes: a pass runs to its end, or stops just after a
-        non-finite loss; then the state from the pass's start is taken up again and the
-        steps before that one run again (the same program on the same inputs, so the same
-        values), and `on_nan` decides about that step: skip it and go on with a new pass,
-        or stop there. The price is a copy of the state kept during each pass, which is
-        why a large state is guarded step by step instead.
+        small model's step on a CPU. So when a non-finite loss ends the run (`on_nan` is
+        "raise" or "stop") and the state is small (`_REPLAY_MAX_BYTES`), the steps run
+        unguarded, in passes: a pass runs to its end, or stops just after a non-finite
+        loss; then the state from the pass's start is taken up again, the steps before
+        that one run again (the same program on the same inputs, so the same values; a
+        loss's side effects, such as `jax.debug.print`, happen twice for them), and the
+        run stops there. The price is a copy of the state kept during each pass. The
+        guard stays for a large state, for "skip" (a bad batch that recurs would replay
+        every epoch) and for an ensemble (members that replay would hold up the others).
         """
         size = self.plan.batch_size
         if self.plan.num_full == 0 or order.shape[-1] < size:
@@ -217,7 +219,8 @@ class Loop(eqx.Module):
             return dataclasses.replace(s, step=j + 1), r, finite
 
         start = jnp.asarray(start, jnp.int32)
-        if _state_bytes(s) > _REPLAY_MAX_BYTES:
+        guarded = self.on_nan == "skip" or self.ensemble
+        if guarded or _state_bytes(s) > _REPLAY_MAX_BYTES:
 
             def cond(carry: tuple[Any, TrainState, Record]) -> Bool[Array, ""]:
                 j, s, _ = carry
@@ -256,10 +259,10 @@ class Loop(eqx.Module):
             j, s, r, bad = run_until_not_finite(s0, r, a, b)
             # `bad`: step j - 1's loss was not finite and the state after it is spoiled.
             s = optax.tree.where(bad, s0, s)
-            # A replay that reached step k: `s` is the state just before it.
+            # A replay that reached step k: `s` is the state just before it; stop there.
             at_k = ~bad & (k >= 0)
-            skipped = self._note_finite(dataclasses.replace(s, step=k + 1), jnp.asarray(False), k)
-            s = optax.tree.where(at_k, skipped, s)
+            noted = self._note_finite(dataclasses.replace(s, step=k + 1), jnp.asarray(False), k)
+            s = optax.tree.where(at_k, noted, s)
             a = jnp.where(bad, a, jnp.where(at_k, k + 1, b))
             k = jnp.where(bad, j - 1, -1)
             return a, jnp.where(bad, k, stop), k, s, r
@@ -386,15 +389,14 @@ class Loop(eqx.Module):
         return s, r
 
 
-# Below this many bytes of parameters, optimizer state and model state, `run_steps` runs
-# its steps unguarded and replays them from a copy after a non-finite loss; above it, it
-# guards each step, and keeps no copy.
+# Below this many bytes of training state (parameters, optimizer and model state, and any
+# best-epoch copies), `run_steps` may run its steps unguarded and replay them from a copy
+# after a non-finite loss; above it, it guards each step and keeps no copy.
 _REPLAY_MAX_BYTES = 64 * 2**20
 
 
 def _state_bytes(s: TrainState) -> int:
-    leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))
-    return sum(x.size * x.dtype.itemsize for x in leaves if eqx.is_array(x))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s) if eqx.is_array(x))
 
 
 class Settings(NamedTuple):
