@@ -787,12 +787,16 @@ def run_chunked(
             # logs: (members, epochs, values + [stopped, epochs done]).
             table = p.host(logs).reshape(-1, r.step_loss.shape[-2], num_logs + 2)
             done, stopped = int(table[:, first, -1].max()), bool(table[:, first, -2].all())
-            for epoch in range(first, min(last, done)):
-                values = table[:, epoch, :num_logs].mean(axis=0).tolist()
-                # Whole epochs ran in one call: the bar moves by epochs.
-                progress.on_steps(epoch, plan.steps_per_epoch, values[0] * plan.steps_per_epoch)
-                if progress.on_epoch(epoch, dict(zip(loop.log_names, values))):
-                    return True
+            ran = min(last, done) - first
+            if ran > 0:
+                rows = table[:, first : first + ran, :num_logs].mean(axis=0).tolist()
+                # Whole epochs ran in one call: the bar moves by all of them at once,
+                # showing the last one's loss (one redraw: this runs as the run ends).
+                steps = ran * plan.steps_per_epoch
+                progress.on_steps(first + ran - 1, steps, rows[-1][0] * steps)
+                for epoch, values in enumerate(rows, start=first):
+                    if progress.on_epoch(epoch, dict(zip(loop.log_names, values))):
+                        return True
             return stopped or done < last
 
         return read
