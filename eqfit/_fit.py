@@ -22,6 +22,7 @@ from ._loop import (
     flags,
     Inputs,
     Loop,
+    Outcome,
     outcome,
     Record,
     run_compiled,
@@ -228,9 +229,18 @@ def fit(
                 if restored is not None:
                     s, r = restored
                     begin = position(s)
+
+            def finish(s: TrainState, r: Record) -> tuple[PyTree, PyTree, PyTree, Outcome]:
+                """The trained model and the `Outcome`: queued on the device, not read."""
+                params, state = loop.trained(s)
+                outcome_ = _outcome(plan, on_nan, settings.validate, flags(s), r)
+                return eqx.combine(params, static), s.opt_state, state, outcome_
+
+            finished = None
             if progress or source is not None:
                 # Streamed data is always trained in chunks; `progress` only shows the bar.
-                s, r = run_with_bar(
+                # `finish` goes in as the last chunk is queued, before its results are read.
+                s, r, finished = run_with_bar(
                     loop,
                     inputs,
                     s,
@@ -243,6 +253,7 @@ def fit(
                     checkpoint_every,
                     source,
                     show=progress,
+                    then=finish,
                 )
             else:
                 s, r = _run_segments(loop, inputs, s, r, epochs, interrupt, store, checkpoint_every)
@@ -250,9 +261,7 @@ def fit(
                 if store is not None:
                     store.save((s, r), *position(s))
                 raise KeyboardInterrupt
-            params, state = loop.trained(s)
-            model, opt_state = eqx.combine(params, static), s.opt_state
-            outcome_ = _outcome(plan, on_nan, settings.validate, flags(s), r)
+            model, opt_state, state, outcome_ = finished or finish(s, r)
     return make_result(settings, model, opt_state, state, outcome_, epochs, start)
 
 

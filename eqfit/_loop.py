@@ -698,6 +698,11 @@ class Progress:
     def save(self, s: TrainState, r: Record) -> None:
         """Called at each checkpoint boundary with the state there."""
 
+    def queued_last(self, s: TrainState, r: Record) -> None:
+        """The run's last piece is queued and ends in `s` and `r`; its results are read
+        next. Work on the final state queued now runs on the device while they are.
+        """
+
 
 def _epochs_chunk(
     loop: Loop, inputs: Inputs, stop_epoch: Int[Array, ""], s: TrainState, r: Record
@@ -841,8 +846,10 @@ def run_chunked(
         epoch += 1
         if checkpoint_every and epoch % checkpoint_every == 0:
             progress.save(*p.get((s, r)))
+    s, r = p.get((s, r))
+    progress.queued_last(s, r)
     report()
-    return p.get((s, r))
+    return s, r
 
 
 def _ranges(start: int, total: int, size: Callable[[], int]) -> Iterator[tuple[int, int]]:

@@ -31,7 +31,9 @@ class _Bar(Progress):
         callbacks: Sequence[Callback],
         interrupt: Interrupt,
         store: Checkpoints | None,
+        then: Callable[[TrainState, Record], Any] | None = None,
     ):
+        self.then, self.then_result = then, None
         self.make_bar, self.made = make_bar, None
         self.epochs, self.callbacks = epochs, callbacks
         self.interrupt, self.store = interrupt, store
@@ -72,6 +74,10 @@ class _Bar(Progress):
         if self.store is not None:
             self.store.save((s, r), *position(s))
 
+    def queued_last(self, s: TrainState, r: Record) -> None:
+        if self.then is not None:
+            self.then_result = self.then(s, r)
+
 
 def run_with_bar(
     loop: Loop,
@@ -86,8 +92,15 @@ def run_with_bar(
     every: int,
     source: MemmapSource | LoaderSource | None = None,
     show: bool = True,
-) -> tuple[TrainState, Record]:
-    """Runs the chunked path (or the streamed one, for `source`), with a bar if `show`."""
+    then: Callable[[TrainState, Record], Any] | None = None,
+) -> tuple[TrainState, Record, Any]:
+    """Runs the chunked path (or the streamed one, for `source`), with a bar if `show`.
+
+    **Returns:**
+
+    The final state and record, and `then(state, record)` if the chunked run called it as
+    its last piece was queued (`Progress.queued_last`), else `None`.
+    """
     from tqdm.auto import tqdm
 
     steps = loop.plan.steps_per_epoch
@@ -99,13 +112,15 @@ def run_with_bar(
     def make_bar() -> Any:
         return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=not show)
 
-    progress = _Bar(make_bar, epochs, callbacks, interrupt, store)
+    progress = _Bar(make_bar, epochs, callbacks, interrupt, store, then)
     try:
         if source is not None:
-            return run_streamed(loop, inputs, s, r, begin, epochs, progress, source, every_)
-        sync = bool(callbacks)
-        return run_chunked(
-            loop, inputs, s, r, begin, epochs, progress, sync, checkpoint_every=every_
-        )
+            s, r = run_streamed(loop, inputs, s, r, begin, epochs, progress, source, every_)
+        else:
+            sync = bool(callbacks)
+            s, r = run_chunked(
+                loop, inputs, s, r, begin, epochs, progress, sync, checkpoint_every=every_
+            )
+        return s, r, progress.then_result
     finally:
         progress.close()
