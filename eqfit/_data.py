@@ -172,7 +172,7 @@ def _is_numeric(dtype: Any) -> bool:
     """Numbers and booleans, bfloat16 and the other ML types included; PRNG keys too."""
     if isinstance(dtype, np.dtype) and dtype.kind in "biufc":
         return True  # the common case, without the slower `jnp.issubdtype`
-    return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    return is_dtype(dtype, jnp.number) or is_dtype(dtype, jax.dtypes.prng_key)
 
 
 def _is_key(x: Any) -> bool:

@@ -249,7 +249,7 @@ class Loop(eqx.Module):
             return jax.lax.while_loop(cond, body, (a, s, r, jnp.asarray(False)))
 
         # A pass runs steps [a, b). `k` is -1, or the non-finite step that a pass replays
-        # up to (then b == k).
+        # up to (then b == k). Reaching k stops the run, so no pass follows a replay.
         def more(carry: Any) -> Bool[Array, ""]:
             a, _, k, s, _ = carry
             return ((a < stop) | (k >= 0)) & ~s.stopped
@@ -263,9 +263,8 @@ class Loop(eqx.Module):
             at_k = ~bad & (k >= 0)
             noted = self._note_finite(dataclasses.replace(s, step=k + 1), jnp.asarray(False), k)
             s = optax.tree.where(at_k, noted, s)
-            a = jnp.where(bad, a, jnp.where(at_k, k + 1, b))
             k = jnp.where(bad, j - 1, -1)
-            return a, jnp.where(bad, k, stop), k, s, r
+            return jnp.where(bad, a, b), jnp.where(bad, k, stop), k, s, r
 
         minus_one = jnp.asarray(-1, jnp.int32)
         _, _, _, s, r = jax.lax.while_loop(more, one_pass, (start, stop, minus_one, s, r))
