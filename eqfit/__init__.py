@@ -1,11 +1,11 @@
 """eqfit: typed, compiled training for Equinox models."""
 
 from . import losses as losses, metrics as metrics, models as models
+from ._drive import Callback as Callback
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._fit import fit as fit
 from ._history import History as History
 from ._predict import evaluate as evaluate, predict as predict
-from ._progress import Callback as Callback
 from ._result import (
     FitResult as FitResult,
     load as load,

@@ -79,20 +79,21 @@ def write_atomically(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def position(s: Any) -> tuple[int, int]:
-    """Where a run stands: (epochs done, steps into the next) of the members still
-    training. Those that stopped early are behind, or stopped inside an epoch, and stay
-    there; they must not hold the others back.
+def position(state: Any) -> int:
+    """Where a run stands, as a global step count: that of the members still training. An
+    ensemble's members that stopped early are behind, and stay there; they must not hold
+    the others back.
     """
-    epoch, step = np.asarray(s.epoch).reshape(-1), np.asarray(s.step).reshape(-1)
-    last = int(epoch.max())
-    return last, int(step[epoch == last].max())
+    step = np.asarray(state.step).reshape(-1)
+    stopped = np.asarray(state.stopped).reshape(-1)
+    return int(step[~stopped].max() if (~stopped).any() else step.max())
 
 
 class Checkpoints:
     """A directory of training checkpoints, newest last.
 
-    Each checkpoint is a folder `ckpt-<epoch>-<step>` holding `state.eqx` (the training
+    Each checkpoint is a folder `ckpt-<epoch>-<step>` (the epochs done and the steps into
+    the next) holding `state.eqx` (the training
     state and record, by `eqx.tree_serialise_leaves`) and `manifest.json` (the run's
     configuration, versions and the state file's SHA-256). It is written into a temporary
     folder, fsynced, then renamed into place, so a crash mid-write never leaves a partial
@@ -103,9 +104,11 @@ class Checkpoints:
     - `directory`: where the checkpoints live; created if missing.
     - `config`: what identifies the run (JSON). A checkpoint written under another
         configuration is refused, not loaded.
+    - `steps_per_epoch`: to name checkpoints by epoch.
     """
 
-    def __init__(self, directory: str | os.PathLike, config: dict[str, Any]):
+    def __init__(self, directory: str | os.PathLike, config: dict[str, Any], steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.config = json.loads(json.dumps(config))  # normalised, as it will read back
@@ -113,9 +116,12 @@ class Checkpoints:
     def _names(self) -> list[str]:
         return sorted(p.name for p in self.directory.iterdir() if _NAME.match(p.name))
 
-    def save(self, tree: PyTree, epoch: int, step: int) -> Path:
-        """Writes `tree` as the checkpoint at `(epoch, step)` and prunes old ones."""
-        data = serialise(jax.device_get(tree))
+    def save(self, state: PyTree) -> Path:
+        """Writes the training state `state` (on the host) as a checkpoint at its position,
+        and prunes old ones.
+        """
+        epoch, step = divmod(position(state), self.steps_per_epoch)
+        data = serialise(state)
         manifest = {
             "format": FORMAT,
             "epoch": epoch,

@@ -1,6 +1,5 @@
-"""The public `fit`: check the inputs, partition, pick the loop, combine, return the result."""
+"""The public `fit`: check, partition, choose source and placement, drive, return."""
 
-import functools
 import math
 import os
 import time
@@ -16,31 +15,21 @@ from jax.sharding import Mesh
 from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
 
 from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
-from ._data import as_data, as_key, ensemble_size, plan_batches, split_keys
+from ._data import as_data, as_key, ensemble_size, is_dtype, plan_batches
+from ._drive import Bar, Callback, drive, Plan
 from ._early_stopping import EarlyStopping
-from ._loop import (
-    flags,
-    Inputs,
-    Loop,
-    Outcome,
-    outcome,
-    Record,
-    run_compiled,
-    Settings,
-    split_model,
-    start_run,
-    train,
-    TrainState,
-)
-from ._parallel import choose_placement, Device, OneDevice, Placement
-from ._progress import Callback, run_with_bar
+from ._loop import Consts, Inputs, Loop, run, split_arrays, start, TrainState
+from ._parallel import choose_placement, Device, OneDevice
 from ._result import FitResult, make_result
+from ._sources import InMemory, Loader, Memmaps, stream_plan, streamed_source
 from ._step import takes_key
-from ._stream import stream_plan, stream_source
 
 
 ArrayData = tuple[Shaped[Array | np.ndarray, "n ..."], ...]
 ValidationData = tuple[Shaped[Array | np.ndarray, "n_val ..."], ...]
+
+# How long each call of the bar path takes: the bar redraws about this often.
+SECONDS_PER_CALL = 0.2
 
 
 @jaxtyped(typechecker=beartype)
@@ -91,23 +80,26 @@ def fit(
     - `shuffle`: visit the samples in a new random order each epoch.
     - `drop_remainder`: skip the last, smaller batch of each epoch instead of taking it
         as one more step.
-    - `progress`: `False` runs the whole training as one XLA program. `True` shows a
-        tqdm bar and runs the same compiled steps in chunks; the result is the same.
+    - `progress`: `False` runs the whole training as one call of the compiled program.
+        `True` shows a tqdm bar and calls the same program in pieces; the result is the
+        same, bit for bit.
     - `filter_spec`: which leaves of `model` train, as in `eqx.partition`. Leaves that
         are not floating-point arrays never train.
     - `opt_state`: an optimizer state to continue from, such as a previous result's.
     - `state`: the `eqx.nn.State` of a stateful model (BatchNorm and the like).
     - `validation_data`: a tuple like `data`, evaluated after each epoch in inference mode.
     - `validation_split`: instead, hold out this fraction of `data`, chosen from `key`.
-    - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar`, recorded per epoch on
-        the training batches and on the validation data.
+    - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
+        `fn(model, state, *batch)`), recorded per epoch on the training batches and on
+        the validation data.
     - `early_stopping`: an [`eqfit.EarlyStopping`][], carried out on the device.
     - `on_nan`: what a NaN or infinite loss does. `"raise"`: stop, and raise
         [`eqfit.NonFiniteLossError`][] holding the last finite model. `"stop"`: stop and
-        return it. `"skip"`: skip that update and go on. The check never syncs the host.
-    - `callbacks`: objects with `on_epoch_end(epoch, logs)`, called between epochs on the
-        `progress=True` path; returning `True` stops training. The compiled path runs no
-        Python during training, so it takes none.
+        return it. `"skip"`: skip that update and go on. The check never syncs the host,
+        and on finite losses all three train alike, bit for bit.
+    - `callbacks`: objects with `on_epoch_end(epoch, logs)`, called on the host after
+        each epoch; returning `True` stops training. With callbacks the program runs an
+        epoch per call, so that they see each epoch before the next one starts.
     - `devices`: data parallel over these local devices (or the first `devices` of them)
         with `eqx.filter_pmap`. Each batch is split evenly over them, so `batch_size`
         must be a multiple of their number.
@@ -121,16 +113,15 @@ def fit(
         With `devices=` or `mesh=`, each batch is split over the devices and every
         device holds all members.
     - `checkpoint`: a directory. Every `checkpoint_every` epochs the whole training state
-        (model, optimizer state, `state`, epoch, history, early stopping) is written there,
-        atomically, keeping the last two. Calling `fit` again with the same directory
-        resumes from the newest complete checkpoint and ends with the same bits as an
-        uninterrupted run; one written by another configuration is refused. With
-        `progress=False` the compiled program runs from one checkpoint to the next.
+        (model, optimizer state, `state`, position, history, early stopping) is written
+        there, atomically, keeping the last two. Calling `fit` again with the same
+        directory resumes from the newest complete checkpoint and ends with the same bits
+        as an uninterrupted run; one written by another configuration is refused.
     - `checkpoint_every`: epochs between checkpoints.
 
-    Ctrl-C stops training at the next chunk boundary (with `progress=False`: the next
-    checkpoint boundary, or the end of the run without `checkpoint`), writes a checkpoint
-    if a directory is given, and raises `KeyboardInterrupt`. A second Ctrl-C stops at once.
+    Ctrl-C stops training where the program next returns to the host (on the compiled
+    path without a checkpoint, at the end of the run), writes a checkpoint if a
+    directory is given, and raises `KeyboardInterrupt`. A second Ctrl-C stops at once.
 
     **Returns:**
 
@@ -146,27 +137,24 @@ def fit(
         `optax.adam(...)` is a new object, so keep one optimizer to reuse the program; a
         new `filter_spec` function that chooses the same arrays reuses it.
     """
-    start = time.perf_counter()
-    source = stream_source(data, devices, mesh, ensemble, validation_split)
-    data_ = as_data(data) if source is None else ()
+    began = time.perf_counter()
     key_ = as_key(key)
     if isinstance(epochs, bool) or epochs < 0:
         raise ValueError(f"`epochs` must be 0 or more, got {epochs}.")
-    if callbacks and not progress:
-        raise ValueError(
-            "`callbacks` run on the host between epochs, which only the `progress=True` "
-            "path has; the compiled path runs no Python while it trains."
-        )
+    if checkpoint is not None and (isinstance(checkpoint_every, bool) or checkpoint_every < 1):
+        raise ValueError(f"`checkpoint_every` must be at least 1, got {checkpoint_every}.")
     members = ensemble_size(model) if ensemble else None
     if members is not None and validation_split is not None:
         raise ValueError(
             "`validation_split` would hold out different samples for each member of an "
             "ensemble; pass `validation_data` instead."
         )
-    data_, val_data = _validation(data_, validation_data, validation_split, key_)
+    if validation_data is not None and validation_split is not None:
+        raise ValueError("Give `validation_data` or `validation_split`, not both.")
     placement = choose_placement(devices, mesh, batch_size)
-    if source is None:
-        num_samples = data_[0].shape[0]
+    source, val_data = _source(data, validation_data, validation_split, key_)
+    if isinstance(source, InMemory):
+        num_samples = source.num_samples
         if mesh is not None and jax.process_count() > 1:
             num_samples *= jax.process_count()  # each process passed its own rows
         plan = plan_batches(num_samples, batch_size, drop_remainder)
@@ -175,215 +163,187 @@ def fit(
     if isinstance(optimizer, optax.MultiSteps):
         optimizer = optimizer.gradient_transformation()
 
-    settings = Settings(
-        loss,
-        tuple((metrics or {}).items()),
-        stateful=state is not None,
-        use_key=takes_key(loss),
-        optimizer=optimizer,
+    loop, params, consts = _configure(
+        model,
+        filter_spec,
+        (loss, tuple((metrics or {}).items()), optimizer),
         plan=plan,
+        epochs=epochs,
         shuffle=shuffle,
         validate=val_data is not None,
-        early_stopping=early_stopping,
         on_nan=on_nan,
-        ensemble=ensemble,
+        members=members,
+        stateful=state is not None,
+        use_key=takes_key(loss),
+        placement=placement,
+        streamed=not isinstance(source, InMemory),
+        stopping=early_stopping,
     )
-    if early_stopping is not None and early_stopping.monitor not in settings.log_names:
+    if early_stopping is not None and early_stopping.monitor not in loop.log_names:
         raise ValueError(
             f"`early_stopping.monitor` is {early_stopping.monitor!r}, which this run does "
-            f"not compute; it computes {list(settings.log_names)}."
+            f"not compute; it computes {list(loop.log_names)}."
         )
-    if checkpoint is not None and (isinstance(checkpoint_every, bool) or checkpoint_every < 1):
-        raise ValueError(f"`checkpoint_every` must be at least 1, got {checkpoint_every}.")
-    one_program = (
-        not progress
-        and source is None
-        and checkpoint is None
-        and isinstance(placement, OneDevice)
-        # A function applied to every leaf, not a tree of them (even a callable Module).
-        and callable(filter_spec)
-        and jax.tree_util.treedef_is_leaf(jax.tree.structure(filter_spec))
-        and not any(eqx.is_array(x) for x in jax.tree.leaves((loss, settings.metrics)))
-        and _hashable(settings)
+    if not isinstance(source, InMemory):
+        source.setup(plan, shuffle, _host_seed(key_))
+
+    train_state, keys = _start(loop, params, opt_state, state, key_, consts)
+    put = placement.put
+    store, begin = None, 0
+    if checkpoint is not None:
+        config = _config(loop, train_state, source, val_data, loss, early_stopping, key_)
+        store = Checkpoints(checkpoint, config, plan.steps_per_epoch)
+        restored = store.restore(jax.device_get(train_state))
+        if restored is not None:
+            train_state = jax.device_put(restored)
+            begin = position(train_state)
+    template = Inputs(None, put(val_data, sharded=True), put(keys), put(consts))
+    total = loop.total_steps
+    feeds = source.feeds(begin, total, template, put)
+    schedule = Plan(
+        begin=begin,
+        total=total,
+        steps_per_epoch=plan.steps_per_epoch,
+        checkpoint_every=checkpoint_every if store is not None else None,
+        sync_epochs=bool(callbacks),
+        seconds_per_call=SECONDS_PER_CALL if progress else None,
     )
-    if one_program:
-        # The usual call, kept lean: one program from the model to the trained one. A
-        # Ctrl-C during it lands when the run ends, as a deferred one would.
-        run = train(
-            settings, filter_spec, epochs, members, model, opt_state, state, data_, val_data, key_
+    bar = None
+    if progress:
+        bar = Bar(total, min(begin, total), plan.steps_per_epoch, epochs)
+
+    def save(s: TrainState) -> PyTree:
+        return jax.device_get(placement.get(s))
+
+    interrupt = Interrupt()
+    with interrupt.deferred():
+        outcome = drive(
+            loop,
+            placement.compile(run, donate=(1,)),
+            put(train_state),
+            feeds,
+            schedule,
+            bar=bar,
+            callbacks=callbacks,
+            store=store,
+            interrupt=interrupt,
+            save=save,
         )
-        model, opt_state, state, outcome_ = run
-    else:
-        with Interrupt().deferred() as interrupt:
-            params, static = split_model(model, filter_spec)
-            loop = _loop_for(settings, static, placement)
-            keys, s, r = _start(loop, params, opt_state, state, key_, members, epochs)
-            inputs = Inputs(data_, val_data, keys)
-            store, begin = None, (0, 0)  # (epochs done, steps into the next)
-            if checkpoint is not None:
-                config = _config(loop, inputs, s, r, epochs, loss)
-                if source is not None:
-                    config["data"] = source.describe()
-                store = Checkpoints(checkpoint, config)
-                restored = store.restore((s, r))
-                if restored is not None:
-                    s, r = restored
-                    begin = position(s)
-
-            def finish(s: TrainState, r: Record) -> tuple[PyTree, PyTree, PyTree, Outcome]:
-                """The trained model and the `Outcome`: queued on the device, not read."""
-                params, state = loop.trained(s)
-                outcome_ = _outcome(plan, on_nan, settings.validate, flags(s), r)
-                return eqx.combine(params, static), s.opt_state, state, outcome_
-
-            finished = None
-            if progress or source is not None:
-                # Streamed data is always trained in chunks; `progress` only shows the bar.
-                # `finish` goes in as the last chunk is queued, before its results are read.
-                s, r, finished = run_with_bar(
-                    loop,
-                    inputs,
-                    s,
-                    r,
-                    begin,
-                    epochs,
-                    callbacks,
-                    interrupt,
-                    store,
-                    checkpoint_every,
-                    source,
-                    show=progress,
-                    then=finish,
-                )
-            else:
-                s, r = _run_segments(loop, inputs, s, r, epochs, interrupt, store, checkpoint_every)
-            if interrupt.requested:
-                if store is not None:
-                    store.save((s, r), *position(s))
-                raise KeyboardInterrupt
-            model, opt_state, state, outcome_ = finished or finish(s, r)
-    return make_result(settings, model, opt_state, state, outcome_, epochs, start)
-
-
-def _loop_for(settings: Settings, static: PyTree, placement: Placement) -> Loop:
-    """`settings.loop(static, placement)`, the same object for the same configuration, so
-    that compiled calls find it by identity rather than hashing and comparing it anew.
-    """
-    leaves, treedef = jax.tree.flatten(static)
-    try:
-        types = tuple(map(type, leaves))  # `1 == 1.0`, yet they trace differently
-        return _cached_loop(settings, treedef, tuple(leaves), types, placement)
-    except TypeError:  # unhashable: arrays (frozen leaves, a loss holding them) and such
-        return settings.loop(static, placement)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_loop(
-    settings: Settings,
-    treedef: Any,
-    leaves: tuple[Any, ...],
-    types: tuple[type, ...],
-    placement: Placement,
-) -> Loop:
-    del types
-    return settings.loop(jax.tree.unflatten(treedef, leaves), placement)
-
-
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-    except TypeError:  # a loss that is a Module with a list field, say
-        return False
-    return True
-
-
-def _running(s: TrainState, epochs: int) -> bool:
-    return bool(np.any((np.asarray(s.epoch) < epochs) & ~np.asarray(s.stopped)))
-
-
-def _run_segments(
-    loop: Loop,
-    inputs: Inputs,
-    s: TrainState,
-    r: Record,
-    epochs: int,
-    interrupt: Interrupt,
-    store: Checkpoints | None,
-    every: int,
-) -> tuple[TrainState, Record]:
-    """The compiled path: one program for the run, or one per checkpoint interval (the
-    program is the same; only its traced stop epoch changes).
-    """
-    if store is None:  # one program for the whole run, dispatched without a sync
-        return run_compiled(loop, inputs, s, r, epochs)
-    while _running(s, epochs):
-        stop = min(epochs, (position(s)[0] // every + 1) * every)
-        s, r = run_compiled(loop, inputs, s, r, stop)
+    if outcome.interrupted:
         if store is not None:
-            store.save((s, r), *position(s))
-        if interrupt.requested:
-            break
-    return s, r
+            store.save(save(outcome.state))
+        raise KeyboardInterrupt
+    return make_result(loop, placement, outcome, consts, began)
+
+
+def _configure(
+    model: PyTree, filter_spec: Any, objects: tuple[Any, ...], **settings: Any
+) -> tuple[Loop, list[jax.Array], Consts]:
+    """Splits the model into the arrays that train and the frozen rest, takes out the
+    arrays the other objects hold, and describes the run as a hashable `Loop`.
+    """
+    arrays, skeleton = split_arrays(model)
+    trains = _trains(model, arrays, filter_spec)
+    params = [a for a, t in zip(arrays, trains) if t]
+    frozen = [a for a, t in zip(arrays, trains) if not t]
+    object_arrays, objects_skeleton = split_arrays(objects)
+    metric_names = tuple(name for name, _ in objects[1])
+    loop = Loop(skeleton, trains, objects_skeleton, metric_names, **settings)
+    return loop, params, Consts(frozen, object_arrays)
+
+
+def _trains(model: PyTree, arrays: list[Any], filter_spec: Any) -> tuple[bool, ...]:
+    """For each array of `model`: whether `filter_spec` chooses it and it is floating."""
+    if callable(filter_spec) and jax.tree_util.treedef_is_leaf(jax.tree.structure(filter_spec)):
+        chosen = [bool(filter_spec(a)) for a in arrays]
+    else:  # a PyTree of bools or callables, as `eqx.partition` takes
+        picked, _ = eqx.partition(model, filter_spec)
+        none = lambda x: x is None  # noqa: E731
+        leaves = jax.tree.leaves(model, is_leaf=none)
+        kept = jax.tree.leaves(picked, is_leaf=none)
+        chosen = [k is not None for leaf, k in zip(leaves, kept) if eqx.is_array(leaf)]
+    return tuple(c and is_dtype(a.dtype, np.inexact) for a, c in zip(arrays, chosen))
+
+
+# Compiled once per configuration; its outputs are new buffers, which `run` donates.
+_start = OneDevice().compile(start)
+
+
+def _host_seed(key: Key[Array, ""]) -> int:
+    """An integer seed for the host's random choices (streamed shuffles, held-out rows)."""
+    words = np.asarray(jax.random.key_data(key)).reshape(-1)
+    return int.from_bytes(words.astype(np.uint32).tobytes(), "little")
+
+
+def _source(
+    data: Any, validation_data: Any, validation_split: float | None, key: Key[Array, ""]
+) -> tuple["InMemory | Memmaps | Loader", tuple[jax.Array, ...] | None]:
+    """The source of the training data, and the validation data, if any."""
+    streamed = streamed_source(data)
+    val = None if validation_data is None else as_data(validation_data, "validation_data")
+    if streamed is None:
+        arrays = as_data(data)
+        if validation_split is not None:
+            train_rows, val_rows = _hold_out(arrays[0].shape[0], validation_split, key)
+            val = tuple(a[val_rows] for a in arrays)
+            arrays = tuple(a[train_rows] for a in arrays)
+        source: InMemory | Memmaps | Loader = InMemory(arrays)
+    else:
+        source = streamed
+        if validation_split is not None:
+            if not isinstance(streamed, Memmaps):
+                raise ValueError(
+                    "`validation_split` needs the whole data to choose rows from; a loader "
+                    "yields it a batch at a time. Pass `validation_data` instead."
+                )
+            train_rows, val_rows = _hold_out(streamed.num_samples, validation_split, key)
+            val = tuple(jax.numpy.asarray(np.asarray(a[val_rows])) for a in streamed.arrays)
+            source = Memmaps(streamed.arrays, train_rows)
+    if val is not None:
+        shapes, val_shapes = source.sample_shapes(), [tuple(v.shape[1:]) for v in val]
+        if val_shapes != shapes:
+            raise ValueError(
+                "`validation_data` must hold arrays like `data`'s, one sample apart: "
+                f"`data`'s samples have shapes {shapes}, `validation_data`'s {val_shapes}."
+            )
+    return source, val
+
+
+def _hold_out(n: int, fraction: float, key: Key[Array, ""]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows that train and the rows held out for validation, both sorted, chosen
+    from `key` on the host.
+    """
+    held = math.ceil(fraction * n) if math.isfinite(fraction) else -1
+    if not 0.0 < fraction < 1.0 or not 0 < held < n:
+        raise ValueError(
+            f"`validation_split` must be in (0, 1) and leave training data; got "
+            f"{fraction}, which holds out {held} of {n} samples."
+        )
+    order = np.random.default_rng([_host_seed(key), 0x5B117]).permutation(n)
+    return np.sort(order[held:]), np.sort(order[:held])
 
 
 def _config(
-    loop: Loop, inputs: Inputs, s: TrainState, r: Record, epochs: int, loss: Any
+    loop: Loop,
+    state: TrainState,
+    source: "InMemory | Memmaps | Loader",
+    val_data: Any,
+    loss: Any,
+    early_stopping: EarlyStopping | None,
+    key: Key[Array, ""],
 ) -> dict[str, Any]:
     """What identifies a run for its checkpoints: shapes, settings, key; not devices."""
-    stopping = loop.early_stopping
     return {
-        "state": describe((s, r)),
-        "data": describe(inputs.data),
-        "validation_data": describe(inputs.val_data),
+        "state": describe(state),
+        "data": source.describe(),
+        "validation_data": describe(val_data),
         "plan": [as_plain(v) for v in loop.plan],
-        "epochs": epochs,
+        "epochs": loop.epochs,
         "shuffle": loop.shuffle,
         "on_nan": loop.on_nan,
-        "early_stopping": None if stopping is None else repr(stopping),
+        "early_stopping": None if early_stopping is None else repr(early_stopping),
         "metrics": list(loop.metric_names),
         "loss": getattr(loss, "__qualname__", type(loss).__name__),
-        "key": np.asarray(jax.random.key_data(inputs.keys)).tolist(),
-        "ensemble": loop.ensemble,
+        "key": np.asarray(jax.random.key_data(key)).tolist(),
+        "ensemble": loop.members is not None,
     }
-
-
-# Done eagerly, the start's dozens of small array creations would cost milliseconds a `fit`.
-_start = OneDevice().compile(start_run, static=(5, 6))
-_keys = jax.jit(split_keys, static_argnums=1)
-_outcome = jax.jit(outcome, static_argnums=(0, 1, 2))
-
-
-def _validation(
-    data: tuple[Array, ...],
-    validation_data: Any,
-    validation_split: float | None,
-    key: Key[Array, ""],
-) -> tuple[tuple[Array, ...], tuple[Array, ...] | None]:
-    """Returns the training data and the validation data, if any."""
-    if validation_data is not None and validation_split is not None:
-        raise ValueError("Give `validation_data` or `validation_split`, not both.")
-    if validation_data is not None:
-        val = as_data(validation_data)
-        if (
-            data
-            and len(val) != len(data)
-            or any(v.shape[1:] != d.shape[1:] for v, d in zip(val, data))
-        ):
-            raise ValueError(
-                "`validation_data` must hold arrays like `data`'s, one sample apart: "
-                f"`data` has shapes {[tuple(a.shape) for a in data]}, "
-                f"`validation_data` {[tuple(a.shape) for a in val]}."
-            )
-        return data, val
-    if validation_split is None:
-        return data, None
-    n = data[0].shape[0]
-    held = math.ceil(validation_split * n)
-    if not 0.0 < validation_split < 1.0 or held >= n:
-        raise ValueError(
-            f"`validation_split` must be in (0, 1) and leave training data; got "
-            f"{validation_split}, which holds out {held} of {n} samples."
-        )
-    order = jax.random.permutation(_keys(key, None)[1], n)
-    val_index, train_index = order[:held], order[held:]
-    return tuple(a[train_index] for a in data), tuple(a[val_index] for a in data)

@@ -1,11 +1,11 @@
 """Where a run lives: one device, `eqx.filter_pmap` over devices, or a sharded `Mesh`.
 
-Each placement compiles the same loop functions its own way and moves arrays to and from
-its layout. The loop itself only asks it how to cut a batch.
+Each placement compiles the loop's programs its own way and moves arrays to and from its
+layout. The loop itself only asks it how to cut a batch.
 """
 
+import dataclasses
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,22 +14,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, PyTree, Shaped, UInt32
+from jaxtyping import Array, PyTree, UInt32
 
-from ._data import Batch, Data, take
+from ._data import take
 
 
 # `jax.Device`, which type checkers see as a variable rather than a class.
 Device = Any
 
 
-class OneDevice(eqx.Module):
+# Placements are frozen dataclasses, not `eqx.Module`s: `fit` calls their methods several
+# times per call, and a Module makes a new bound-method Module at each method access.
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDevice:
     """The default: everything on JAX's default device, compiled with `jax.jit`."""
 
-    def compile(
-        self, fn: Callable, donate: tuple[int, ...] = (), static: tuple[int, ...] = ()
-    ) -> Callable:
-        return _jit(fn, donate, static)
+    axis_name: None = None
+
+    def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
+        """`fn(loop, *arrays)` compiled, the loop (hashable) as a static argument."""
+        return _jit(fn, donate)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         del sharded
@@ -38,18 +44,21 @@ class OneDevice(eqx.Module):
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
-    def host(self, x: Array) -> np.ndarray:
-        """`x` read back to numpy: waits for `x` only, not for work queued after it."""
-        return np.asarray(x)
+    def host(self, tree: PyTree) -> Any:
+        """`tree`'s arrays read back to numpy: waits for them only, not for work queued
+        after them.
+        """
+        return jax.tree.map(np.asarray, tree)
 
-    def full_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+    def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         return take(data, index)
 
-    def remainder_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+    def remainder_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         return take(data, index)
 
 
-class Pmap(eqx.Module):
+@dataclasses.dataclass(frozen=True)
+class Pmap:
     """Data parallel with `eqx.filter_pmap`: one replica of everything per device.
 
     Each full batch is split evenly over the devices, and the step averages losses and
@@ -57,15 +66,14 @@ class Pmap(eqx.Module):
     computed whole on every device, so the replicas stay identical without a pmean.
     """
 
-    devices: tuple[Device, ...] = eqx.field(static=True)
-    axis_name: str = eqx.field(static=True, default="devices")
+    devices: tuple[Device, ...]
+    axis_name: str = "devices"
 
-    def compile(
-        self, fn: Callable, donate: tuple[int, ...] = (), static: tuple[int, ...] = ()
-    ) -> Callable:
-        # filter_pmap cannot donate some arguments and not others; it finds the static
-        # arguments (the loop, Python ints) itself.
-        del donate, static
+    def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
+        # filter_pmap cannot donate some arguments and not others. Arrays are mapped over
+        # their leading (device) axis, but for the last argument, the stop position,
+        # which every device shares.
+        del donate
         return _filter_pmap(fn, self.devices, self.axis_name)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
@@ -77,29 +85,29 @@ class Pmap(eqx.Module):
         arrays, rest = eqx.partition(tree, eqx.is_array)
         return eqx.combine(_first_replica(arrays), rest)
 
-    def host(self, x: Array) -> np.ndarray:
+    def host(self, tree: PyTree) -> Any:
         # On the host: a compiled `get` would queue behind the work dispatched since.
-        return np.asarray(np.asarray(x)[0])
+        return jax.tree.map(lambda x: np.asarray(x)[0], tree)
 
-    def full_batch(
-        self, data: Data, index: UInt32[Array, " batch"]
-    ) -> tuple[Shaped[Array, "share ..."], ...]:
+    def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         share = index.shape[0] // len(self.devices)
         start = jax.lax.axis_index(self.axis_name) * share
         return take(data, jax.lax.dynamic_slice_in_dim(index, start, share))
 
-    def remainder_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+    def remainder_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         return take(data, index)
 
 
-class Sharded(eqx.Module):
+@dataclasses.dataclass(frozen=True)
+class Sharded:
     """Data parallel through sharding: the data split over the mesh's first axis, the
     parameters replicated, and one SPMD program that XLA partitions. The mesh may span
     several processes started with `jax.distributed.initialize`; then each process passes
     its own part of the data.
     """
 
-    mesh: Mesh = eqx.field(static=True)
+    mesh: Mesh
+    axis_name: None = None  # XLA partitions the program: the step needs no collective
 
     @property
     def axis(self) -> str:
@@ -109,10 +117,8 @@ class Sharded(eqx.Module):
     def num_devices(self) -> int:
         return self.mesh.shape[self.axis]
 
-    def compile(
-        self, fn: Callable, donate: tuple[int, ...] = (), static: tuple[int, ...] = ()
-    ) -> Callable:
-        return _jit(fn, donate, static)
+    def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
+        return _jit(fn, donate)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         spec = P(self.axis) if sharded else P()
@@ -147,13 +153,13 @@ class Sharded(eqx.Module):
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
-    def host(self, x: Array) -> np.ndarray:
-        return np.asarray(x)
+    def host(self, tree: PyTree) -> Any:
+        return jax.tree.map(np.asarray, tree)
 
-    def full_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+    def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, P(self.axis)))
 
-    def remainder_batch(self, data: Data, index: UInt32[Array, " batch"]) -> Batch:
+    def remainder_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         splits = index.shape[0] % self.num_devices == 0
         spec = P(self.axis) if splits else P()
         return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, spec))
@@ -214,9 +220,8 @@ def _count(devices: Any) -> int:
     return devices if isinstance(devices, int) else len(devices)
 
 
-# Moving a run's few dozen arrays to and from the replicas one by one cost about 5 ms a
-# `fit` (19% of the benchmark run, `python benchmarks/parallel.py`); one compiled call each
-# way does it in a single dispatch.
+# Moving a run's few dozen arrays to and from the replicas one by one costs a dispatch
+# each; one compiled call each way does it in a single dispatch.
 @functools.cache
 def _replicate(devices: tuple[Device, ...]) -> Callable:
     n = len(devices)
@@ -231,77 +236,19 @@ def _first_replica(tree: PyTree) -> PyTree:
 
 
 @functools.cache
-def _jit(fn: Callable, donate: tuple[int, ...], static: tuple[int, ...]) -> Callable:
-    """`fn(loop, *args)` compiled. Usually a plain `jax.jit` with the loop as a static
-    argument (through `_Static`), which costs far less per call than `eqx.filter_jit`
-    flattening the loop and every argument; a `fit` on the progress path makes several
-    calls. A loop that holds arrays (frozen leaves of the model, a loss that is a Module
-    with arrays) or unhashable leaves goes through `eqx.filter_jit`, without donation.
-    """
-    plain = jax.jit(
-        lambda key, *args: fn(key.loop, *args),
-        static_argnums=(0, *static),
-        donate_argnums=donate,
-    )
-    traced = eqx.filter_jit(fn)
-
-    @functools.wraps(fn)
-    def call(loop: Any, *args: Any) -> Any:
-        key = _static(loop)
-        return traced(loop, *args) if key is None else plain(key, *args)
-
-    return call
-
-
-class _Static:
-    """A loop as a static argument, keyed on its flattened form (its structure, and its
-    leaves with their types, so that `1` and `1.0` differ): hashed once, and one object per
-    distinct loop, so that JAX's cache finds it by identity.
-    """
-
-    __slots__ = ("loop", "key", "hash", "__weakref__")
-
-    def __init__(self, loop: Any, treedef: Any, leaves: list[Any]):
-        self.loop = loop
-        self.key = (treedef, tuple(leaves), tuple(map(type, leaves)))
-        self.hash = hash(self.key)  # TypeError for an unhashable leaf
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        if not isinstance(other, _Static) or self.hash != other.hash:
-            return False
-        return self.loop is other.loop or self.key == other.key
-
-
-# One `_Static` per distinct loop, alive while a compiled program keeps it as its key.
-_interned: "weakref.WeakValueDictionary[_Static, _Static]" = weakref.WeakValueDictionary()
-_last: tuple[Any, _Static | None] = (None, None)  # the last loop seen: `fit` reuses one
-
-
-def _static(loop: Any) -> "_Static | None":
-    """The interned `_Static` of `loop`; `None` if it must be traced: it holds arrays, or
-    a leaf that cannot be hashed.
-    """
-    global _last
-    last = _last
-    if last[0] is loop:
-        return last[1]
-    leaves, treedef = jax.tree.flatten(loop)
-    if any(eqx.is_array(leaf) for leaf in leaves):
-        return None  # not remembered in `_last`: that would keep its arrays alive
-    try:
-        new = _Static(loop, treedef, leaves)
-    except TypeError:
-        return None
-    key = _interned.setdefault(new, new)
-    _last = (loop, key)
-    return key
+def _jit(fn: Callable, donate: tuple[int, ...]) -> Callable:
+    # A plain `jax.jit` with the loop as its static argument: the loop is a small
+    # hashable description (`Loop`), so a call costs a hash, not a walk over a PyTree
+    # as `eqx.filter_jit` would make.
+    return jax.jit(fn, static_argnums=0, donate_argnums=donate)
 
 
 @functools.cache
 def _filter_pmap(fn: Callable, devices: tuple[Device, ...], axis_name: str) -> Callable:
-    return eqx.filter_pmap(fn, axis_name=axis_name, devices=devices)  # type: ignore[arg-type]
+    pmapped = eqx.filter_pmap(
+        fn,
+        in_axes=(None, eqx.if_array(0), eqx.if_array(0), None),
+        axis_name=axis_name,
+        devices=devices,  # type: ignore[arg-type]
+    )
+    return pmapped

@@ -14,8 +14,10 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoint import serialise, versions, write_atomically
+from ._drive import Outcome
 from ._history import History, StopReason
-from ._loop import Outcome, Settings
+from ._loop import Consts, Loop
+from ._parallel import Placement
 
 
 @functools.partial(
@@ -55,60 +57,70 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def make_result(
-    settings: Settings,
-    model: PyTree,
-    opt_state: PyTree,
-    model_state: PyTree,
-    outcome: Outcome,
-    epochs: int,
-    start: float,
+    loop: Loop, placement: Placement, outcome: Outcome, consts: Consts, began: float
 ) -> FitResult:
-    """The result of a run, with its History read from the run's `Outcome`: one transfer,
-    then slicing. (The host's work after a run costs several times its usual speed, with
-    its caches cold from the wait; so the arithmetic stays on the device.)
+    """The result of a run, from its final state and the last call's report.
+
+    Raises `NonFiniteLossError` (holding the result) if a non-finite loss stopped the run
+    and `on_nan="raise"`.
     """
+    report, state = outcome.report, outcome.state
     # `np.asarray` on each, not `jax.device_get`, whose tree walk costs several times more.
-    flags, table = np.asarray(outcome.flags), np.asarray(outcome.table)
-    wall_time = time.perf_counter() - start  # `start`: when `fit` began
+    fields = (report.step, report.stopped, report.nan_step, report.best_epoch)
+    steps, stopped, nan_steps, best = (np.asarray(x).reshape(-1) for x in placement.host(fields))
+    table = np.asarray(placement.host(report.epoch_values))
+    step_loss = np.asarray(placement.host(state.step_loss))
+    wall_time = time.perf_counter() - began  # `began`: when `fit` began
+    per_epoch = loop.steps_per_epoch
+    ensemble = loop.members is not None
+    if not ensemble:  # a single model is an ensemble of one here
+        table, step_loss = table[None], step_loss[None]
     # Python lists for the per-member bookkeeping: quicker than numpy scalars.
-    ran_epochs, nan_steps, best, stopped = flags.T.tolist()
-    steps, stopping, by_nan = (
-        settings.plan.steps_per_epoch,
-        settings.early_stopping,
-        settings.on_nan != "skip",
-    )
+    ran = [-(-int(t) // per_epoch) for t in steps.tolist()]  # a partial epoch counts
+    nan_steps_ = nan_steps.tolist()
+    by_nan = loop.on_nan != "skip"
     reasons: list[StopReason] = []
-    for ran, nan_step, stop in zip(ran_epochs, nan_steps, stopped):
+    for epochs_run, nan_step, halted in zip(ran, nan_steps_, stopped.tolist()):
         if by_nan and nan_step >= 0:
             reasons.append("non_finite_loss")
-        elif stop and stopping is not None:
+        elif halted:
             reasons.append("early_stopping")
         else:
-            reasons.append("callback" if ran < epochs else None)
-    best_epochs = [b if stopping is not None and b >= 0 else None for b in best]
-    rows = max(ran_epochs)
+            reasons.append("callback" if epochs_run < loop.epochs else None)
+    has_stopping = loop.stopping is not None
+    best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
+    rows = max(ran)
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
-        return x[0] if not settings.ensemble else np.moveaxis(x, 0, -1)
+        return x[0] if not ensemble else np.moveaxis(x, 0, -1)
 
     # Copies: the transfer's arrays are read-only, and each value gets its own.
-    values = squeeze(table[:, :rows, steps:])
+    values = squeeze(table[:, :rows])
     history = History(
-        {name: values[:, i].copy() for i, name in enumerate(settings.log_names)},
-        squeeze(table[:, :rows, :steps]).copy(),
-        settings.plan.batch_sizes,
+        {name: values[:, i].copy() for i, name in enumerate(loop.log_names)},
+        squeeze(step_loss[:, :rows]).copy(),
+        loop.plan.batch_sizes,
         wall_time,
-        tuple(best_epochs) if settings.ensemble else best_epochs[0],
-        tuple(reasons) if settings.ensemble else reasons[0],
+        tuple(best_epochs) if ensemble else best_epochs[0],
+        tuple(reasons) if ensemble else reasons[0],
     )
+    if report.trained is not None:
+        params, model_state = report.trained
+    else:
+        params, model_state = state.params, state.model_state
+    params, model_state, opt_state = placement.get((params, model_state, state.opt_state))
+    # Only the trained arrays come back: the frozen ones are the caller's, untouched.
+    trained, frozen = iter(jax.tree.leaves(params)), iter(consts.frozen)
+    arrays = [next(trained) if t else next(frozen) for t in loop.trains]
+    model = loop.model.fill(arrays)
     result = FitResult(model, opt_state, history, model_state)
-    if settings.on_nan == "raise" and max(nan_steps) >= 0:
-        i = next(i for i, t in enumerate(nan_steps) if t >= 0)
-        epoch, step = divmod(nan_steps[i], steps)
-        member = f"member {i}: " if settings.ensemble else ""
+    if loop.on_nan == "raise" and max(nan_steps_) >= 0:
+        i = next(i for i, t in enumerate(nan_steps_) if t >= 0)
+        epoch, step = divmod(nan_steps_[i], per_epoch)
+        member = f"member {i}: " if ensemble else ""
         raise NonFiniteLossError(
             f"The loss was not finite at {member}epoch {epoch}, step {step} (step "
-            f"{nan_steps[i]} of the run). Training stopped there; the last finite model, "
+            f"{nan_steps_[i]} of the run). Training stopped there; the last finite model, "
             "from before that step, is in this error's `.result`. Pass `on_nan='skip'` to "
             "skip such steps, or `on_nan='stop'` to return early without an error.",
             result,

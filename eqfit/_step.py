@@ -1,17 +1,15 @@
-"""Build the pure training step `(params, opt_state, batch, key) -> (params, opt_state, loss)`."""
+"""The pure training step `(params, opt_state, batch, key) -> (params, opt_state, loss)`."""
 
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree
-
-from ._data import Batch
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -55,6 +53,13 @@ def check_scalar(value: Any, what: str) -> Float[Array, ""]:
     return value
 
 
+def batch_args(batch: PyTree) -> tuple[Any, ...]:
+    """How a batch is passed on: a tuple is unpacked (`loss(model, *batch)`), any other
+    PyTree (a dict, say) is passed whole (`loss(model, batch)`).
+    """
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
 class Objective(eqx.Module):
     """How to call the user's loss and metrics on a batch, with or without model state."""
 
@@ -63,11 +68,16 @@ class Objective(eqx.Module):
     stateful: bool = False
     use_key: bool = False
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.metrics)
+
     def value(
-        self, model: PyTree, model_state: PyTree, batch: Batch, key: Key[Array, ""] | None
+        self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
     ) -> tuple[Float[Array, ""], PyTree]:
         """The loss, and the model state after the batch (`None` without state)."""
-        args = (model, model_state, *batch) if self.stateful else (model, *batch)
+        args = batch_args(batch)
+        args = (model, model_state, *args) if self.stateful else (model, *args)
         kwargs = {"key": key} if self.use_key and key is not None else {}
         out = self.loss(*args, **kwargs)
         if self.stateful:
@@ -82,44 +92,51 @@ class Objective(eqx.Module):
         return check_scalar(value, "`loss(model, *batch)`"), model_state
 
     def metric_values(
-        self, model: PyTree, model_state: PyTree, batch: Batch
+        self, model: PyTree, model_state: PyTree, batch: PyTree
     ) -> Float[Array, " metrics"]:
         """Each metric on the batch, in order; an empty vector without metrics."""
-        args = (model, model_state, *batch) if self.stateful else (model, *batch)
+        args = batch_args(batch)
+        args = (model, model_state, *args) if self.stateful else (model, *args)
         values = [check_scalar(fn(*args), f"metric {name!r}") for name, fn in self.metrics]
         return jnp.stack(values).astype(jnp.float32) if values else jnp.zeros(0)
 
 
-class Step(eqx.Module):
-    """One optimisation step on a batch, with the model's static structure closed over.
+class StepResult(NamedTuple):
+    params: PyTree
+    opt_state: PyTree
+    model_state: PyTree
+    loss: Float[Array, ""]
+    metrics: Float[Array, " metrics"]
+    finite: Bool[Array, ""]
 
-    A `Step` holds no arrays of its own, so it is static in a compiled program: two `fit`
-    calls with the same model structure, loss and optimizer share one compilation.
-    An update whose loss is not finite is not applied, so the parameters are always the
-    last finite ones; the caller decides whether to stop. With `guard=False` every update
-    is applied, and the caller undoes a non-finite one (`Loop.run_steps`).
+
+class Step(eqx.Module):
+    """One optimisation step on a batch.
+
+    An update whose loss is not finite is not applied: one `lax.cond` per step, as
+    `optax.apply_if_finite` does, so the parameters are always the last finite ones and
+    every `on_nan` policy runs the same arithmetic. The caller decides whether to stop.
     """
 
-    static: PyTree
     objective: Objective
     optimizer: optax.GradientTransformation
-    axis_name: str | None = None
-    guard: bool = True  # `False`: always update; the caller undoes a non-finite step
+    combine: Callable[[PyTree], PyTree]  # the trained arrays -> the whole model
+    axis_name: str | None = None  # set under `pmap`: losses and gradients are averaged
 
     def __call__(
         self,
         params: PyTree,
         opt_state: PyTree,
         model_state: PyTree,
-        batch: Batch,
-        key: Key[Array, ""],
-    ) -> tuple[PyTree, PyTree, PyTree, Float[Array, ""], Float[Array, " metrics"], Bool[Array, ""]]:
-        if self.axis_name is not None and self.objective.use_key:
+        batch: PyTree,
+        key: Key[Array, ""] | None,
+    ) -> StepResult:
+        if self.axis_name is not None and key is not None:
             # Each device's share of the batch gets its own key.
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
 
         def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree]]:
-            model = eqx.combine(p, self.static)
+            model = self.combine(p)
             loss, new_state = self.objective.value(model, model_state, batch, key)
             return loss, (model, new_state)
 
@@ -143,11 +160,9 @@ class Step(eqx.Module):
         def skip(carry: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
             return carry
 
-        # A `cond`, not a `where` over every leaf: on the benchmark MLP the selects cost
-        # 13% against the hand-written floor, the cond 3% (benchmarks/README.md).
-        carry = (params, opt_state, model_state)
-        if not self.guard:
-            params, opt_state, model_state = apply(carry)
-        else:
-            params, opt_state, model_state = jax.lax.cond(finite, apply, skip, carry)
-        return params, opt_state, model_state, loss, metrics, finite
+        # A `cond`, not a `where` over every leaf, which would compute and select the
+        # whole update even for finite losses.
+        params, opt_state, model_state = jax.lax.cond(
+            finite, apply, skip, (params, opt_state, model_state)
+        )
+        return StepResult(params, opt_state, model_state, loss, metrics, finite)

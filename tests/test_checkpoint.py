@@ -186,21 +186,6 @@ def test_save_and_load(getkey, tmp_path):
         eqfit.load(tmp_path / "other.eqx", like=model)
 
 
-def test_position_follows_the_members_still_training():
-    from types import SimpleNamespace
-
-    from eqfit._checkpoint import position
-
-    def at(epochs, steps):
-        return position(SimpleNamespace(epoch=np.asarray(epochs), step=np.asarray(steps)))
-
-    assert at(3, 5) == (3, 5)
-    # Member 0 stopped early, two epochs back: the others go on from epoch 5, step 3.
-    assert at([3, 5, 5], [0, 3, 3]) == (5, 3)
-    # Member 1 stopped inside epoch 5 (a non-finite loss); the rest had finished it.
-    assert at([6, 5, 6], [0, 2, 0]) == (6, 0)
-
-
 def test_ensemble_with_a_stopped_member_checkpoints_to_the_end(getkey, tmp_path):
     """A member that stops early must not hold the others' checkpoints back."""
     import jax

@@ -13,13 +13,13 @@ import pytest
 from helpers import assert_trees_equal
 
 import eqfit
-import eqfit._stream
+import eqfit._sources
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     # 7 batches of 16 rows of (4 + 1) float32s per chunk: several chunks and a partial one.
-    monkeypatch.setattr(eqfit._stream, "CHUNK_BYTES", 7 * 16 * 20)
+    monkeypatch.setattr(eqfit._sources, "CHUNK_BYTES", 7 * 16 * 20)
 
 
 @pytest.fixture
@@ -109,8 +109,6 @@ def test_streaming_checks_its_input(getkey, on_disk):
     model = eqfit.models.LinearRegression(4, key=getkey())
     with pytest.raises(ValueError, match=r"`batch_size`=32, but the loader yields batches of 16"):
         eqfit.fit(model, Loader(memory, 16), **{**kwargs(getkey), "batch_size": 32})
-    with pytest.raises(ValueError, match=r"does not support `devices=` yet"):
-        eqfit.fit(model, mapped, devices=2, **kwargs(getkey))
     with pytest.raises(ValueError, match=r"share their leading \(sample\) axis"):
         eqfit.fit(model, (mapped[0], mapped[1][:10]), **kwargs(getkey))
 

@@ -1,0 +1,253 @@
+"""The one host driver: calls the compiled run piece by piece, and does everything that
+happens between pieces: the bar, callbacks, checkpoints, the interrupt and resuming.
+
+Its two producers of data are the in-memory source, one feed covering the whole run, and
+the streamed ones (memmaps, loaders), a feed per chunk of batches. Whatever the feed, the
+driver picks where each call stops: at the run's end on the compiled path, at checkpoint
+boundaries, at each epoch's end when callbacks must see it before training goes on, and
+every fraction of a second for the bar.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+from jaxtyping import PyTree
+
+from ._checkpoint import Checkpoints, Interrupt
+from ._loop import Inputs, Loop, Report, TrainState
+from ._parallel import Placement
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """Called on the host after each epoch: any object with this method."""
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
+        """`logs` holds the epoch's values by name. Return `True` to stop training."""
+        ...
+
+
+class Feed(NamedTuple):
+    """Data for the steps before the global step `end`, as the program takes it."""
+
+    inputs: Inputs
+    end: int
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where the calls stop."""
+
+    begin: int  # the global step the run starts from (after a resume, inside an epoch)
+    total: int  # the run's last step
+    steps_per_epoch: int
+    checkpoint_every: int | None = None  # epochs between checkpoints
+    sync_epochs: bool = False  # read each epoch's values before training on (callbacks)
+    seconds_per_call: float | None = None  # the bar: calls of about this long
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How the drive ended: the final state, the last report, and why it stopped early."""
+
+    state: TrainState
+    report: Report
+    stopped_by_callback: bool
+    interrupted: bool
+
+
+class _Reader:
+    """Reads the reports of calls in flight, in order, and tells the bar and the
+    callbacks what they say. It reads a report only once the next call is queued, so the
+    host never waits with the device idle.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        names: tuple[str, ...],
+        steps_per_epoch: int,
+        bar: "Bar | None",
+        callbacks: Sequence[Callback],
+    ):
+        self.placement, self.names, self.per_epoch = placement, names, steps_per_epoch
+        self.bar, self.callbacks = bar, callbacks
+        # Each call's report, the step it began at and the steps it was asked for.
+        self.in_flight: list[tuple[Report, int, int]] = []
+        self.finished = False  # stopped early, or a callback asked to stop
+        self.by_callback = False
+        self.clock = time.perf_counter()
+
+    def queued(self, report: Report, begin: int, stop: int) -> None:
+        if not self.in_flight:  # the device starts on it now (its compilation is done)
+            self.clock = time.perf_counter()
+        self.in_flight.append((report, begin, stop - begin))
+
+    def read(self, keep: int = 0) -> float | None:
+        """Reads every report in flight but the last `keep`; returns the seconds per step
+        of the calls read (each read waits for its call to finish), if any.
+        """
+        steps = 0
+        while len(self.in_flight) > keep:
+            report, begin, count = self.in_flight.pop(0)
+            self._take(report, begin)
+            steps += count
+        if not steps:
+            return None
+        now = time.perf_counter()
+        seconds = (now - self.clock) / steps
+        self.clock = now
+        return seconds
+
+    def _take(self, report: Report, begin: int) -> None:
+        host = self.placement.host(
+            (report.step, report.stopped, report.loss_sum, report.epoch_values)
+        )
+        step, stopped, loss_sum, table = (np.asarray(x) for x in host)
+        done = int(step.max())  # an ensemble's members stopped early are behind
+        if self.bar is not None:
+            self.bar.steps(done - begin, float(loss_sum.mean()), done // self.per_epoch)
+        for epoch in range(begin // self.per_epoch, done // self.per_epoch):
+            # An ensemble's values are its members' mean.
+            row = table.reshape(-1, *table.shape[-2:])[:, epoch]
+            logs = dict(zip(self.names, _mean_of_finished(row).tolist()))
+            if self.bar is not None:
+                self.bar.epoch(epoch, logs)
+            for callback in self.callbacks:
+                if callback.on_epoch_end(epoch, dict(logs)):
+                    self.finished = self.by_callback = True
+            if self.finished:
+                break
+        if bool(stopped.all()):
+            self.finished = True
+
+
+def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
+    """The mean over members of each value, leaving out members that had stopped (NaN)."""
+    finished = ~np.isnan(rows)
+    total = np.where(finished, rows, 0.0).sum(axis=0)
+    return total / np.maximum(finished.sum(axis=0), 1)
+
+
+class Bar:
+    """The tqdm bar. It is made at the first report, when the device already has work
+    queued, and shows the running loss and the last finished epoch's values.
+    """
+
+    def __init__(self, total_steps: int, initial: int, steps_per_epoch: int, epochs: int):
+        self.total, self.initial = total_steps, initial
+        self.per_epoch, self.epochs = steps_per_epoch, epochs
+        self.made: Any = None
+        self.shown, self.loss_sum, self.loss_steps = -1, 0.0, 0
+        self.last: dict[str, str] = {}
+
+    def _bar(self) -> Any:
+        if self.made is None:
+            from tqdm.auto import tqdm
+
+            self.made = tqdm(
+                total=self.total, initial=self.initial, unit="step", dynamic_ncols=True
+            )
+        return self.made
+
+    def steps(self, count: int, loss_sum: float, epoch: int) -> None:
+        bar = self._bar()
+        shown = min(epoch, self.epochs - 1)
+        if shown != self.shown:
+            self.shown, self.loss_sum, self.loss_steps = shown, 0.0, 0
+            bar.set_description(f"epoch {shown + 1}/{self.epochs}", refresh=False)
+        self.loss_sum += loss_sum
+        self.loss_steps += count
+        loss = self.loss_sum / max(self.loss_steps, 1)
+        bar.set_postfix({"loss": f"{loss:.4g}", **self.last}, refresh=False)
+        bar.update(count)
+
+    def epoch(self, epoch: int, logs: dict[str, float]) -> None:
+        self.last = {k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")}
+
+    def close(self) -> None:
+        if self.made is not None:
+            self.made.close()
+
+
+def drive(
+    loop: Loop,
+    program: Callable[..., tuple[TrainState, Report]],
+    state: TrainState,
+    feeds: Iterator[Feed],
+    plan: Plan,
+    *,
+    bar: Bar | None = None,
+    callbacks: Sequence[Callback] = (),
+    store: Checkpoints | None = None,
+    interrupt: Interrupt | None = None,
+    save: Callable[[TrainState], PyTree] | None = None,
+) -> Outcome:
+    """Runs `program` over the feeds from `plan.begin` until the end, a stop or an
+    interrupt.
+
+    Each call is queued before the previous one's report is read: the host updates the
+    bar while the device works. Checkpoints, which need the state itself, wait for their
+    call; so do epochs' ends when callbacks may stop training.
+
+    **Returns:**
+
+    An `Outcome` with the final state and the last call's report.
+    """
+    placement = loop.placement
+    reader = _Reader(placement, loop.log_names, plan.steps_per_epoch, bar, callbacks)
+    per_epoch = plan.steps_per_epoch
+    position, report = plan.begin, None
+    # The bar's first call is short, for a quick first redraw (or one whole short epoch);
+    # later ones take about `seconds_per_call`, from the speed measured so far.
+    size = per_epoch if per_epoch <= 64 else 8
+    stopped = False
+    try:
+        for feed in feeds:
+            while not stopped:
+                stop = min(plan.total, feed.end)
+                if plan.seconds_per_call is not None:
+                    stop = min(stop, position + size)
+                if plan.sync_epochs:
+                    stop = min(stop, (position // per_epoch + 1) * per_epoch)
+                if store is not None and plan.checkpoint_every:
+                    every = plan.checkpoint_every * per_epoch
+                    stop = min(stop, (position // every + 1) * every)
+                stop = max(stop, position)  # a call with nothing to do still reports
+                state, report = program(loop, state, feed.inputs, np.int32(stop))
+                reader.queued(report, position, stop)
+                seconds = reader.read(keep=1)
+                if plan.seconds_per_call is not None and seconds is not None:
+                    size = max(1, int(plan.seconds_per_call / max(seconds, 1e-7)))
+                position = stop
+                at_epoch_end = position % per_epoch == 0
+                if plan.sync_epochs and at_epoch_end:
+                    reader.read()
+                if store is not None and plan.checkpoint_every:
+                    if (
+                        position % (plan.checkpoint_every * per_epoch) == 0
+                        or position >= plan.total
+                    ):
+                        assert save is not None
+                        store.save(save(state))
+                interrupted = interrupt is not None and interrupt.requested
+                stopped = reader.finished or interrupted or position >= plan.total
+                if position >= feed.end:
+                    break
+            if stopped:
+                break
+        if report is None:  # no feed at all: nothing to train on from here
+            raise ValueError("The data yielded no batches to train on.")
+        reader.read()
+    finally:
+        if bar is not None:
+            bar.close()
+    return Outcome(
+        state,
+        report,
+        stopped_by_callback=reader.by_callback,
+        interrupted=interrupt is not None and interrupt.requested,
+    )
