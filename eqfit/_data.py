@@ -1,6 +1,7 @@
 """Check and normalise data, plan batches, order samples on the device, gather a batch."""
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -127,23 +128,29 @@ def check_batch_size(batch_size: int) -> None:
 
 # -- The shuffle: a keyed bijection on the sample indices, O(N) and without a sort.
 #
-# A sort costs O(N log N), and XLA's sort on a CPU is slow (an epoch's order by sorting random
-# keys costs more than training on a million samples does). Instead each epoch's order comes
-# from a keyed permutation of [0, 2^k), 2^k >= N: a Feistel network of `FEISTEL_ROUNDS`
-# rounds. Luby and Rackoff (1988) showed four rounds with independent pseudorandom round
-# functions give a strong pseudorandom permutation. With k odd the two halves differ by a bit
-# and swap widths each round (an alternating, unbalanced Feistel network, as in the FFX
-# mode of format-preserving encryption), so the domain is never more than 2N. The round
-# function is a 32-bit integer hash (Wellons' "lowbias32" finaliser) of the half and a round
-# key, and the round keys are hashed from the PRNG key's bits and the epoch.
+# A sort costs O(N log N), and XLA's sort on a CPU is slow (an epoch's order by sorting
+# random keys cost more than training an epoch on a million samples). Instead each epoch's
+# order is a keyed permutation of [0, N) evaluated at 0, 1, ..., N - 1: Black and Rogaway's
+# generalised Feistel cipher Fe[r, a, b] ("Ciphers with arbitrary finite domains", 2002)
+# on [0, a * b), with a * b = N when N has two factors within a factor of two of sqrt(N)
+# (most sizes do: 8192 = 128 * 64, 60000 = 250 * 240), else a = ceil(sqrt(N)),
+# b = ceil(N / a) and cycle-walking into [0, N).
 #
-# Points of [0, 2^k) at or above N are dropped, keeping the rest in the order of their
-# inputs: order[p] is the p-th in-range value of f(0), f(1), ... This is the permutation
-# that ranks [0, N) by f's inverse (Black and Rogaway's 2002 "prefix" construction, with
-# the cipher's inverse), computed by enumeration and a prefix sum in O(2^k) rather than
-# by a sort; and it is uniform whenever f is, as a random permutation of [0, 2^k) induces
-# a uniformly random order on any N of its points. Unlike cycle-walking, it needs no
-# loop whose length is the longest walk.
+# - A point x is the pair (x // b, x % b). Each round maps (L, R) to
+#   (R, (L + F_i(R)) mod m_i), the modulus alternating between a and b: a bijection for any
+#   round function, so the order is a permutation whatever the keys.
+# - `FEISTEL_ROUNDS` = 4 rounds: Luby and Rackoff (1988) showed that four rounds with
+#   independent pseudorandom round functions give a strong pseudorandom permutation. The
+#   round function is a 32-bit integer hash (Wellons' "lowbias32" finaliser) of R and a
+#   round key, mapped to [0, m) by a multiply-high (Lemire's reduction), with no division.
+#   Round keys are hashed from the PRNG key's bits and the epoch.
+# - Walking, a * b - N < a <= sqrt(N) + 1, so a point lands outside [0, N) with
+#   probability under 1 / sqrt(N); it is mapped again until it lands inside (cycle-walking
+#   keeps a bijection). The walk is a loop over the whole vector, which runs two to four
+#   times.
+#
+# This is no cipher: the keys are not secret and the round function is no PRF. What it must
+# pass are the statistical tests in tests/test_shuffle.py, beside `jax.random.permutation`.
 
 FEISTEL_ROUNDS = 4
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive integers over 32 bits
@@ -158,6 +165,14 @@ def _hash32(x: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
     return x ^ (x >> 16)
 
 
+def _below(h: UInt32[Array, "*shape"], m: int) -> UInt32[Array, "*shape"]:
+    """`floor(h * m / 2**32)`: a uniform 32-bit `h` taken to `[0, m)`, for `m < 2**16`,
+    by a multiply-high in 32-bit arithmetic (no 64-bit integers, no division).
+    """
+    m_ = jnp.uint32(m)
+    return ((h >> 16) * m_ + (((h & 0xFFFF) * m_) >> 16)) >> 16
+
+
 def shuffle_seed(key: Key[Array, ""]) -> UInt32[Array, ""]:
     """A 32-bit seed for the shuffle, hashed from all the bits of `key`."""
     words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
@@ -168,16 +183,16 @@ def shuffle_seed(key: Key[Array, ""]) -> UInt32[Array, ""]:
 
 
 def feistel(
-    x: UInt32[Array, " m"], round_keys: UInt32[Array, " rounds"], bits: int
+    x: UInt32[Array, " m"], round_keys: UInt32[Array, " rounds"], a: int, b: int
 ) -> UInt32[Array, " m"]:
-    """A keyed permutation of `[0, 2**bits)`, applied to each element of `x`."""
-    high, low = (bits + 1) // 2, bits // 2  # the widths of the two halves
+    """A keyed permutation of `[0, a * b)` (an even number of rounds), applied to `x`."""
+    high, low = x // jnp.uint32(b), x % jnp.uint32(b)
+    m_high, m_low = a, b
     for r in range(round_keys.shape[0]):
-        upper, lower = x >> low, x & jnp.uint32((1 << low) - 1)
-        mixed = _hash32(lower ^ round_keys[r]) & jnp.uint32((1 << high) - 1)
-        x = (lower << high) | (upper ^ mixed)
-        high, low = low, high
-    return x
+        total = high + _below(_hash32(low ^ round_keys[r]), m_high)
+        high, low = low, jnp.where(total >= m_high, total - jnp.uint32(m_high), total)
+        m_high, m_low = m_low, m_high
+    return high * jnp.uint32(b) + low
 
 
 def epoch_order(
@@ -189,7 +204,7 @@ def epoch_order(
 
     - `seed`: the run's shuffle seed (`shuffle_seed`).
     - `epoch`: the epoch (or pass over the data) it is for.
-    - `num_samples`: N.
+    - `num_samples`: N, below 2**31.
     - `shuffle`: `False` gives `0, 1, ..., N - 1`.
 
     **Returns:**
@@ -199,18 +214,39 @@ def epoch_order(
     index = jnp.arange(num_samples, dtype=jnp.uint32)
     if not shuffle or num_samples == 1:
         return index
-    bits = max(1, (num_samples - 1).bit_length())
+    a, b = _domain(num_samples)
     epoch_key = _hash32(seed ^ _hash32(jnp.asarray(epoch, jnp.uint32) + jnp.uint32(_GOLDEN)))
     rounds = jnp.arange(FEISTEL_ROUNDS, dtype=jnp.uint32)
     round_keys = _hash32(epoch_key + rounds * jnp.uint32(_GOLDEN))
-    if num_samples == 1 << bits:
-        return feistel(index, round_keys, bits)
-    image = feistel(jnp.arange(1 << bits, dtype=jnp.uint32), round_keys, bits)
-    keep = image < num_samples
-    # `associative_scan`: XLA's CPU lowering of `cumsum` is four times slower here.
-    position = jax.lax.associative_scan(jnp.add, keep.astype(jnp.int32)) - 1
-    slot = jnp.where(keep, position, num_samples)  # dropped points go out of bounds
-    return jnp.zeros(num_samples, jnp.uint32).at[slot].set(image, mode="drop")
+
+    def walking(carry: tuple[Any, Any]) -> Any:
+        first, x = carry
+        return first | jnp.any(x >= num_samples)
+
+    def walk(carry: tuple[Any, Any]) -> Any:
+        first, x = carry
+        x = jnp.where(first | (x >= num_samples), feistel(x, round_keys, a, b), x)
+        return jnp.asarray(False), x
+
+    if a * b == num_samples:
+        return feistel(index, round_keys, a, b)
+    # One copy of the cipher in the program: the first pass is the loop's first turn.
+    _, order = jax.lax.while_loop(walking, walk, (jnp.asarray(True), index))
+    return order
+
+
+@functools.cache
+def _domain(n: int) -> tuple[int, int]:
+    """The sides `(a, b)` of the cipher's domain `[0, a * b)`: `a * b == n` if `n` has two
+    factors within a factor of two of its square root, else the least square-ish cover.
+    Both are below 2**16, as `_below` needs.
+    """
+    root = math.isqrt(n)
+    for a in range(root, (root + 1) // 2, -1):
+        if n % a == 0 and n // a < 2**16:
+            return a, n // a
+    a = math.isqrt(n - 1) + 1
+    return a, -(-n // a)
 
 
 def take(data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal
+from helpers import assert_trees_close, assert_trees_equal
 
 import eqfit
 import eqfit._sources
@@ -155,3 +155,42 @@ def test_a_memmap_larger_than_the_memory_allowed(tmp_path):
     assert file_mb >= 1500
     assert peak - before < 400, run.stdout  # the file is more than 3.75 times this
     assert int(numbers["steps"]) == 192
+
+
+@pytest.mark.parametrize("parallel", ["mesh", "devices"])
+def test_streaming_over_eight_devices_equals_in_memory(getkey, small_chunks, on_disk, parallel):
+    import jax
+
+    memory, mapped = on_disk
+    model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
+    kw = kwargs(getkey, validation_data=(memory[0][:30], memory[1][:30]))
+    expected = eqfit.fit(model, memory, **kw)
+    extra = {"mesh": jax.make_mesh((8,), ("batch",))} if parallel == "mesh" else {"devices": 8}
+    streamed = eqfit.fit(model, mapped, **extra, **kw)
+    assert_trees_close(streamed.model, expected.model)
+    np.testing.assert_allclose(streamed.history.step_loss, expected.history.step_loss, rtol=1e-5)
+
+
+def test_streaming_an_ensemble_equals_in_memory(getkey, small_chunks, on_disk):
+    import equinox as eqx
+    import jax
+
+    memory, mapped = on_disk
+    make = lambda k: eqfit.models.MLP(4, "scalar", 16, 1, key=k)  # noqa: E731
+    models = eqx.filter_vmap(make)(jax.random.split(getkey(), 3))
+    kw = kwargs(getkey, ensemble=True)
+    expected = eqfit.fit(models, memory, **kw)
+    streamed = eqfit.fit(models, mapped, **kw)
+    assert_trees_close(streamed.model, expected.model, rtol=1e-6, atol=1e-7)
+    assert streamed.history.loss.shape == (3, 3)
+
+
+def test_validation_split_on_a_memmap_holds_out_the_same_rows(getkey, small_chunks, on_disk):
+    memory, mapped = on_disk
+    model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
+    kw = kwargs(getkey, validation_split=0.2)
+    expected = eqfit.fit(model, memory, **kw)
+    streamed = eqfit.fit(model, mapped, **kw)
+    assert streamed.history.batch_sizes == expected.history.batch_sizes == (16,) * 12 + (8,)
+    assert_trees_equal(streamed.model, expected.model)
+    np.testing.assert_array_equal(streamed.history.val_loss, expected.history.val_loss)
