@@ -6,10 +6,10 @@ epochs, at batch sizes 32 and 256, with a new shuffle every epoch, four ways:
 1. `compiled`: `eqfit.fit(..., progress=False)`.
 2. `progress`: `eqfit.fit(..., progress=True)`, the bar written to os.devnull.
 3. `floor`: a hand-written `jax.jit` of a `lax.scan` over epochs of a `lax.scan` over
-   batches, shuffling as eqfit does (one sort on two random 32-bit keys) and gathering
-   each batch with the same in-bounds promise eqfit makes.
-   `floor_xidx` is the same with the plain `x[idx]` gather, for the price of its bounds
-   handling.
+   batches, shuffling with eqfit's own shuffle (`eqfit._data.epoch_order`, the same work)
+   and gathering each batch with the same in-bounds promise eqfit makes.
+   `floor_perm` is the same shuffling with `jax.random.permutation`, as a hand-written
+   loop would.
 4. `usual`: a Python `for` over epochs and batches calling an `eqx.filter_jit` step,
    batches gathered in Python from a per-epoch numpy permutation (Equinox tutorials).
 
@@ -46,6 +46,7 @@ from _common import (
 )
 
 import eqfit
+from eqfit._data import epoch_order, shuffle_seed
 
 
 IN_FEATURES, WIDTH, DEPTH = 16, 64, 2
@@ -54,7 +55,7 @@ NUM_SAMPLES = 8192
 EPOCHS = 5
 BATCH_SIZES = (32, 256)
 COMPILE_EPOCHS = (1, 5, 20)
-VARIANTS = ("compiled", "progress", "floor", "floor_xidx", "usual")
+VARIANTS = ("compiled", "progress", "floor", "floor_perm", "usual")
 
 Data = tuple[jax.Array, jax.Array]
 _DEVNULL = open(os.devnull, "w")  # noqa: SIM115 (open for the whole run)
@@ -115,7 +116,7 @@ def check_ready(runs: dict[str, Run]) -> dict[str, bool]:
 
 
 # ---------------------------------------------------------------------------------------
-# 3: the floor, written plainly with eqx.partition/combine and nothing from eqfit
+# 3: the floor, written plainly with eqx.partition/combine; of eqfit, only its shuffle
 
 
 def make_floor(
@@ -123,21 +124,26 @@ def make_floor(
     optimizer: optax.GradientTransformation,
     batch_size: int,
     epochs: int,
-    plain_gather: bool = False,
+    permutation: bool = False,
 ) -> tuple[Callable[..., Any], Any]:
-    """A jitted whole-run `train(params, opt_state, x, y, shuffle_key)` and the params.
+    """A jitted whole-run `train(params, opt_state, x, y, key)` and the params.
 
-    A new closure each call, so each floor has its own jit cache (for compile timing).
+    It shuffles as eqfit does (the same function, so that the trained parameters can be
+    compared), or with `permutation`, with `jax.random.permutation` as a hand-written loop
+    would. A new closure each call, so each floor has its own jit cache.
     """
     params, static = eqx.partition(model, eqx.is_inexact_array)
     steps = NUM_SAMPLES // batch_size  # both batch sizes divide N: no remainder step
 
     def gather(a: jax.Array, idx: jax.Array) -> jax.Array:
-        if plain_gather:
-            return a[idx]  # "fill" mode: XLA must handle out-of-bounds indices
         # The indices are a permutation, so in bounds and unique: saying so lets XLA
         # drop the bounds handling (eqfit's `take` makes the same promise).
         return a.at[idx].get(mode="promise_in_bounds", unique_indices=True)
+
+    def order(key: jax.Array, e: jax.Array) -> jax.Array:
+        if permutation:
+            return jax.random.permutation(jax.random.fold_in(key, e), NUM_SAMPLES)
+        return epoch_order(shuffle_seed(key), e, NUM_SAMPLES, True)
 
     def loss_fn(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return eqfit.losses.mse(eqx.combine(p, static), x, y)
@@ -145,18 +151,13 @@ def make_floor(
     @jax.jit
     def train(p: Any, opt_state: Any, x: jax.Array, y: jax.Array, key: jax.Array) -> Any:
         def epoch(carry: Any, e: jax.Array) -> Any:
-            # eqfit's kind of shuffle: sort the indices by two random 32-bit keys.
-            bits = jax.random.bits(jax.random.fold_in(key, e), (2, NUM_SAMPLES))
-            index = jnp.arange(NUM_SAMPLES, dtype=jnp.uint32)
-            order = jax.lax.sort((bits[0], bits[1], index), num_keys=2)[2]
-
             def step(carry: Any, idx: jax.Array) -> Any:
                 p, opt_state = carry
                 loss, grads = jax.value_and_grad(loss_fn)(p, gather(x, idx), gather(y, idx))
                 updates, opt_state = optimizer.update(grads, opt_state, p)
                 return (optax.apply_updates(p, updates), opt_state), loss
 
-            return jax.lax.scan(step, carry, order.reshape(steps, batch_size))
+            return jax.lax.scan(step, carry, order(key, e).reshape(steps, batch_size))
 
         return jax.lax.scan(epoch, (p, opt_state), jnp.arange(epochs))
 
@@ -213,11 +214,8 @@ def make_runs(model: Any, data: Data, batch_size: int) -> dict[str, Run]:
     usual_opt = optax.adam(LEARNING_RATE)
 
     train, params = make_floor(model, floor_opt, batch_size, EPOCHS)
-    train_xidx, _ = make_floor(model, floor_opt, batch_size, EPOCHS, plain_gather=True)
+    train_perm, _ = make_floor(model, floor_opt, batch_size, EPOCHS, permutation=True)
     floor_state = floor_opt.init(params)
-    # eqfit shuffles with the first half of `jax.random.split(key)`; use the same, so
-    # that the floor's result can be checked against eqfit's.
-    shuffle_key = jax.random.split(key)[0]
 
     usual_step = make_usual_step(usual_opt)
     usual_state = usual_opt.init(eqx.filter(model, eqx.is_array))
@@ -226,10 +224,8 @@ def make_runs(model: Any, data: Data, batch_size: int) -> dict[str, Run]:
     return {
         "compiled": lambda: eqfit_run(model, data, eqfit_opt, key, batch_size, EPOCHS, False),
         "progress": lambda: eqfit_run(model, data, eqfit_opt, key, batch_size, EPOCHS, True),
-        "floor": lambda: jax.block_until_ready(train(params, floor_state, *data, shuffle_key)),
-        "floor_xidx": lambda: jax.block_until_ready(
-            train_xidx(params, floor_state, *data, shuffle_key)
-        ),
+        "floor": lambda: jax.block_until_ready(train(params, floor_state, *data, key)),
+        "floor_perm": lambda: jax.block_until_ready(train_perm(params, floor_state, *data, key)),
         "usual": lambda: usual_loop(usual_step, model, usual_state, data, batch_size, EPOCHS, rng),
     }
 
@@ -252,7 +248,7 @@ def check_same_work(model: Any, runs: dict[str, Run]) -> dict[str, float]:
     reference = trained("compiled")
     return {
         f"{name}_vs_compiled_max_abs": max_diff(reference, trained(name))
-        for name in ("progress", "floor", "floor_xidx")
+        for name in ("progress", "floor")
     }
 
 
@@ -434,7 +430,7 @@ def report(
         ("compiled", "floor"),
         ("progress", "compiled"),
         ("usual", "compiled"),
-        ("floor_xidx", "floor"),
+        ("compiled", "floor_perm"),
     ]
     rows = []
     for bs, by_variant in times.items():

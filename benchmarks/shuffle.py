@@ -1,10 +1,15 @@
-"""Cost of one epoch's shuffle: `jax.random.permutation` against eqfit's `epoch_order`.
+"""What shuffling costs: eqfit's keyed bijection against sorts, and in training.
 
-Both are jitted and fed a new epoch number each call, as in training, and are timed
-interleaved in one process (median of repeats after a warm-up). A third row, a sort of
-one 32-bit random key per sample, shows what the second key of `epoch_order` costs.
+1. One epoch's order at N = 2^13, 2^16, 2^20 and 2^24 (and 2^20 + 1, where the cipher's
+   domain is not N and it cycle-walks): eqfit's `epoch_order` (a generalised Feistel
+   cipher, O(N)) against `jax.random.permutation` (what a hand-written loop uses, two
+   sorts) and a sort of two 32-bit random keys per sample (eqfit's shuffle before).
+   All jitted, fed a new epoch number each call, timed interleaved in one process.
+2. Training with the shuffle: one epoch of the benchmark MLP on N = 2^20 samples, batch
+   256, with `shuffle=True` against `shuffle=False` (the same steps on rows in order),
+   interleaved, median of repeats.
 
-    python benchmarks/shuffle.py [--n 8192] [--repeats 21] [--quick] [--out PATH]
+    python benchmarks/shuffle.py [--repeats 7] [--quick] [--out PATH]
 """
 
 import argparse
@@ -15,37 +20,39 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from _common import config, median, source_fingerprint, table, write_json
+import numpy as np
+import optax
+from _common import config, interleave, median, source_fingerprint, table, write_json
 
 import eqfit
-from eqfit._data import epoch_order
+from eqfit._data import epoch_order, shuffle_seed
 
 
 Shuffle = Callable[[jax.Array, jax.Array], jax.Array]
+SIZES = (2**13, 2**16, 2**20, 2**20 + 1, 2**24)
 
 
 def make_shuffles(n: int) -> dict[str, Shuffle]:
     """The jitted shuffles, each `(key, epoch) -> a permutation of range(n)`."""
 
     @jax.jit
+    def eqfit_order(key: jax.Array, epoch: jax.Array) -> jax.Array:
+        return epoch_order(shuffle_seed(key), epoch, n, True)
+
+    @jax.jit
     def permutation(key: jax.Array, epoch: jax.Array) -> jax.Array:
-        # Two rounds of sorting inside, to make ties vanishingly rare.
         return jax.random.permutation(jax.random.fold_in(key, epoch), n)
 
     @jax.jit
-    def eqfit_order(key: jax.Array, epoch: jax.Array) -> jax.Array:
-        return epoch_order(key, epoch, n, True)
-
-    @jax.jit
-    def one_key_sort(key: jax.Array, epoch: jax.Array) -> jax.Array:
-        # Ties among 32-bit keys (about n^2 / 2^33 of them) keep the original order.
-        bits = jax.random.bits(jax.random.fold_in(key, epoch), (n,))
-        return jax.lax.sort_key_val(bits, jnp.arange(n, dtype=jnp.uint32))[1]
+    def two_key_sort(key: jax.Array, epoch: jax.Array) -> jax.Array:
+        bits = jax.random.bits(jax.random.fold_in(key, epoch), (2, n))
+        index = jnp.arange(n, dtype=jnp.uint32)
+        return jax.lax.sort((bits[0], bits[1], index), num_keys=2)[2]
 
     return {
+        "eqfit (Feistel)": eqfit_order,
         "jax.random.permutation": permutation,
-        "eqfit epoch_order (2-key sort)": eqfit_order,
-        "1-key sort (32-bit), reference": one_key_sort,
+        "2-key sort (eqfit before)": two_key_sort,
     }
 
 
@@ -57,83 +64,109 @@ def time_calls(fn: Shuffle, key: jax.Array, epochs: list[jax.Array]) -> float:
     return (time.perf_counter() - start) / len(epochs)
 
 
+def shuffles(repeats: int) -> dict[int, dict[str, dict[str, float]]]:
+    key = jax.random.key(0)
+    results: dict[int, dict[str, dict[str, float]]] = {}
+    for n in SIZES:
+        fns = make_shuffles(n)
+        calls = max(1, min(20, 2**20 // n * 4))  # many calls of small ones, one of huge
+        epochs = [jnp.asarray(e) for e in range(calls)]
+        first: dict[str, float] = {}
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            out = np.asarray(fn(key, epochs[0]))
+            first[name] = time.perf_counter() - start
+            if not (np.bincount(out, minlength=n) == 1).all():
+                raise AssertionError(f"{name} at n={n} is not a permutation")
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        names = list(fns)
+        rounds = repeats if n <= 2**20 + 1 else max(2, repeats // 3)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                times[name].append(time_calls(fns[name], key, epochs))
+        base = median(times["jax.random.permutation"])
+        results[n] = {
+            name: {
+                "median_ms": median(ts) * 1e3,
+                "min_ms": min(ts) * 1e3,
+                "max_ms": max(ts) * 1e3,
+                "vs_permutation": median(ts) / base,
+                "first_call_ms": first[name] * 1e3,
+            }
+            for name, ts in times.items()
+        }
+        print(f"  shuffles at n={n}: done", flush=True)
+    return results
+
+
+def training(repeats: int) -> dict[str, float]:
+    """One epoch on 2^20 samples, batch 256, shuffled against in order."""
+    rng = np.random.default_rng(0)
+    n = 2**20
+    x = rng.normal(size=(n, 16)).astype(np.float32)
+    data = (jnp.asarray(x), jnp.asarray(np.sin(x[:, 0]).astype(np.float32)))
+    model = eqfit.models.MLP(16, "scalar", 64, 2, key=jax.random.key(0))
+    common = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=jax.random.key(1),
+        epochs=1,
+        batch_size=256,
+    )
+
+    def run(shuffle: bool) -> Callable[[], None]:
+        return lambda: jax.block_until_ready(
+            eqfit.fit(model, data, shuffle=shuffle, **common).model  # type: ignore[arg-type]
+        )
+
+    seconds = interleave({"shuffled": run(True), "in order": run(False)}, repeats, inner=1)
+    return {**seconds, "ratio": seconds["shuffled"] / seconds["in order"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=8192, help="samples to shuffle")
-    parser.add_argument("--repeats", type=int, default=21, help="timed repeats (median)")
-    parser.add_argument("--calls", type=int, default=10, help="calls averaged per repeat")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: 3 repeats")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats (median)")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: 2 repeats")
     default_out = Path(__file__).parent / "results" / "shuffle.json"
     parser.add_argument("--out", type=Path, default=default_out, help="JSON output path")
     args = parser.parse_args()
-    repeats = 3 if args.quick else args.repeats
-
+    repeats = 2 if args.quick else args.repeats
     load_before = os.getloadavg()
-    key = jax.random.key(0)
-    shuffles = make_shuffles(args.n)
-    # Device arrays made up front, so the timed loop dispatches nothing but the shuffle.
-    epochs = [jnp.asarray(e) for e in range(args.calls)]
 
-    checks: dict[str, bool] = {}
-    compile_s: dict[str, float] = {}
-    for name, fn in shuffles.items():
-        t0 = time.perf_counter()
-        out = fn(key, epochs[0]).block_until_ready()
-        compile_s[name] = time.perf_counter() - t0
-        checks[name] = bool(jnp.all(jnp.sort(out) == jnp.arange(args.n, dtype=out.dtype)))
-        time_calls(fn, key, epochs)  # warm-up
+    by_size = shuffles(repeats)
+    print("  training...", flush=True)
+    train = training(repeats)
 
-    times: dict[str, list[float]] = {name: [] for name in shuffles}
-    names = list(shuffles)
-    for r in range(repeats):
-        # Interleaved, A B C A B C ..., the order rotated each repeat.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(time_calls(shuffles[name], key, epochs))
-
+    print("\n# shuffle\n")
+    print(f"JAX {jax.__version__} on {jax.devices()[0]}; median of {repeats} repeats\n")
+    rows = []
+    for n, by_name in by_size.items():
+        for name, r in by_name.items():
+            rows.append(
+                [
+                    str(n),
+                    name,
+                    f"{r['median_ms']:.3f}",
+                    f"{r['vs_permutation']:.3f}",
+                    f"{1 / r['vs_permutation']:.0f}x",
+                    f"{r['first_call_ms']:.0f}",
+                ]
+            )
+    header = ["n", "shuffle", "ms/call", "/ permutation", "faster", "first call ms"]
+    print(table(header, rows))
+    print(
+        "\nOne epoch of the benchmark MLP, N = 2^20, batch 256: "
+        f"shuffled {train['shuffled'] * 1e3:.0f} ms, in order {train['in order'] * 1e3:.0f} ms, "
+        f"ratio {train['ratio']:.3f}"
+    )
     cfg = {
         **config(),
-        "eqfit": eqfit.__version__,
-        "eqfit_path": str(Path(eqfit.__file__).parent),
         "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
-        "n": args.n,
         "repeats": repeats,
-        "calls_per_repeat": args.calls,
-        "quick": args.quick,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
     }
-    base = median(times["jax.random.permutation"])
-    rows, results = [], {}
-    for name, ts in times.items():
-        m = median(ts)
-        results[name] = {
-            "median_ms": m * 1e3,
-            "min_ms": min(ts) * 1e3,
-            "max_ms": max(ts) * 1e3,
-            "vs_permutation": m / base,
-            "first_call_ms": compile_s[name] * 1e3,
-            "is_permutation": checks[name],
-            "runs_ms": [t * 1e3 for t in ts],
-        }
-        rows.append(
-            [
-                name,
-                f"{m * 1e3:.3f}",
-                f"{min(ts) * 1e3:.3f}–{max(ts) * 1e3:.3f}",
-                f"{m / base:.2f}",
-                f"{compile_s[name] * 1e3:.0f}",
-                "yes" if checks[name] else "NO",
-            ]
-        )
-    print("\n# shuffle\n")
-    print(
-        f"JAX {cfg['jax']} on {cfg['device']} ({cfg['cpu_count']} CPUs); n={args.n}, "
-        f"median of {repeats} repeats of {args.calls} calls each, jitted, interleaved\n"
-    )
-    header = ["shuffle", "ms/call", "min–max ms", "vs permutation", "first call ms", "perm?"]
-    print(table(header, rows))
-    print(f"\n1-min load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
-    write_json(args.out, {"config": cfg, "results": results})
+    write_json(args.out, {"config": cfg, "shuffles": by_size, "training": train})
 
 
 if __name__ == "__main__":

@@ -241,7 +241,8 @@ def drive(
                 break
         if report is None:  # no feed at all: nothing to train on from here
             raise ValueError("The data yielded no batches to train on.")
-        reader.read()
+        if bar is not None or callbacks:
+            reader.read()
     finally:
         if bar is not None:
             bar.close()

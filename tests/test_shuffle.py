@@ -1,0 +1,132 @@
+"""The shuffle: a permutation for every size, and statistics a true permutation passes.
+
+Each statistical test runs on eqfit's shuffle and on `jax.random.permutation` side by
+side, with the same threshold: |z| < 4.5 for a statistic whose distribution under a
+uniformly random permutation is known (a chance failure about once in 150,000 runs).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqfit._data import epoch_order, shuffle_seed
+
+
+SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 32, 33, 97, 127, 128, 129, 1000, 1009, 4095]
+SIZES += [4096, 4097, 8008, 65535, 65536, 65537, 2**20 - 1, 2**20, 2**20 + 1]
+Z_MAX = 4.5
+
+
+@functools.cache
+def _orders(n: int, epochs: int):
+    return jax.jit(jax.vmap(lambda seed, e: epoch_order(seed, e, n, True), in_axes=(None, 0)))
+
+
+def eqfit_orders(n: int, epochs: int, seed: int = 0) -> np.ndarray:
+    """Epochs 0 .. epochs - 1 of eqfit's shuffle of n samples, one row each."""
+    key = shuffle_seed(jax.random.key(seed))
+    return np.asarray(_orders(n, epochs)(key, jnp.arange(epochs)))
+
+
+def reference_orders(n: int, epochs: int, seed: int = 0) -> np.ndarray:
+    """The same from `jax.random.permutation`, as a hand-written loop would shuffle."""
+    keys = jax.vmap(lambda e: jax.random.fold_in(jax.random.key(seed), e))(jnp.arange(epochs))
+    return np.asarray(jax.vmap(lambda k: jax.random.permutation(k, n))(keys))
+
+
+SHUFFLES = {"eqfit": eqfit_orders, "jax.random.permutation": reference_orders}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_every_sample_exactly_once(n):
+    orders = eqfit_orders(n, 2)
+    for order in orders:
+        assert order.shape == (n,) and order.dtype == np.uint32
+        np.testing.assert_array_equal(np.bincount(order, minlength=n), np.ones(n))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("n", [2**24 - 1, 2**24, 2**24 + 1])
+def test_every_sample_exactly_once_at_sixteen_million(n):
+    order = eqfit_orders(n, 1)[0]
+    np.testing.assert_array_equal(np.bincount(order, minlength=n), np.ones(n))
+
+
+def test_order_depends_on_key_and_epoch_and_shuffle():
+    a, b = eqfit_orders(100, 2, seed=0)
+    (c,) = eqfit_orders(100, 1, seed=1)
+    np.testing.assert_array_equal(a, eqfit_orders(100, 1, seed=0)[0])  # deterministic
+    assert not np.array_equal(a, b) and not np.array_equal(a, c)
+    index = epoch_order(jnp.uint32(0), jnp.asarray(0), 10, False)
+    np.testing.assert_array_equal(index, np.arange(10))
+
+
+def _z_chi_square(statistic: float, dof: float) -> float:
+    """A chi-square statistic as a z-score (Wilson and Hilferty's cube-root transform)."""
+    x = (statistic / dof) ** (1 / 3)
+    return (x - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+
+
+# A square, a prime (walking), 8 x 12, and the lopsided 5 x 10.
+@pytest.mark.parametrize("n", [64, 61, 96, 50])
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_where_each_sample_lands_is_uniform(shuffle, n):
+    """Pearson's chi-square over the (sample, position) table of many epochs."""
+    epochs = 3000
+    orders = SHUFFLES[shuffle](n, epochs)
+    counts = np.zeros((n, n))
+    np.add.at(counts, (orders, np.broadcast_to(np.arange(n), orders.shape)), 1)
+    expected = epochs / n
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    assert abs(_z_chi_square(statistic, (n - 1) ** 2)) < Z_MAX
+
+
+@pytest.mark.parametrize("n, batch", [(64, 8), (61, 8), (96, 12), (50, 5), (200, 10)])
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_pairs_share_a_batch_as_often_as_chance_says(shuffle, n, batch):
+    """How often each pair of samples shares a batch: each pair's count is binomial with
+    p = (batch - 1) / (n - 1) for full batches. Tested over all pairs (chi-square), and for
+    neighbouring indices alone (i, i + 1), which a structured shuffle would keep together.
+    """
+    epochs = 3000
+    orders = SHUFFLES[shuffle](n, epochs)
+    full = (n // batch) * batch
+    batch_of = np.empty_like(orders)
+    rows = np.arange(epochs)[:, None]
+    batch_of[rows, orders] = np.arange(n) // batch  # the batch each sample lands in
+    batch_of[rows, orders[:, full:]] = -1 - np.arange(n - full)  # the remainder: alone
+    together = np.zeros((n, n))
+    for e in range(epochs):
+        together += batch_of[e][:, None] == batch_of[e][None, :]
+    pairs = together[np.triu_indices(n, 1)]
+    p = (batch - 1) / (n - 1) * full / n  # a pair shares a full batch
+    statistic = ((pairs - epochs * p) ** 2 / (epochs * p * (1 - p))).sum()
+    assert abs(_z_chi_square(statistic, len(pairs))) < Z_MAX
+    neighbours = np.diagonal(together, 1)
+    z = (neighbours.sum() - len(neighbours) * epochs * p) / math.sqrt(
+        len(neighbours) * epochs * p * (1 - p)
+    )
+    assert abs(z) < Z_MAX
+
+
+@pytest.mark.parametrize("n", [1000, 1009])
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_consecutive_epochs_are_uncorrelated(shuffle, n):
+    """Spearman's correlation between where each sample lands in epoch e and in e + 1:
+    for independent uniform orders each is about N(0, 1 / (n - 1)).
+    """
+    epochs = 400
+    orders = SHUFFLES[shuffle](n, epochs)
+    positions = np.argsort(orders, axis=1).astype(np.float64)
+    centred = positions - positions.mean(axis=1, keepdims=True)
+    scale = np.sqrt((centred**2).sum(axis=1))
+    rho = (centred[:-1] * centred[1:]).sum(axis=1) / (scale[:-1] * scale[1:])
+    z_mean = rho.mean() * math.sqrt((n - 1) * len(rho))
+    assert abs(z_mean) < Z_MAX
+    # Their spread: (n - 1) * sum(rho^2) is about chi-square with one degree per pair.
+    statistic = (n - 1) * (rho**2).sum()
+    assert abs(_z_chi_square(statistic, len(rho))) < Z_MAX
