@@ -8,61 +8,93 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, Key, PyTree, Shaped, UInt32
+from jaxtyping import Array, Int, Key, PyTree, UInt32
 
 
-Data = tuple[Shaped[Array, "n ..."], ...]
-Batch = tuple[Shaped[Array, "batch ..."], ...]
-ValData = tuple[Shaped[Array, "n_val ..."], ...]
-
-
-def as_data(data: Any, name: str = "data") -> tuple[Array, ...]:
+def as_data(data: Any, name: str = "data") -> PyTree:
     """Checks `data` and moves it to the device once.
 
     **Arguments:**
 
-    - `data`: a tuple of numpy or JAX arrays that share their leading axis.
+    - `data`: a PyTree of numpy or JAX arrays (usually a tuple `(x, y)`) that share their
+        leading (sample) axis.
     - `name`: the argument's name, for errors.
 
     **Returns:**
 
-    The same tuple as JAX arrays. JAX arrays are not copied.
+    The same PyTree of JAX arrays. JAX arrays are not copied.
     """
     check_data(data, name)
-    return tuple(a if isinstance(a, jax.Array) else jnp.asarray(a) for a in data)
+    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), data)
 
 
 def check_data(data: Any, name: str = "data") -> None:
-    """Refuses `data` that is not a non-empty tuple of numeric arrays sharing their
+    """Refuses `data` that is not a non-empty PyTree of numeric arrays sharing their
     leading (sample) axis, naming the array and the sizes. Moves nothing.
     """
-    if not isinstance(data, tuple):
-        hint = " For a single array pass `(x,)`." if _is_array(data) else ""
+    if _is_array(data):
         raise TypeError(
-            f"`{name}` must be a tuple of arrays such as `(x, y)`, got {_describe(data)}." + hint
+            f"`{name}` must be a tuple of arrays such as `(x, y)` (or another PyTree of "
+            f"arrays, a dict say), got {_describe(data)}. For a single array pass `(x,)`."
         )
-    if len(data) == 0:
+    if isinstance(data, (tuple, dict)) and not data:
         raise ValueError(f"`{name}` is empty: give at least one array, e.g. `(x, y)`.")
-    for i, a in enumerate(data):
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(data)) and not _is_array(data):
+        raise TypeError(
+            f"`{name}` must be a tuple of arrays such as `(x, y)` (or another PyTree of arrays, "
+            f"or a loader of batches), got {_describe(data)}."
+        )
+    if isinstance(data, list):
+        raise TypeError(
+            f"`{name}` must be a tuple of arrays such as `(x, y)` (or a dict), got a list "
+            f"of {len(data)}: a list is not taken as the data's arrays, since a list of "
+            "batches is a loader. Pass `tuple(...)`."
+        )
+    if isinstance(data, tuple):
+        for i, part in enumerate(data):
+            if isinstance(part, list):
+                raise TypeError(
+                    f"`{name}[{i}]` must be a numpy or JAX array, got a list; convert it with "
+                    "`np.asarray`."
+                )
+    leaves = jax.tree_util.tree_leaves_with_path(data)
+    if not leaves:
+        raise ValueError(f"`{name}` is empty: give at least one array, e.g. `(x, y)`.")
+    for path, a in leaves:
+        where = f"`{name}{jax.tree_util.keystr(path)}`"
         if not _is_array(a):
-            raise TypeError(f"`{name}[{i}]` must be a numpy or JAX array, got {_describe(a)}.")
+            raise TypeError(f"{where} must be a numpy or JAX array, got {_describe(a)}.")
         if not _is_numeric(a.dtype):
-            raise TypeError(f"`{name}[{i}]` has dtype {a.dtype}; eqfit trains on numeric arrays.")
+            raise TypeError(f"{where} has dtype {a.dtype}; eqfit trains on numeric arrays.")
         if a.ndim == 0:
-            raise ValueError(f"`{name}[{i}]` is a scalar; every array needs a leading sample axis.")
-    lengths = [a.shape[0] for a in data]
+            raise ValueError(f"{where} is a scalar; every array needs a leading sample axis.")
+    lengths = [a.shape[0] for _, a in leaves]
     if any(n != lengths[0] for n in lengths):
         bad = next(i for i, n in enumerate(lengths) if n != lengths[0])
+        first, other = (f"`{name}{jax.tree_util.keystr(leaves[i][0])}`" for i in (0, bad))
         raise ValueError(
-            f"The arrays in `{name}` must share their leading (sample) axis: "
-            f"`{name}[0]` has {lengths[0]} samples but `{name}[{bad}]` has {lengths[bad]} "
-            f"(shapes {[tuple(a.shape) for a in data]})."
+            f"The arrays in `{name}` must share their leading (sample) axis: {first} has "
+            f"{lengths[0]} samples but {other} has {lengths[bad]} "
+            f"(shapes {[tuple(a.shape) for _, a in leaves]})."
         )
     if lengths[0] == 0:
         raise ValueError(
             f"`{name}` is empty: its arrays have 0 samples "
-            f"(shapes {[tuple(a.shape) for a in data]})."
+            f"(shapes {[tuple(a.shape) for _, a in leaves]})."
         )
+
+
+def num_samples(data: PyTree) -> int:
+    """The size of the leading axis that every array of `data` shares."""
+    return jax.tree.leaves(data)[0].shape[0]
+
+
+def sample_shapes(data: PyTree) -> list[list[Any]]:
+    """Each array's path, shape of one sample and dtype: what batches must match."""
+    return [
+        [jax.tree_util.keystr(path), list(a.shape[1:]), str(a.dtype)]
+        for path, a in jax.tree_util.tree_leaves_with_path(data)
+    ]
 
 
 def as_key(key: Any) -> Key[Array, ""]:
@@ -77,7 +109,9 @@ def as_key(key: Any) -> Key[Array, ""]:
 
 
 class BatchPlan(NamedTuple):
-    """How one epoch splits into batches. Hashable: it is part of a compiled program."""
+    """How one pass over the data splits into batches. Hashable: it is part of a compiled
+    program.
+    """
 
     num_samples: int
     batch_size: int
@@ -85,24 +119,20 @@ class BatchPlan(NamedTuple):
     remainder: int
 
     @property
-    def steps_per_epoch(self) -> int:
+    def steps_per_pass(self) -> int:
         return self.num_full + (self.remainder > 0)
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        """The size of each step's batch within an epoch."""
-        return (self.batch_size,) * self.num_full + ((self.remainder,) if self.remainder else ())
 
 
 def plan_batches(num_samples: int, batch_size: int, drop_remainder: bool) -> BatchPlan:
-    """Splits `num_samples` into full batches of `batch_size` and one remainder batch.
+    """Splits a pass over `num_samples` into full batches of `batch_size` and one
+    remainder batch.
 
     **Arguments:**
 
     - `num_samples`: the size of the data's leading axis.
     - `batch_size`: samples per step.
     - `drop_remainder`: if `True`, the last `num_samples % batch_size` samples of each
-        epoch's order are skipped rather than taken as a smaller final step.
+        pass's order are skipped rather than taken as a smaller final step.
 
     **Returns:**
 

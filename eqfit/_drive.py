@@ -23,10 +23,18 @@ from ._parallel import Placement
 
 @runtime_checkable
 class Callback(Protocol):
-    """Called on the host after each epoch: any object with this method."""
+    """Called on the host after each epoch: any object with this method.
+
+    It may also have `on_train_end(logs)`, called once when training ends (however it
+    ends) with the last epoch's values, and a class attribute `stops_training = False`
+    if it never returns `True`: then the device is not held up for it, and it sees each
+    epoch once the next one is queued.
+    """
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
-        """`logs` holds the epoch's values by name. Return `True` to stop training."""
+        """`epoch` is counted from 1 and `logs` holds its values by name. Return `True` to
+        stop training.
+        """
         ...
 
 
@@ -35,6 +43,7 @@ class Feed(NamedTuple):
 
     inputs: Inputs
     end: int
+    batch_size: int | None = None  # streamed: the size of the batches in this piece
 
 
 @dataclasses.dataclass
@@ -45,6 +54,7 @@ class Plan:
     total: int  # the run's last step
     steps_per_epoch: int
     checkpoint_every: int | None = None  # epochs between checkpoints
+    epoch_calls: bool = False  # a call per epoch at most (callbacks see each epoch)
     sync_epochs: bool = False  # read each epoch's values before training on (callbacks)
     seconds_per_call: float | None = None  # the bar: calls of about this long
 
@@ -70,15 +80,18 @@ class _Reader:
         placement: Placement,
         names: tuple[str, ...],
         steps_per_epoch: int,
+        first_epoch: int,
         bar: "Bar | None",
         callbacks: Sequence[Callback],
     ):
         self.placement, self.names, self.per_epoch = placement, names, steps_per_epoch
+        self.first_epoch = first_epoch
         self.bar, self.callbacks = bar, callbacks
         # Each call's report, the step it began at and the steps it was asked for.
         self.in_flight: list[tuple[Report, int, int]] = []
         self.finished = False  # stopped early, or a callback asked to stop
         self.by_callback = False
+        self.last_logs: dict[str, float] = {}
         self.clock = time.perf_counter()
 
     def queued(self, report: Report, begin: int, stop: int) -> None:
@@ -109,11 +122,13 @@ class _Reader:
         step, stopped, loss_sum, table = (np.asarray(x) for x in host)
         done = int(step.max())  # an ensemble's members stopped early are behind
         if self.bar is not None:
-            self.bar.steps(done - begin, float(loss_sum.mean()), done // self.per_epoch)
-        for epoch in range(begin // self.per_epoch, done // self.per_epoch):
+            self.bar.steps(done - begin, float(loss_sum.mean()), done // self.per_epoch + 1)
+        # Epochs are numbered from 1: epoch e ends at step e * steps_per_epoch.
+        for epoch in range(begin // self.per_epoch + 1, done // self.per_epoch + 1):
             # An ensemble's values are its members' mean.
-            row = table.reshape(-1, *table.shape[-2:])[:, epoch]
+            row = table.reshape(-1, *table.shape[-2:])[:, epoch - 1 - self.first_epoch]
             logs = dict(zip(self.names, _mean_of_finished(row).tolist()))
+            self.last_logs = logs
             if self.bar is not None:
                 self.bar.epoch(epoch, logs)
             for callback in self.callbacks:
@@ -134,12 +149,15 @@ def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
 
 class Bar:
     """The tqdm bar. It is made at the first report, when the device already has work
-    queued, and shows the running loss and the last finished epoch's values.
+    queued, and shows the epoch (counted from 1), the running loss and the last finished
+    epoch's validation values, labelled with that epoch.
     """
 
-    def __init__(self, total_steps: int, initial: int, steps_per_epoch: int, epochs: int):
+    def __init__(
+        self, total_steps: int, initial: int, steps_per_epoch: int, first_epoch: int, epochs: int
+    ):
         self.total, self.initial = total_steps, initial
-        self.per_epoch, self.epochs = steps_per_epoch, epochs
+        self.per_epoch, self.first_epoch, self.epochs = steps_per_epoch, first_epoch, epochs
         self.made: Any = None
         self.shown, self.loss_sum, self.loss_steps = -1, 0.0, 0
         self.last: dict[str, str] = {}
@@ -154,19 +172,29 @@ class Bar:
         return self.made
 
     def steps(self, count: int, loss_sum: float, epoch: int) -> None:
+        """`count` more steps, their losses summing to `loss_sum`; now in `epoch`."""
         bar = self._bar()
-        shown = min(epoch, self.epochs - 1)
+        shown = min(epoch, self.epochs)
         if shown != self.shown:
             self.shown, self.loss_sum, self.loss_steps = shown, 0.0, 0
-            bar.set_description(f"epoch {shown + 1}/{self.epochs}", refresh=False)
+            bar.set_description(f"epoch {shown}/{self.epochs}", refresh=False)
         self.loss_sum += loss_sum
         self.loss_steps += count
-        loss = self.loss_sum / max(self.loss_steps, 1)
-        bar.set_postfix({"loss": f"{loss:.4g}", **self.last}, refresh=False)
+        self._show()
         bar.update(count)
 
     def epoch(self, epoch: int, logs: dict[str, float]) -> None:
-        self.last = {k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")}
+        """Epoch `epoch` ended with these values."""
+        values = {k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")}
+        self.last = {"epoch": str(epoch), **values} if values else {}
+        self._show()
+
+    def _show(self) -> None:
+        """The running loss of this epoch's steps, and the last finished epoch's values
+        (named by its number, which may be the epoch before the one the bar is in).
+        """
+        loss = self.loss_sum / max(self.loss_steps, 1)
+        self._bar().set_postfix({"loss": f"{loss:.4g}", **self.last}, refresh=False)
 
     def close(self) -> None:
         if self.made is not None:
@@ -198,7 +226,10 @@ def drive(
     An `Outcome` with the final state and the last call's report.
     """
     placement = loop.placement
-    reader = _Reader(placement, loop.log_names, plan.steps_per_epoch, bar, callbacks)
+    reader = _Reader(
+        placement, loop.log_names, plan.steps_per_epoch, loop.first_epoch, bar, callbacks
+    )
+    variants = {loop.batch_size: loop}  # streamed pieces of a smaller last batch
     per_epoch = plan.steps_per_epoch
     position, report = plan.begin, None
     # The bar's first call is short, for a quick first redraw (or one whole short epoch);
@@ -211,13 +242,16 @@ def drive(
                 stop = min(plan.total, feed.end)
                 if plan.seconds_per_call is not None:
                     stop = min(stop, position + size)
-                if plan.sync_epochs:
+                if plan.epoch_calls or plan.sync_epochs:
                     stop = min(stop, (position // per_epoch + 1) * per_epoch)
                 if store is not None and plan.checkpoint_every:
                     every = plan.checkpoint_every * per_epoch
                     stop = min(stop, (position // every + 1) * every)
                 stop = max(stop, position)  # a call with nothing to do still reports
-                state, report = program(loop, state, feed.inputs, np.int32(stop))
+                size = feed.batch_size or loop.batch_size
+                if size not in variants:
+                    variants[size] = dataclasses.replace(loop, batch_size=size)
+                state, report = program(variants[size], state, feed.inputs, np.int32(stop))
                 reader.queued(report, position, stop)
                 seconds = reader.read(keep=1)
                 if plan.seconds_per_call is not None and seconds is not None:
@@ -246,6 +280,10 @@ def drive(
     finally:
         if bar is not None:
             bar.close()
+        for callback in callbacks:
+            end = getattr(callback, "on_train_end", None)
+            if callable(end):
+                end(dict(reader.last_logs))
     return Outcome(
         state,
         report,

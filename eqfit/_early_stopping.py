@@ -1,5 +1,6 @@
 """Early stopping: an option that owns its state and logic, carried out on the device."""
 
+import math
 from typing import Literal, NamedTuple
 
 import equinox as eqx
@@ -8,56 +9,107 @@ import optax
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 
+# Names whose value is better when larger, as Keras 2 inferred them for `mode="auto"`.
+_LARGER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "fmeasure", "iou", "r2")
+
+
 class StoppingState(NamedTuple):
     """What early stopping carries from epoch to epoch."""
 
     best_value: Float[Array, ""]
-    best_epoch: Int[Array, ""]  # -1 until an epoch improves on the start
-    wait: Int[Array, ""]  # epochs since the best one
+    best_epoch: Int[Array, ""]  # counted from 1; -1 before the first monitored epoch
+    wait: Int[Array, ""]  # monitored epochs since the last that reset it
     best_params: PyTree  # the best epoch's trained arrays, with `restore_best`
     best_model_state: PyTree
 
 
 class EarlyStopping(eqx.Module):
-    """Stop training when a monitored value stops improving.
+    """Stop training when a monitored value stops improving, as Keras's `EarlyStopping`.
 
-    It runs inside the compiled program: after each epoch the monitored value is compared
-    with the best so far, and once `patience` epochs pass without an improvement of more
-    than `min_delta`, the remaining epochs do no work.
+    It runs inside the compiled program. After each epoch from `start_from_epoch` on, the
+    monitored value is compared with the best so far: it improves on it if it is better
+    by more than `min_delta` (the first monitored epoch always does). Every epoch that
+    does not improve counts towards `patience`; once the count reaches it, the remaining
+    epochs do no work. An improvement resets the count, but with a `baseline` only if the
+    value also beats the baseline.
 
     **Arguments:**
 
-    - `patience`: epochs without improvement before stopping.
+    - `patience`: epochs without improvement before stopping (0: stop at the first).
     - `min_delta`: the smallest change that counts as an improvement.
     - `monitor`: `"loss"`, `"val_loss"`, or a metric's name, with `"val_"` in front for
         its value on the validation data.
     - `restore_best`: return the parameters (and state) of the best epoch rather than
-        the last.
-    - `mode`: `"min"` when smaller is better (losses), `"max"` when larger is (accuracy).
+        the last. (Keras's `restore_best_weights` defaults to `False`; here the best
+        model is what you asked for by stopping early.)
+    - `mode`: `"min"` when smaller is better, `"max"` when larger is, or `"auto"`: `"max"`
+        for accuracy-like names (containing `acc`, `auc`, `precision`, `recall`, `f1`,
+        `fmeasure`, `iou` or `r2`), else `"min"`.
+    - `baseline`: a value the monitored one must beat for an improvement to reset the
+        count, as in Keras.
+    - `start_from_epoch`: epochs to let pass before monitoring (a warm-up).
     """
 
     patience: int
     min_delta: float = 0.0
     monitor: str = "val_loss"
     restore_best: bool = True
-    mode: Literal["min", "max"] = "min"
+    mode: Literal["auto", "min", "max"] = "auto"
+    baseline: float | None = None
+    start_from_epoch: int = 0
 
     def __check_init__(self) -> None:
-        if self.patience < 1:
-            raise ValueError(f"`EarlyStopping.patience` must be at least 1, got {self.patience}.")
-        if self.min_delta < 0:
-            raise ValueError(f"`EarlyStopping.min_delta` must be >= 0, got {self.min_delta}.")
+        def integer(name: str, value: object) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"`EarlyStopping.{name}` must be an integer of 0 or more, got {value!r}."
+                )
+
+        integer("patience", self.patience)
+        integer("start_from_epoch", self.start_from_epoch)
+        delta = self.min_delta
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta >= 0:
+            raise ValueError(f"`EarlyStopping.min_delta` must be a number >= 0, got {delta!r}.")
+        if self.mode not in ("auto", "min", "max"):
+            raise ValueError(
+                f"`EarlyStopping.mode` must be 'auto', 'min' or 'max', got {self.mode!r}."
+            )
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise ValueError(
+                f"`EarlyStopping.monitor` must be a name such as 'val_loss', got {self.monitor!r}."
+            )
+        baseline = self.baseline
+        if baseline is not None and (
+            isinstance(baseline, bool)
+            or not isinstance(baseline, (int, float))
+            or not math.isfinite(baseline)
+        ):
+            raise ValueError(
+                f"`EarlyStopping.baseline` must be a finite number or None, got {baseline!r}."
+            )
+
+    @property
+    def maximise(self) -> bool:
+        """Whether a larger monitored value is better (`mode`, with `"auto"` resolved)."""
+        if self.mode != "auto":
+            return self.mode == "max"
+        name = self.monitor.removeprefix("val_").lower()
+        return any(word in name for word in _LARGER_IS_BETTER)
 
     def init(self, params: PyTree, model_state: PyTree) -> StoppingState:
         """The state before the first epoch."""
-        worst = -jnp.inf if self.mode == "max" else jnp.inf
         return StoppingState(
-            best_value=jnp.asarray(worst, jnp.float32),
+            best_value=jnp.asarray(jnp.nan, jnp.float32),
             best_epoch=jnp.asarray(-1, jnp.int32),
             wait=jnp.asarray(0, jnp.int32),
             best_params=params if self.restore_best else None,
             best_model_state=model_state if self.restore_best else None,
         )
+
+    def _better(self, value: Float[Array, ""], than: Float[Array, ""] | float) -> Bool[Array, ""]:
+        if self.maximise:
+            return value - self.min_delta > than
+        return value + self.min_delta < than
 
     def update(
         self,
@@ -67,14 +119,18 @@ class EarlyStopping(eqx.Module):
         params: PyTree,
         model_state: PyTree,
     ) -> tuple[StoppingState, Bool[Array, ""]]:
-        """Takes epoch `epoch`'s monitored `value`; returns the new state and whether to
-        stop. `params` and `model_state` are the model after that epoch.
+        """Takes epoch `epoch`'s (counted from 1) monitored `value`; returns the new state
+        and whether to stop. `params` and `model_state` are the model after that epoch.
         """
-        sign = 1.0 if self.mode == "min" else -1.0
-        improved = sign * (state.best_value - value) > self.min_delta
-        wait = jnp.where(improved, 0, state.wait + 1)
+        monitored = epoch > self.start_from_epoch
+        first = state.best_epoch < 0
+        improved = monitored & (first | self._better(value, state.best_value))
+        resets = improved
+        if self.baseline is not None:
+            resets = improved & self._better(value, self.baseline)
+        wait = jnp.where(resets, 0, state.wait + monitored.astype(jnp.int32))
         keep = self.restore_best
-        state = StoppingState(
+        new = StoppingState(
             best_value=jnp.where(improved, value, state.best_value),
             best_epoch=jnp.where(improved, epoch, state.best_epoch),
             wait=wait,
@@ -83,13 +139,13 @@ class EarlyStopping(eqx.Module):
                 optax.tree.where(improved, model_state, state.best_model_state) if keep else None
             ),
         )
-        return state, wait >= self.patience
+        return new, monitored & ~improved & (wait >= self.patience)
 
     def trained(
         self, state: StoppingState, params: PyTree, model_state: PyTree
     ) -> tuple[PyTree, PyTree]:
         """The parameters and model state training returns: the best epoch's with
-        `restore_best` (once an epoch improved on the start), else the last.
+        `restore_best` (once an epoch was monitored), else the last.
         """
         if not self.restore_best:
             return params, model_state

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
-from ._step import Objective
+from ._step import clone, Objective
 
 
 def evaluate_batches(
@@ -27,8 +27,8 @@ def evaluate_batches(
     num_full, remainder = divmod(num, batch_size)
 
     def values(batch: PyTree) -> Float[Array, " values"]:
-        loss, _ = objective.value(model, model_state, batch, key)
-        metrics = objective.metric_values(model, model_state, batch)
+        loss, _ = objective.value(model, clone(model_state), batch, key)
+        metrics = objective.metric_values(model, clone(model_state), batch)
         return jnp.concatenate([loss[None].astype(jnp.float32), metrics])
 
     total = jnp.zeros(1 + len(objective.metrics))

@@ -3,7 +3,7 @@
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -15,33 +15,48 @@ from jax.sharding import Mesh
 from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
 
 from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
-from ._data import as_data, as_key, ensemble_size, is_dtype, plan_batches
+from ._data import (
+    as_data,
+    as_key,
+    check_batch_size,
+    ensemble_size,
+    is_dtype,
+    num_samples,
+    plan_batches,
+    sample_shapes,
+)
 from ._drive import Bar, Callback, drive, Plan
 from ._early_stopping import EarlyStopping
 from ._loop import Consts, Inputs, Loop, run, split_arrays, start, TrainState
 from ._parallel import choose_placement, Device, OneDevice
 from ._result import FitResult, make_result
-from ._sources import InMemory, Loader, Memmaps, stream_plan, streamed_source
+from ._sources import InMemory, Loader, Memmaps, streamed_source
 from ._step import takes_key
 
 
-ArrayData = tuple[Shaped[Array | np.ndarray, "n ..."], ...]
-ValidationData = tuple[Shaped[Array | np.ndarray, "n_val ..."], ...]
+# `data` takes arrays, PyTrees of them, memmaps, loaders and generators: too many kinds for
+# one runtime annotation (a PyTree check would flatten a generator), so it is checked by
+# eqfit itself (`_data.check_data`, `_sources`), which names what is wrong.
+Data = object
+ValidationData = PyTree[Shaped[Array | np.ndarray, "_n_val ..."]]
 
 # How long each call of the bar path takes: the bar redraws about this often.
 SECONDS_PER_CALL = 0.2
+DEFAULT_BATCH_SIZE = 32
 
 
 @jaxtyped(typechecker=beartype)
 def fit(
     model: PyTree,
-    data: ArrayData | Iterable[Any],
+    data: Data,
     *,
     loss: Callable[..., Any],
     optimizer: optax.GradientTransformation | optax.MultiSteps,
     key: Key[Array, ""] | UInt32[Array, "2"],
     epochs: int = 1,
-    batch_size: int = 32,
+    batch_size: int | None = None,
+    steps_per_epoch: int | None = None,
+    initial_epoch: int = 0,
     shuffle: bool = True,
     drop_remainder: bool = False,
     progress: bool = False,
@@ -65,20 +80,34 @@ def fit(
     **Arguments:**
 
     - `model`: any PyTree of arrays, usually an `eqx.Module`. It is not changed.
-    - `data`: a tuple of numpy or JAX arrays sharing their leading (sample) axis. It is
-        moved to the device once; each epoch then permutes indices, not data. Data larger
-        than memory streams instead: a tuple of `np.memmap` arrays (`np.load(...,
-        mmap_mode="r")`), or a re-iterable loader yielding batches as tuples of arrays.
+    - `data`: the training data, any of:
+        - a tuple of numpy or JAX arrays sharing their leading (sample) axis, `(x, y)`,
+            unpacked into `loss(model, *batch)`; or another PyTree of such arrays (a dict,
+            say), passed whole as `loss(model, batch)`. It is moved to the device once;
+            each pass then permutes indices, not data;
+        - the same with `np.memmap` arrays (`np.load(..., mmap_mode="r")`), for data
+            larger than memory: read in chunks while the device trains;
+        - a loader: a re-iterable yielding batches (a PyTorch `DataLoader`, a Grain
+            dataset), iterated anew for each pass; or an iterator or generator, used once
+            (an endless one needs `steps_per_epoch`).
     - `loss`: called as `loss(model, *batch)` (or `loss(model, state, *batch)` returning
         `(value, new_state)` with `state=`), returning a scalar. If it takes a keyword
         `key`, it gets a fresh key every step (for dropout and the like).
     - `optimizer`: any optax `GradientTransformation` (or `optax.MultiSteps`). Those that
         read the loss (`optax.contrib.reduce_on_plateau`) receive it as `value`.
     - `key`: a PRNG key. It drives the shuffle, the per-step keys and `validation_split`.
-    - `epochs`: passes over the data.
-    - `batch_size`: samples per step.
-    - `shuffle`: visit the samples in a new random order each epoch.
-    - `drop_remainder`: skip the last, smaller batch of each epoch instead of taking it
+    - `epochs`: the number of the last epoch, counted from 1: how many epochs to train,
+        or with `initial_epoch`, where to stop.
+    - `batch_size`: samples per step; by default 32, or a loader's own.
+    - `steps_per_epoch`: optimizer steps per epoch. By default an epoch is a pass over the
+        data. Given, the data is a continuing sequence of passes (each sample once per
+        pass, shuffled anew) cut into epochs of this many steps: the history, validation,
+        metrics, early stopping, checkpoints, callbacks and the bar all go by it.
+    - `initial_epoch`: epochs already trained, when continuing a run with its `opt_state`:
+        the shuffles, per-step keys and epoch numbers go on from there, so that 5 epochs
+        and then epochs 6 to 10 train as 10 epochs would.
+    - `shuffle`: visit the samples in a new random order each pass.
+    - `drop_remainder`: skip the last, smaller batch of each pass instead of taking it
         as one more step.
     - `progress`: `False` runs the whole training as one call of the compiled program.
         `True` shows a tqdm bar and calls the same program in pieces; the result is the
@@ -87,8 +116,10 @@ def fit(
         are not floating-point arrays never train.
     - `opt_state`: an optimizer state to continue from, such as a previous result's.
     - `state`: the `eqx.nn.State` of a stateful model (BatchNorm and the like).
-    - `validation_data`: a tuple like `data`, evaluated after each epoch in inference mode.
-    - `validation_split`: instead, hold out this fraction of `data`, chosen from `key`.
+    - `validation_data`: data like `data`'s (arrays in memory), evaluated after each epoch
+        in inference mode.
+    - `validation_split`: instead, hold out this fraction of `data`'s samples (arrays or
+        memmaps), chosen from `key`.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
         `fn(model, state, *batch)`), recorded per epoch on the training batches and on
         the validation data.
@@ -97,9 +128,10 @@ def fit(
         [`eqfit.NonFiniteLossError`][] holding the last finite model. `"stop"`: stop and
         return it. `"skip"`: skip that update and go on. The check never syncs the host,
         and on finite losses all three train alike, bit for bit.
-    - `callbacks`: objects with `on_epoch_end(epoch, logs)`, called on the host after
-        each epoch; returning `True` stops training. With callbacks the program runs an
-        epoch per call, so that they see each epoch before the next one starts.
+    - `callbacks`: objects with `on_epoch_end(epoch, logs)` (epochs counted from 1), called
+        on the host after each epoch; returning `True` stops training. With callbacks the
+        program runs an epoch per call, so that they see each epoch before the next
+        starts. [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard).
     - `devices`: data parallel over these local devices (or the first `devices` of them)
         with `eqx.filter_pmap`. Each batch is split evenly over them, so `batch_size`
         must be a multiple of their number.
@@ -139,10 +171,7 @@ def fit(
     """
     began = time.perf_counter()
     key_ = as_key(key)
-    if isinstance(epochs, bool) or epochs < 0:
-        raise ValueError(f"`epochs` must be 0 or more, got {epochs}.")
-    if checkpoint is not None and (isinstance(checkpoint_every, bool) or checkpoint_every < 1):
-        raise ValueError(f"`checkpoint_every` must be at least 1, got {checkpoint_every}.")
+    _check_counts(epochs, initial_epoch, steps_per_epoch, batch_size, checkpoint_every)
     members = ensemble_size(model) if ensemble else None
     if members is not None and validation_split is not None:
         raise ValueError(
@@ -151,15 +180,30 @@ def fit(
         )
     if validation_data is not None and validation_split is not None:
         raise ValueError("Give `validation_data` or `validation_split`, not both.")
-    placement = choose_placement(devices, mesh, batch_size)
-    source, val_data = _source(data, validation_data, validation_split, key_)
-    if isinstance(source, InMemory):
-        num_samples = source.num_samples
-        if mesh is not None and jax.process_count() > 1:
-            num_samples *= jax.process_count()  # each process passed its own rows
-        plan = plan_batches(num_samples, batch_size, drop_remainder)
+    source, val_data = _source(data, validation_data, validation_split, key_, steps_per_epoch)
+    if isinstance(source, Loader):
+        if drop_remainder:
+            raise ValueError(
+                "`drop_remainder=True` with a loader: a loader makes its own batches, so drop "
+                "its smaller last batch there (PyTorch: `DataLoader(..., drop_last=True)`)."
+            )
+        if batch_size is not None and batch_size != source.batch_size:
+            raise ValueError(
+                f"`batch_size`={batch_size}, but the loader yields batches of "
+                f"{source.batch_size}: leave `batch_size` out, or set it to the loader's."
+            )
+        size, passes = source.batch_size, None
+        per_epoch = steps_per_epoch or source.length
+        assert per_epoch is not None
     else:
-        plan = stream_plan(source, batch_size, drop_remainder)
+        n = source.num_samples
+        if mesh is not None and jax.process_count() > 1:
+            n *= jax.process_count()  # each process passed its own rows
+        size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+        passes = plan_batches(n, size, drop_remainder)
+        per_epoch = steps_per_epoch or passes.steps_per_pass
+    placement = choose_placement(devices, mesh, size)
+    _check_total(epochs, per_epoch)
     if isinstance(optimizer, optax.MultiSteps):
         optimizer = optimizer.gradient_transformation()
 
@@ -167,8 +211,12 @@ def fit(
         model,
         filter_spec,
         (loss, tuple((metrics or {}).items()), optimizer),
-        plan=plan,
+        batch_size=size,
+        passes=passes if isinstance(source, InMemory) else None,
+        steps_per_epoch=per_epoch,
         epochs=epochs,
+        first_epoch=initial_epoch,
+        full_batch_size=size,
         shuffle=shuffle,
         validate=val_data is not None,
         on_nan=on_nan,
@@ -176,7 +224,6 @@ def fit(
         stateful=state is not None,
         use_key=takes_key(loss),
         placement=placement,
-        streamed=not isinstance(source, InMemory),
         stopping=early_stopping,
     )
     if early_stopping is not None and early_stopping.monitor not in loop.log_names:
@@ -184,33 +231,36 @@ def fit(
             f"`early_stopping.monitor` is {early_stopping.monitor!r}, which this run does "
             f"not compute; it computes {list(loop.log_names)}."
         )
-    if not isinstance(source, InMemory):
-        source.setup(plan, shuffle, _host_seed(key_))
+    if isinstance(source, Memmaps):
+        assert passes is not None
+        source.setup(passes, shuffle, _host_seed(key_))
+    elif isinstance(source, Loader):
+        source.set_chunk_size()
 
     train_state, keys = _start(loop, params, opt_state, state, key_, consts)
     put = placement.put
-    store, begin = None, 0
+    store, begin = None, loop.begin
     if checkpoint is not None:
-        config = _config(loop, train_state, source, val_data, loss, early_stopping, key_)
-        store = Checkpoints(checkpoint, config, plan.steps_per_epoch)
+        config = _config(loop, train_state, source, val_data, loss, key_)
+        store = Checkpoints(checkpoint, config, per_epoch)
         restored = store.restore(jax.device_get(train_state))
         if restored is not None:
             train_state = jax.device_put(restored)
             begin = position(train_state)
     template = Inputs(None, put(val_data, sharded=True), put(keys), put(consts))
     total = loop.total_steps
-    feeds = source.feeds(begin, total, template, put)
     schedule = Plan(
         begin=begin,
         total=total,
-        steps_per_epoch=plan.steps_per_epoch,
+        steps_per_epoch=per_epoch,
         checkpoint_every=checkpoint_every if store is not None else None,
-        sync_epochs=bool(callbacks),
+        epoch_calls=bool(callbacks),
+        sync_epochs=any(getattr(c, "stops_training", True) for c in callbacks),
         seconds_per_call=SECONDS_PER_CALL if progress else None,
     )
     bar = None
     if progress:
-        bar = Bar(total, min(begin, total), plan.steps_per_epoch, epochs)
+        bar = Bar(total - loop.begin, begin - loop.begin, per_epoch, initial_epoch, epochs)
 
     def save(s: TrainState) -> PyTree:
         return jax.device_get(placement.get(s))
@@ -221,7 +271,7 @@ def fit(
             loop,
             placement.compile(run, donate=(1,)),
             put(train_state),
-            feeds,
+            source.feeds(begin, total, template, put),
             schedule,
             bar=bar,
             callbacks=callbacks,
@@ -234,6 +284,42 @@ def fit(
             store.save(save(outcome.state))
         raise KeyboardInterrupt
     return make_result(loop, placement, outcome, consts, began)
+
+
+def _check_counts(
+    epochs: int,
+    initial_epoch: int,
+    steps_per_epoch: int | None,
+    batch_size: int | None,
+    checkpoint_every: int,
+) -> None:
+    """Refuses counts that cannot be: negative epochs, epochs before `initial_epoch`..."""
+
+    def whole(name: str, value: Any, least: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"`{name}` must be an integer of {least} or more, got {value!r}.")
+
+    whole("epochs", epochs, 0)
+    whole("initial_epoch", initial_epoch, 0)
+    if epochs < initial_epoch:
+        raise ValueError(
+            f"`epochs`={epochs} is the number of the last epoch, but `initial_epoch`="
+            f"{initial_epoch} epochs are done already; give `epochs` >= {initial_epoch}."
+        )
+    if steps_per_epoch is not None:
+        whole("steps_per_epoch", steps_per_epoch, 1)
+    if batch_size is not None:
+        check_batch_size(batch_size)
+    whole("checkpoint_every", checkpoint_every, 1)
+
+
+def _check_total(epochs: int, steps_per_epoch: int) -> None:
+    """Steps are counted in 32-bit integers on the device."""
+    if epochs * steps_per_epoch >= 2**31:
+        raise ValueError(
+            f"`epochs`={epochs} of {steps_per_epoch} steps each is {epochs * steps_per_epoch} "
+            "steps, more than the 2**31 - 1 a run can count; train for fewer."
+        )
 
 
 def _configure(
@@ -276,17 +362,21 @@ def _host_seed(key: Key[Array, ""]) -> int:
 
 
 def _source(
-    data: Any, validation_data: Any, validation_split: float | None, key: Key[Array, ""]
-) -> tuple["InMemory | Memmaps | Loader", tuple[jax.Array, ...] | None]:
+    data: Any,
+    validation_data: Any,
+    validation_split: float | None,
+    key: Key[Array, ""],
+    steps_per_epoch: int | None,
+) -> tuple["InMemory | Memmaps | Loader", PyTree | None]:
     """The source of the training data, and the validation data, if any."""
-    streamed = streamed_source(data)
+    streamed = streamed_source(data, steps_per_epoch)
     val = None if validation_data is None else as_data(validation_data, "validation_data")
     if streamed is None:
         arrays = as_data(data)
         if validation_split is not None:
-            train_rows, val_rows = _hold_out(arrays[0].shape[0], validation_split, key)
-            val = tuple(a[val_rows] for a in arrays)
-            arrays = tuple(a[train_rows] for a in arrays)
+            train_rows, val_rows = _hold_out(num_samples(arrays), validation_split, key)
+            val = jax.tree.map(lambda a: a[val_rows], arrays)
+            arrays = jax.tree.map(lambda a: a[train_rows], arrays)
         source: InMemory | Memmaps | Loader = InMemory(arrays)
     else:
         source = streamed
@@ -297,14 +387,15 @@ def _source(
                     "yields it a batch at a time. Pass `validation_data` instead."
                 )
             train_rows, val_rows = _hold_out(streamed.num_samples, validation_split, key)
-            val = tuple(jax.numpy.asarray(np.asarray(a[val_rows])) for a in streamed.arrays)
-            source = Memmaps(streamed.arrays, train_rows)
+            val = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a[val_rows])), streamed.data)
+            source = Memmaps(streamed.data, train_rows)
     if val is not None:
-        shapes, val_shapes = source.sample_shapes(), [tuple(v.shape[1:]) for v in val]
-        if val_shapes != shapes:
+        like = source.data if isinstance(source, (InMemory, Memmaps)) else source.first
+        if sample_shapes(val) != sample_shapes(like):
             raise ValueError(
                 "`validation_data` must hold arrays like `data`'s, one sample apart: "
-                f"`data`'s samples have shapes {shapes}, `validation_data`'s {val_shapes}."
+                f"`data`'s samples have {sample_shapes(like)}, `validation_data`'s "
+                f"{sample_shapes(val)} (path, shape of one sample, dtype)."
             )
     return source, val
 
@@ -329,7 +420,6 @@ def _config(
     source: "InMemory | Memmaps | Loader",
     val_data: Any,
     loss: Any,
-    early_stopping: EarlyStopping | None,
     key: Key[Array, ""],
 ) -> dict[str, Any]:
     """What identifies a run for its checkpoints: shapes, settings, key; not devices."""
@@ -337,11 +427,13 @@ def _config(
         "state": describe(state),
         "data": source.describe(),
         "validation_data": describe(val_data),
-        "plan": [as_plain(v) for v in loop.plan],
-        "epochs": loop.epochs,
+        "batch_size": loop.batch_size,
+        "passes": None if loop.passes is None else [as_plain(v) for v in loop.passes],
+        "steps_per_epoch": loop.steps_per_epoch,
+        "epochs": [loop.first_epoch, loop.epochs],
         "shuffle": loop.shuffle,
         "on_nan": loop.on_nan,
-        "early_stopping": None if early_stopping is None else repr(early_stopping),
+        "early_stopping": None if loop.stopping is None else repr(loop.stopping),
         "metrics": list(loop.metric_names),
         "loss": getattr(loss, "__qualname__", type(loss).__name__),
         "key": np.asarray(jax.random.key_data(key)).tolist(),

@@ -8,12 +8,15 @@ from typing import Any, Literal
 import numpy as np
 
 
-StopReason = Literal["early_stopping", "non_finite_loss", "callback"] | None
+StopReason = Literal["early_stopping", "non_finite_loss", "callback", "out_of_data"] | None
 
 
 @dataclasses.dataclass(frozen=True)
 class History:
     """What happened during `fit`, as numpy arrays and plain numbers.
+
+    Epochs are counted from 1 everywhere in eqfit: `epoch`, `best_epoch`, the CSV and the
+    plot, the bar, callbacks and errors. Row `i` of every array is epoch `epoch[i]`.
 
     **Attributes:**
 
@@ -21,15 +24,20 @@ class History:
         validation `"val_loss"` and `"val_<metric>"`. Each has one entry per epoch that
         ran (a trailing member axis for ensembles). Also readable as `history["name"]`.
     - `step_loss`: the loss of every step, shape `(epochs, steps_per_epoch)`: the loss of
-        the parameters *before* that step's update.
-    - `batch_sizes`: the size of each step's batch within an epoch.
+        the parameters *before* that step's update; NaN for steps that did not run.
+    - `batch_sizes`: the size of every step's batch, shape `(epochs, steps_per_epoch)`;
+        0 for steps that did not run.
     - `wall_time`: seconds spent in `fit`, compilation included.
-    - `best_epoch`: the best epoch by the early-stopping monitor, if there was one.
-    - `stop_reason`: why training ended before its last epoch, or `None`.
+    - `best_epoch`: the number of the best epoch by the early-stopping monitor, if any.
+    - `stop_reason`: why training ended before its last epoch, or `None`:
+        `"early_stopping"`, `"non_finite_loss"`, `"callback"`, or `"out_of_data"` (an
+        iterator ran out before the last step).
+    - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
 
-    For an ensemble every per-epoch value has a last axis of members, `step_loss` is
-    `(epochs, steps, members)`, `best_epoch` and `stop_reason` are tuples with one entry
-    per member, and a member that stopped early has NaN for the epochs it did not run.
+    For an ensemble every per-epoch value has a last axis of members, `step_loss` and
+    `batch_sizes` are `(epochs, steps, members)`, `best_epoch` and `stop_reason` are
+    tuples with one entry per member, and a member that stopped early has NaN for the
+    epochs it did not run.
 
     Training values weight each step by its batch size, so with a remainder batch they are
     the mean over samples, as one full-batch pass would average a mean loss.
@@ -37,10 +45,11 @@ class History:
 
     values: dict[str, np.ndarray]
     step_loss: np.ndarray
-    batch_sizes: tuple[int, ...]
+    batch_sizes: np.ndarray
     wall_time: float
     best_epoch: int | None | tuple[int | None, ...] = None
     stop_reason: StopReason | tuple[StopReason, ...] = None
+    initial_epoch: int = 0
 
     @property
     def loss(self) -> np.ndarray:
@@ -62,6 +71,11 @@ class History:
         """How many epochs ran."""
         return int(self.loss.shape[0])
 
+    @property
+    def epoch(self) -> np.ndarray:
+        """The number of each row's epoch, counted from 1."""
+        return np.arange(self.initial_epoch + 1, self.initial_epoch + 1 + self.epochs)
+
     def __getitem__(self, name: str) -> np.ndarray:
         try:
             return self.values[name]
@@ -70,12 +84,12 @@ class History:
 
     def to_dict(self) -> dict[str, Any]:
         """The per-epoch values as lists of plain floats, keyed by name, with `"epoch"`."""
-        return {"epoch": list(range(self.epochs))} | {
+        return {"epoch": self.epoch.tolist()} | {
             name: value.tolist() for name, value in self.values.items()
         }
 
-    def to_csv(self, path: str | os.PathLike) -> None:
-        """Writes one row per epoch, one column per value."""
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Writes one row per epoch, one column per value, with the epoch's number."""
         rows = self.to_dict()
         names = list(rows)
         with open(path, "w", newline="") as f:
@@ -84,7 +98,7 @@ class History:
             for i in range(self.epochs):
                 writer.writerow([rows[name][i] for name in names])
 
-    def plot(self, path: str | os.PathLike | None = None) -> Any:
+    def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
         """Draws the loss (and validation loss) per epoch, and each metric beside it.
 
         Needs matplotlib: `pip install "eqfit[plot]"`. Saves a PNG at `path` if given.
@@ -102,13 +116,12 @@ class History:
             raise ImportError('History.plot needs matplotlib: pip install "eqfit[plot]"') from e
         groups = ["loss"] + [m for m in self.metrics if not m.startswith("val_")]
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.5), squeeze=False)
-        epochs = np.arange(1, self.epochs + 1)
         for ax, name in zip(axes[0], groups):
-            ax.plot(epochs, self.values[name], label=f"train {name}")
+            ax.plot(self.epoch, self.values[name], label=f"train {name}")
             if f"val_{name}" in self.values:
-                ax.plot(epochs, self.values[f"val_{name}"], label=f"validation {name}")
+                ax.plot(self.epoch, self.values[f"val_{name}"], label=f"validation {name}")
             if isinstance(self.best_epoch, int):
-                ax.axvline(self.best_epoch + 1, color="grey", linestyle=":", label="best")
+                ax.axvline(self.best_epoch, color="grey", linestyle=":", label="best")
             ax.set_xlabel("epoch")
             ax.set_title(name)
             ax.legend()

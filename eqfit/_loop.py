@@ -95,8 +95,12 @@ class Loop:
     trains: tuple[bool, ...]  # for each array of the model, in order: does it train
     objects: Skeleton  # (loss, metrics, optimizer)
     metric_names: tuple[str, ...]
-    plan: BatchPlan
-    epochs: int  # the run's last epoch: the record has a row for each
+    batch_size: int  # of each step here (for streamed data: of this program's pieces)
+    passes: BatchPlan | None  # in memory: how each pass over the data splits into batches
+    steps_per_epoch: int
+    epochs: int  # the number of the run's last epoch, counted from 1
+    first_epoch: int = 0  # epochs done before this run (`initial_epoch`)
+    full_batch_size: int = 1  # the run's batch size (validation goes in batches of it)
     shuffle: bool = True
     validate: bool = False
     on_nan: OnNan = "raise"
@@ -104,7 +108,6 @@ class Loop:
     stateful: bool = False
     use_key: bool = False
     placement: Placement = OneDevice()
-    streamed: bool = False  # the data comes in pieces (`Inputs.piece`)
     stopping: EarlyStopping | None = None
 
     @property
@@ -114,12 +117,21 @@ class Loop:
         return names + tuple(f"val_{n}" for n in names) if self.validate else names
 
     @property
-    def steps_per_epoch(self) -> int:
-        return self.plan.steps_per_epoch
+    def rows(self) -> int:
+        """Epochs in the record: those of this run, and one to trace with if none."""
+        return max(self.epochs - self.first_epoch, 1)
+
+    @property
+    def begin(self) -> int:
+        """The global step the run starts at: steps are counted from the first epoch
+        ever, so that shuffles and keys continue across `initial_epoch`.
+        """
+        return self.first_epoch * self.steps_per_epoch
 
     @property
     def total_steps(self) -> int:
-        return self.epochs * self.steps_per_epoch
+        """The global step the run ends at."""
+        return max(self.epochs, self.first_epoch) * self.steps_per_epoch
 
     def parts(self, consts: "Consts") -> "Parts":
         """The run's objects, rebuilt inside the program from the static skeletons."""
@@ -173,24 +185,24 @@ class TrainState(NamedTuple):
     opt_state: PyTree
     model_state: PyTree
     stopping: StoppingState | None
-    step: Int[Array, ""]  # optimizer steps done since the first epoch: the position
+    step: Int[Array, ""]  # optimizer steps done since the first epoch ever: the position
     stopped: Bool[Array, ""]  # by early stopping or a non-finite loss
     nan_step: Int[Array, ""]  # the first step whose loss was not finite, or -1
+    # One row per epoch of this run:
     step_loss: Float[Array, "epochs steps"]  # NaN where no step ran
     step_metrics: Float[Array, "epochs steps metrics"]
+    batch_sizes: Int[Array, "epochs steps"]  # 0 where no step ran
     epoch_values: Float[Array, "epochs logs"]  # `Loop.log_names` of each finished epoch
 
 
 class Piece(NamedTuple):
-    """A piece of streamed data: the rows of consecutive batches of one pass over the data.
-
-    Step `t` (a global step, `first <= t < end`) takes rows `order[(t - first) * batch:]`.
-    Made on the host (numpy), then placed on the device.
+    """A piece of streamed data: the rows of consecutive batches, all of the program's
+    `Loop.batch_size`. Step `t` (a global step, `first <= t < end`) takes rows
+    `order[(t - first) * batch_size:]`. Made on the host (numpy), then placed.
     """
 
     order: UInt32[ArrayLike, " rows"]
     first: Int[ArrayLike, ""]  # the global step of its first batch
-    pass_first: Int[ArrayLike, ""]  # the global step of its pass's first batch
     end: Int[ArrayLike, ""]  # the global step after its last batch
 
 
@@ -230,7 +242,7 @@ def start(
     Its outputs are new buffers (`run` may donate them), never the caller's arrays.
     """
     parts = loop.parts(consts)
-    plan, rows = loop.plan, max(loop.epochs, 1)  # a row to trace the loop with
+    rows, steps = loop.rows, loop.steps_per_epoch
 
     def start_one(params: list[Array], opt_state: PyTree, model_state: PyTree) -> TrainState:
         params = loop.params_tree([jnp.copy(p) for p in params])
@@ -246,11 +258,12 @@ def start(
             opt_state=opt_state,
             model_state=model_state,
             stopping=stopping,
-            step=jnp.asarray(0, jnp.int32),
+            step=jnp.asarray(loop.begin, jnp.int32),
             stopped=jnp.asarray(False),
             nan_step=jnp.asarray(-1, jnp.int32),
-            step_loss=jnp.full((rows, plan.steps_per_epoch), nan),
-            step_metrics=jnp.full((rows, plan.steps_per_epoch, len(loop.metric_names)), nan),
+            step_loss=jnp.full((rows, steps), nan),
+            step_metrics=jnp.full((rows, steps, len(loop.metric_names)), nan),
+            batch_sizes=jnp.zeros((rows, steps), jnp.int32),
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
         )
 
@@ -291,21 +304,25 @@ class _Run:
     stop: Int[Array, ""]
 
     def run(self, state: TrainState) -> tuple[TrainState, Report]:
-        loop, plan = self.loop, self.loop.plan
-        steps_per_pass = plan.steps_per_epoch
+        loop = self.loop
         stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), loop.total_steps)
         # One key per global step, so a step's key does not depend on how the run is cut
         # into pieces. (Derived only if the loss asks for one: threefry is costly to
         # compile.)
         step_key = jax.random.fold_in(self.key, 1) if loop.use_key else None
         carry = (state, jnp.float32(0.0))
-        piece = self.inputs.piece
-        if piece is not None:  # streamed: this piece's rows, inside one pass
+        piece, passes = self.inputs.piece, loop.passes
+        if piece is not None:  # streamed: this piece's rows
             end = jnp.minimum(stop, piece.end)
             order = jnp.asarray(piece.order)
-            carry = self.run_pass(carry, order, piece.first, piece.pass_first, end, step_key)
+            # A piece of smaller batches (a pass's last) is a remainder: not split over
+            # devices, as it need not divide evenly.
+            full = loop.batch_size == loop.full_batch_size
+            carry = self.run_steps(carry, order, piece.first, end, None, step_key, full)
         else:
+            assert passes is not None
             seed = shuffle_seed(self.key)
+            per_pass = passes.steps_per_pass
 
             def more(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
                 state, _ = carry
@@ -313,38 +330,39 @@ class _Run:
 
             def one_pass(carry: tuple[TrainState, Any]) -> tuple[TrainState, Any]:
                 state, _ = carry
-                index = state.step // steps_per_pass
-                order = epoch_order(seed, index, plan.num_samples, loop.shuffle)
-                first = index * steps_per_pass
-                end = jnp.minimum(stop, first + steps_per_pass)
-                return self.run_pass(carry, order, first, first, end, step_key)
+                index = state.step // per_pass
+                order = epoch_order(seed, index, passes.num_samples, loop.shuffle)
+                first = index * per_pass
+                end = jnp.minimum(stop, first + per_pass)
+                remainder = first + passes.num_full if passes.remainder else None
+                return self.run_steps(carry, order, first, end, remainder, step_key)
 
             carry = jax.lax.while_loop(more, one_pass, carry)
         state, loss_sum = carry
         return state, self.report(state, loss_sum)
 
-    def run_pass(
+    def run_steps(
         self,
         carry: tuple[TrainState, Any],
         order: UInt32[Array, " n"],
         first: Any,
-        pass_first: Any,
         end: Any,
+        remainder_step: Any,
         step_key: Key[Array, ""] | None,
+        full: bool = True,
     ) -> tuple[TrainState, Any]:
-        """Steps until `end` (inside one pass over the data) or until stopped. Step `t`
-        takes rows `order[(t - first) * batch_size:]`; the remainder batch is step
-        `pass_first + num_full`.
+        """Steps until `end` or until stopped, closing each epoch as it ends. Step `t`
+        takes rows `order[(t - first) * batch_size:]`; in memory, `remainder_step` is
+        the pass's last step, on the smaller batch of its remaining samples.
         """
-        loop, plan = self.loop, self.loop.plan
+        loop = self.loop
         per_epoch = loop.steps_per_epoch
-        remainder_step = pass_first + plan.num_full
         data = self.inputs.data
 
         def batch_step(carry: tuple[TrainState, Any], size: int, full: bool) -> Any:
             state, loss_sum = carry
             t = state.step
-            index = jax.lax.dynamic_slice_in_dim(order, (t - first) * plan.batch_size, size)
+            index = jax.lax.dynamic_slice_in_dim(order, (t - first) * loop.batch_size, size)
             placement = loop.placement
             if full:
                 batch, step = placement.full_batch(data, index), self.parts.step
@@ -353,7 +371,7 @@ class _Run:
                 step = dataclasses.replace(self.parts.step, axis_name=None)
             key = None if step_key is None else jax.random.fold_in(step_key, t)
             out = step(state.params, state.opt_state, state.model_state, batch, key)
-            row, column = t // per_epoch, t % per_epoch
+            row, column = t // per_epoch - loop.first_epoch, t % per_epoch
             nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
             halts = ~out.finite if loop.on_nan != "skip" else jnp.asarray(False)
             state = state._replace(
@@ -364,33 +382,39 @@ class _Run:
                 stopped=state.stopped | halts,
                 nan_step=nan_step,
                 step_loss=state.step_loss.at[row, column].set(out.loss),
-                step_metrics=state.step_metrics.at[row, column].set(out.metrics),
+                batch_sizes=state.batch_sizes.at[row, column].set(size),
             )
+            if loop.metric_names:
+                metrics = state.step_metrics.at[row, column].set(out.metrics)
+                state = state._replace(step_metrics=metrics)
             return state, loss_sum + out.loss
 
         def between_epoch_ends(carry: tuple[TrainState, Any]) -> tuple[TrainState, Any]:
             state, _ = carry
             epoch_end = (state.step // per_epoch + 1) * per_epoch
             limit = jnp.minimum(end, epoch_end)
-            full_limit = jnp.minimum(limit, remainder_step)
+            full_limit = limit if remainder_step is None else jnp.minimum(limit, remainder_step)
 
             def more_full(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
                 state, _ = carry
                 return (state.step < full_limit) & ~state.stopped
 
-            if plan.num_full:
+            if loop.passes is None or loop.passes.num_full:  # else all is the remainder
                 carry = jax.lax.while_loop(
-                    more_full, lambda c: batch_step(c, plan.batch_size, True), carry
+                    more_full, lambda c: batch_step(c, loop.batch_size, full), carry
                 )
-            if plan.remainder:
+            if remainder_step is not None:
+                assert loop.passes is not None
+
                 # A loop that runs once or not at all, not a `cond`: XLA compiles a step
                 # inside a conditional at about twice the cost.
                 def remainder_due(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
                     state, _ = carry
                     return (state.step == remainder_step) & (state.step < limit) & ~state.stopped
 
+                remainder = loop.passes.remainder
                 carry = jax.lax.while_loop(
-                    remainder_due, lambda c: batch_step(c, plan.remainder, False), carry
+                    remainder_due, lambda c: batch_step(c, remainder, False), carry
                 )
             state, loss_sum = carry
             closes = (state.step == epoch_end) & ~state.stopped
@@ -406,12 +430,12 @@ class _Run:
     def close_epoch(self, state: TrainState) -> TrainState:
         """The end of the epoch just finished: its values, validation, early stopping."""
         loop, parts = self.loop, self.parts
-        row = state.step // loop.steps_per_epoch - 1
+        row = state.step // loop.steps_per_epoch - 1 - loop.first_epoch
         # Each step weighs as its share of the epoch's samples: the epoch's mean loss is
         # then the mean over samples, as one full-batch pass would average a mean loss.
         # Steps skipped for a non-finite loss (`on_nan="skip"`) trained nothing and are
         # left out.
-        sizes = jnp.asarray(loop.plan.batch_sizes, jnp.float32)
+        sizes = state.batch_sizes[row].astype(jnp.float32)
         sizes = jnp.where(jnp.isfinite(state.step_loss[row]), sizes, 0.0)
         weights = sizes / jnp.sum(sizes)  # NaN (0 / 0) if every step was skipped
         step_loss = jnp.where(weights > 0, state.step_loss[row], 0.0)
@@ -432,7 +456,7 @@ class _Run:
                 model,
                 state.model_state,
                 self.inputs.val_data,
-                loop.plan.batch_size,
+                loop.full_batch_size,
             )
             values = jnp.concatenate([train, val])
         state = state._replace(epoch_values=state.epoch_values.at[row].set(values))
@@ -440,8 +464,9 @@ class _Run:
             return state
         assert state.stopping is not None
         monitored = values[loop.log_names.index(loop.stopping.monitor)]
+        epoch = row + loop.first_epoch + 1  # counted from 1
         stopping, stop = loop.stopping.update(
-            state.stopping, monitored, row, state.params, state.model_state
+            state.stopping, monitored, epoch, state.params, state.model_state
         )
         return state._replace(stopping=stopping, stopped=state.stopped | stop)
 

@@ -10,19 +10,21 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, jaxtyped, PyTree, Shaped
 
-from ._data import as_data, check_batch_size, ensemble_size
+from ._data import as_data, check_batch_size, ensemble_size, num_samples
 from ._evaluate import evaluate_batches
 from ._step import Objective, takes_key
+from .losses import outputs
 
 
 @jaxtyped(typechecker=beartype)
 def predict(
     model: PyTree,
-    x: Shaped[Array | np.ndarray, "n ..."],
+    x: PyTree[Shaped[Array | np.ndarray, "_n ..."]],
     *,
     batch_size: int = 256,
     ensemble: bool = False,
-) -> Shaped[Array, "..."]:
+    state: PyTree | None = None,
+) -> PyTree[Shaped[Array, "..."]]:
     """Runs `model` over every example of `x`, in batches, in inference mode.
 
     One compiled program: a scan over full batches and one smaller last batch, so memory
@@ -30,43 +32,67 @@ def predict(
 
     **Arguments:**
 
-    - `model`: called on one example, `model(x[i])`.
-    - `x`: the inputs, with a leading example axis.
+    - `model`: called on one example, `model(x[i])` (or `model(x[i], state)`).
+    - `x`: the inputs, with a leading example axis: an array, or any PyTree of arrays
+        sharing it (then the model is called on one example's PyTree).
     - `batch_size`: examples per batch.
     - `ensemble`: `model` is a stack of members (as `fit(..., ensemble=True)` takes);
         every member predicts every example.
+    - `state`: the model's `eqx.nn.State`, for a stateful model: called as `model(x[i],
+        state)` under `jax.vmap` with `axis_name="batch"`, returning `(output, state)`,
+        whose output is kept.
 
     **Returns:**
 
     The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True`.
     """
-    (x_,) = as_data((x,))
+    x_ = as_data(x if not _is_array(x) else (x,), "x")
     check_batch_size(batch_size)
     if ensemble:
         ensemble_size(model)
-    return _predict(eqx.nn.inference_mode(model), x_, batch_size, ensemble)
+    if not _is_array(x):
+        return _predict(eqx.nn.inference_mode(model), x_, state, batch_size, ensemble)
+    return _predict(eqx.nn.inference_mode(model), x_[0], state, batch_size, ensemble)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
 
 
 @eqx.filter_jit
-def _predict(model: PyTree, x: Array, batch_size: int, ensemble: bool) -> Array:
-    def run(model: PyTree) -> Array:
-        num_full, remainder = divmod(x.shape[0], batch_size)
-        outputs = []
-        if num_full:
-            full = x[: num_full * batch_size].reshape(num_full, batch_size, *x.shape[1:])
-            _, out = jax.lax.scan(lambda _, xb: (None, jax.vmap(model)(xb)), None, full)
-            outputs.append(out.reshape(num_full * batch_size, *out.shape[2:]))
-        if remainder:
-            outputs.append(jax.vmap(model)(x[num_full * batch_size :]))
-        return jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+def _predict(model: PyTree, x: PyTree, state: PyTree, batch_size: int, ensemble: bool) -> Any:
+    n = num_samples(x)
+    num_full, remainder = divmod(n, batch_size)
 
-    return eqx.filter_vmap(run)(model) if ensemble else run(model)
+    def run(model: PyTree, state: PyTree) -> Any:
+        def forward(x: PyTree) -> Any:
+            return outputs(model, x, state)[0]
+
+        parts = []
+        if num_full:
+            full = jax.tree.map(
+                lambda a: a[: num_full * batch_size].reshape(num_full, batch_size, *a.shape[1:]),
+                x,
+            )
+            _, out = jax.lax.scan(lambda _, xb: (None, forward(xb)), None, full)
+            parts.append(
+                jax.tree.map(lambda o: o.reshape(num_full * batch_size, *o.shape[2:]), out)
+            )
+        if remainder:
+            parts.append(forward(jax.tree.map(lambda a: a[num_full * batch_size :], x)))
+        if len(parts) == 1:
+            return parts[0]
+        return jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+
+    if ensemble:
+        return eqx.filter_vmap(run)(model, state)
+    return run(model, state)
 
 
 @jaxtyped(typechecker=beartype)
 def evaluate(
     model: PyTree,
-    data: tuple[Shaped[Array | np.ndarray, "n ..."], ...],
+    data: PyTree[Shaped[Array | np.ndarray, "_n ..."]],
     *,
     loss: Callable[..., Any],
     metrics: Mapping[str, Callable[..., Any]] | None = None,
@@ -81,9 +107,11 @@ def evaluate(
     **Arguments:**
 
     - `model`: the model, as `fit` takes it.
-    - `data`: a tuple of arrays sharing their leading axis, as `fit` takes it.
+    - `data`: a tuple of arrays sharing their leading axis (or another PyTree of them),
+        as `fit` takes it.
     - `loss`: `loss(model, *batch)`, or `loss(model, state, *batch) -> (value, state)`.
-    - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar`.
+    - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state`,
+        `fn(model, state, *batch)`).
     - `batch_size`: examples per batch.
     - `state`: the model's `eqx.nn.State`, for stateful models.
 

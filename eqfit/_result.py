@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,9 @@ class FitResult:
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss was NaN or infinite. `result` holds the last finite model."""
+    """The loss was NaN or infinite. `result` holds the last finite model; `epoch` and
+    `step` (counted from 1) say where.
+    """
 
     def __init__(self, message: str, result: FitResult, epoch: int, step: int):
         super().__init__(message)
@@ -68,25 +71,29 @@ def make_result(
     # `np.asarray` on each, not `jax.device_get`, whose tree walk costs several times more.
     fields = (report.step, report.stopped, report.nan_step, report.best_epoch)
     steps, stopped, nan_steps, best = (np.asarray(x).reshape(-1) for x in placement.host(fields))
-    table = np.asarray(placement.host(report.epoch_values))
-    step_loss = np.asarray(placement.host(state.step_loss))
+    table, step_loss, sizes = placement.host(
+        (report.epoch_values, state.step_loss, state.batch_sizes)
+    )
     wall_time = time.perf_counter() - began  # `began`: when `fit` began
     per_epoch = loop.steps_per_epoch
     ensemble = loop.members is not None
     if not ensemble:  # a single model is an ensemble of one here
-        table, step_loss = table[None], step_loss[None]
-    # Python lists for the per-member bookkeeping: quicker than numpy scalars.
-    ran = [-(-int(t) // per_epoch) for t in steps.tolist()]  # a partial epoch counts
+        table, step_loss, sizes = table[None], step_loss[None], sizes[None]
+    # Python lists for the per-member bookkeeping: quicker than numpy scalars. An epoch cut
+    # short by a non-finite loss counts as run.
+    ran = [-(-int(t) // per_epoch) - loop.first_epoch for t in steps.tolist()]
     nan_steps_ = nan_steps.tolist()
     by_nan = loop.on_nan != "skip"
     reasons: list[StopReason] = []
-    for epochs_run, nan_step, halted in zip(ran, nan_steps_, stopped.tolist()):
+    for step, nan_step, halted in zip(steps.tolist(), nan_steps_, stopped.tolist()):
         if by_nan and nan_step >= 0:
             reasons.append("non_finite_loss")
         elif halted:
             reasons.append("early_stopping")
+        elif step < loop.total_steps:
+            reasons.append("callback" if outcome.stopped_by_callback else "out_of_data")
         else:
-            reasons.append("callback" if epochs_run < loop.epochs else None)
+            reasons.append(None)
     has_stopping = loop.stopping is not None
     best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
     rows = max(ran)
@@ -99,10 +106,11 @@ def make_result(
     history = History(
         {name: values[:, i].copy() for i, name in enumerate(loop.log_names)},
         squeeze(step_loss[:, :rows]).copy(),
-        loop.plan.batch_sizes,
+        squeeze(sizes[:, :rows]).copy(),
         wall_time,
         tuple(best_epochs) if ensemble else best_epochs[0],
         tuple(reasons) if ensemble else reasons[0],
+        loop.first_epoch,
     )
     if report.trained is not None:
         params, model_state = report.trained
@@ -114,18 +122,25 @@ def make_result(
     arrays = [next(trained) if t else next(frozen) for t in loop.trains]
     model = loop.model.fill(arrays)
     result = FitResult(model, opt_state, history, model_state)
+    if "out_of_data" in reasons:
+        warnings.warn(
+            f"The data ran out after {max(ran)} of the {loop.epochs - loop.first_epoch} "
+            f"epochs asked for ({loop.steps_per_epoch} steps each); training stopped there. "
+            "Give an iterator with enough batches, or fewer `epochs` or `steps_per_epoch`.",
+            stacklevel=3,
+        )
     if loop.on_nan == "raise" and max(nan_steps_) >= 0:
         i = next(i for i, t in enumerate(nan_steps_) if t >= 0)
         epoch, step = divmod(nan_steps_[i], per_epoch)
         member = f"member {i}: " if ensemble else ""
         raise NonFiniteLossError(
-            f"The loss was not finite at {member}epoch {epoch}, step {step} (step "
-            f"{nan_steps_[i]} of the run). Training stopped there; the last finite model, "
+            f"The loss was not finite at {member}epoch {epoch + 1}, step {step + 1} of "
+            f"{per_epoch} (counted from 1). Training stopped there; the last finite model, "
             "from before that step, is in this error's `.result`. Pass `on_nan='skip'` to "
             "skip such steps, or `on_nan='stop'` to return early without an error.",
             result,
-            epoch,
-            step,
+            epoch + 1,
+            step + 1,
         )
     return result
 
@@ -147,7 +162,8 @@ def save(path: str | os.PathLike, result: FitResult) -> None:
         "history": {
             "values": {k: np.asarray(v).tolist() for k, v in h.values.items()},
             "step_loss": np.asarray(h.step_loss).tolist(),
-            "batch_sizes": list(h.batch_sizes),
+            "batch_sizes": np.asarray(h.batch_sizes).tolist(),
+            "initial_epoch": h.initial_epoch,
             "wall_time": h.wall_time,
             "best_epoch": h.best_epoch,
             "stop_reason": h.stop_reason,
@@ -185,9 +201,10 @@ def load(path: str | os.PathLike, *, like: Any) -> Any:
     history = History(
         {k: np.asarray(v, np.float32) for k, v in h["values"].items()},
         np.asarray(h["step_loss"], np.float32),
-        tuple(h["batch_sizes"]),
+        np.asarray(h["batch_sizes"], np.int32),
         h["wall_time"],
         tuple(h["best_epoch"]) if isinstance(h["best_epoch"], list) else h["best_epoch"],
         tuple(h["stop_reason"]) if isinstance(h["stop_reason"], list) else h["stop_reason"],
+        h["initial_epoch"],
     )
     return FitResult(model, opt_state, history, state)

@@ -2,11 +2,12 @@
 
 Arrays in memory go to the device once, as one feed for the whole run; the program orders
 and gathers each pass's batches itself. Data larger than memory streams instead: a feed
-per chunk of K consecutive batches, read and moved to the device by a background thread
-while the device trains on the chunk before, so host memory holds a few chunks whatever
-the data's size.
+per chunk of consecutive batches of one size, read and moved to the device by a
+background thread while the device trains on the chunk before, so host memory holds a few
+chunks whatever the data's size.
 """
 
+import itertools
 import mmap
 import queue
 import threading
@@ -15,9 +16,9 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jaxtyping import PyTree
 
-from ._checkpoint import describe
-from ._data import BatchPlan, check_data, plan_batches
+from ._data import BatchPlan, check_data, num_samples, sample_shapes
 from ._drive import Feed
 from ._loop import Inputs, Piece
 
@@ -28,15 +29,12 @@ CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copi
 class InMemory:
     """Arrays on the device: one feed, from the start to the end of the run."""
 
-    def __init__(self, data: tuple[jax.Array, ...]):
+    def __init__(self, data: PyTree):
         self.data = data
-        self.num_samples = data[0].shape[0]
-
-    def sample_shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(a.shape[1:]) for a in self.data]
+        self.num_samples = num_samples(data)
 
     def describe(self) -> list[list[Any]]:
-        return describe(self.data)
+        return [["num_samples", self.num_samples], *sample_shapes(self.data)]
 
     def feeds(self, begin: int, end: int, template: Inputs, put: Callable) -> Iterator[Feed]:
         del begin
@@ -44,86 +42,75 @@ class InMemory:
 
 
 class _Chunk(NamedTuple):
-    """The host rows of the batches of one chunk, with where they sit in the run."""
+    """The host rows of consecutive batches of one size, with where they sit in the run."""
 
-    arrays: tuple[np.ndarray, ...]  # padded to the chunk capacity
+    data: PyTree  # numpy arrays, `steps * batch_size` rows
     order: np.ndarray  # the rows' order within the chunk
     first: int  # the global step of its first batch
-    pass_first: int  # the global step of its pass's first batch
-    end: int  # the global step after its last batch
+    batch_size: int
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.order) // self.batch_size
 
 
 class Streamed:
-    """What the streamed sources share: chunks padded to one shape (so that the program
-    compiles once), read ahead in a background thread.
+    """What the streamed sources share: chunks of full batches padded to one shape (so
+    that the program compiles once for them, and once more for a smaller last batch),
+    read ahead in a background thread.
     """
 
-    plan: BatchPlan
+    batch_size: int
     per_chunk: int  # full batches per chunk
+    like: PyTree  # one batch: the structure, sample shapes and dtypes every batch has
 
-    def row_bytes(self) -> int:
-        raise NotImplementedError
-
-    def chunks(self, pass_index: int) -> Iterator[_Chunk]:
-        """The chunks of one pass over the data."""
+    def chunks(self, begin: int, end: int) -> Iterator[_Chunk]:
+        """The chunks from the one holding global step `begin` to the one holding `end - 1`."""
         raise NotImplementedError
 
     def describe(self) -> list[list[Any]]:
         raise NotImplementedError
 
-    def sample_shapes(self) -> list[tuple[int, ...]]:
-        raise NotImplementedError
-
-    def dtypes(self) -> list[np.dtype]:
-        raise NotImplementedError
-
-    def setup(self, plan: BatchPlan, shuffle: bool, seed: int) -> None:
-        self.plan, self.shuffle, self.seed = plan, shuffle, seed
-        rows = max(1, self.row_bytes() * plan.batch_size)
-        self.per_chunk = max(1, min(plan.num_full or 1, CHUNK_BYTES // rows))
-        # Every chunk holds at most `per_chunk` full batches and the remainder.
-        self.capacity = self.per_chunk * plan.batch_size + plan.remainder
-
-    def _pad(self, arrays: tuple[np.ndarray, ...], order: np.ndarray) -> Any:
-        rows = len(order)
-        if rows == self.capacity:
-            return arrays, order
-        padded = tuple(
-            np.concatenate([a, np.zeros((self.capacity - rows, *a.shape[1:]), a.dtype)])
-            for a in arrays
+    def set_chunk_size(self) -> None:
+        row_bytes = sum(
+            a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in jax.tree.leaves(self.like)
         )
-        return padded, np.concatenate([order, np.arange(rows, self.capacity, dtype=order.dtype)])
+        per_batch = max(1, row_bytes * self.batch_size)
+        self.per_chunk = max(1, CHUNK_BYTES // per_batch)
 
     def feeds(self, begin: int, end: int, template: Inputs, put: Callable) -> Iterator[Feed]:
-        """The chunks from the one holding step `begin` to the end, each moved to the
+        """The chunks from the one holding step `begin` to `end`, each moved to the
         device in a background thread while the one before trains.
         """
-        steps_per_pass = self.plan.steps_per_epoch
+        capacity = self.per_chunk * self.batch_size
 
         def feed(chunk: _Chunk) -> Feed:
-            arrays, order = self._pad(chunk.arrays, chunk.order.astype(np.uint32))
-            piece = Piece(
-                order=order,
-                first=np.asarray(chunk.first, np.int32),
-                pass_first=np.asarray(chunk.pass_first, np.int32),
-                end=np.asarray(chunk.end, np.int32),
-            )
-            placed = put(arrays, sharded=True), put(piece)
-            return Feed(template._replace(data=placed[0], piece=placed[1]), chunk.end)
+            rows = len(chunk.order)
+            data, order = chunk.data, chunk.order.astype(np.uint32)
+            if chunk.batch_size == self.batch_size and rows < capacity:  # one shape for all
+                data = jax.tree.map(lambda a: _pad(a, capacity), data)
+                order = np.concatenate([order, np.arange(rows, capacity, dtype=np.uint32)])
+            piece = Piece(order, np.asarray(chunk.first, np.int32), np.asarray(chunk.end, np.int32))
+            inputs = template._replace(data=put(data, sharded=True), piece=put(piece))
+            return Feed(inputs, min(chunk.end, end), chunk.batch_size)
 
         if begin >= end:
             # Nothing left to train (a finished run resumed): one empty chunk, so that the
             # program still reports where the run stands.
-            empty = tuple(np.zeros((0, *s), d) for s, d in zip(self.sample_shapes(), self.dtypes()))
-            return iter([feed(_Chunk(empty, np.arange(0), end, end, end))])
+            empty = jax.tree.map(lambda a: a[:0], self.like)
+            return iter([feed(_Chunk(empty, np.arange(0), end, self.batch_size))])
 
         def produce() -> Iterator[Feed]:
-            for pass_index in range(begin // steps_per_pass, -(-end // steps_per_pass)):
-                for chunk in self.chunks(pass_index):
-                    if chunk.end > begin:  # else trained before a resume
-                        yield feed(chunk)
+            for chunk in self.chunks(begin, end):
+                yield feed(chunk)
+                if chunk.end >= end:
+                    return
 
         return _read_ahead(produce())
+
+
+def _pad(a: np.ndarray, rows: int) -> np.ndarray:
+    return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
 
 
 def _read_ahead(feeds: Iterator[Feed], depth: int = 2) -> Iterator[Feed]:
@@ -163,7 +150,7 @@ def _read_ahead(feeds: Iterator[Feed], depth: int = 2) -> Iterator[Feed]:
 
 
 class Memmaps(Streamed):
-    """Reads rows from `np.memmap` arrays (`np.load(mmap_mode="r")`).
+    """Reads rows from `np.memmap` arrays (`np.load(mmap_mode="r")`), in passes.
 
     With `shuffle`, each pass visits the blocks of `per_chunk` batches in a new random
     order and shuffles the rows inside each block (on the host, in the reading thread),
@@ -172,54 +159,60 @@ class Memmaps(Streamed):
     mapping, so pages already trained on are not held in this process's memory.
     """
 
-    def __init__(self, arrays: tuple[np.ndarray, ...], rows: np.ndarray | None = None):
-        check_data(arrays)  # the same checks as in-memory data, nothing read
-        self.arrays = arrays
+    def __init__(self, data: PyTree, rows: np.ndarray | None = None):
+        check_data(data)  # the same checks as in-memory data, nothing read
+        self.data = data
         self.rows = rows  # the training rows (sorted), when some are held out
-        self.num_samples = arrays[0].shape[0] if rows is None else len(rows)
+        self.num_samples = num_samples(data) if rows is None else len(rows)
+        self.like = jax.tree.map(lambda a: np.zeros((1, *a.shape[1:]), a.dtype), data)
 
-    def row_bytes(self) -> int:
-        return sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in self.arrays)
-
-    def read(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
-        """Training rows `start` to `stop` (of `self.rows` if set)."""
-        if self.rows is None:
-            return tuple(_read_rows(a, start, stop) for a in self.arrays)
-        picked = self.rows[start:stop]
-        low = int(picked[0])
-        return tuple(_read_rows(a, low, int(picked[-1]) + 1)[picked - low] for a in self.arrays)
+    def setup(self, passes: BatchPlan, shuffle: bool, seed: int) -> None:
+        self.passes, self.shuffle, self.seed = passes, shuffle, seed
+        self.batch_size = passes.batch_size
+        self.set_chunk_size()
+        self.per_chunk = min(self.per_chunk, max(passes.num_full, 1))
 
     def describe(self) -> list[list[Any]]:
-        return [[f"[{i}]", list(a.shape), str(a.dtype)] for i, a in enumerate(self.arrays)]
+        return [["num_samples", self.num_samples], *sample_shapes(self.data)]
 
-    def sample_shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(a.shape[1:]) for a in self.arrays]
+    def read(self, start: int, stop: int) -> PyTree:
+        """Training rows `start` to `stop` (of `self.rows` if set)."""
+        if self.rows is None:
+            return jax.tree.map(lambda a: _read_rows(a, start, stop), self.data)
+        picked = self.rows[start:stop]
+        low, high = int(picked[0]), int(picked[-1]) + 1
+        return jax.tree.map(lambda a: _read_rows(a, low, high)[picked - low], self.data)
 
-    def dtypes(self) -> list[np.dtype]:
-        return [a.dtype for a in self.arrays]
+    def chunks(self, begin: int, end: int) -> Iterator[_Chunk]:
+        per_pass = self.passes.steps_per_pass
+        for pass_index in itertools.count(begin // per_pass):
+            for chunk in self.pass_chunks(pass_index):
+                if chunk.end > begin:  # else trained before a resume
+                    yield chunk
 
-    def chunks(self, pass_index: int) -> Iterator[_Chunk]:
-        plan, per_chunk = self.plan, self.per_chunk
-        first_step = pass_index * plan.steps_per_epoch
+    def pass_chunks(self, pass_index: int) -> Iterator[_Chunk]:
+        """One pass: whole blocks of `per_chunk` batches in a random order (if shuffled),
+        then the leftover full batches, then the remainder batch.
+        """
+        plan, per_chunk, size = self.passes, self.per_chunk, self.batch_size
+        first_step = pass_index * plan.steps_per_pass
         blocks = plan.num_full // per_chunk
         rng = np.random.default_rng([self.seed, pass_index]) if self.shuffle else None
         order = np.arange(blocks) if rng is None else rng.permutation(blocks)
-        rows = per_chunk * plan.batch_size
-        pieces = [
-            (position * per_chunk, per_chunk, int(b) * rows) for position, b in enumerate(order)
-        ]
-        tail = plan.num_full - blocks * per_chunk + (plan.remainder > 0)
-        if tail:
-            pieces.append((blocks * per_chunk, tail, blocks * rows))
-        for position, (step, steps, start) in enumerate(pieces):
-            count = min(steps, plan.num_full - step) * plan.batch_size
-            if step + steps > plan.num_full:  # the last piece holds the remainder
-                count += plan.remainder
+        # (steps into the pass, batches, batch size, first row)
+        rows = per_chunk * size
+        pieces = [(i * per_chunk, per_chunk, size, int(b) * rows) for i, b in enumerate(order)]
+        leftover = plan.num_full - blocks * per_chunk
+        if leftover:
+            pieces.append((blocks * per_chunk, leftover, size, blocks * per_chunk * size))
+        if plan.remainder:
+            pieces.append((plan.num_full, 1, plan.remainder, plan.num_full * size))
+        for step, batches, batch, start in pieces:
+            count = batches * batch
             # Rows are shuffled within the chunk here, in the reading thread: numpy permutes
             # half a million indices in milliseconds, and the device never waits for it.
             within = np.arange(count) if rng is None else rng.permutation(count)
-            first = first_step + step
-            yield _Chunk(self.read(start, start + count), within, first, first_step, first + steps)
+            yield _Chunk(self.read(start, start + count), within, first_step + step, batch)
 
 
 def _read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -237,101 +230,176 @@ def _read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
 
 
 class Loader(Streamed):
-    """A re-iterable that yields batches as tuples of arrays, such as a Grain or PyTorch
-    loader. Every batch has the same size but the last of an epoch, which may be smaller.
-    It does its own shuffling.
+    """Batches from a loader: a re-iterable (iterated anew for each pass, such as a
+    PyTorch `DataLoader` or a Grain dataset), or an iterator or generator (used once; an
+    endless one with `steps_per_epoch`). Each batch is one step. Every batch has the size
+    of the first but the last of a pass, which may be smaller. The loader shuffles as it
+    likes; one with `set_epoch` is told, before each pass, how many passes came before.
     """
 
-    def __init__(self, loader: Iterable[Any]):
+    def __init__(self, loader: Iterable[Any], steps_per_epoch: int | None):
         self.loader = loader
-        sizes = [len(_as_batch(b, 0)[0]) for b in loader]  # one pass to learn the epoch
-        if not sizes:
-            raise ValueError("`data` yielded no batches.")
-        self.batch_size = sizes[0]
-        if any(n != sizes[0] for n in sizes[:-1]) or sizes[-1] > sizes[0]:
-            raise ValueError(
-                "A loader's batches must all have the same size but the last of an epoch, "
-                f"which may be smaller; got sizes {sizes[:5]}...{sizes[-2:]}."
-            )
-        self.num_samples = sum(sizes)
-        self.first = _as_batch(next(iter(loader)), 0)
+        self.one_shot = iter(loader) is loader  # type: ignore[comparison-overlap]
+        self.passes_done = 0
+        length = _length(loader)
+        if steps_per_epoch is None and length is None:
+            if self.one_shot:
+                raise ValueError(
+                    "`data` is an iterator (or generator) of unknown length, so eqfit cannot "
+                    "tell where an epoch ends, nor count its batches without using them up. "
+                    "Pass `steps_per_epoch=`, the number of batches each epoch takes."
+                )
+            length = sum(1 for _ in self._iterate())  # the one counting pass
+            if not length:
+                raise ValueError("`data` yielded no batches.")
+        self.length = length  # batches in a pass, if known
+        self.stream = self._batches()
+        try:
+            self.first, _ = next(self.stream)
+        except StopIteration:
+            raise ValueError("`data` yielded no batches.") from None
+        self.like = jax.tree.map(lambda a: a[:1], self.first)
+        self.batch_size = num_samples(self.first)
 
-    def row_bytes(self) -> int:
-        return sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in self.first)
+    def _iterate(self) -> Iterator[Any]:
+        """One pass over the loader, telling it which pass it is (`set_epoch`)."""
+        if not self.one_shot:
+            set_epoch = getattr(self.loader, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.passes_done)
+            self.passes_done += 1
+        return iter(self.loader)
+
+    def _batches(self) -> Iterator[tuple[PyTree, bool]]:
+        """Every batch as numpy arrays, with whether it starts a pass, pass after pass (a
+        one-shot loader gives one pass).
+        """
+        index = 0
+        while True:
+            starts = True
+            for batch in self._iterate():
+                yield _as_batch(batch, index), starts
+                starts = False
+                index += 1
+            if self.one_shot or starts:  # used up, or a pass yielded nothing
+                return
 
     def describe(self) -> list[list[Any]]:
-        return [
-            [f"[{i}]", [self.num_samples, *a.shape[1:]], str(a.dtype)]
-            for i, a in enumerate(self.first)
-        ]
+        return [["loader", type(self.loader).__qualname__], *sample_shapes(self.first)]
 
-    def sample_shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(a.shape[1:]) for a in self.first]
+    def chunks(self, begin: int, end: int) -> Iterator[_Chunk]:
+        """Chunks of consecutive full batches; a smaller batch makes a chunk of its own.
+        Steps before `begin` (a resume) are skipped: the loader is read up to there; and
+        none is read past `end`.
+        """
+        shapes, structure = sample_shapes(self.first), jax.tree.structure(self.first)
+        size = self.batch_size
+        held: list[PyTree] = []
+        smaller = None  # the size of the last batch, if smaller: its pass must end there
 
-    def dtypes(self) -> list[np.dtype]:
-        return [a.dtype for a in self.first]
+        def chunk(batches: list[PyTree], batch_size: int, first: int) -> _Chunk:
+            data = jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
+            return _Chunk(data, np.arange(len(batches) * batch_size), first, batch_size)
 
-    def chunks(self, pass_index: int) -> Iterator[_Chunk]:
-        plan, per_chunk = self.plan, self.per_chunk
-        first_step = pass_index * plan.steps_per_epoch
-        held: list[tuple[np.ndarray, ...]] = []
-        step, smaller = 0, None
-
-        def chunk(steps: int) -> _Chunk:
-            arrays = tuple(np.concatenate(parts) for parts in zip(*held))
-            first = first_step + step
-            return _Chunk(arrays, np.arange(len(arrays[0])), first, first_step, first + steps)
-
-        for i, batch in enumerate(self.loader):
-            arrays = _as_batch(batch, i)
-            size = len(arrays[0])
-            if smaller is not None or size > plan.batch_size:
+        stream = itertools.chain([(self.first, True)], self.stream)
+        step = 0
+        for step, (batch, starts_pass) in enumerate(stream):
+            if smaller is not None and not starts_pass:
                 raise ValueError(
-                    f"The loader's batch {i} has {size} samples after a batch of {smaller}: "
-                    f"only the last batch of an epoch may be smaller than {plan.batch_size}."
+                    f"The loader's batch {step} follows a batch of {smaller} samples in the "
+                    f"same pass: only the last batch of a pass may be smaller than the first "
+                    f"batch's {size}."
                 )
-            if size < plan.batch_size:
-                smaller = size
-                if plan.remainder == 0:  # drop_remainder
-                    continue
-            held.append(arrays)
-            if len(held) == per_chunk and smaller is None:
-                yield chunk(per_chunk)
-                step, held = step + per_chunk, []
-        full = len(held) - (smaller is not None and plan.remainder > 0)
-        if step + full != plan.num_full:
-            raise ValueError(
-                f"The loader yielded {step + full} full batches this epoch, but "
-                f"{plan.num_full} in its first."
-            )
+            got = _check_batch(batch, step, structure, shapes, size)
+            smaller = got if got < size else None
+            if step < begin:  # trained before a resume
+                continue
+            if got < size:
+                if held:
+                    yield chunk(held, size, step - len(held))
+                    held = []
+                yield chunk([batch], got, step)
+            else:
+                held.append(batch)
+                if len(held) == self.per_chunk or step + 1 >= end:
+                    yield chunk(held, size, step - len(held) + 1)
+                    held = []
+            if step + 1 >= end:
+                return
         if held:
-            yield chunk(len(held))
+            yield chunk(held, size, step - len(held) + 1)
 
 
-def _as_batch(batch: Any, i: int) -> tuple[np.ndarray, ...]:
-    if isinstance(batch, dict) or not isinstance(batch, (tuple, list)):
-        raise TypeError(
-            f"A loader must yield each batch as a tuple of arrays, got {type(batch).__name__} "
-            f"for batch {i}."
-        )
-    return tuple(np.asarray(a) for a in batch)
-
-
-def streamed_source(data: Any) -> "Memmaps | Loader | None":
-    """The source to stream `data` from, or `None` for in-memory arrays."""
-    if isinstance(data, tuple):
-        if not any(isinstance(a, np.memmap) for a in data):
-            return None
-        return Memmaps(data)
-    if not isinstance(data, Iterable) or isinstance(data, (np.ndarray, jax.Array, str)):
+def _length(loader: Any) -> int | None:
+    """The loader's batches per pass, if it says (an endless one may say `sys.maxsize`)."""
+    try:
+        length = len(loader)
+    except TypeError:
         return None
-    return Loader(data)
+    return length if 0 < length < 2**62 else None
 
 
-def stream_plan(source: "Memmaps | Loader", batch_size: int, drop: bool) -> BatchPlan:
-    if isinstance(source, Loader) and batch_size != source.batch_size:
+def _as_batch(batch: Any, index: int) -> PyTree:
+    """A loader's batch as numpy arrays, checked to be a PyTree of arrays."""
+    if isinstance(batch, list):
+        batch = tuple(batch)  # loaders (PyTorch's collate) yield lists for tuples
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise TypeError(f"The loader's batch {index} holds no arrays: got {type(batch).__name__}.")
+    try:
+        return jax.tree.map(np.asarray, batch)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"The loader's batch {index} is not a PyTree of arrays: {e}") from None
+
+
+def _check_batch(
+    batch: PyTree, index: int, structure: Any, shapes: list[list[Any]], size: int
+) -> int:
+    """Refuses a batch unlike the first: another structure, arrays that do not share
+    their leading size, other sample shapes or dtypes, or more samples. Returns its size.
+    """
+    if jax.tree.structure(batch) != structure:
         raise ValueError(
-            f"`batch_size`={batch_size}, but the loader yields batches of "
-            f"{source.batch_size}: set `batch_size` to the loader's."
+            f"The loader's batch {index} has the structure {jax.tree.structure(batch)}, but "
+            f"its first batch had {structure}."
         )
-    return plan_batches(source.num_samples, batch_size, drop)
+    sizes = [a.shape[0] if a.ndim else -1 for a in jax.tree.leaves(batch)]
+    if -1 in sizes or len(set(sizes)) > 1:
+        raise ValueError(
+            f"The loader's batch {index} has arrays of different lengths, "
+            f"{[list(np.shape(a)) for a in jax.tree.leaves(batch)]}: every array of a batch "
+            "needs the same leading (sample) size, or inputs and labels would not line up."
+        )
+    got = sample_shapes(batch)
+    if got != shapes:
+        raise ValueError(
+            f"The loader's batch {index} has samples of shapes and dtypes {got}, but its "
+            f"first batch had {shapes}."
+        )
+    got_size = int(sizes[0])
+    if got_size > size:
+        raise ValueError(
+            f"The loader's batch {index} has {got_size} samples, more than its first batch's "
+            f"{size}: all must have that many but the last of a pass, which may have fewer."
+        )
+    return got_size
+
+
+def streamed_source(data: Any, steps_per_epoch: int | None) -> "Memmaps | Loader | None":
+    """The source to stream `data` from: memmaps or a loader; `None` for arrays in memory
+    (checked later, as any PyTree of arrays).
+    """
+    arrays = (np.ndarray, jax.Array)
+    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
+        raise TypeError(
+            f"`data` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A list "
+            "is taken as a loader: a sequence of batches.)"
+        )
+    if isinstance(data, (np.ndarray, jax.Array, str, bytes)):
+        return None  # refused by the checks of data in memory
+    if isinstance(data, (tuple, dict)):
+        memmaps = any(isinstance(a, np.memmap) for a in jax.tree.leaves(data))
+        return Memmaps(data) if memmaps else None
+    if isinstance(data, Iterable):  # a list of batches, a loader, an iterator, a generator
+        return Loader(data, steps_per_epoch)
+    return None  # another PyTree of arrays (an `eqx.Module`, say), or refused later

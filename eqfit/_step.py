@@ -60,6 +60,27 @@ def batch_args(batch: PyTree) -> tuple[Any, ...]:
     return batch if isinstance(batch, tuple) else (batch,)
 
 
+def _check_signature(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], what: str, stateful: bool
+) -> None:
+    """Refuses a loss or metric that cannot take the arguments eqfit passes, saying which
+    it passes, rather than failing with Python's bare `TypeError` (runs while tracing).
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or the like: let the call speak
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        expected = "(model, state, *batch)" if stateful else "(model, *batch)"
+        got = ", ".join(type(a).__name__ for a in args)
+        raise TypeError(
+            f"{what} is called as fn{expected}, here with {len(args)} arguments ({got}), "
+            f"which its signature {signature} does not take: {e}."
+        ) from None
+
+
 class Objective(eqx.Module):
     """How to call the user's loss and metrics on a batch, with or without model state."""
 
@@ -79,6 +100,7 @@ class Objective(eqx.Module):
         args = batch_args(batch)
         args = (model, model_state, *args) if self.stateful else (model, *args)
         kwargs = {"key": key} if self.use_key and key is not None else {}
+        _check_signature(self.loss, args, kwargs, "`loss`", self.stateful)
         out = self.loss(*args, **kwargs)
         if self.stateful:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -97,8 +119,17 @@ class Objective(eqx.Module):
         """Each metric on the batch, in order; an empty vector without metrics."""
         args = batch_args(batch)
         args = (model, model_state, *args) if self.stateful else (model, *args)
-        values = [check_scalar(fn(*args), f"metric {name!r}") for name, fn in self.metrics]
+        values = []
+        for name, fn in self.metrics:
+            _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
+            values.append(check_scalar(fn(*args), f"metric {name!r}"))
         return jnp.stack(values).astype(jnp.float32) if values else jnp.zeros(0)
+
+
+def clone(state: PyTree) -> PyTree:
+    """A new `eqx.nn.State` object with the same arrays (one a layer has not used up)."""
+    leaves, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, leaves)
 
 
 class StepResult(NamedTuple):
@@ -135,6 +166,10 @@ class Step(eqx.Module):
             # Each device's share of the batch gets its own key.
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
 
+        # A stateful layer marks the state it was given as used up, so the loss, the
+        # metrics and a skipped step each get their own copy.
+        kept = clone(model_state)
+
         def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree]]:
             model = self.combine(p)
             loss, new_state = self.objective.value(model, model_state, batch, key)
@@ -142,7 +177,7 @@ class Step(eqx.Module):
 
         (loss, (model, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
         # Metrics see the model before this step's update, as the loss does.
-        metrics = self.objective.metric_values(model, model_state, batch)
+        metrics = self.objective.metric_values(model, clone(new_state), batch)
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
             # the per-device means is the mean over the whole batch.
@@ -163,6 +198,6 @@ class Step(eqx.Module):
         # A `cond`, not a `where` over every leaf, which would compute and select the
         # whole update even for finite losses.
         params, opt_state, model_state = jax.lax.cond(
-            finite, apply, skip, (params, opt_state, model_state)
+            finite, apply, skip, (params, opt_state, kept)
         )
         return StepResult(params, opt_state, model_state, loss, metrics, finite)

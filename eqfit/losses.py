@@ -1,94 +1,205 @@
 """Batch-level losses, each `loss(model, x, y) -> scalar`, vmapping the model over the batch.
 
-The model is called on one example at a time, `model(x[i])`, as Equinox models are.
+The model is called on one example at a time, `model(x[i])`, as Equinox models are. Each
+loss also takes:
+
+- a keyword `key`: given one, a model whose `__call__` takes a `key` (dropout) gets one per
+    example, so `fit` passes a fresh key each step; without one, or in inference mode,
+    the model runs deterministically;
+- a model state: `loss(model, state, x, y) -> (value, new_state)` for a stateful model
+    (`eqx.nn.BatchNorm` and the like), called as `model(x[i], state)` under `jax.vmap`
+    with `axis_name="batch"`, Equinox's convention for BatchNorm. That is how `fit(...,
+    state=)` calls its loss.
 """
 
 from collections.abc import Callable
+from typing import Any, overload
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from beartype import beartype
-from jaxtyping import Array, Bool, Float, Int, jaxtyped, Shaped
+from jaxtyping import Array, Bool, Float, Int, jaxtyped, Key, PyTree, Shaped
+
+from ._step import takes_key
 
 
-Model = Callable[..., Array]
+Model = Callable[..., Any]
+State = eqx.nn.State
 
 
-def _predict_like(model: Model, x: Array, like: Array, name: str) -> Array:
-    out = jax.vmap(model)(x)
-    if out.shape != like.shape:
+def outputs(
+    model: Model, x: PyTree, state: State | None = None, key: Key[Array, ""] | None = None
+) -> tuple[Array, State | None]:
+    """The model's outputs on a batch `x` (vmapped over its leading axis), and the new
+    state for a stateful model.
+    """
+    keys = None
+    if key is not None and takes_key(model):
+        keys = jax.random.split(key, jax.tree.leaves(x)[0].shape[0])
+
+    def one(x: PyTree, key: Key[Array, ""] | None) -> Any:
+        kwargs = {} if key is None else {"key": key}
+        return model(x, **kwargs) if state is None else model(x, state, **kwargs)
+
+    if state is None:
+        return jax.vmap(one)(x, keys), None
+    return jax.vmap(one, axis_name="batch", out_axes=(0, None))(x, keys)
+
+
+def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, Any]:
+    """`(x, y)` or `(state, x, y)`: the arguments after the model, as `fit` passes them;
+    `x` and `y` as JAX arrays (numpy ones are taken too).
+    """
+    if len(args) == 2:
+        return None, jax.tree.map(jnp.asarray, args[0]), jnp.asarray(args[1])
+    if len(args) == 3 and isinstance(args[0], eqx.nn.State):
+        return args[0], jax.tree.map(jnp.asarray, args[1]), jnp.asarray(args[2])
+    raise TypeError(
+        f"`{name}` takes `(model, x, y)`, or `(model, state, x, y)` for a stateful model "
+        f"(an `eqx.nn.State`); got {len(args)} arguments after the model"
+        + (f", the first a {type(args[0]).__name__}" if args else "")
+        + "."
+    )
+
+
+def _like(out: Array, y: Array, name: str) -> Array:
+    if out.shape != y.shape:
         # Broadcasting (batch, 1) against (batch,) would silently give a (batch, batch)
         # loss; refuse it instead.
         raise ValueError(
             f"`{name}`: the model's outputs have shape {tuple(out.shape)} but `y` has "
-            f"shape {tuple(like.shape)}; they must match."
+            f"shape {tuple(y.shape)}; they must match."
         )
     return out
 
 
-@jaxtyped(typechecker=beartype)
+def _returns(value: Array, state: State | None) -> Any:
+    return value if state is None else (value, state)
+
+
+@overload
+def mse(model: Model, x: Any, y: Any, /, *, key: Any = None) -> Float[Array, ""]: ...
+@overload
 def mse(
-    model: Model, x: Shaped[Array, "batch ..."], y: Float[Array, "batch ..."]
-) -> Float[Array, ""]:
+    model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
+) -> tuple[Float[Array, ""], State]: ...
+def mse(model: Model, *args: Any, key: Key[Array, ""] | None = None) -> Any:
     """Mean squared error of `model` on a batch.
 
     **Arguments:**
 
     - `model`: called on one example, returning an array shaped like one row of `y`.
+    - `state`: optional, for a stateful model.
     - `x`: the batch of inputs.
-    - `y`: the targets.
+    - `y`: the targets (floating point).
+    - `key`: optional: per-example keys for a model that takes one (dropout).
 
     **Returns:**
 
-    `mean((model(x_i) - y_i) ** 2)` over the batch and every output.
+    `mean((model(x_i) - y_i) ** 2)` over the batch and every output; with a state, that
+    and the new state.
     """
-    return jnp.mean(optax.squared_error(_predict_like(model, x, y, "mse"), y))
+    state, x, y = split_state(args, "mse")
+    return _mse(model, state, x, y, key)
 
 
 @jaxtyped(typechecker=beartype)
+def _mse(
+    model: Model,
+    state: State | None,
+    x: PyTree[Shaped[Array, "batch ..."]],
+    y: Float[Array, "batch ..."],
+    key: Key[Array, ""] | None,
+) -> Any:
+    out, state = outputs(model, x, state, key)
+    value = jnp.mean(optax.squared_error(_like(out, y, "mse"), y))
+    return _returns(value, state)
+
+
+@overload
 def softmax_cross_entropy(
-    model: Model, x: Shaped[Array, "batch ..."], y: Int[Array, " batch"]
-) -> Float[Array, ""]:
+    model: Model, x: Any, y: Any, /, *, key: Any = None
+) -> Float[Array, ""]: ...
+@overload
+def softmax_cross_entropy(
+    model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
+) -> tuple[Float[Array, ""], State]: ...
+def softmax_cross_entropy(model: Model, *args: Any, key: Key[Array, ""] | None = None) -> Any:
     """Softmax cross-entropy against integer class labels.
 
     **Arguments:**
 
     - `model`: called on one example, returning unnormalised logits of shape `(classes,)`.
+    - `state`: optional, for a stateful model.
     - `x`: the batch of inputs.
     - `y`: integer labels in `[0, classes)`.
+    - `key`: optional: per-example keys for a model that takes one (dropout).
 
     **Returns:**
 
-    The mean cross-entropy over the batch.
+    The mean cross-entropy over the batch; with a state, that and the new state.
     """
-    logits = jax.vmap(model)(x)
+    state, x, y = split_state(args, "softmax_cross_entropy")
+    return _softmax_cross_entropy(model, state, x, y, key)
+
+
+@jaxtyped(typechecker=beartype)
+def _softmax_cross_entropy(
+    model: Model,
+    state: State | None,
+    x: PyTree[Shaped[Array, "batch ..."]],
+    y: Int[Array, " batch"],
+    key: Key[Array, ""] | None,
+) -> Any:
+    logits, state = outputs(model, x, state, key)
     if logits.ndim != 2:
         raise ValueError(
             "`softmax_cross_entropy`: the model must return a vector of logits per "
             f"example, but the batch of outputs has shape {tuple(logits.shape)}."
         )
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    value = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    return _returns(value, state)
 
 
-@jaxtyped(typechecker=beartype)
+@overload
 def binary_cross_entropy(
-    model: Model,
-    x: Shaped[Array, "batch ..."],
-    y: Float[Array, "batch ..."] | Int[Array, "batch ..."] | Bool[Array, "batch ..."],
-) -> Float[Array, ""]:
+    model: Model, x: Any, y: Any, /, *, key: Any = None
+) -> Float[Array, ""]: ...
+@overload
+def binary_cross_entropy(
+    model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
+) -> tuple[Float[Array, ""], State]: ...
+def binary_cross_entropy(model: Model, *args: Any, key: Key[Array, ""] | None = None) -> Any:
     """Binary cross-entropy on logits, for labels in {0, 1} (or probabilities).
 
     **Arguments:**
 
     - `model`: called on one example, returning logits shaped like one row of `y`.
+    - `state`: optional, for a stateful model.
     - `x`: the batch of inputs.
     - `y`: the labels.
+    - `key`: optional: per-example keys for a model that takes one (dropout).
 
     **Returns:**
 
-    The mean sigmoid cross-entropy over the batch and every output.
+    The mean sigmoid cross-entropy over the batch and every output; with a state, that
+    and the new state.
     """
-    logits = _predict_like(model, x, y, "binary_cross_entropy")
-    labels = y.astype(logits.dtype)
-    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, labels))
+    state, x, y = split_state(args, "binary_cross_entropy")
+    return _binary_cross_entropy(model, state, x, y, key)
+
+
+@jaxtyped(typechecker=beartype)
+def _binary_cross_entropy(
+    model: Model,
+    state: State | None,
+    x: PyTree[Shaped[Array, "batch ..."]],
+    y: Float[Array, "batch ..."] | Int[Array, "batch ..."] | Bool[Array, "batch ..."],
+    key: Key[Array, ""] | None,
+) -> Any:
+    logits, state = outputs(model, x, state, key)
+    labels = y.astype(_like(logits, y, "binary_cross_entropy").dtype)
+    value = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, labels))
+    return _returns(value, state)

@@ -1,58 +1,97 @@
 """Ready metrics, each `metric(model, x, y) -> scalar` on a batch, vmapping the model.
 
 Pass them to `fit(..., metrics={"accuracy": eqfit.metrics.accuracy})` and read them back
-from the history by the same name, with `"val_"` in front for the validation data.
+from the history by the same name, with `"val_"` in front for the validation data. With
+`fit(..., state=)` they are called `metric(model, state, x, y)`, which they take too (the
+model called as `model(x[i], state)` under `jax.vmap` with `axis_name="batch"`); the new
+state is dropped.
 """
 
-from collections.abc import Callable
+from typing import Any, overload
 
-import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Bool, Float, Int, jaxtyped, Shaped
+from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
-from .losses import _predict_like
-
-
-Model = Callable[..., Array]
+from .losses import _like, Model, outputs, split_state, State
 
 
-@jaxtyped(typechecker=beartype)
-def accuracy(
-    model: Model, x: Shaped[Array, "batch ..."], y: Int[Array, " batch"]
-) -> Float[Array, ""]:
+@overload
+def accuracy(model: Model, x: Any, y: Any, /) -> Float[Array, ""]: ...
+@overload
+def accuracy(model: Model, state: State, x: Any, y: Any, /) -> Float[Array, ""]: ...
+def accuracy(model: Model, *args: Any) -> Float[Array, ""]:
     """The fraction of examples whose largest logit is at the integer label `y`.
 
-    **Arguments:** `model`, returning logits `(classes,)` for one example; `x`; `y`.
+    **Arguments:** `model`, returning logits `(classes,)` for one example; optionally its
+    `state`; `x`; `y`.
 
     **Returns:** the accuracy over the batch, in [0, 1].
     """
-    return jnp.mean(jnp.argmax(jax.vmap(model)(x), axis=-1) == y)
+    state, x, y = split_state(args, "accuracy")
+    return _accuracy(model, state, x, y)
 
 
 @jaxtyped(typechecker=beartype)
-def binary_accuracy(
+def _accuracy(
     model: Model,
-    x: Shaped[Array, "batch ..."],
-    y: Int[Array, "batch ..."] | Bool[Array, "batch ..."] | Float[Array, "batch ..."],
+    state: State | None,
+    x: PyTree[Shaped[Array, "batch ..."]],
+    y: Int[Array, " batch"],
 ) -> Float[Array, ""]:
+    logits, _ = outputs(model, x, state)
+    return jnp.mean(jnp.argmax(logits, axis=-1) == y)
+
+
+@overload
+def binary_accuracy(model: Model, x: Any, y: Any, /) -> Float[Array, ""]: ...
+@overload
+def binary_accuracy(model: Model, state: State, x: Any, y: Any, /) -> Float[Array, ""]: ...
+def binary_accuracy(model: Model, *args: Any) -> Float[Array, ""]:
     """The fraction of outputs whose logit has the sign of the 0/1 label `y`.
 
-    **Arguments:** `model`, returning logits shaped like one row of `y`; `x`; `y`.
+    **Arguments:** `model`, returning logits shaped like one row of `y`; optionally its
+    `state`; `x`; `y`.
 
     **Returns:** the accuracy over the batch and every output, in [0, 1].
     """
-    return jnp.mean((_predict_like(model, x, y, "binary_accuracy") > 0) == (y > 0.5))
+    state, x, y = split_state(args, "binary_accuracy")
+    return _binary_accuracy(model, state, x, y)
 
 
 @jaxtyped(typechecker=beartype)
-def mae(
-    model: Model, x: Shaped[Array, "batch ..."], y: Float[Array, "batch ..."]
+def _binary_accuracy(
+    model: Model,
+    state: State | None,
+    x: PyTree[Shaped[Array, "batch ..."]],
+    y: Int[Array, "batch ..."] | Bool[Array, "batch ..."] | Float[Array, "batch ..."],
 ) -> Float[Array, ""]:
+    logits, _ = outputs(model, x, state)
+    return jnp.mean((_like(logits, y, "binary_accuracy") > 0) == (y > 0.5))
+
+
+@overload
+def mae(model: Model, x: Any, y: Any, /) -> Float[Array, ""]: ...
+@overload
+def mae(model: Model, state: State, x: Any, y: Any, /) -> Float[Array, ""]: ...
+def mae(model: Model, *args: Any) -> Float[Array, ""]:
     """Mean absolute error.
 
-    **Arguments:** `model`, returning an output shaped like one row of `y`; `x`; `y`.
+    **Arguments:** `model`, returning an output shaped like one row of `y`; optionally its
+    `state`; `x`; `y`.
 
     **Returns:** `mean(|model(x_i) - y_i|)` over the batch and every output.
     """
-    return jnp.mean(jnp.abs(_predict_like(model, x, y, "mae") - y))
+    state, x, y = split_state(args, "mae")
+    return _mae(model, state, x, y)
+
+
+@jaxtyped(typechecker=beartype)
+def _mae(
+    model: Model,
+    state: State | None,
+    x: PyTree[Shaped[Array, "batch ..."]],
+    y: Float[Array, "batch ..."],
+) -> Float[Array, ""]:
+    out, _ = outputs(model, x, state)
+    return jnp.mean(jnp.abs(_like(out, y, "mae") - y))

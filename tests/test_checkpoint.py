@@ -117,7 +117,7 @@ def test_checkpoint_every(getkey, tmp_path):
         model, data, optimizer=optax.sgd(0.1), checkpoint=tmp_path, checkpoint_every=2, **kwargs
     )
     assert checkpoints(tmp_path) == ["ckpt-000004-000000", "ckpt-000005-000000"]
-    with pytest.raises(ValueError, match=r"`checkpoint_every` must be at least 1, got 0"):
+    with pytest.raises(ValueError, match=r"`checkpoint_every` must be an integer of 1 or more"):
         eqfit.fit(
             model, data, optimizer=optax.sgd(0.1), checkpoint=tmp_path, checkpoint_every=0, **kwargs
         )
@@ -159,7 +159,7 @@ def test_checkpoint_keeps_early_stopping_state(getkey, tmp_path):
     again = eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
     for result in (first, again):
         assert result.history.epochs == full.history.epochs == 4
-        assert result.history.best_epoch == 1
+        assert result.history.best_epoch == 2  # counted from 1
         np.testing.assert_array_equal(result.model.w, full.model.w)
 
 
@@ -177,7 +177,7 @@ def test_save_and_load(getkey, tmp_path):
     assert_trees_equal(loaded.opt_state, result.opt_state)
     assert_trees_equal(loaded.state, result.state)
     np.testing.assert_array_equal(loaded.history.loss, result.history.loss)
-    assert loaded.history.batch_sizes == result.history.batch_sizes
+    np.testing.assert_array_equal(loaded.history.batch_sizes, result.history.batch_sizes)
     # Just the model, given a model to fill.
     only = eqfit.load(tmp_path / "run.eqx", like=model)
     assert_trees_equal(only, result.model)

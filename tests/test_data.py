@@ -27,7 +27,7 @@ def test_plan_covers_every_sample_once(n, batch_size, drop_remainder, seed, epoc
     full = order[: plan.num_full * plan.batch_size].reshape(plan.num_full, batch_size)
     remainder = order[plan.num_full * batch_size :][: plan.remainder]
     seen = np.concatenate([full.ravel(), remainder])
-    assert plan.steps_per_epoch == plan.num_full + (plan.remainder > 0)
+    assert plan.steps_per_pass == plan.num_full + (plan.remainder > 0)
     if drop_remainder:
         assert len(seen) == n - n % batch_size and plan.remainder == 0
     else:

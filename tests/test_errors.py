@@ -47,7 +47,7 @@ def test_batch_larger_than_data_with_drop_remainder(setup):
 
 def test_negative_epochs(setup):
     model, x, y, kwargs = setup
-    with pytest.raises(ValueError, match=r"`epochs` must be 0 or more, got -1"):
+    with pytest.raises(ValueError, match=r"`epochs` must be an integer of 0 or more, got -1"):
         eqfit.fit(model, (x, y), epochs=-1, **kwargs)
 
 
@@ -57,7 +57,7 @@ def test_data_not_arrays(setup):
         eqfit.fit(model, ([1.0, 2.0], [3.0, 4.0]), **kwargs)
     with pytest.raises(TypeError, match=r"tuple of arrays.*shape \(10, 3\).*pass `\(x,\)`"):
         eqfit.fit(model, x, **kwargs)
-    with pytest.raises(TypeCheckError, match=r"parameter 'data'"):
+    with pytest.raises(TypeError, match=r"`data` must be a tuple of arrays.*got a float"):
         eqfit.fit(model, 3.0, **kwargs)
 
 

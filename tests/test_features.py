@@ -58,7 +58,7 @@ def test_validation_split_is_deterministic(getkey, problem):
     c = eqfit.fit(model, data, validation_split=0.25, key=getkey(), **kwargs)
     np.testing.assert_array_equal(a.history.val_loss, b.history.val_loss)
     assert not np.array_equal(a.history.val_loss, c.history.val_loss)
-    assert a.history.batch_sizes == (10,) * 9  # 90 of the 120 samples train
+    np.testing.assert_array_equal(a.history.batch_sizes, [[10] * 9] * 2)  # 90 of 120 train
     with pytest.raises(ValueError, match=r"`validation_split` must be in \(0, 1\)"):
         eqfit.fit(model, data, validation_split=1.0, key=key, **kwargs)
     with pytest.raises(ValueError, match=r"not both"):
@@ -161,8 +161,8 @@ def test_early_stopping_in_the_compiled_program(getkey, restore_best):
         early_stopping=eqfit.EarlyStopping(patience=2, restore_best=restore_best),
     )
     h = result.history
-    assert h.epochs == 4  # best at epoch 1, no better at 2 and 3: stop
-    assert h.best_epoch == 1
+    assert h.epochs == 4  # best at epoch 2, no better at 3 and 4: stop
+    assert h.best_epoch == 2
     assert h.stop_reason == "early_stopping"
     np.testing.assert_allclose(h.val_loss, 0.5 * (1 - 0.8 ** np.arange(1, 5) - 0.3) ** 2, rtol=1e-5)
     w = 0.36 if restore_best else 1 - 0.8**4
@@ -187,7 +187,7 @@ def test_early_stopping_on_a_maximised_metric(getkey):
         validation_data=val,
         early_stopping=eqfit.EarlyStopping(3, monitor="val_closeness", mode="max"),
     )
-    assert result.history.best_epoch == 1 and result.history.epochs == 5
+    assert result.history.best_epoch == 2 and result.history.epochs == 5
 
 
 def test_early_stopping_monitor_must_exist(getkey, problem):
@@ -201,8 +201,8 @@ def test_early_stopping_monitor_must_exist(getkey, problem):
             key=getkey(),
             early_stopping=eqfit.EarlyStopping(2),
         )
-    with pytest.raises(ValueError, match=r"patience` must be at least 1"):
-        eqfit.EarlyStopping(0)
+    with pytest.raises(ValueError, match=r"patience` must be an integer of 0 or more, got -1"):
+        eqfit.EarlyStopping(-1)
 
 
 class BatchNormNet(eqx.Module):
@@ -271,10 +271,10 @@ def nan_problem(getkey):
 @pytest.mark.parametrize("progress", [False, True])
 def test_non_finite_loss_raises_with_the_last_finite_model(getkey, progress):
     model, (x, y), kwargs = nan_problem(getkey)
-    with pytest.raises(eqfit.NonFiniteLossError, match=r"epoch 0, step 2") as info:
+    with pytest.raises(eqfit.NonFiniteLossError, match=r"epoch 1, step 3 of 4") as info:
         eqfit.fit(model, (x, y), epochs=3, progress=progress, **kwargs)
     error = info.value
-    assert (error.epoch, error.step) == (0, 2)
+    assert (error.epoch, error.step) == (1, 3)  # counted from 1
     # The model it holds is the one after steps 0 and 1: the clean first 20 samples.
     clean = eqfit.fit(model, (x[:20], y[:20]), epochs=1, **kwargs)
     assert_trees_equal(error.result.model, clean.model)
@@ -388,7 +388,7 @@ def test_history_exports(getkey, problem, tmp_path):
     )
     h = result.history
     d = h.to_dict()
-    assert d["epoch"] == [0, 1, 2]
+    assert d["epoch"] == [1, 2, 3]
     assert d["val_mae"] == pytest.approx(h["val_mae"].tolist())
     h.to_csv(tmp_path / "history.csv")
     with open(tmp_path / "history.csv") as f:
@@ -411,7 +411,7 @@ class StopAt:
 @pytest.mark.parametrize("progress", [False, True])
 def test_callbacks_see_each_epoch_and_can_stop(getkey, problem, progress):
     model, data, val = problem
-    callback = StopAt(2)
+    callback = StopAt(3)
     kwargs = dict(
         validation_data=val,
         loss=eqfit.losses.mse,
@@ -420,9 +420,9 @@ def test_callbacks_see_each_epoch_and_can_stop(getkey, problem, progress):
         batch_size=16,
     )
     result = eqfit.fit(model, data, epochs=10, progress=progress, callbacks=[callback], **kwargs)
-    assert [e for e, _ in callback.seen] == [0, 1, 2]
+    assert [e for e, _ in callback.seen] == [1, 2, 3]  # counted from 1
     assert result.history.epochs == 3 and result.history.stop_reason == "callback"
     assert callback.seen[1][1]["val_loss"] == pytest.approx(float(result.history.val_loss[1]))
-    # Stopped after epoch 2: the model is what three epochs give.
+    # Stopped after epoch 3: the model is what three epochs give.
     three = eqfit.fit(model, data, epochs=3, **kwargs)
     assert_trees_equal(result.model, three.model)

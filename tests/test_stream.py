@@ -63,12 +63,13 @@ def test_memmap_trains_as_in_memory_in_the_same_order(getkey, small_chunks, on_d
 class Loader:
     """A re-iterable of batches, in order, as a PyTorch or Grain loader would yield them."""
 
-    def __init__(self, arrays, batch_size):
-        self.arrays, self.batch_size = arrays, batch_size
+    def __init__(self, arrays, batch_size, drop_last=False):
+        self.arrays, self.batch_size, self.drop_last = arrays, batch_size, drop_last
 
     def __iter__(self):
         n = len(self.arrays[0])
-        for i in range(0, n, self.batch_size):
+        end = n - n % self.batch_size if self.drop_last else n
+        for i in range(0, end, self.batch_size):
             yield tuple(a[i : i + self.batch_size] for a in self.arrays)
 
 
@@ -76,9 +77,9 @@ class Loader:
 def test_loader_trains_as_in_memory(getkey, small_chunks, on_disk, drop_remainder):
     memory, _ = on_disk
     model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
-    kw = kwargs(getkey, drop_remainder=drop_remainder)
-    expected = eqfit.fit(model, memory, **kw)
-    streamed = eqfit.fit(model, Loader(memory, 16), **kw)
+    kw = kwargs(getkey)
+    expected = eqfit.fit(model, memory, drop_remainder=drop_remainder, **kw)
+    streamed = eqfit.fit(model, Loader(memory, 16, drop_last=drop_remainder), **kw)
     assert_trees_equal(streamed.model, expected.model)
     np.testing.assert_array_equal(streamed.history.step_loss, expected.history.step_loss)
 
@@ -118,15 +119,8 @@ def test_streaming_checks_its_input(getkey, on_disk):
             yield memory[0][:8], memory[1][:8]
             yield memory[0][:16], memory[1][:16]
 
-    with pytest.raises(ValueError, match=r"same size but the last of an epoch.*\[16, 8, 16\]"):
+    with pytest.raises(ValueError, match=r"batch 2 follows a batch of 8 samples in the same pass"):
         eqfit.fit(model, Ragged(), **kwargs(getkey))
-
-    class Dicts:
-        def __iter__(self):
-            yield {"x": memory[0][:16]}
-
-    with pytest.raises(TypeError, match=r"tuple of arrays, got dict"):
-        eqfit.fit(model, Dicts(), **kwargs(getkey))
 
 
 def test_streamed_run_checkpoints_and_resumes(getkey, small_chunks, on_disk, tmp_path):
@@ -191,6 +185,7 @@ def test_validation_split_on_a_memmap_holds_out_the_same_rows(getkey, small_chun
     kw = kwargs(getkey, validation_split=0.2)
     expected = eqfit.fit(model, memory, **kw)
     streamed = eqfit.fit(model, mapped, **kw)
-    assert streamed.history.batch_sizes == expected.history.batch_sizes == (16,) * 12 + (8,)
+    np.testing.assert_array_equal(streamed.history.batch_sizes, expected.history.batch_sizes)
+    np.testing.assert_array_equal(expected.history.batch_sizes[0], [16] * 12 + [8])
     assert_trees_equal(streamed.model, expected.model)
     np.testing.assert_array_equal(streamed.history.val_loss, expected.history.val_loss)

@@ -1,0 +1,290 @@
+"""Loaders as users have them, PyTree batches, stateful inference, and the ready losses and
+metrics with keys and state.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, assert_trees_equal
+
+import eqfit
+
+
+ADAM = optax.adam(1e-2)
+N, BATCH = 96, 16
+
+
+@pytest.fixture(scope="module")
+def arrays():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 4)).astype(np.float32)
+    y = (x @ np.arange(1.0, 5.0) + np.sin(x[:, 0])).astype(np.float32)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def model():
+    return eqfit.models.MLP(4, "scalar", 8, 1, key=jax.random.key(1))
+
+
+KWARGS = dict(loss=eqfit.losses.mse, optimizer=ADAM, key=jax.random.key(2), shuffle=False)
+
+
+class Batches:
+    """A re-iterable loader: in order, counting its passes and `set_epoch` calls."""
+
+    def __init__(self, x, y, batch=BATCH, with_len=True):
+        self.x, self.y, self.batch = x, y, batch
+        self.passes, self.epochs_set, self.with_len = 0, [], with_len
+
+    def __len__(self):
+        if not self.with_len:
+            raise TypeError("no len")
+        return -(-len(self.x) // self.batch)
+
+    def set_epoch(self, epoch):
+        self.epochs_set.append(epoch)
+
+    def __iter__(self):
+        self.passes += 1
+        for i in range(0, len(self.x), self.batch):
+            yield self.x[i : i + self.batch], self.y[i : i + self.batch]
+
+
+def endless(x, y, batch=BATCH):
+    """An endless generator, in order, pass after pass."""
+    while True:
+        for i in range(0, len(x) - batch + 1, batch):
+            yield x[i : i + batch], y[i : i + batch]
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_re_iterable_loader_trains_as_arrays_without_a_counting_pass(arrays, model, progress):
+    loader = Batches(*arrays)
+    result = eqfit.fit(model, loader, epochs=3, progress=progress, **KWARGS)
+    expected = eqfit.fit(model, arrays, epochs=3, batch_size=BATCH, **KWARGS)
+    assert_trees_equal(result.model, expected.model)
+    assert loader.passes == 3  # with `len`, no pass only to count the batches
+    assert loader.epochs_set == [0, 1, 2]  # told before each pass how many came before
+
+
+def test_a_loader_without_len_is_counted_once(arrays, model):
+    loader = Batches(*arrays, with_len=False)
+    eqfit.fit(model, loader, epochs=2, **KWARGS)
+    assert loader.passes == 3  # one to count the batches, then one per epoch
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_endless_iterator_with_steps_per_epoch(arrays, model, progress):
+    result = eqfit.fit(
+        model, endless(*arrays), steps_per_epoch=4, epochs=3, progress=progress, **KWARGS
+    )
+    # 12 steps of the endless stream are two passes over the 96 samples in order.
+    expected = eqfit.fit(model, arrays, epochs=2, batch_size=BATCH, **KWARGS)
+    assert_trees_equal(result.model, expected.model)
+    np.testing.assert_array_equal(result.history.epoch, [1, 2, 3])
+    assert result.history.stop_reason is None
+
+
+def test_a_generator_is_used_once(arrays, model):
+    x, y = arrays
+
+    def once():
+        for i in range(0, N, BATCH):
+            yield x[i : i + BATCH], y[i : i + BATCH]
+
+    with pytest.raises(ValueError, match=r"iterator \(or generator\) of unknown length.*"):
+        eqfit.fit(model, once(), epochs=1, **KWARGS)
+    # With a step budget it trains; running out stops training, with a warning.
+    with pytest.warns(UserWarning, match=r"The data ran out after 1 of the 2 epochs"):
+        result = eqfit.fit(model, once(), steps_per_epoch=6, epochs=2, **KWARGS)
+    assert result.history.stop_reason == "out_of_data" and result.history.epochs == 1
+
+
+def test_batch_size_comes_from_the_loader(arrays, model):
+    loader = Batches(*arrays, batch=24)
+    result = eqfit.fit(model, loader, epochs=1, **KWARGS)
+    np.testing.assert_array_equal(result.history.batch_sizes, [[24] * 4])
+    with pytest.raises(ValueError, match=r"`batch_size`=16, but the loader yields batches of 24"):
+        eqfit.fit(model, loader, batch_size=16, **KWARGS)
+
+
+def test_every_batch_is_checked(arrays, model):
+    x, y = arrays
+
+    def loader(batches):
+        class Loader:
+            def __iter__(self):
+                return iter(batches)
+
+        return Loader()
+
+    good = (x[:16], y[:16])
+    cases = [
+        ([good, (x[:16], y[:15])], r"batch 1 has arrays of different lengths, \[\[16, 4\], \[15"),
+        ([good, (x[:16, :3], y[:16])], r"batch 1 has samples of shapes and dtypes"),
+        ([good, (x[:16].astype(np.float64), y[:16])], r"batch 1 has samples of shapes and dtypes"),
+        ([good, (x[:32], y[:32])], r"batch 1 has 32 samples, more than its first batch's 16"),
+        ([good, (x[:8], y[:8]), good], r"batch 2 follows a batch of 8 samples in the same pass"),
+        ([good, {"x": x[:16]}], r"batch 1 has the structure"),
+    ]
+    for batches, match in cases:
+        with pytest.raises(ValueError, match=match):
+            eqfit.fit(model, loader(batches), **KWARGS)
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_pytree_batches_are_passed_whole(arrays, model, progress):
+    x, y = arrays
+
+    def loss(model, batch, *, key=None):
+        return eqfit.losses.mse(model, batch["inputs"], batch["targets"], key=key)
+
+    def size(model, batch):
+        return jnp.mean(batch["targets"] ** 2)
+
+    data = {"inputs": x, "targets": y}
+    kwargs = {**KWARGS, "loss": loss, "metrics": {"size": size}}
+    result = eqfit.fit(model, data, epochs=2, batch_size=BATCH, progress=progress, **kwargs)
+    expected = eqfit.fit(model, arrays, epochs=2, batch_size=BATCH, **KWARGS)
+    assert_trees_equal(result.model, expected.model)
+    np.testing.assert_allclose(result.history["size"][0], np.mean(y**2), rtol=1e-5)
+
+    # A loader of dicts, validation data as a dict, evaluate and predict on dicts.
+    class Dicts:
+        def __iter__(self):
+            for i in range(0, N, BATCH):
+                yield {"inputs": x[i : i + BATCH], "targets": y[i : i + BATCH]}
+
+    streamed = eqfit.fit(model, Dicts(), epochs=2, validation_data=data, **kwargs)
+    assert_trees_equal(streamed.model, expected.model)
+    values = eqfit.evaluate(result.model, data, loss=loss, batch_size=40)
+    assert values["loss"] == pytest.approx(float(eqfit.losses.mse(result.model, x, y)), rel=1e-5)
+
+    class Sum(eqx.Module):
+        def __call__(self, sample):
+            return sample["a"].sum() + sample["b"]
+
+    out = eqfit.predict(Sum(), {"a": x, "b": y}, batch_size=40)
+    np.testing.assert_allclose(out, x.sum(1) + y, rtol=1e-5)
+
+
+def test_a_real_grain_pipeline_reshuffled_each_pass(model):
+    grain = pytest.importorskip("grain")
+    n, batch = 64, 8
+    pipeline = (
+        grain.MapDataset.range(n)
+        .shuffle(seed=3)
+        .repeat()  # reshuffled on each pass, endless
+        .map(lambda i: (np.int32(i),))
+        .batch(batch)
+    )
+    visited = []
+
+    def loss(weights, i):
+        visited.append(i)  # runs while tracing only; the order is read below
+        return jnp.sum(weights[i])
+
+    result = eqfit.fit(
+        jnp.zeros(n),
+        pipeline,
+        loss=loss,
+        optimizer=optax.sgd(1.0),
+        key=jax.random.key(0),
+        steps_per_epoch=n // batch,
+        epochs=3,
+    )
+    np.testing.assert_array_equal(-np.asarray(result.model), np.full(n, 3.0))  # once a pass
+    first, second = (np.concatenate([b[0] for b in pipeline[k * 8 : (k + 1) * 8]]) for k in (0, 1))
+    assert sorted(first) == sorted(second) == list(range(n)) and not np.array_equal(first, second)
+
+
+class BatchNormNet(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key, classes=3):
+        k1, k2 = jax.random.split(key)
+        self.linear = eqx.nn.Linear(4, 8, key=k1)
+        self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="batch")
+        self.head = eqx.nn.Linear(8, classes, key=k2)
+
+    def __call__(self, x, state):
+        h, state = self.norm(jax.nn.relu(self.linear(x)), state)
+        return self.head(h), state
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_stateful_models_with_the_ready_loss_and_metrics(arrays, progress):
+    x, y = arrays
+    labels = (np.digitize(y, [-2.0, 2.0])).astype(np.int32)
+    net, state = eqx.nn.make_with_state(BatchNormNet)(jax.random.key(3))
+    result = eqfit.fit(
+        net,
+        (x, labels),
+        state=state,
+        loss=eqfit.losses.softmax_cross_entropy,
+        metrics={"accuracy": eqfit.metrics.accuracy},
+        validation_data=(x[:32], labels[:32]),
+        optimizer=ADAM,
+        key=jax.random.key(4),
+        epochs=4,
+        batch_size=BATCH,
+        progress=progress,
+    )
+    h = result.history
+    assert h.loss[-1] < h.loss[0] and 0 <= h["val_accuracy"][-1] <= 1
+    # Inference with the state: `predict` and `evaluate` take `state=`.
+    trained, trained_state = eqx.nn.inference_mode(result.model), result.state
+    direct, _ = jax.vmap(trained, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        jnp.asarray(x[:32]), trained_state
+    )
+    predicted = eqfit.predict(result.model, x[:32], batch_size=10, state=trained_state)
+    np.testing.assert_allclose(predicted, direct, rtol=1e-5, atol=1e-6)
+    values = eqfit.evaluate(
+        result.model,
+        (x[:32], labels[:32]),
+        loss=eqfit.losses.softmax_cross_entropy,
+        metrics={"accuracy": eqfit.metrics.accuracy},
+        state=trained_state,
+        batch_size=32,
+    )
+    assert values["accuracy"] == pytest.approx(float(h["val_accuracy"][-1]), abs=1e-6)
+
+
+def test_a_metric_with_the_wrong_signature_is_named(arrays, model):
+    def two_arguments(model, x):
+        return jnp.mean(x)
+
+    with pytest.raises(TypeError, match=r"metric 'bad' is called as fn\(model, \*batch\)"):
+        eqfit.fit(model, arrays, metrics={"bad": two_arguments}, **KWARGS)
+
+
+def test_ready_losses_give_dropout_models_a_key(arrays):
+    dropout = eqfit.models.MLP(4, "scalar", 32, 1, dropout=0.5, key=jax.random.key(5))
+    kwargs = dict(optimizer=ADAM, epochs=2, batch_size=BATCH)
+    a = eqfit.fit(dropout, arrays, loss=eqfit.losses.mse, key=jax.random.key(6), **kwargs)
+    b = eqfit.fit(dropout, arrays, loss=eqfit.losses.mse, key=jax.random.key(7), **kwargs)
+    assert not np.array_equal(a.model.layers[0].weight, b.model.layers[0].weight)
+    # Inference mode ignores the key: deterministic.
+    x = jnp.asarray(arrays[0][:8])
+    inference = eqx.nn.inference_mode(a.model)
+    key = jax.random.key(0)
+    first = eqfit.losses.mse(inference, x, x[:, 0], key=key)
+    again = eqfit.losses.mse(inference, x, x[:, 0], key=jax.random.key(1))
+    assert float(first) == float(again)
+    labels = np.arange(N, dtype=np.int32) % 3
+    classifier = eqfit.models.MLP(4, 3, 16, 1, dropout=0.3, key=jax.random.key(8))
+    result = eqfit.fit(
+        classifier,
+        (arrays[0], labels),
+        loss=eqfit.losses.softmax_cross_entropy,
+        key=jax.random.key(9),
+        **kwargs,
+    )
+    assert np.isfinite(result.history.loss).all()
+    assert_trees_close(a.model, a.model)
