@@ -24,6 +24,10 @@ from ._loop import Inputs, Piece
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
+# A loader's chunks hold at most this many batches: the device waits for the first chunk to
+# be gathered from the loader, one batch at a time, so it must come quickly; and a call per
+# this many steps costs nothing that shows.
+LOADER_CHUNK_BATCHES = 128
 
 
 class InMemory:
@@ -261,6 +265,10 @@ class Loader(Streamed):
         self.like = jax.tree.map(lambda a: a[:1], self.first)
         self.batch_size = num_samples(self.first)
 
+    def set_chunk_size(self) -> None:
+        super().set_chunk_size()
+        self.per_chunk = min(self.per_chunk, LOADER_CHUNK_BATCHES)
+
     def _iterate(self) -> Iterator[Any]:
         """One pass over the loader, telling it which pass it is (`set_epoch`)."""
         if not self.one_shot:
@@ -292,7 +300,8 @@ class Loader(Streamed):
         Steps before `begin` (a resume) are skipped: the loader is read up to there; and
         none is read past `end`.
         """
-        shapes, structure = sample_shapes(self.first), jax.tree.structure(self.first)
+        structure = jax.tree.structure(self.first)
+        shapes = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(self.first)]
         size = self.batch_size
         held: list[PyTree] = []
         smaller = None  # the size of the last batch, if smaller: its pass must end there
@@ -353,28 +362,31 @@ def _as_batch(batch: Any, index: int) -> PyTree:
 
 
 def _check_batch(
-    batch: PyTree, index: int, structure: Any, shapes: list[list[Any]], size: int
+    batch: PyTree, index: int, structure: Any, shapes: list[tuple[Any, Any]], size: int
 ) -> int:
     """Refuses a batch unlike the first: another structure, arrays that do not share
     their leading size, other sample shapes or dtypes, or more samples. Returns its size.
+    (It runs for every batch, so it compares plain tuples; the messages do the work.)
     """
-    if jax.tree.structure(batch) != structure:
+    leaves, got_structure = jax.tree.flatten(batch)
+    if got_structure != structure:
         raise ValueError(
-            f"The loader's batch {index} has the structure {jax.tree.structure(batch)}, but "
-            f"its first batch had {structure}."
+            f"The loader's batch {index} has the structure {got_structure}, but its first "
+            f"batch had {structure}."
         )
-    sizes = [a.shape[0] if a.ndim else -1 for a in jax.tree.leaves(batch)]
+    sizes = [a.shape[0] if a.ndim else -1 for a in leaves]
     if -1 in sizes or len(set(sizes)) > 1:
         raise ValueError(
             f"The loader's batch {index} has arrays of different lengths, "
-            f"{[list(np.shape(a)) for a in jax.tree.leaves(batch)]}: every array of a batch "
-            "needs the same leading (sample) size, or inputs and labels would not line up."
+            f"{[list(np.shape(a)) for a in leaves]}: every array of a batch needs the same "
+            "leading (sample) size, or inputs and labels would not line up."
         )
-    got = sample_shapes(batch)
-    if got != shapes:
+    if [(a.shape[1:], a.dtype) for a in leaves] != shapes:
+        got = [[tuple(a.shape[1:]), str(a.dtype)] for a in leaves]
+        first = [[tuple(shape), str(dtype)] for shape, dtype in shapes]
         raise ValueError(
             f"The loader's batch {index} has samples of shapes and dtypes {got}, but its "
-            f"first batch had {shapes}."
+            f"first batch had {first}."
         )
     got_size = int(sizes[0])
     if got_size > size:

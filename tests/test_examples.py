@@ -19,6 +19,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
         ("digits_batchnorm.py", "test accuracy"),
         ("data_parallel.py", "largest parameter difference"),
         ("sweep.py", "wrote sweep.png"),
+        ("spirals_gru.py", "final validation accuracy"),
     ],
 )
 def test_example_runs(script, expected, tmp_path):
