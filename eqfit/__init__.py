@@ -1,7 +1,10 @@
 """eqfit: typed, compiled training for Equinox models."""
 
 from . import callbacks as callbacks, losses as losses, metrics as metrics, models as models
-from ._cache import enable_compilation_cache as enable_compilation_cache
+from ._compile import (
+    clear_cache as clear_cache,
+    enable_compilation_cache as enable_compilation_cache,
+)
 from ._drive import Callback as Callback
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._fit import fit as fit

@@ -203,7 +203,7 @@ class Bar:
 
 def drive(
     loop: Loop,
-    program: Callable[..., tuple[TrainState, Report]],
+    program: Callable[[Loop], Callable[..., tuple[TrainState, Report]]],
     state: TrainState,
     feeds: Iterator[Feed],
     plan: Plan,
@@ -214,8 +214,8 @@ def drive(
     interrupt: Interrupt | None = None,
     save: Callable[[TrainState], PyTree] | None = None,
 ) -> Outcome:
-    """Runs `program` over the feeds from `plan.begin` until the end, a stop or an
-    interrupt.
+    """Runs the compiled `program(loop)` over the feeds from `plan.begin` until the end,
+    a stop or an interrupt.
 
     Each call is queued before the previous one's report is read: the host updates the
     bar while the device works. Checkpoints, which need the state itself, wait for their
@@ -229,7 +229,7 @@ def drive(
     reader = _Reader(
         placement, loop.log_names, plan.steps_per_epoch, loop.first_epoch, bar, callbacks
     )
-    variants = {loop.batch_size: loop}  # streamed pieces of a smaller last batch
+    programs = {loop.batch_size: program(loop)}  # and for pieces of a smaller last batch
     per_epoch = plan.steps_per_epoch
     position, report = plan.begin, None
     # The bar's first call is short, for a quick first redraw (or one whole short epoch);
@@ -249,9 +249,9 @@ def drive(
                     stop = min(stop, (position // every + 1) * every)
                 stop = max(stop, position)  # a call with nothing to do still reports
                 size = feed.batch_size or loop.batch_size
-                if size not in variants:
-                    variants[size] = dataclasses.replace(loop, batch_size=size)
-                state, report = program(variants[size], state, feed.inputs, np.int32(stop))
+                if size not in programs:
+                    programs[size] = program(dataclasses.replace(loop, batch_size=size))
+                state, report = programs[size](state, feed.inputs, np.int32(stop))
                 reader.queued(report, position, stop)
                 seconds = reader.read(keep=1)
                 if plan.seconds_per_call is not None and seconds is not None:

@@ -27,8 +27,8 @@ from ._data import (
 )
 from ._drive import Bar, Callback, drive, Plan
 from ._early_stopping import EarlyStopping
-from ._loop import Consts, Inputs, Loop, run, split_arrays, start, TrainState
-from ._parallel import choose_placement, Device, OneDevice
+from ._loop import Consts, Inputs, Loop, run_program, split_arrays, start_program, TrainState
+from ._parallel import choose_placement, Device
 from ._result import FitResult, make_result
 from ._sources import InMemory, Loader, Memmaps, streamed_source
 from ._step import takes_key
@@ -237,7 +237,7 @@ def fit(
     elif isinstance(source, Loader):
         source.set_chunk_size()
 
-    train_state, keys = _start(loop, params, opt_state, state, key_, consts)
+    train_state, keys = start_program(loop)(params, opt_state, state, key_, consts)
     put = placement.put
     store, begin = None, loop.begin
     if checkpoint is not None:
@@ -269,7 +269,7 @@ def fit(
     with interrupt.deferred():
         outcome = drive(
             loop,
-            placement.compile(run, donate=(1,)),
+            run_program,
             put(train_state),
             source.feeds(begin, total, template, put),
             schedule,
@@ -349,10 +349,6 @@ def _trains(model: PyTree, arrays: list[Any], filter_spec: Any) -> tuple[bool, .
         kept = jax.tree.leaves(picked, is_leaf=none)
         chosen = [k is not None for leaf, k in zip(leaves, kept) if eqx.is_array(leaf)]
     return tuple(c and is_dtype(a.dtype, np.inexact) for a, c in zip(arrays, chosen))
-
-
-# Compiled once per configuration; its outputs are new buffers, which `run` donates.
-_start = OneDevice().compile(start)
 
 
 def _host_seed(key: Key[Array, ""]) -> int:

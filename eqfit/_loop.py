@@ -8,6 +8,7 @@ same compiled program, and the pieces agree with one whole run bit for bit.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
+from ._compile import PROGRAM_CACHE
 from ._data import BatchPlan, epoch_order, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches
@@ -272,6 +274,17 @@ def start(
     in_axes = (0, None if opt_state is None else 0, 0)
     state = jax.vmap(start_one, in_axes=in_axes)(params, opt_state, model_state)
     return state, jax.random.split(key, loop.members)
+
+
+def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*members"]]]:
+    """`start` compiled for `loop`, from eqfit's bounded cache of programs."""
+    return PROGRAM_CACHE.get(("start", loop), lambda: jax.jit(functools.partial(start, loop)))
+
+
+def run_program(loop: Loop) -> Callable[..., tuple[TrainState, Report]]:
+    """`run` compiled for `loop` by its placement, the state donated (cached)."""
+    compile = loop.placement.compile
+    return PROGRAM_CACHE.get(("run", loop), lambda: compile(functools.partial(run, loop), (0,)))
 
 
 def run(

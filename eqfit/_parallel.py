@@ -34,8 +34,8 @@ class OneDevice:
     axis_name: None = None
 
     def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
-        """`fn(loop, *arrays)` compiled, the loop (hashable) as a static argument."""
-        return _jit(fn, donate)
+        """`fn(*arrays)` compiled, donating the arguments at the positions `donate`."""
+        return jax.jit(fn, donate_argnums=donate)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         del sharded
@@ -74,7 +74,12 @@ class Pmap:
         # their leading (device) axis, but for the last argument, the stop position,
         # which every device shares.
         del donate
-        return _filter_pmap(fn, self.devices, self.axis_name)
+        return eqx.filter_pmap(
+            fn,
+            in_axes=(eqx.if_array(0), eqx.if_array(0), None),
+            axis_name=self.axis_name,
+            devices=self.devices,  # type: ignore[arg-type]
+        )
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         del sharded  # every device keeps the whole dataset and gathers its share
@@ -118,7 +123,7 @@ class Sharded:
         return self.mesh.shape[self.axis]
 
     def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
-        return _jit(fn, donate)
+        return jax.jit(fn, donate_argnums=donate)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         spec = P(self.axis) if sharded else P()
@@ -233,22 +238,3 @@ def _replicate(devices: tuple[Device, ...]) -> Callable:
 @jax.jit
 def _first_replica(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x[0], tree)
-
-
-@functools.cache
-def _jit(fn: Callable, donate: tuple[int, ...]) -> Callable:
-    # A plain `jax.jit` with the loop as its static argument: the loop is a small
-    # hashable description (`Loop`), so a call costs a hash, not a walk over a PyTree
-    # as `eqx.filter_jit` would make.
-    return jax.jit(fn, static_argnums=0, donate_argnums=donate)
-
-
-@functools.cache
-def _filter_pmap(fn: Callable, devices: tuple[Device, ...], axis_name: str) -> Callable:
-    pmapped = eqx.filter_pmap(
-        fn,
-        in_axes=(None, eqx.if_array(0), eqx.if_array(0), None),
-        axis_name=axis_name,
-        devices=devices,  # type: ignore[arg-type]
-    )
-    return pmapped

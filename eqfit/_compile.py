@@ -1,0 +1,102 @@
+"""Where eqfit's compiled programs live: a bounded cache in memory, and optionally JAX's
+persistent cache on disk, so that a script that runs again starts fast.
+"""
+
+import collections
+import os
+import threading
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+# Each configuration (model structure, loss, optimizer object, shapes, settings) compiles
+# its own programs, and a compiled program holds on to about ten megabytes and a few
+# hundred memory mappings of machine code (the operating system allows 65530 mappings).
+# JAX's own caches keep thousands of programs, so a sweep that makes a new optimizer for
+# each fit would use up memory; eqfit keeps the programs of the last `PROGRAMS` of them,
+# and compiles them through functions of its own that it drops on eviction, taking JAX's
+# cache entries (keyed on those functions) with them.
+PROGRAMS = 32
+
+
+class Programs:
+    """A least-recently-used cache of compiled programs, `PROGRAMS` configurations big."""
+
+    def __init__(self, size: int = PROGRAMS):
+        self.size = size
+        self.entries: collections.OrderedDict[Hashable, Callable[..., Any]] = (
+            collections.OrderedDict()
+        )
+        self.lock = threading.Lock()  # fits may run in several threads at once
+
+    def get(self, key: Hashable, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+        """The program cached under `key`, made by `make()` if there is none."""
+        with self.lock:
+            program = self.entries.get(key)
+            if program is not None:
+                self.entries.move_to_end(key)
+                return program
+        program = make()
+        with self.lock:
+            self.entries[key] = program
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        return program
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
+
+PROGRAM_CACHE = Programs()
+
+
+def clear_cache() -> None:
+    """Frees every program `fit` compiled and keeps in memory (it keeps those of its
+    `PROGRAMS` = 32 most recent configurations). A later `fit` compiles again what it
+    needs.
+
+    For a sweep, no compilation at all is cheaper still: an optimizer whose
+    hyperparameters are arrays (`optax.inject_hyperparams`) compiles once for every
+    learning rate, and `fit(..., ensemble=True)` trains the whole sweep in one program.
+    `jax.clear_caches()` frees the programs of every JAX function, eqfit's included.
+    """
+    PROGRAM_CACHE.clear()
+
+
+def default_cache_directory() -> Path:
+    """`$XDG_CACHE_HOME/eqfit/jax` (by default `~/.cache/eqfit/jax`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "eqfit" / "jax"
+
+
+def enable_compilation_cache(
+    directory: str | os.PathLike[str] | None = None, *, min_compile_seconds: float = 0.0
+) -> Path:
+    """Turns on JAX's persistent compilation cache, so that the programs `fit` compiles
+    (and every other JAX program of this process) are kept on disk and loaded, not
+    compiled again, the next time a script with the same configuration runs.
+
+    It sets JAX's own options (`jax_compilation_cache_dir` and
+    `jax_persistent_cache_min_compile_time_secs`); nothing is switched on at import. JAX
+    by default keeps only programs that took over a second to compile, which would leave
+    out most of eqfit's, hence the lower threshold here.
+
+    **Arguments:**
+
+    - `directory`: where to keep the programs; by default `default_cache_directory()`,
+        `~/.cache/eqfit/jax`.
+    - `min_compile_seconds`: keep only programs that took at least this long to compile.
+
+    **Returns:**
+
+    The cache directory.
+    """
+    path = Path(directory) if directory is not None else default_cache_directory()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    return path
