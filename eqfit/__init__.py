@@ -1,6 +1,7 @@
 """eqfit: typed, compiled training for Equinox models."""
 
 from . import callbacks as callbacks, losses as losses, metrics as metrics, models as models
+from ._checkpoint import CheckpointError as CheckpointError
 from ._compile import (
     clear_cache as clear_cache,
     enable_compilation_cache as enable_compilation_cache,
@@ -15,5 +16,6 @@ from ._result import (
     load as load,
     NonFiniteLossError as NonFiniteLossError,
     save as save,
+    TrainingInterrupted as TrainingInterrupted,
 )
 from ._version import __version__ as __version__

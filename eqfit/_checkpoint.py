@@ -1,14 +1,18 @@
 """Checkpoints that survive a crash: atomic writes, a manifest, and a refusal to mix runs."""
 
 import contextlib
+import errno
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +26,7 @@ from jaxtyping import PyTree
 from ._version import __version__
 
 
-FORMAT = 1
+FORMAT = 2  # 2: a sequence number orders checkpoints
 KEEP = 2
 _NAME = re.compile(r"^ckpt-(\d{6})-(\d{6})$")
 
@@ -89,15 +93,31 @@ def position(state: Any) -> int:
     return int(step[~stopped].max() if (~stopped).any() else step.max())
 
 
+class CheckpointError(OSError):
+    """A checkpoint could not be written (or its directory used). `result` holds the
+    training result so far, when there is one.
+    """
+
+    result: Any = None
+
+
 class Checkpoints:
-    """A directory of training checkpoints, newest last.
+    """A directory of training checkpoints.
 
     Each checkpoint is a folder `ckpt-<epoch>-<step>` (the epochs done and the steps into
-    the next) holding `state.eqx` (the training
-    state and record, by `eqx.tree_serialise_leaves`) and `manifest.json` (the run's
+    the next) holding `state.eqx` (the training state and record, by
+    `eqx.tree_serialise_leaves`) and `manifest.json` (a sequence number, the run's
     configuration, versions and the state file's SHA-256). It is written into a temporary
     folder, fsynced, then renamed into place, so a crash mid-write never leaves a partial
-    checkpoint under a checkpoint's name. The newest `KEEP` are kept.
+    checkpoint under a checkpoint's name.
+
+    Checkpoints are ordered by their sequence number, the order they were completed in,
+    never by folder name. A folder whose manifest cannot be read, or whose files do not
+    match it, is skipped with a warning and never counted among the `KEEP` kept.
+
+    While a run uses the directory it holds a lock on it (`fcntl`), and on opening it
+    removes the temporary folders of writes that were cut short. With several processes
+    (`jax.distributed`), process 0 alone writes and holds the lock; the others read.
 
     **Arguments:**
 
@@ -105,73 +125,241 @@ class Checkpoints:
     - `config`: what identifies the run (JSON). A checkpoint written under another
         configuration is refused, not loaded.
     - `steps_per_epoch`: to name checkpoints by epoch.
+    - `writer`: whether this process writes (process 0 of a `jax.distributed` run).
     """
 
-    def __init__(self, directory: str | os.PathLike, config: dict[str, Any], steps_per_epoch: int):
-        self.steps_per_epoch = steps_per_epoch
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: dict[str, Any],
+        steps_per_epoch: int,
+        *,
+        writer: bool = True,
+    ):
+        self.steps_per_epoch, self.writer = steps_per_epoch, writer
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.config = json.loads(json.dumps(config))  # normalised, as it will read back
+        self.warned: set[str] = set()
+        self._lock: Any = None
+        if not writer:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"Cannot create the checkpoint directory {self.directory}: {e.strerror}."
+            ) from None
+        self._lock = _lock(self.directory)
+        try:
+            self._remove_litter()
+            _check_writable(self.directory)
+        except BaseException:
+            self.close()
+            raise
 
-    def _names(self) -> list[str]:
-        return sorted(p.name for p in self.directory.iterdir() if _NAME.match(p.name))
+    def close(self) -> None:
+        """Releases the directory's lock."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
-    def save(self, state: PyTree) -> Path:
-        """Writes the training state `state` (on the host) as a checkpoint at its position,
-        and prunes old ones.
+    def _remove_litter(self) -> None:
+        """Temporary folders left by writes cut short (a kill, a full disk)."""
+        for path in self.directory.iterdir():
+            if path.name.startswith((".tmp-", ".old-")) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _checkpoints(self) -> list[tuple[int, Path, dict[str, Any]]]:
+        """The checkpoints whose manifest reads well, as `(sequence, folder, manifest)`,
+        newest first. Others are skipped with a warning (once each).
         """
+        found = []
+        for folder in self.directory.iterdir():
+            if not _NAME.match(folder.name) or not folder.is_dir():
+                continue
+            try:
+                manifest = _read_manifest(folder)
+            except ValueError as e:
+                self._warn(folder, str(e))
+                continue
+            found.append((manifest["sequence"], folder, manifest))
+        return sorted(found, key=lambda entry: entry[0], reverse=True)
+
+    def _warn(self, folder: Path, why: str) -> None:
+        if folder.name not in self.warned:
+            self.warned.add(folder.name)
+            warnings.warn(f"Skipping checkpoint {folder}: {why}.", stacklevel=4)
+
+    def save(self, state: PyTree) -> Path | None:
+        """Writes the training state `state` (on the host) as a checkpoint at its position,
+        and prunes old ones. If the disk is full, removes the oldest kept checkpoint and
+        tries once more. Other processes of a `jax.distributed` run wait for the write.
+        """
+        final = None
+        if self.writer:
+            final = self._write(state)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("eqfit checkpoint written")
+        return final
+
+    def _write(self, state: PyTree) -> Path:
         epoch, step = divmod(position(state), self.steps_per_epoch)
         data = serialise(state)
+        existing = self._checkpoints()
         manifest = {
             "format": FORMAT,
+            "sequence": existing[0][0] + 1 if existing else 1,
             "epoch": epoch,
             "step": step,
             "sha256": hashlib.sha256(data).hexdigest(),
             "config": self.config,
             "versions": versions(),
         }
+        text = json.dumps(manifest, indent=1).encode()
         final = self.directory / f"ckpt-{epoch:06d}-{step:06d}"
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory))
-        _write(tmp / "state.eqx", data)
-        _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
-        if final.exists():  # the same point saved again (after a resume): replace it
-            old = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
-            os.replace(final, old / final.name)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(self.directory)
-        for name in self._names()[:-KEEP]:
-            shutil.rmtree(self.directory / name, ignore_errors=True)
+        try:
+            self._put(final, data, text)
+        except OSError as e:
+            if e.errno not in _NO_SPACE:
+                raise CheckpointError(f"Cannot write the checkpoint {final}: {e}.") from None
+            # Out of space: make room by dropping the oldest kept checkpoint, once.
+            if len(existing) >= KEEP:
+                self._remove(existing[-1][1])
+            try:
+                self._put(final, data, text)
+            except OSError as again:
+                if again.errno not in _NO_SPACE:
+                    raise CheckpointError(
+                        f"Cannot write the checkpoint {final}: {again}."
+                    ) from None
+                raise CheckpointError(
+                    f"The checkpoint directory {self.directory} has no room for a checkpoint "
+                    f"of {len(data) + len(text)} bytes ({again.strerror}), even after removing "
+                    "the oldest one. Free some space, or give another directory."
+                ) from None
+        for _, folder, _ in self._checkpoints()[KEEP:]:
+            self._remove(folder)
         return final
 
-    def restore(self, like: PyTree) -> PyTree | None:
-        """The newest complete checkpoint, read into the shape of `like`; `None` if none.
+    def _remove(self, folder: Path) -> None:
+        """Removes a checkpoint: first renamed out of the way, in one step, so that a kill
+        while its files are deleted leaves litter (removed at the next opening), never a
+        checkpoint's name on half a checkpoint.
+        """
+        try:
+            away = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
+            os.replace(folder, away / folder.name)
+        except OSError:
+            return
+        shutil.rmtree(away, ignore_errors=True)
 
-        A checkpoint that is truncated or corrupt is skipped with a warning, falling back
+    def _put(self, final: Path, data: bytes, manifest: bytes) -> None:
+        """Writes a checkpoint folder through a fsynced temporary one and a rename; on a
+        failure removes the temporary folder, leaving no litter.
+        """
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory))
+        try:
+            _write(tmp / "state.eqx", data)
+            _write(tmp / "manifest.json", manifest)
+            _fsync_dir(tmp)
+            if final.exists():  # the same point saved again (after a resume): replace it
+                old = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
+                os.replace(final, old / final.name)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(self.directory)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def restore(self, like: PyTree) -> PyTree | None:
+        """The newest checkpoint that reads back whole, into the shape of `like`; `None`
+        if none. One that is truncated or corrupt is skipped with a warning, falling back
         to the one before it. One from another configuration raises `ValueError`.
         """
-        for name in reversed(self._names()):
-            folder = self.directory / name
+        if not self.directory.is_dir():
+            return None
+        for _, folder, manifest in self._checkpoints():
             try:
-                manifest = json.loads((folder / "manifest.json").read_text())
                 data = (folder / "state.eqx").read_bytes()
-                if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
-                    raise ValueError("its contents do not match the checksum in its manifest")
-            except (OSError, ValueError, KeyError) as e:
-                warnings.warn(
-                    f"Checkpoint {folder} is incomplete or corrupt ({e}); "
-                    "falling back to the one before it.",
-                    stacklevel=3,
-                )
+            except OSError as e:
+                self._warn(folder, f"its state cannot be read ({e.strerror})")
                 continue
-            if manifest.get("config") != self.config:
-                raise ValueError(_mismatch(folder, manifest.get("config") or {}, self.config))
-            with open(folder / "state.eqx", "rb") as f:
-                return eqx.tree_deserialise_leaves(f, like)
+            if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+                self._warn(folder, "its contents do not match the checksum in its manifest")
+                continue
+            if manifest["config"] != self.config:
+                raise ValueError(_mismatch(folder, manifest["config"], self.config))
+            try:
+                return eqx.tree_deserialise_leaves(io.BytesIO(data), like)
+            except Exception as e:  # a file of the right checksum but another layout
+                self._warn(folder, f"its state does not read back ({type(e).__name__}: {e})")
         return None
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    """A checkpoint's manifest, checked to hold what a checkpoint needs."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except OSError as e:
+        raise ValueError(f"its manifest cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("its manifest is not JSON (a write cut short?)") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"its manifest is a JSON {type(manifest).__name__}, not an object")
+    kinds = {"sequence": int, "epoch": int, "step": int, "sha256": str, "config": dict}
+    for name, kind in kinds.items():
+        value = manifest.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"its manifest has no {kind.__name__} {name!r}")
+    return manifest
+
+
+def _lock(directory: Path) -> Any:
+    """An exclusive lock on `directory` (through a `.lock` file in it), naming its holder;
+    refused with the holder's name if another run has it.
+    """
+    import fcntl
+
+    path = directory / ".lock"
+    handle = open(path, "a+")  # noqa: SIM115 (held until `close`)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise CheckpointError(
+            f"The checkpoint directory {directory} is in use by another run ({holder}). "
+            "Wait for it to end, or give another directory."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n")
+    handle.flush()
+    return handle
+
+
+def _check_writable(directory: Path) -> None:
+    """Writes and removes a file, so that a directory that cannot take checkpoints is
+    found before training rather than at its first checkpoint.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot write to the checkpoint directory {directory} ({e.strerror}); training "
+            "has not started. Give a directory this process can write to."
+        ) from None
 
 
 def _mismatch(folder: Path, saved: dict[str, Any], now: dict[str, Any]) -> str:
@@ -192,10 +380,11 @@ def _short(value: Any) -> str:
 
 
 class Interrupt:
-    """Defers Ctrl-C (SIGINT) to the next chunk boundary, where `fit` can checkpoint.
+    """Defers Ctrl-C (SIGINT) to the next epoch boundary, where `fit` can checkpoint.
 
     Use as a context manager around training; `requested` turns true when Ctrl-C came.
-    A second Ctrl-C interrupts at once. Outside the main thread it does nothing.
+    A second Ctrl-C raises `KeyboardInterrupt` at once (the driver waits for the device
+    in short sleeps, so Python's handler runs). Outside the main thread it does nothing.
     """
 
     def __init__(self) -> None:

@@ -9,6 +9,8 @@ every fraction of a second for the bar.
 """
 
 import dataclasses
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -16,7 +18,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import Checkpoints, Interrupt
+from ._checkpoint import CheckpointError, Checkpoints, Interrupt
 from ._loop import Inputs, Loop, Report, TrainState
 from ._parallel import Placement
 
@@ -53,10 +55,11 @@ class Plan:
     begin: int  # the global step the run starts from (after a resume, inside an epoch)
     total: int  # the run's last step
     steps_per_epoch: int
+    seconds_per_call: float  # calls of about this long (measured as training goes)
+    whole_epochs: bool = False  # calls end at epochs' ends (the compiled path)
     checkpoint_every: int | None = None  # epochs between checkpoints
     epoch_calls: bool = False  # a call per epoch at most (callbacks see each epoch)
     sync_epochs: bool = False  # read each epoch's values before training on (callbacks)
-    seconds_per_call: float | None = None  # the bar: calls of about this long
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class Outcome:
     report: Report
     stopped_by_callback: bool
     interrupted: bool
+    failure: Exception | None = None  # a checkpoint that could not be written
 
 
 class _Reader:
@@ -116,6 +120,7 @@ class _Reader:
         return seconds
 
     def _take(self, report: Report, begin: int) -> None:
+        WAITER.wait(report.step)
         host = self.placement.host(
             (report.step, report.stopped, report.loss_sum, report.epoch_values)
         )
@@ -201,6 +206,40 @@ class Bar:
             self.made.close()
 
 
+class _Waiter:
+    """Waits for device arrays in a thread of its own. The main thread then waits on a
+    lock, which a signal interrupts, so that a second Ctrl-C gets through at once; a
+    blocking wait for the device in the main thread would hold it until the device is
+    done.
+    """
+
+    def __init__(self) -> None:
+        self.requests: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def wait(self, array: Any) -> None:
+        if array.is_ready():
+            return
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, daemon=True)
+            self.thread.start()
+        done = threading.Event()
+        self.requests.put((array, done))
+        done.wait()
+
+    def _serve(self) -> None:
+        while True:
+            array, done = self.requests.get()
+            try:
+                array.block_until_ready()
+            except Exception:  # the main thread reads the array and meets the error
+                pass
+            done.set()
+
+
+WAITER = _Waiter()
+
+
 def drive(
     loop: Loop,
     program: Callable[[Loop], Callable[..., tuple[TrainState, Report]]],
@@ -218,63 +257,70 @@ def drive(
     a stop or an interrupt.
 
     Each call is queued before the previous one's report is read: the host updates the
-    bar while the device works. Checkpoints, which need the state itself, wait for their
-    call; so do epochs' ends when callbacks may stop training.
+    bar while the device works. Calls last about `plan.seconds_per_call`, measured as
+    training goes; with `plan.whole_epochs` they end at epochs' ends. Checkpoints, which
+    need the state itself, wait for their call; so do epochs' ends when callbacks may stop
+    training. After a Ctrl-C, training goes on to the next epoch's end and stops there.
 
     **Returns:**
 
     An `Outcome` with the final state and the last call's report.
     """
-    placement = loop.placement
     reader = _Reader(
-        placement, loop.log_names, plan.steps_per_epoch, loop.first_epoch, bar, callbacks
+        loop.placement, loop.log_names, plan.steps_per_epoch, loop.first_epoch, bar, callbacks
     )
     programs = {loop.batch_size: program(loop)}  # and for pieces of a smaller last batch
     per_epoch = plan.steps_per_epoch
     position, report = plan.begin, None
-    # The bar's first call is short, for a quick first redraw (or one whole short epoch);
-    # later ones take about `seconds_per_call`, from the speed measured so far.
-    size = per_epoch if per_epoch <= 64 else 8
-    stopped = False
+    # The first call is one short epoch, or 8 steps of a long one (whole on the compiled
+    # path): a quick first report to measure the speed by; later calls are sized by it.
+    steps_per_call = per_epoch if per_epoch <= 64 or plan.whole_epochs else 8
+    finished = interrupted = False
+    failure = None
     try:
         for feed in feeds:
-            while not stopped:
-                stop = min(plan.total, feed.end)
-                if plan.seconds_per_call is not None:
-                    stop = min(stop, position + size)
-                if plan.epoch_calls or plan.sync_epochs:
-                    stop = min(stop, (position // per_epoch + 1) * per_epoch)
+            while not finished:
+                interrupted = interrupt is not None and interrupt.requested
+                next_epoch = (position // per_epoch + 1) * per_epoch
+                if interrupted and position % per_epoch == 0 and report is not None:
+                    break  # at an epoch's end: stop here
+                stop = min(plan.total, feed.end, position + steps_per_call)
+                if plan.whole_epochs:
+                    stop = max(stop // per_epoch * per_epoch, min(next_epoch, plan.total))
+                if plan.epoch_calls or plan.sync_epochs or interrupted:
+                    stop = min(stop, next_epoch)
                 if store is not None and plan.checkpoint_every:
                     every = plan.checkpoint_every * per_epoch
                     stop = min(stop, (position // every + 1) * every)
-                stop = max(stop, position)  # a call with nothing to do still reports
+                stop = min(max(stop, position), feed.end)  # a call with nothing to do reports
                 size = feed.batch_size or loop.batch_size
                 if size not in programs:
                     programs[size] = program(dataclasses.replace(loop, batch_size=size))
                 state, report = programs[size](state, feed.inputs, np.int32(stop))
                 reader.queued(report, position, stop)
                 seconds = reader.read(keep=1)
-                if plan.seconds_per_call is not None and seconds is not None:
-                    size = max(1, int(plan.seconds_per_call / max(seconds, 1e-7)))
+                if seconds is not None:
+                    steps_per_call = max(1, int(plan.seconds_per_call / max(seconds, 1e-9)))
                 position = stop
-                at_epoch_end = position % per_epoch == 0
-                if plan.sync_epochs and at_epoch_end:
+                if plan.sync_epochs and position % per_epoch == 0:
                     reader.read()
                 if store is not None and plan.checkpoint_every:
-                    if (
-                        position % (plan.checkpoint_every * per_epoch) == 0
-                        or position >= plan.total
-                    ):
+                    every = plan.checkpoint_every * per_epoch
+                    if position % every == 0 or position >= plan.total:
                         assert save is not None
-                        store.save(save(state))
-                interrupted = interrupt is not None and interrupt.requested
-                stopped = reader.finished or interrupted or position >= plan.total
+                        try:
+                            store.save(save(state))
+                        except CheckpointError as e:  # the result goes with the error
+                            failure = e
+                            break
+                finished = reader.finished or position >= plan.total
                 if position >= feed.end:
                     break
-            if stopped:
+            if failure or finished or interrupted and position % per_epoch == 0 and report:
                 break
         if report is None:  # no feed at all: nothing to train on from here
             raise ValueError("The data yielded no batches to train on.")
+        WAITER.wait(report.step)
         if bar is not None or callbacks:
             reader.read()
     finally:
@@ -289,4 +335,5 @@ def drive(
         report,
         stopped_by_callback=reader.by_callback,
         interrupted=interrupt is not None and interrupt.requested,
+        failure=failure,
     )

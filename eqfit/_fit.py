@@ -29,7 +29,7 @@ from ._drive import Bar, Callback, drive, Plan
 from ._early_stopping import EarlyStopping
 from ._loop import Consts, Inputs, Loop, run_program, split_arrays, start_program, TrainState
 from ._parallel import choose_placement, Device
-from ._result import FitResult, make_result
+from ._result import FitResult, make_result, TrainingInterrupted
 from ._sources import InMemory, Loader, Memmaps, streamed_source
 from ._step import takes_key
 
@@ -40,8 +40,10 @@ from ._step import takes_key
 Data = object
 ValidationData = PyTree[Shaped[Array | np.ndarray, "_n_val ..."]]
 
-# How long each call of the bar path takes: the bar redraws about this often.
-SECONDS_PER_CALL = 0.2
+# How long each call of the program takes: with the bar, it redraws this often; without,
+# calls end at epochs' ends, and a Ctrl-C waits for at most about two of them.
+SECONDS_PER_BAR_CALL = 0.2
+SECONDS_PER_CALL = 0.5
 DEFAULT_BATCH_SIZE = 32
 
 
@@ -242,47 +244,59 @@ def fit(
     store, begin = None, loop.begin
     if checkpoint is not None:
         config = _config(loop, train_state, source, val_data, loss, key_)
-        store = Checkpoints(checkpoint, config, per_epoch)
-        restored = store.restore(jax.device_get(train_state))
-        if restored is not None:
-            train_state = jax.device_put(restored)
-            begin = position(train_state)
-    template = Inputs(None, put(val_data, sharded=True), put(keys), put(consts))
-    total = loop.total_steps
-    schedule = Plan(
-        begin=begin,
-        total=total,
-        steps_per_epoch=per_epoch,
-        checkpoint_every=checkpoint_every if store is not None else None,
-        epoch_calls=bool(callbacks),
-        sync_epochs=any(getattr(c, "stops_training", True) for c in callbacks),
-        seconds_per_call=SECONDS_PER_CALL if progress else None,
-    )
-    bar = None
-    if progress:
-        bar = Bar(total - loop.begin, begin - loop.begin, per_epoch, initial_epoch, epochs)
-
-    def save(s: TrainState) -> PyTree:
-        return jax.device_get(placement.get(s))
-
-    interrupt = Interrupt()
-    with interrupt.deferred():
-        outcome = drive(
-            loop,
-            run_program,
-            put(train_state),
-            source.feeds(begin, total, template, put),
-            schedule,
-            bar=bar,
-            callbacks=callbacks,
-            store=store,
-            interrupt=interrupt,
-            save=save,
-        )
-    if outcome.interrupted:
+        writer = jax.process_index() == 0  # one process writes; all read
+        store = Checkpoints(checkpoint, config, per_epoch, writer=writer)
+    try:
         if store is not None:
-            store.save(save(outcome.state))
-        raise KeyboardInterrupt
+            restored = store.restore(jax.device_get(train_state))
+            if restored is not None:
+                train_state = jax.device_put(restored)
+                begin = position(train_state)
+        template = Inputs(None, put(val_data, sharded=True), put(keys), put(consts))
+        total = loop.total_steps
+        schedule = Plan(
+            begin=begin,
+            total=total,
+            steps_per_epoch=per_epoch,
+            seconds_per_call=SECONDS_PER_BAR_CALL if progress else SECONDS_PER_CALL,
+            whole_epochs=not progress,
+            checkpoint_every=checkpoint_every if store is not None else None,
+            epoch_calls=bool(callbacks),
+            sync_epochs=any(getattr(c, "stops_training", True) for c in callbacks),
+        )
+        bar = None
+        if progress:
+            bar = Bar(total - loop.begin, begin - loop.begin, per_epoch, initial_epoch, epochs)
+
+        def save(s: TrainState) -> PyTree:
+            return jax.device_get(placement.get(s))
+
+        interrupt = Interrupt()
+        with interrupt.deferred():
+            outcome = drive(
+                loop,
+                run_program,
+                put(train_state),
+                source.feeds(begin, total, template, put),
+                schedule,
+                bar=bar,
+                callbacks=callbacks,
+                store=store,
+                interrupt=interrupt,
+                save=save,
+            )
+            if outcome.failure is not None:
+                result = make_result(loop, placement, outcome, consts, began, raises=False)
+                outcome.failure.result = result  # type: ignore[attr-defined]
+                raise outcome.failure
+            if outcome.interrupted:
+                if store is not None:
+                    store.save(save(outcome.state))
+                result = make_result(loop, placement, outcome, consts, began, raises=False)
+                raise TrainingInterrupted(result)
+    finally:
+        if store is not None:
+            store.close()
     return make_result(loop, placement, outcome, consts, began)
 
 

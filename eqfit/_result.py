@@ -47,6 +47,20 @@ class FitResult:
     state: PyTree = None
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training was interrupted (Ctrl-C). It stopped at an epoch's end, wrote a checkpoint
+    if it had a directory, and `result` holds what it had trained.
+    """
+
+    def __init__(self, result: FitResult):
+        last = result.history.initial_epoch + result.history.epochs
+        super().__init__(
+            f"Training interrupted after epoch {last}; the result so far is in this "
+            "exception's `.result`."
+        )
+        self.result = result
+
+
 class NonFiniteLossError(FloatingPointError):
     """The loss was NaN or infinite. `result` holds the last finite model; `epoch` and
     `step` (counted from 1) say where.
@@ -60,12 +74,17 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def make_result(
-    loop: Loop, placement: Placement, outcome: Outcome, consts: Consts, began: float
+    loop: Loop,
+    placement: Placement,
+    outcome: Outcome,
+    consts: Consts,
+    began: float,
+    raises: bool = True,
 ) -> FitResult:
     """The result of a run, from its final state and the last call's report.
 
-    Raises `NonFiniteLossError` (holding the result) if a non-finite loss stopped the run
-    and `on_nan="raise"`.
+    If `raises`, raises `NonFiniteLossError` (holding the result) if a non-finite loss
+    stopped the run and `on_nan="raise"`, and warns if the data ran out.
     """
     report, state = outcome.report, outcome.state
     # `np.asarray` on each, not `jax.device_get`, whose tree walk costs several times more.
@@ -122,6 +141,8 @@ def make_result(
     arrays = [next(trained) if t else next(frozen) for t in loop.trains]
     model = loop.model.fill(arrays)
     result = FitResult(model, opt_state, history, model_state)
+    if not raises:
+        return result
     if "out_of_data" in reasons:
         warnings.warn(
             f"The data ran out after {max(ran)} of the {loop.epochs - loop.first_epoch} "

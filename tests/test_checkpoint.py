@@ -102,7 +102,7 @@ def test_truncated_newest_checkpoint_falls_back(getkey, tmp_path, progress):
     assert checkpoints(tmp_path) == ["ckpt-000003-000000", "ckpt-000004-000000"]
     state = tmp_path / "ckpt-000004-000000" / "state.eqx"
     state.write_bytes(state.read_bytes()[:100])  # a crash mid-write of the disk's contents
-    with pytest.warns(UserWarning, match=r"ckpt-000004-000000 is incomplete or corrupt"):
+    with pytest.warns(UserWarning, match=r"Skipping checkpoint .*ckpt-000004-000000: its contents"):
         resumed = eqfit.fit(
             model, data, optimizer=optimizer, checkpoint=tmp_path, progress=progress, **kwargs
         )
