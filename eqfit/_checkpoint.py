@@ -140,6 +140,7 @@ class Checkpoints:
         self.directory = Path(directory)
         self.config = json.loads(json.dumps(config))  # normalised, as it will read back
         self.warned: set[str] = set()
+        self.good: dict[str, tuple[int, Path, dict[str, Any]]] | None = None  # by name
         self._lock: Any = None
         if not writer:
             return
@@ -149,10 +150,10 @@ class Checkpoints:
             raise CheckpointError(
                 f"Cannot create the checkpoint directory {self.directory}: {e.strerror}."
             ) from None
+        _check_writable(self.directory)
         self._lock = _lock(self.directory)
         try:
             self._remove_litter()
-            _check_writable(self.directory)
         except BaseException:
             self.close()
             raise
@@ -170,20 +171,25 @@ class Checkpoints:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _checkpoints(self) -> list[tuple[int, Path, dict[str, Any]]]:
-        """The checkpoints whose manifest reads well, as `(sequence, folder, manifest)`,
-        newest first. Others are skipped with a warning (once each).
+        """The good checkpoints, as `(sequence, folder, manifest)`, newest first.
+
+        Each folder is checked once, when this run first looks: its manifest must read
+        well and its state must match the manifest's checksum. Those that do not are
+        skipped with a warning; those this run writes are known good.
         """
-        found = []
-        for folder in self.directory.iterdir():
-            if not _NAME.match(folder.name) or not folder.is_dir():
-                continue
-            try:
-                manifest = _read_manifest(folder)
-            except ValueError as e:
-                self._warn(folder, str(e))
-                continue
-            found.append((manifest["sequence"], folder, manifest))
-        return sorted(found, key=lambda entry: entry[0], reverse=True)
+        if self.good is None:
+            self.good = {}
+            for folder in self.directory.iterdir() if self.directory.is_dir() else ():
+                if not _NAME.match(folder.name) or not folder.is_dir():
+                    continue
+                try:
+                    manifest = _read_manifest(folder)
+                    _check_state(folder, manifest)
+                except ValueError as e:
+                    self._warn(folder, str(e))
+                    continue
+                self.good[folder.name] = (manifest["sequence"], folder, manifest)
+        return sorted(self.good.values(), key=lambda entry: entry[0], reverse=True)
 
     def _warn(self, folder: Path, why: str) -> None:
         if folder.name not in self.warned:
@@ -239,6 +245,8 @@ class Checkpoints:
                     f"of {len(data) + len(text)} bytes ({again.strerror}), even after removing "
                     "the oldest one. Free some space, or give another directory."
                 ) from None
+        assert self.good is not None
+        self.good[final.name] = (manifest["sequence"], final, manifest)
         for _, folder, _ in self._checkpoints()[KEEP:]:
             self._remove(folder)
         return final
@@ -248,6 +256,8 @@ class Checkpoints:
         while its files are deleted leaves litter (removed at the next opening), never a
         checkpoint's name on half a checkpoint.
         """
+        if self.good is not None:
+            self.good.pop(folder.name, None)
         try:
             away = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
             os.replace(folder, away / folder.name)
@@ -277,28 +287,29 @@ class Checkpoints:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def restore(self, like: PyTree) -> PyTree | None:
-        """The newest checkpoint that reads back whole, into the shape of `like`; `None`
-        if none. One that is truncated or corrupt is skipped with a warning, falling back
-        to the one before it. One from another configuration raises `ValueError`.
+        """The newest good checkpoint, read into the shape of `like`; `None` if none. One
+        that is truncated or corrupt is skipped with a warning, falling back to the one
+        before it. One from another configuration raises `ValueError`.
         """
-        if not self.directory.is_dir():
-            return None
         for _, folder, manifest in self._checkpoints():
-            try:
-                data = (folder / "state.eqx").read_bytes()
-            except OSError as e:
-                self._warn(folder, f"its state cannot be read ({e.strerror})")
-                continue
-            if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
-                self._warn(folder, "its contents do not match the checksum in its manifest")
-                continue
             if manifest["config"] != self.config:
                 raise ValueError(_mismatch(folder, manifest["config"], self.config))
             try:
+                data = (folder / "state.eqx").read_bytes()
                 return eqx.tree_deserialise_leaves(io.BytesIO(data), like)
-            except Exception as e:  # a file of the right checksum but another layout
+            except Exception as e:  # changed since it was checked, or another layout
                 self._warn(folder, f"its state does not read back ({type(e).__name__}: {e})")
         return None
+
+
+def _check_state(folder: Path, manifest: dict[str, Any]) -> None:
+    """Refuses a checkpoint whose state file is missing or does not match its manifest."""
+    try:
+        data = (folder / "state.eqx").read_bytes()
+    except OSError as e:
+        raise ValueError(f"its state cannot be read ({e.strerror})") from None
+    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        raise ValueError("its contents do not match the checksum in its manifest")
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -329,7 +340,10 @@ def _lock(directory: Path) -> Any:
     import fcntl
 
     path = directory / ".lock"
-    handle = open(path, "a+")  # noqa: SIM115 (held until `close`)
+    try:
+        handle = open(path, "a+")  # noqa: SIM115 (held until `close`)
+    except OSError as e:
+        raise CheckpointError(f"Cannot open the lock file {path}: {e.strerror}.") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -333,7 +333,9 @@ def ensemble_size(model: PyTree) -> int:
     sizes = {leaf.shape[0] for leaf in leaves}
     if len(sizes) > 1:
         raise ValueError(
-            "With `ensemble=True`, every array of `model` must have the same leading "
-            f"(member) size, but they have sizes {sorted(sizes)}."
+            "With `ensemble=True`, `model` must be a stack of members: every array with the "
+            f"same leading (member) axis, but its arrays' leading sizes are {sorted(sizes)}; "
+            "is it a single model? Build a stack with "
+            "`eqx.filter_vmap(make_model)(jax.random.split(key, members))`."
         )
     return sizes.pop()

@@ -32,6 +32,7 @@ from ._parallel import choose_placement, Device
 from ._result import FitResult, make_result, TrainingInterrupted
 from ._sources import InMemory, Loader, Memmaps, streamed_source
 from ._step import takes_key
+from .losses import LABEL_ERRORS, raise_label_errors
 
 
 # `data` takes arrays, PyTrees of them, memmaps, loaders and generators: too many kinds for
@@ -239,6 +240,9 @@ def fit(
     elif isinstance(source, Loader):
         source.set_chunk_size()
 
+    if opt_state is not None:
+        _check_opt_state(loop, params, opt_state, optimizer)
+    labels_before = len(LABEL_ERRORS)
     train_state, keys = start_program(loop)(params, opt_state, state, key_, consts)
     put = placement.put
     store, begin = None, loop.begin
@@ -294,6 +298,13 @@ def fit(
                     store.save(save(outcome.state))
                 result = make_result(loop, placement, outcome, consts, began, raises=False)
                 raise TrainingInterrupted(result)
+            if len(LABEL_ERRORS) > labels_before:
+                result = make_result(loop, placement, outcome, consts, began, raises=False)
+                try:
+                    raise_label_errors(labels_before)
+                except ValueError as e:
+                    e.result = result  # type: ignore[attr-defined]
+                    raise
     finally:
         if store is not None:
             store.close()
@@ -327,6 +338,40 @@ def _check_counts(
     whole("checkpoint_every", checkpoint_every, 1)
 
 
+def _check_opt_state(
+    loop: Loop, params: list[jax.Array], opt_state: PyTree, optimizer: Any
+) -> None:
+    """Refuses an `opt_state` that is not the optimizer's state for these parameters."""
+    init = optimizer.init if loop.members is None else jax.vmap(optimizer.init)
+    expected = jax.eval_shape(init, loop.params_tree(params))
+    given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), opt_state)
+    if jax.tree.structure(expected) != jax.tree.structure(given) or jax.tree.leaves(
+        expected
+    ) != jax.tree.leaves(given):
+        raise ValueError(
+            "`opt_state` is not this optimizer's state for the arrays that train: expected "
+            f"{_summary(expected)}, got {_summary(given)}. Pass the `opt_state` of a result "
+            "trained with the same optimizer (and `filter_spec`), or none."
+        )
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _summary(state: PyTree) -> str:
+    """An optimizer state in a line: its outer types and its arrays."""
+    kinds = (
+        f"({', '.join(type(s).__name__ for s in state)})"
+        if isinstance(state, tuple) and not hasattr(state, "_fields")
+        else type(state).__name__
+    )
+    leaves = jax.tree.leaves(state)
+    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in leaves[:4])
+    more = ", ..." if len(leaves) > 4 else ""
+    return f"{kinds} of {len(leaves)} arrays [{shapes}{more}]"
+
+
 def _check_total(epochs: int, steps_per_epoch: int) -> None:
     """Steps are counted in 32-bit integers on the device."""
     if epochs * steps_per_epoch >= 2**31:
@@ -344,6 +389,11 @@ def _configure(
     """
     arrays, skeleton = split_arrays(model)
     trains = _trains(model, arrays, filter_spec)
+    if not any(trains):
+        raise ValueError(
+            "`model` has no floating-point arrays that `filter_spec` chooses to train, so "
+            f"training would change nothing (its arrays: {describe(model)[:6]})."
+        )
     params = [a for a, t in zip(arrays, trains) if t]
     frozen = [a for a, t in zip(arrays, trains) if not t]
     object_arrays, objects_skeleton = split_arrays(objects)

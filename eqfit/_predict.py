@@ -13,7 +13,7 @@ from jaxtyping import Array, jaxtyped, PyTree, Shaped
 from ._data import as_data, check_batch_size, ensemble_size, num_samples
 from ._evaluate import evaluate_batches
 from ._step import Objective, takes_key
-from .losses import outputs
+from .losses import LABEL_ERRORS, outputs, raise_label_errors
 
 
 @jaxtyped(typechecker=beartype)
@@ -122,9 +122,11 @@ def evaluate(
     data_ = as_data(data)
     check_batch_size(batch_size)
     objective = Objective(loss, tuple((metrics or {}).items()), state is not None, takes_key(loss))
-    values = _evaluate(objective, model, state, data_, batch_size)
+    labels_before = len(LABEL_ERRORS)
+    values = np.asarray(_evaluate(objective, model, state, data_, batch_size)).tolist()
+    raise_label_errors(labels_before)
     names = ("loss", *(name for name, _ in objective.metrics))
-    return dict(zip(names, np.asarray(values).tolist()))
+    return dict(zip(names, values))
 
 
 _evaluate = eqx.filter_jit(evaluate_batches)

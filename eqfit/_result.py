@@ -195,7 +195,7 @@ def save(path: str | os.PathLike, result: FitResult) -> None:
     write_atomically(Path(path), _MAGIC + json.dumps(header).encode() + b"\n" + leaves)
 
 
-def load(path: str | os.PathLike, *, like: Any) -> Any:
+def load(path: str | os.PathLike[str], *, like: Any) -> Any:
     """Reads what `save` wrote.
 
     **Arguments:**
@@ -209,15 +209,35 @@ def load(path: str | os.PathLike, *, like: Any) -> Any:
     A `FitResult` with the saved model, optimizer state, state and history; or, given a
     model, the saved model.
     """
+    if not isinstance(like, FitResult) and not any(eqx.is_array(x) for x in jax.tree.leaves(like)):
+        raise TypeError(
+            "`like` must be a `FitResult` (such as `fit(..., epochs=0)` returns) or a model "
+            f"of the saved one's structure, to read the arrays into; got {type(like).__name__}, "
+            "which holds no arrays."
+        )
     with open(path, "rb") as f:
         if f.readline() != _MAGIC:
             raise ValueError(f"{path} is not an eqfit file written by `eqfit.save`.")
-        header = json.loads(f.readline())
-        if not isinstance(like, FitResult):
-            return eqx.tree_deserialise_leaves(f, like)
-        model, opt_state, state = eqx.tree_deserialise_leaves(
-            f, (like.model, like.opt_state, like.state)
+        try:
+            header = json.loads(f.readline())
+            target = (
+                (like.model, like.opt_state, like.state) if isinstance(like, FitResult) else like
+            )
+            loaded = eqx.tree_deserialise_leaves(f, target)
+        except Exception as e:  # a truncated file, or arrays of another structure
+            raise ValueError(
+                f"{path} does not read back into `like`: the file is truncated, or was saved "
+                f"from a model of another structure ({type(e).__name__}: {e})."
+            ) from None
+        extra = len(f.read()) if isinstance(like, FitResult) else 0  # a model: more follows
+    if extra:
+        raise ValueError(
+            f"{path} has {extra} bytes more than `like`'s arrays take: it was saved from a "
+            "model of another structure, or is not the file `eqfit.save` wrote."
         )
+    if not isinstance(like, FitResult):
+        return loaded
+    model, opt_state, state = loaded
     h = header["history"]
     history = History(
         {k: np.asarray(v, np.float32) for k, v in h["values"].items()},

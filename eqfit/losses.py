@@ -18,8 +18,10 @@ from typing import Any, overload
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from beartype import beartype
+from jax.core import Tracer
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, Key, PyTree, Shaped
 
 from ._step import takes_key
@@ -46,6 +48,56 @@ def outputs(
     if state is None:
         return jax.vmap(one)(x, keys), None
     return jax.vmap(one, axis_name="batch", out_axes=(0, None))(x, keys)
+
+
+# Labels out of range, found inside compiled programs. A step with one gets NaN logits (so
+# its update is not applied, and training stops unless `on_nan="skip"`), and the label is
+# noted here, from a callback that runs only then; `fit`, `evaluate` and the ready
+# functions called directly raise it as a `ValueError` once the program is done.
+LABEL_ERRORS: list[str] = []
+
+
+def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Array:
+    """`values` (logits or outputs), NaN if a label of `y` is outside `[0, classes)`
+    (or, with `classes=None`, outside `[0, 1]`), the label then noted in `LABEL_ERRORS`.
+    """
+    bad = (y < 0) | (y >= classes) if classes is not None else (y < 0) | (y > 1)
+
+    def note(y: Any) -> np.ndarray:  # (numpy or JAX arrays, as JAX passes them)
+        y = np.asarray(y)
+        wrong = (y < 0) | (y >= classes) if classes is not None else (y < 0) | (y > 1)
+        i = np.unravel_index(int(np.argmax(wrong)), y.shape)
+        if classes is not None:
+            why = (
+                f"is outside [0, {classes}): the model gives {classes} classes, so labels "
+                f"must be integers from 0 to {classes - 1}"
+            )
+        else:
+            why = "is outside [0, 1]: labels must be 0 or 1, or probabilities"
+        where = tuple(map(int, i))
+        LABEL_ERRORS.append(f"`{name}`: label {y[i]} (at {where} of a batch) {why}.")
+        return np.full(values.shape, np.nan, values.dtype)
+
+    if not isinstance(y, Tracer):  # called directly, not in a program: raise now
+        since = len(LABEL_ERRORS)
+        if bool(jnp.any(bad)):
+            note(y)
+            raise_label_errors(since)
+        return values
+
+    def poisoned(values: Array, y: Array) -> Array:
+        shape = jax.ShapeDtypeStruct(values.shape, values.dtype)
+        return jax.pure_callback(note, shape, y, vmap_method="sequential")
+
+    return jax.lax.cond(jnp.any(bad), poisoned, lambda values, y: values, values, y)
+
+
+def raise_label_errors(since: int) -> None:
+    """Raises the first label error noted after the first `since`."""
+    if len(LABEL_ERRORS) > since:
+        message = LABEL_ERRORS[since]
+        del LABEL_ERRORS[since:]
+        raise ValueError(message)
 
 
 def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, Any]:
@@ -159,6 +211,7 @@ def _softmax_cross_entropy(
             "`softmax_cross_entropy`: the model must return a vector of logits per "
             f"example, but the batch of outputs has shape {tuple(logits.shape)}."
         )
+    logits = check_labels(logits, y, logits.shape[-1], "softmax_cross_entropy")
     value = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
     return _returns(value, state)
 
@@ -200,6 +253,7 @@ def _binary_cross_entropy(
     key: Key[Array, ""] | None,
 ) -> Any:
     logits, state = outputs(model, x, state, key)
-    labels = y.astype(_like(logits, y, "binary_cross_entropy").dtype)
+    logits = check_labels(_like(logits, y, "binary_cross_entropy"), y, None, "binary_cross_entropy")
+    labels = y.astype(logits.dtype)
     value = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, labels))
     return _returns(value, state)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
-from .losses import _like, Model, outputs, split_state, State
+from .losses import _like, check_labels, Model, outputs, split_state, State
 
 
 @overload
@@ -40,6 +40,7 @@ def _accuracy(
     y: Int[Array, " batch"],
 ) -> Float[Array, ""]:
     logits, _ = outputs(model, x, state)
+    logits = check_labels(logits, y, logits.shape[-1], "accuracy")
     return jnp.mean(jnp.argmax(logits, axis=-1) == y)
 
 
@@ -67,7 +68,8 @@ def _binary_accuracy(
     y: Int[Array, "batch ..."] | Bool[Array, "batch ..."] | Float[Array, "batch ..."],
 ) -> Float[Array, ""]:
     logits, _ = outputs(model, x, state)
-    return jnp.mean((_like(logits, y, "binary_accuracy") > 0) == (y > 0.5))
+    logits = check_labels(_like(logits, y, "binary_accuracy"), y, None, "binary_accuracy")
+    return jnp.mean((logits > 0) == (y > 0.5))
 
 
 @overload

@@ -1,8 +1,16 @@
-"""A training run for test_checkpoint.py to kill or interrupt.
+"""A training run for test_checkpoint.py to kill, interrupt or starve.
 
-Usage: python checkpoint_worker.py DIRECTORY (compiled | progress)
+Usage: python checkpoint_worker.py DIRECTORY|- (compiled | progress)
+    [limit BYTES | nobody | long]
+
+It prints "epoch N" after each epoch, and how it ended: "finished", "interrupted after N"
+(exit code 3) or "checkpoint error: ..." (exit code 4). With `limit`, files over BYTES
+cannot be written (RLIMIT_FSIZE); with `nobody`, it drops root's privileges first; with
+`long`, its epochs are a million steps (minutes), not one pass of the test problem.
 """
 
+import os
+import resource
 import sys
 
 import jax
@@ -16,21 +24,37 @@ import eqfit  # noqa: E402
 
 
 class Announce:
+    stops_training = False  # the device need not wait for it
+
     def on_epoch_end(self, epoch, logs):
         print(f"epoch {epoch}", flush=True)
 
 
 directory, mode = sys.argv[1], sys.argv[2]
+if len(sys.argv) > 3 and sys.argv[3] == "limit":
+    limit = int(sys.argv[4])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+if len(sys.argv) > 3 and sys.argv[3] == "nobody" and os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
 model, data, kwargs = checkpoint_problem()
+if len(sys.argv) > 3 and sys.argv[3] == "long":
+    kwargs.update(epochs=2, steps_per_epoch=10**6)
 print("starting", flush=True)
 try:
-    if mode == "progress":
-        eqfit.fit(
-            model, data, checkpoint=directory, progress=True, callbacks=[Announce()], **kwargs
-        )
-    else:
-        eqfit.fit(model, data, checkpoint=directory, **kwargs)
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
+    eqfit.fit(
+        model,
+        data,
+        checkpoint=None if directory == "-" else directory,
+        progress=mode == "progress",
+        callbacks=[Announce()],
+        **kwargs,
+    )
+except eqfit.TrainingInterrupted as e:
+    print(f"interrupted after {e.result.history.epochs}", flush=True)
     sys.exit(3)
+except eqfit.CheckpointError as e:
+    epochs = "none" if e.result is None else e.result.history.epochs
+    print(f"checkpoint error: {e} (result: {epochs} epochs)", flush=True)
+    sys.exit(4)
 print("finished", flush=True)

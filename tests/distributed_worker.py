@@ -1,6 +1,10 @@
-"""One process of the two-process `jax.distributed` test (run by test_parallel.py).
+"""One process of the two-process `jax.distributed` tests (run by test_parallel.py).
 
-Usage: python distributed_worker.py PROCESS_ID PORT OUT.npz
+Usage: python distributed_worker.py PROCESS_ID PORT OUT.npz [CHECKPOINT_DIRECTORY]
+
+Without a directory it trains the shared problem on both paths and saves the results;
+with one, it trains a longer run with checkpoints there (printing "epoch N" as it goes),
+resuming from them if there are any, and saves the result.
 """
 
 import sys
@@ -9,6 +13,7 @@ import jax
 
 
 process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+directory = sys.argv[4] if len(sys.argv) > 4 else None
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 2)
 jax.distributed.initialize(
@@ -23,6 +28,13 @@ from shared_problem import problem  # noqa: E402
 import eqfit  # noqa: E402
 
 
+class Announce:
+    stops_training = False
+
+    def on_epoch_end(self, epoch, logs):
+        print(f"epoch {epoch}", flush=True)
+
+
 model, (x, y), kwargs = problem()
 # Devices in process order, so the global data is process 0's rows, then process 1's.
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -30,10 +42,19 @@ mesh = Mesh(np.array(devices), ("batch",))
 half = x.shape[0] // 2
 rows = slice(process_id * half, (process_id + 1) * half)
 arrays = {}
-for progress in (False, True):
-    result = eqfit.fit(model, (x[rows], y[rows]), mesh=mesh, progress=progress, **kwargs)
+if directory is None:
+    for progress in (False, True):
+        result = eqfit.fit(model, (x[rows], y[rows]), mesh=mesh, progress=progress, **kwargs)
+        leaves = jax.tree.leaves(eqx.filter(result.model, eqx.is_array))
+        arrays[f"loss_{progress}"] = result.history.loss
+        arrays.update({f"leaf{i}_{progress}": np.asarray(a) for i, a in enumerate(leaves)})
+else:
+    kwargs["epochs"] = 120
+    result = eqfit.fit(
+        model, (x[rows], y[rows]), mesh=mesh, checkpoint=directory, callbacks=[Announce()], **kwargs
+    )
     leaves = jax.tree.leaves(eqx.filter(result.model, eqx.is_array))
-    arrays[f"loss_{progress}"] = result.history.loss
-    arrays.update({f"leaf{i}_{progress}": np.asarray(a) for i, a in enumerate(leaves)})
+    arrays["loss"] = result.history.loss
+    arrays.update({f"leaf{i}": np.asarray(a) for i, a in enumerate(leaves)})
 np.savez(out, **arrays)
 jax.distributed.shutdown()

@@ -1,9 +1,16 @@
-"""Checkpoints, exact resume after SIGKILL or Ctrl-C, and refusing the wrong checkpoint."""
+"""Checkpoints that never lose the newest good state, exact resume after SIGKILL or Ctrl-C,
+Ctrl-C on every path, and refusing what cannot be written or read.
+"""
 
+import contextlib
+import itertools
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,16 +25,17 @@ import eqfit
 
 
 HERE = Path(__file__).parent
+ADAM = optax.adam(1e-2)
 
 
-def worker(directory, mode):
+def worker(directory, mode, *extra):
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("XLA_FLAGS", None)
     return subprocess.Popen(
-        [sys.executable, str(HERE / "checkpoint_worker.py"), str(directory), mode],
+        [sys.executable, str(HERE / "checkpoint_worker.py"), str(directory), mode, *extra],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -39,19 +47,26 @@ def checkpoints(directory):
     return sorted(p.name for p in Path(directory).glob("ckpt-*"))
 
 
+def wait_for(process, text, timeout=120):
+    """Reads the worker's lines until one starts with `text`."""
+    deadline = time.monotonic() + timeout
+    for line in process.stdout:
+        if line.startswith(text):
+            return line
+        assert time.monotonic() < deadline, f"no {text!r} in time"
+    pytest.fail(f"the worker ended without {text!r}: {process.stderr.read()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted():
     model, data, kwargs = checkpoint_problem()
     return eqfit.fit(model, data, **kwargs)
 
 
+@pytest.mark.heavy
 def test_resume_after_sigkill_is_bitwise_equal(tmp_path, uninterrupted):
     with worker(tmp_path, "compiled") as process:
-        deadline = time.monotonic() + 120
-        while len(checkpoints(tmp_path)) < 2 or checkpoints(tmp_path)[-1] < "ckpt-000003":
-            assert process.poll() is None, process.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.005)
+        wait_for(process, "epoch 3")
         process.send_signal(signal.SIGKILL)
         process.communicate(timeout=30)
     killed_at = checkpoints(tmp_path)[-1]
@@ -65,80 +80,171 @@ def test_resume_after_sigkill_is_bitwise_equal(tmp_path, uninterrupted):
     assert checkpoints(tmp_path) == ["ckpt-000199-000000", "ckpt-000200-000000"]  # the last 2
 
 
-def test_ctrl_c_checkpoints_mid_epoch_and_resumes_bitwise_equal(tmp_path, uninterrupted):
-    with worker(tmp_path, "progress") as process:
-        for line in process.stdout:
-            if line.startswith("epoch 2"):
-                break
-        else:
-            pytest.fail(process.stderr.read()[-3000:])
-        time.sleep(0.05)  # somewhere inside epoch 3
+@pytest.mark.heavy
+@pytest.mark.parametrize("mode", ["compiled", "progress"])
+@pytest.mark.parametrize("with_checkpoint", [True, False])
+def test_ctrl_c_stops_at_an_epoch_end_with_the_result(
+    tmp_path, uninterrupted, mode, with_checkpoint
+):
+    directory = tmp_path if with_checkpoint else "-"
+    with worker(directory, mode) as process:
+        wait_for(process, "epoch 2")
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
     assert process.returncode == 3, err[-3000:]
-    assert "interrupted" in out
-    names = checkpoints(tmp_path)
-    assert names and names[-1] >= "ckpt-000003"
-    # Resume on the compiled path, from wherever inside an epoch it stopped.
-    model, data, kwargs = checkpoint_problem()
-    resumed = eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
-    assert_trees_equal(resumed.model, uninterrupted.model)
-    np.testing.assert_array_equal(resumed.history.step_loss, uninterrupted.history.step_loss)
+    epochs = int(out.split("interrupted after ")[1].split()[0])
+    assert 2 <= epochs < 200  # the result so far, at an epoch's end
+    if with_checkpoint:
+        assert checkpoints(tmp_path)[-1] == f"ckpt-{epochs:06d}-000000"
+        model, data, kwargs = checkpoint_problem()
+        resumed = eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
+        assert_trees_equal(resumed.model, uninterrupted.model)
+        np.testing.assert_array_equal(resumed.history.step_loss, uninterrupted.history.step_loss)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mode", ["compiled", "progress"])
+@pytest.mark.parametrize("with_checkpoint", [True, False])
+def test_a_second_ctrl_c_stops_at_once(tmp_path, mode, with_checkpoint):
+    """Epochs of minutes: the first Ctrl-C would wait for the epoch's end; the second
+    stops at once.
+    """
+    with worker(tmp_path if with_checkpoint else "-", mode, "long") as process:
+        wait_for(process, "starting")
+        time.sleep(3)  # compiled, and training
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # a person's second press: two at once merge into one signal
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        process.communicate(timeout=60)
+        assert time.monotonic() - sent < 2.0
+    assert process.returncode not in (0, 3)  # a bare KeyboardInterrupt, not finished
+
+
+@pytest.mark.heavy
+def test_a_directory_in_use_is_refused_naming_its_holder(tmp_path):
+    with worker(tmp_path, "compiled") as process:
+        wait_for(process, "epoch 2")
+        model, data, kwargs = checkpoint_problem()
+        with pytest.raises(
+            eqfit.CheckpointError, match=rf"in use by another run \(pid {process.pid}"
+        ):
+            eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
+        process.kill()
+
+
+@pytest.mark.heavy
+def test_a_full_disk_is_an_error_naming_the_directory_and_bytes(tmp_path):
+    with worker(tmp_path, "compiled", "limit", str(2**14)) as process:
+        out, err = process.communicate(timeout=120)
+    assert process.returncode == 4, err[-3000:]
+    assert f"The checkpoint directory {tmp_path} has no room for a checkpoint of" in out
+    assert "(result: 1 epochs)" in out  # what it had trained goes with the error
+    assert not list(tmp_path.glob(".tmp-*"))  # and no litter
+
+
+@pytest.mark.heavy
+def test_a_read_only_directory_is_refused_before_training():
+    parent = Path(tempfile.mkdtemp())
+    try:
+        parent.chmod(0o755)
+        directory = parent / "read-only"
+        directory.mkdir(mode=0o555)
+        directory.chmod(0o555)
+        started = time.monotonic()
+        with worker(directory, "compiled", "nobody") as process:
+            out, err = process.communicate(timeout=120)
+        assert process.returncode == 4, err[-3000:]
+        assert f"Cannot write to the checkpoint directory {directory}" in out
+        assert "training has not started" in out and "epoch 1" not in out
+        assert time.monotonic() - started < 60
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 def small_run(getkey):
     data = regression_data(getkey(), 100)
     model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
-    kwargs = dict(loss=eqfit.losses.mse, key=getkey(), epochs=4, batch_size=16)
+    kwargs = dict(loss=eqfit.losses.mse, key=getkey(), epochs=4, batch_size=16, optimizer=ADAM)
     return model, data, kwargs
 
 
-@pytest.mark.parametrize("progress", [False, True])
-def test_truncated_newest_checkpoint_falls_back(getkey, tmp_path, progress):
+def without_sequence(folder):
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["sequence"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+CORRUPTIONS = {
+    "truncated state": lambda folder: (folder / "state.eqx").write_bytes(b"\0" * 10),
+    "no state": lambda folder: (folder / "state.eqx").unlink(),
+    "manifest not JSON": lambda folder: (folder / "manifest.json").write_text("{"),
+    "manifest []": lambda folder: (folder / "manifest.json").write_text("[]"),
+    "manifest null": lambda folder: (folder / "manifest.json").write_text("null"),
+    "manifest without sequence": without_sequence,
+    "no manifest": lambda folder: (folder / "manifest.json").unlink(),
+}
+
+
+@pytest.mark.parametrize(
+    "newest, older", list(itertools.product([None, *CORRUPTIONS], [None, "truncated state"]))
+)
+def test_no_corruption_loses_a_good_checkpoint(getkey, tmp_path, newest, older):
+    """The newest good checkpoint is the one resumed from, whatever is broken around it; a
+    broken one is skipped with a warning and never counted among the two kept.
+    """
     model, data, kwargs = small_run(getkey)
-    optimizer = optax.adam(1e-2)
-    full = eqfit.fit(model, data, optimizer=optimizer, **kwargs)
-    eqfit.fit(model, data, optimizer=optimizer, checkpoint=tmp_path, progress=progress, **kwargs)
+    full = eqfit.fit(model, data, **kwargs)
+    eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
     assert checkpoints(tmp_path) == ["ckpt-000003-000000", "ckpt-000004-000000"]
-    state = tmp_path / "ckpt-000004-000000" / "state.eqx"
-    state.write_bytes(state.read_bytes()[:100])  # a crash mid-write of the disk's contents
-    with pytest.warns(UserWarning, match=r"Skipping checkpoint .*ckpt-000004-000000: its contents"):
-        resumed = eqfit.fit(
-            model, data, optimizer=optimizer, checkpoint=tmp_path, progress=progress, **kwargs
-        )
+    for name, corruption in (("ckpt-000004-000000", newest), ("ckpt-000003-000000", older)):
+        if corruption is not None:
+            CORRUPTIONS[corruption](tmp_path / name)
+    broken = [c for c in (newest, older) if c is not None]
+    warns = pytest.warns(UserWarning, match=r"Skipping checkpoint")
+    with warns if broken else contextlib.nullcontext():
+        resumed = eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
     assert_trees_equal(resumed.model, full.model)
     assert_trees_equal(resumed.opt_state, full.opt_state)
+    # Broken folders are left for a person to look at, but a later run trained over them
+    # and wrote good ones in their place; only an older one the run never reached stays.
+    stays = older is not None and newest is None
+    with pytest.warns(UserWarning, match=r"ckpt-000003") if stays else contextlib.nullcontext():
+        again = eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
+    assert_trees_equal(again.model, full.model)
+
+
+def test_stale_folders_that_sort_last_do_not_evict_new_checkpoints(getkey, tmp_path):
+    model, data, kwargs = small_run(getkey)
+    for name in ("ckpt-000008-000000", "ckpt-000009-000000"):  # litter from an old run
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "manifest.json").write_text("null")
+    (tmp_path / ".tmp-abc").mkdir()  # and a write cut short
+    with pytest.warns(UserWarning, match=r"ckpt-00000[89]-000000: its manifest is a JSON NoneType"):
+        eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
+    names = checkpoints(tmp_path)
+    assert "ckpt-000003-000000" in names and "ckpt-000004-000000" in names  # kept
+    assert not (tmp_path / ".tmp-abc").exists()  # litter removed
 
 
 def test_checkpoint_every(getkey, tmp_path):
     model, data, kwargs = small_run(getkey)
     kwargs["epochs"] = 5
-    eqfit.fit(
-        model, data, optimizer=optax.sgd(0.1), checkpoint=tmp_path, checkpoint_every=2, **kwargs
-    )
+    eqfit.fit(model, data, checkpoint=tmp_path, checkpoint_every=2, **kwargs)
     assert checkpoints(tmp_path) == ["ckpt-000004-000000", "ckpt-000005-000000"]
     with pytest.raises(ValueError, match=r"`checkpoint_every` must be an integer of 1 or more"):
-        eqfit.fit(
-            model, data, optimizer=optax.sgd(0.1), checkpoint=tmp_path, checkpoint_every=0, **kwargs
-        )
+        eqfit.fit(model, data, checkpoint=tmp_path, checkpoint_every=0, **kwargs)
 
 
 def test_checkpoint_from_another_configuration_is_refused(getkey, tmp_path):
     model, data, kwargs = small_run(getkey)
-    eqfit.fit(model, data, optimizer=optax.adam(1e-2), checkpoint=tmp_path, **kwargs)
+    eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
     with pytest.raises(ValueError, match=r"different training configuration.*What differs: state"):
-        eqfit.fit(model, data, optimizer=optax.sgd(1e-2), checkpoint=tmp_path, **kwargs)
+        eqfit.fit(model, data, checkpoint=tmp_path, **{**kwargs, "optimizer": optax.sgd(1e-2)})
     with pytest.raises(ValueError, match=r"What differs: data"):
-        other = regression_data(getkey(), 99)
-        eqfit.fit(model, other, optimizer=optax.adam(1e-2), checkpoint=tmp_path, **kwargs)
+        eqfit.fit(model, regression_data(getkey(), 99), checkpoint=tmp_path, **kwargs)
     with pytest.raises(ValueError, match=r"What differs: key"):
-        eqfit.fit(
-            model,
-            data,
-            optimizer=optax.adam(1e-2),
-            checkpoint=tmp_path,
-            **{**kwargs, "key": getkey()},
-        )
+        eqfit.fit(model, data, checkpoint=tmp_path, **{**kwargs, "key": getkey()})
 
 
 def test_checkpoint_keeps_early_stopping_state(getkey, tmp_path):
@@ -168,7 +274,7 @@ def test_save_and_load(getkey, tmp_path):
 
     model, state = eqx.nn.make_with_state(BatchNormNet)(getkey())
     data = regression_data(getkey(), 64)
-    kwargs = dict(loss=batchnorm_loss, optimizer=optax.adam(1e-2), batch_size=16)
+    kwargs = dict(loss=batchnorm_loss, optimizer=ADAM, batch_size=16)
     result = eqfit.fit(model, data, state=state, key=getkey(), epochs=2, **kwargs)
     eqfit.save(tmp_path / "run.eqx", result)
     like = eqfit.fit(model, data, state=state, key=getkey(), epochs=0, **kwargs)
@@ -181,8 +287,25 @@ def test_save_and_load(getkey, tmp_path):
     # Just the model, given a model to fill.
     only = eqfit.load(tmp_path / "run.eqx", like=model)
     assert_trees_equal(only, result.model)
+
+
+def test_load_refuses_what_it_cannot_read(getkey, tmp_path):
+    model, data, kwargs = small_run(getkey)
+    result = eqfit.fit(model, data, **{**kwargs, "epochs": 1})
+    path = tmp_path / "run.eqx"
+    eqfit.save(path, result)
+    for like in (None, "hello"):
+        with pytest.raises(TypeError, match=r"`like` must be a `FitResult`.*holds no arrays"):
+            eqfit.load(path, like=like)
+    whole = path.read_bytes()
+    (tmp_path / "longer.eqx").write_bytes(whole + b"extra")
+    with pytest.raises(ValueError, match=r"has 5 bytes more than `like`'s arrays take"):
+        eqfit.load(tmp_path / "longer.eqx", like=result)
+    (tmp_path / "cut.eqx").write_bytes(whole[: len(whole) - 40])
+    with pytest.raises(ValueError, match=r"does not read back into `like`: the file is truncated"):
+        eqfit.load(tmp_path / "cut.eqx", like=result)
+    (tmp_path / "other.eqx").write_bytes(b"nonsense")
     with pytest.raises(ValueError, match=r"not an eqfit file"):
-        (tmp_path / "other.eqx").write_bytes(b"nonsense")
         eqfit.load(tmp_path / "other.eqx", like=model)
 
 

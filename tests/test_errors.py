@@ -125,3 +125,66 @@ def test_float_labels_for_cross_entropy(getkey):
             optimizer=optax.sgd(0.1),
             key=getkey(),
         )
+
+
+@pytest.fixture
+def classes(getkey):
+    model = eqfit.models.MLP(3, 3, 8, 1, key=getkey())
+    x = jnp.ones((12, 3))
+    kwargs = dict(loss=eqfit.losses.softmax_cross_entropy, optimizer=optax.sgd(0.1), key=getkey())
+    return model, x, kwargs
+
+
+@pytest.mark.parametrize("progress", [False, True])
+@pytest.mark.parametrize("label", [-1, 7])
+def test_labels_out_of_range_are_named(classes, progress, label):
+    model, x, kwargs = classes
+    y = jnp.zeros(12, jnp.int32).at[5].set(label)
+    match = rf"label {label} \(at \(5,\) of a batch\) is outside \[0, 3\): the model gives 3"
+    with pytest.raises(ValueError, match=match) as info:
+        eqfit.fit(model, (x, y), batch_size=12, progress=progress, **kwargs)
+    assert isinstance(info.value.result, eqfit.FitResult)  # what it trained, untouched
+    np.testing.assert_array_equal(info.value.result.model.layers[0].weight, model.layers[0].weight)
+
+
+def test_labels_checked_by_every_ready_function(classes, getkey):
+    model, x, kwargs = classes
+    good = jnp.zeros(12, jnp.int32)
+    bad = good.at[0].set(3)
+    with pytest.raises(ValueError, match=r"label 3 .* outside \[0, 3\)"):
+        eqfit.fit(model, (x, good), validation_data=(x, bad), **kwargs)
+    with pytest.raises(ValueError, match=r"`accuracy`: label 3 .* outside \[0, 3\)"):
+        eqfit.metrics.accuracy(model, x, bad)
+    with pytest.raises(ValueError, match=r"`softmax_cross_entropy`: label 3"):
+        eqfit.evaluate(model, (x, bad), loss=eqfit.losses.softmax_cross_entropy)
+    linear = eqfit.models.LinearRegression(3, key=getkey())
+    with pytest.raises(ValueError, match=r"`binary_cross_entropy`: label 2.0 .* outside \[0, 1\]"):
+        eqfit.fit(
+            linear,
+            (x, jnp.zeros(12).at[4].set(2.0)),
+            loss=eqfit.losses.binary_cross_entropy,
+            optimizer=optax.sgd(0.1),
+            key=getkey(),
+        )
+
+
+def test_unclear_inputs_get_clear_errors(setup, getkey):
+    model, x, y, kwargs = setup
+    with pytest.raises(TypeError, match=r"`data` is a list of 2 arrays; pass them as a tuple"):
+        eqfit.fit(model, [x, y], **kwargs)
+    with pytest.raises(ValueError, match=r"more than the 2\*\*31 - 1 a run can count"):
+        eqfit.fit(model, (x, y), epochs=10**12, **kwargs)
+    with pytest.raises(ValueError, match=r"`opt_state` is not this optimizer's state.*Adam"):
+        eqfit.fit(model, (x, y), opt_state=optax.adam(0.1).init(model), **kwargs)
+    with pytest.raises(ValueError, match=r"`validation_split` must be in \(0, 1\).*got nan"):
+        eqfit.fit(model, (x, y), validation_split=float("nan"), **kwargs)
+    with pytest.raises(ValueError, match=r"stack of members.*is it a single model\?"):
+        eqfit.fit(
+            eqfit.models.MLP(3, "scalar", 8, 1, key=getkey()), (x, y), ensemble=True, **kwargs
+        )
+    with pytest.raises(ValueError, match=r"`validation_data\[0\]` has 3 samples but `validation"):
+        eqfit.fit(model, (x, y), validation_data=(x[:3], y[:4]), **kwargs)
+    with pytest.raises(ValueError, match=r"no floating-point arrays that `filter_spec` chooses"):
+        eqfit.fit(jnp.arange(3), (x, y), **kwargs)
+    with pytest.raises(ValueError, match=r"no floating-point arrays that `filter_spec` chooses"):
+        eqfit.fit(model, (x, y), filter_spec=False, **kwargs)

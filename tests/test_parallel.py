@@ -155,8 +155,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_with_jax_distributed(tmp_path):
-    """Two real processes, two CPU devices each, joined by `jax.distributed` over gloo."""
+def start_two_processes(outs, directory=None):
     here = Path(__file__).parent
     port = _free_port()
     env = {
@@ -164,10 +163,11 @@ def test_two_processes_with_jax_distributed(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("XLA_FLAGS", None)
-    outs = [tmp_path / f"process{i}.npz" for i in range(2)]
-    workers = [
+    extra = [] if directory is None else [str(directory)]
+    return [
         subprocess.Popen(
-            [sys.executable, str(here / "distributed_worker.py"), str(i), str(port), str(outs[i])],
+            [sys.executable, str(here / "distributed_worker.py"), str(i), str(port), str(outs[i])]
+            + extra,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -175,22 +175,64 @@ def test_two_processes_with_jax_distributed(tmp_path):
         )
         for i in range(2)
     ]
+
+
+def finish(workers, timeout=180):
     logs = []
     try:
         for w in workers:
-            logs.append(w.communicate(timeout=120)[0])
+            logs.append(w.communicate(timeout=timeout)[0])
     finally:
         for w in workers:
             w.kill()
     for w, log in zip(workers, logs):
         assert w.returncode == 0, log[-3000:]
 
+
+def expected_leaves(result):
+    return [np.asarray(a) for a in jax.tree.leaves(eqx.filter(result.model, eqx.is_array))]
+
+
+@pytest.mark.heavy
+def test_two_processes_with_jax_distributed(tmp_path):
+    """Two real processes, two CPU devices each, joined by `jax.distributed` over gloo."""
+    outs = [tmp_path / f"process{i}.npz" for i in range(2)]
+    finish(start_two_processes(outs))
     model, data, kwargs = problem()
     reference = eqfit.fit(model, data, **kwargs)
-    expected = [np.asarray(a) for a in jax.tree.leaves(eqx.filter(reference.model, eqx.is_array))]
     for out in outs:
         got = np.load(out)
         for progress in (False, True):
             np.testing.assert_allclose(got[f"loss_{progress}"], reference.history.loss, rtol=1e-5)
-            for i, leaf in enumerate(expected):
+            for i, leaf in enumerate(expected_leaves(reference)):
                 np.testing.assert_allclose(got[f"leaf{i}_{progress}"], leaf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.heavy
+def test_two_processes_share_a_checkpoint_directory_through_a_kill(tmp_path):
+    """Process 0 writes the checkpoints (and holds the lock), process 1 waits for each;
+    both killed mid-run, both resume from the shared directory and end as one run would.
+    """
+    directory = tmp_path / "shared"
+    outs = [tmp_path / f"process{i}.npz" for i in range(2)]
+    workers = start_two_processes(outs, directory)
+    try:
+        for line in workers[0].stdout:
+            if line.startswith("epoch 30"):
+                break
+        else:
+            pytest.fail(workers[0].communicate()[0][-3000:])
+    finally:
+        for w in workers:
+            w.kill()
+            w.communicate()
+    written = sorted(p.name for p in directory.glob("ckpt-*"))
+    assert written and written[-1] < "ckpt-000120", written
+    finish(start_two_processes(outs, directory))
+    model, data, kwargs = problem()
+    reference = eqfit.fit(model, data, **{**kwargs, "epochs": 120})
+    for out in outs:
+        got = np.load(out)
+        np.testing.assert_allclose(got["loss"], reference.history.loss, rtol=1e-4, atol=1e-6)
+        for i, leaf in enumerate(expected_leaves(reference)):
+            np.testing.assert_allclose(got[f"leaf{i}"], leaf, rtol=1e-4, atol=1e-5)

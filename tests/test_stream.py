@@ -133,6 +133,7 @@ def test_streamed_run_checkpoints_and_resumes(getkey, small_chunks, on_disk, tmp
     assert_trees_equal(resumed.model, expected.model)
 
 
+@pytest.mark.heavy
 def test_a_memmap_larger_than_the_memory_allowed(tmp_path):
     """1.5 GiB on disk trains while the process grows by well under a third of that."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
