@@ -5,10 +5,14 @@ import numpy as np
 
 
 def regression_data(key, n=200, features=4):
-    kx, kn = jax.random.split(key)
-    x = jax.random.normal(kx, (n, features))
-    y = x @ jnp.arange(1.0, features + 1.0) + 0.1 * jax.random.normal(kn, (n,))
-    return x, y
+    """`x` and `y = x . (1, 2, ...) + noise`, drawn by numpy from `key`'s bits: JAX's random
+    functions would compile a program for every new shape, and the suite would pay for it.
+    """
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    x = rng.normal(size=(n, features)).astype(np.float32)
+    y = x @ np.arange(1.0, features + 1.0, dtype=np.float32)
+    y += 0.1 * rng.normal(size=n).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(y)
 
 
 def assert_trees_equal(a, b):

@@ -11,7 +11,8 @@ from helpers import assert_trees_close, regression_data
 import eqfit
 
 
-MEMBERS = 4
+MEMBERS = 3
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
 
 
 def member(tree, i):
@@ -23,29 +24,46 @@ def stacked_mlps(key, members=MEMBERS, **kwargs):
     return eqx.filter_vmap(make)(jax.random.split(key, members))
 
 
-@pytest.mark.parametrize("progress", [False, True])
-def test_each_member_trains_as_it_would_alone(getkey, progress):
-    data, val = regression_data(getkey(), 103), regression_data(getkey(), 21)
-    models = stacked_mlps(getkey())
-    key = getkey()
+@pytest.fixture(scope="module")
+def ensemble():
+    """An ensemble problem, and each member trained alone: the reference."""
+    key = jax.random.key(10)
+    data = regression_data(jax.random.fold_in(key, 1), 103)
+    val = regression_data(jax.random.fold_in(key, 2), 21)
+    models = stacked_mlps(jax.random.fold_in(key, 3))
+    fit_key = jax.random.fold_in(key, 4)
     kwargs = dict(
-        loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
-        epochs=3,
-        batch_size=16,
-        validation_data=val,
+        loss=eqfit.losses.mse, optimizer=ADAM, epochs=3, batch_size=16, validation_data=val
     )
+    alone = [
+        eqfit.fit(member(models, i), data, key=k, **kwargs)
+        for i, k in enumerate(jax.random.split(fit_key, MEMBERS))
+    ]
+    return models, data, fit_key, kwargs, alone
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_each_member_trains_as_it_would_alone(ensemble, progress):
+    models, data, key, kwargs, alone = ensemble
     result = eqfit.fit(models, data, key=key, ensemble=True, progress=progress, **kwargs)
     assert result.history.loss.shape == (3, MEMBERS)
     assert result.history.val_loss is not None and result.history.val_loss.shape == (3, MEMBERS)
     assert result.history.step_loss.shape == (3, 7, MEMBERS)
-    for i, k in enumerate(jax.random.split(key, MEMBERS)):
-        alone = eqfit.fit(member(models, i), data, key=k, **kwargs)
-        assert_trees_close(member(result.model, i), alone.model)
-        np.testing.assert_allclose(result.history.loss[:, i], alone.history.loss, rtol=1e-5)
-        np.testing.assert_allclose(result.history.val_loss[:, i], alone.history.val_loss, rtol=1e-5)
+    for i, one in enumerate(alone):
+        assert_trees_close(member(result.model, i), one.model)
+        np.testing.assert_allclose(result.history.loss[:, i], one.history.loss, rtol=1e-5)
+        np.testing.assert_allclose(result.history.val_loss[:, i], one.history.val_loss, rtol=1e-5)
     # Members differ: their own initialisation, shuffle and keys.
     assert not np.allclose(result.history.loss[:, 0], result.history.loss[:, 1])
+
+
+@pytest.mark.parametrize("parallel", ["devices", "mesh"])
+def test_ensemble_over_devices(ensemble, parallel):
+    models, data, key, kwargs, alone = ensemble
+    extra = {"devices": 8} if parallel == "devices" else {"mesh": jax.make_mesh((8,), ("b",))}
+    many = eqfit.fit(models, data, key=key, ensemble=True, progress=True, **extra, **kwargs)
+    for i, one in enumerate(alone):
+        assert_trees_close(member(many.model, i), one.model)
 
 
 def test_members_have_their_own_dropout_keys(getkey):
@@ -75,8 +93,8 @@ def test_ensemble_with_state_and_early_stopping(getkey):
     key = getkey()
     kwargs = dict(
         loss=batchnorm_loss,
-        optimizer=optax.adam(3e-2),
-        epochs=8,
+        optimizer=ADAM,
+        epochs=6,
         batch_size=16,
         validation_data=val,
         early_stopping=eqfit.EarlyStopping(2),
@@ -93,19 +111,6 @@ def test_ensemble_with_state_and_early_stopping(getkey):
             result.history.val_loss[:ran, i], alone.history.val_loss, rtol=1e-4
         )
         assert np.isnan(result.history.val_loss[ran:, i]).all()
-
-
-@pytest.mark.parametrize("parallel", ["devices", "mesh"])
-def test_ensemble_over_devices(getkey, parallel):
-    data = regression_data(getkey(), 100)
-    models = stacked_mlps(getkey())
-    kwargs = dict(
-        loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), epochs=2, batch_size=16
-    )
-    one = eqfit.fit(models, data, ensemble=True, **kwargs)
-    extra = {"devices": 8} if parallel == "devices" else {"mesh": jax.make_mesh((8,), ("b",))}
-    many = eqfit.fit(models, data, ensemble=True, progress=True, **extra, **kwargs)
-    assert_trees_close(many.model, one.model)
 
 
 def test_learning_rate_sweep_through_inject_hyperparams(getkey):

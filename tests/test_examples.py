@@ -11,15 +11,17 @@ import pytest
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
+# The main example and the step-budget one run in the quick suite; the others, a few
+# seconds to a quarter of a minute of CPU each, with the heavy tests.
 @pytest.mark.parametrize(
     "script, expected",
     [
         ("linear_regression.py", "learned weights (true: all 1)"),
-        ("digits.py", "test accuracy"),
-        ("digits_batchnorm.py", "test accuracy"),
-        ("data_parallel.py", "largest parameter difference"),
-        ("sweep.py", "wrote sweep.png"),
         ("spirals_gru.py", "final validation accuracy"),
+        pytest.param("digits.py", "test accuracy", marks=pytest.mark.heavy),
+        pytest.param("digits_batchnorm.py", "test accuracy", marks=pytest.mark.heavy),
+        pytest.param("data_parallel.py", "largest parameter difference", marks=pytest.mark.heavy),
+        pytest.param("sweep.py", "wrote sweep.png", marks=pytest.mark.heavy),
     ],
 )
 def test_example_runs(script, expected, tmp_path):

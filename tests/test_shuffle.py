@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from eqfit._data import epoch_order, shuffle_seed
+from eqfit._data import epoch_order, plan_batches, shuffle_seed
 
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 32, 33, 97, 127, 128, 129, 1000, 1009, 4095]
@@ -54,6 +55,31 @@ def test_every_sample_exactly_once(n):
 def test_every_sample_exactly_once_at_sixteen_million(n):
     order = eqfit_orders(n, 1)[0]
     np.testing.assert_array_equal(np.bincount(order, minlength=n), np.ones(n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.sampled_from([1, 2, 3, 7, 16, 31, 64, 97, 128, 200]),  # a compilation each
+    batch_size=st.integers(1, 64),
+    drop_remainder=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_plan_and_the_order_cover_every_sample_once(n, batch_size, drop_remainder, seed):
+    if drop_remainder and n < batch_size:
+        return  # refused with an error; tested in test_errors
+    plan = plan_batches(n, batch_size, drop_remainder)
+    (order,) = eqfit_orders(n, 1, seed)
+    # Cut exactly as the loop cuts it: full batches, then the remainder.
+    full = order[: plan.num_full * plan.batch_size].reshape(plan.num_full, batch_size)
+    remainder = order[plan.num_full * batch_size :][: plan.remainder]
+    seen = np.concatenate([full.ravel(), remainder])
+    assert plan.steps_per_pass == plan.num_full + (plan.remainder > 0)
+    if drop_remainder:
+        assert len(seen) == n - n % batch_size and plan.remainder == 0
+    else:
+        np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+        assert plan.remainder == n % batch_size
+    assert len(np.unique(seen)) == len(seen)
 
 
 def test_order_depends_on_key_and_epoch_and_shuffle():
