@@ -6,7 +6,9 @@ from typing import Literal, NamedTuple
 import equinox as eqx
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, Bool, Float, Int
+
+from ._typing import ArrayTree
 
 
 # Names whose value is better when larger, as Keras 2 inferred them for `mode="auto"`.
@@ -19,8 +21,8 @@ class StoppingState(NamedTuple):
     best_value: Float[Array, ""]
     best_epoch: Int[Array, ""]  # counted from 1; -1 before the first monitored epoch
     wait: Int[Array, ""]  # monitored epochs since the last that reset it
-    best_params: PyTree  # the best epoch's trained arrays, with `restore_best`
-    best_model_state: PyTree
+    best_params: ArrayTree  # the best epoch's trained arrays, with `restore_best`
+    best_model_state: ArrayTree
 
 
 class EarlyStopping(eqx.Module):
@@ -96,7 +98,7 @@ class EarlyStopping(eqx.Module):
         name = self.monitor.removeprefix("val_").lower()
         return any(word in name for word in _LARGER_IS_BETTER)
 
-    def init(self, params: PyTree, model_state: PyTree) -> StoppingState:
+    def init(self, params: ArrayTree, model_state: ArrayTree) -> StoppingState:
         """The state before the first epoch."""
         return StoppingState(
             best_value=jnp.asarray(jnp.nan, jnp.float32),
@@ -116,8 +118,8 @@ class EarlyStopping(eqx.Module):
         state: StoppingState,
         value: Float[Array, ""],
         epoch: Int[Array, ""],
-        params: PyTree,
-        model_state: PyTree,
+        params: ArrayTree,
+        model_state: ArrayTree,
     ) -> tuple[StoppingState, Bool[Array, ""]]:
         """Takes epoch `epoch`'s (counted from 1) monitored `value`; returns the new state
         and whether to stop. `params` and `model_state` are the model after that epoch.
@@ -142,8 +144,8 @@ class EarlyStopping(eqx.Module):
         return new, monitored & ~improved & (wait >= self.patience)
 
     def trained(
-        self, state: StoppingState, params: PyTree, model_state: PyTree
-    ) -> tuple[PyTree, PyTree]:
+        self, state: StoppingState, params: ArrayTree, model_state: ArrayTree
+    ) -> tuple[ArrayTree, ArrayTree]:
         """The parameters and model state training returns: the best epoch's with
         `restore_best` (once an epoch was monitored), else the last.
         """

@@ -1,7 +1,6 @@
 """The public `fit`: check, partition, choose source and placement, drive, return."""
 
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -12,7 +11,7 @@ import numpy as np
 import optax
 from beartype import beartype
 from jax.sharding import Mesh
-from jaxtyping import Array, jaxtyped, Key, PyTree, Shaped, UInt32
+from jaxtyping import Array, jaxtyped, Key, PyTree, UInt32
 
 from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
 from ._data import (
@@ -32,6 +31,7 @@ from ._parallel import choose_placement, Device
 from ._result import FitResult, make_result, TrainingInterrupted
 from ._sources import InMemory, Loader, Memmaps, streamed_source
 from ._step import takes_key
+from ._typing import Arrays, FilterSpec, Model, ModelState, OptState, PathLike
 from .losses import LABEL_ERRORS, raise_label_errors
 
 
@@ -39,7 +39,6 @@ from .losses import LABEL_ERRORS, raise_label_errors
 # one runtime annotation (a PyTree check would flatten a generator), so it is checked by
 # eqfit itself (`_data.check_data`, `_sources`), which names what is wrong.
 Data = object
-ValidationData = PyTree[Shaped[Array | np.ndarray, "_n_val ..."]]
 
 # How long each call of the program takes: with the bar, it redraws this often; without,
 # calls end at epochs' ends, and a Ctrl-C waits for at most about two of them.
@@ -50,7 +49,7 @@ DEFAULT_BATCH_SIZE = 32
 
 @jaxtyped(typechecker=beartype)
 def fit(
-    model: PyTree,
+    model: Model,
     data: Data,
     *,
     loss: Callable[..., Any],
@@ -63,10 +62,10 @@ def fit(
     shuffle: bool = True,
     drop_remainder: bool = False,
     progress: bool = False,
-    filter_spec: PyTree = eqx.is_inexact_array,
-    opt_state: PyTree | None = None,
-    state: PyTree | None = None,
-    validation_data: ValidationData | None = None,
+    filter_spec: FilterSpec = eqx.is_inexact_array,
+    opt_state: OptState | None = None,
+    state: ModelState | None = None,
+    validation_data: Arrays | None = None,
     validation_split: float | None = None,
     metrics: Mapping[str, Callable[..., Any]] | None = None,
     early_stopping: EarlyStopping | None = None,
@@ -75,9 +74,9 @@ def fit(
     devices: int | Sequence[Device] | None = None,
     mesh: Mesh | None = None,
     ensemble: bool = False,
-    checkpoint: str | os.PathLike | None = None,
+    checkpoint: PathLike | None = None,
     checkpoint_every: int = 1,
-) -> FitResult:
+) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
     **Arguments:**

@@ -8,23 +8,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
-from jaxtyping import Array, jaxtyped, PyTree, Shaped
+from jaxtyping import jaxtyped, PyTree
 
 from ._data import as_data, check_batch_size, ensemble_size, num_samples
 from ._evaluate import evaluate_batches
 from ._step import Objective, takes_key
+from ._typing import Arrays, ArrayTree, ModelState
 from .losses import LABEL_ERRORS, outputs, raise_label_errors
 
 
 @jaxtyped(typechecker=beartype)
 def predict(
-    model: PyTree,
-    x: PyTree[Shaped[Array | np.ndarray, "_n ..."]],
+    model: Callable[..., Any],
+    x: Arrays,
     *,
     batch_size: int = 256,
     ensemble: bool = False,
-    state: PyTree | None = None,
-) -> PyTree[Shaped[Array, "..."]]:
+    state: ModelState | None = None,
+) -> ArrayTree:
     """Runs `model` over every example of `x`, in batches, in inference mode.
 
     One compiled program: a scan over full batches and one smaller last batch, so memory
@@ -91,13 +92,13 @@ def _predict(model: PyTree, x: PyTree, state: PyTree, batch_size: int, ensemble:
 
 @jaxtyped(typechecker=beartype)
 def evaluate(
-    model: PyTree,
-    data: PyTree[Shaped[Array | np.ndarray, "_n ..."]],
+    model: ArrayTree,
+    data: Arrays,
     *,
     loss: Callable[..., Any],
     metrics: Mapping[str, Callable[..., Any]] | None = None,
     batch_size: int = 256,
-    state: PyTree | None = None,
+    state: ModelState | None = None,
 ) -> dict[str, float]:
     """The loss and metrics of `model` over all of `data`, in batches, in inference mode.
 

@@ -3,22 +3,21 @@
 import dataclasses
 import functools
 import json
-import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, overload
 
 import equinox as eqx
 import jax
 import numpy as np
-from jaxtyping import PyTree
 
 from ._checkpoint import serialise, versions, write_atomically
 from ._drive import Outcome
 from ._history import History, StopReason
 from ._loop import Consts, Loop
 from ._parallel import Placement
+from ._typing import Model, ModelState, OptState, PathLike
 
 
 @functools.partial(
@@ -27,7 +26,7 @@ from ._parallel import Placement
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
-class FitResult:
+class FitResult(Generic[Model]):
     """What `fit` returns: a PyTree, so `jax.block_until_ready(result)` and the like work.
 
     **Attributes:**
@@ -41,10 +40,10 @@ class FitResult:
     # A registered dataclass rather than an `eqx.Module`: it is made once per `fit`
     # after the run has finished, and a Module's checks at construction (about 20 µs
     # with the host's caches cold from the wait) showed in the timings of small runs.
-    model: PyTree
-    opt_state: PyTree
+    model: Model
+    opt_state: OptState
     history: History
-    state: PyTree = None
+    state: ModelState | None = None
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -52,13 +51,13 @@ class TrainingInterrupted(KeyboardInterrupt):
     if it had a directory, and `result` holds what it had trained.
     """
 
-    def __init__(self, result: FitResult):
+    def __init__(self, result: FitResult[Any]):
         last = result.history.initial_epoch + result.history.epochs
         super().__init__(
             f"Training interrupted after epoch {last}; the result so far is in this "
             "exception's `.result`."
         )
-        self.result = result
+        self.result: FitResult[Any] = result
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -66,11 +65,11 @@ class NonFiniteLossError(FloatingPointError):
     `step` (counted from 1) say where.
     """
 
-    def __init__(self, message: str, result: FitResult, epoch: int, step: int):
+    def __init__(self, message: str, result: FitResult[Any], epoch: int, step: int):
         super().__init__(message)
-        self.result = result
-        self.epoch = epoch
-        self.step = step
+        self.result: FitResult[Any] = result
+        self.epoch: int = epoch
+        self.step: int = step
 
 
 def make_result(
@@ -80,7 +79,7 @@ def make_result(
     consts: Consts,
     began: float,
     raises: bool = True,
-) -> FitResult:
+) -> FitResult[Any]:
     """The result of a run, from its final state and the last call's report.
 
     If `raises`, raises `NonFiniteLossError` (holding the result) if a non-finite loss
@@ -169,7 +168,7 @@ def make_result(
 _MAGIC = b"eqfit-result\n"
 
 
-def save(path: str | os.PathLike, result: FitResult) -> None:
+def save(path: PathLike, result: FitResult[Any]) -> None:
     """Writes a [`eqfit.FitResult`][] to one file: model, optimizer state, model state and
     history. The write is atomic: a crash leaves the old file or the new one, never half.
 
@@ -195,7 +194,11 @@ def save(path: str | os.PathLike, result: FitResult) -> None:
     write_atomically(Path(path), _MAGIC + json.dumps(header).encode() + b"\n" + leaves)
 
 
-def load(path: str | os.PathLike[str], *, like: Any) -> Any:
+@overload
+def load(path: PathLike, *, like: FitResult[Model]) -> FitResult[Model]: ...
+@overload
+def load(path: PathLike, *, like: Model) -> Model: ...
+def load(path: PathLike, *, like: Any) -> Any:
     """Reads what `save` wrote.
 
     **Arguments:**

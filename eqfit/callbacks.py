@@ -25,11 +25,12 @@ class CSVLogger:
     - `separator`: the column separator.
     """
 
-    stops_training = False
+    stops_training: bool = False
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False, separator: str = ","):
-        self.path = Path(path)
-        self.append, self.separator = append, separator
+        self.path: Path = Path(path)
+        self.append: bool = append
+        self.separator: str = separator
         self._file: Any = None
         self._writer: Any = None
         self._columns: list[str] = []
@@ -64,10 +65,10 @@ class TensorBoard:
     - `logdir`: the directory for the event files (`tensorboard --logdir` it).
     """
 
-    stops_training = False
+    stops_training: bool = False
 
     def __init__(self, logdir: str | os.PathLike[str]):
-        self.logdir = Path(logdir)
+        self.logdir: Path = Path(logdir)
         self._writer: Any = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:

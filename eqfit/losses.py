@@ -25,6 +25,7 @@ from jax.core import Tracer
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, Key, PyTree, Shaped
 
 from ._step import takes_key
+from ._typing import ArrayTree
 
 
 Model = Callable[..., Any]
@@ -32,7 +33,7 @@ State = eqx.nn.State
 
 
 def outputs(
-    model: Model, x: PyTree, state: State | None = None, key: Key[Array, ""] | None = None
+    model: Model, x: ArrayTree, state: State | None = None, key: Key[Array, ""] | None = None
 ) -> tuple[Array, State | None]:
     """The model's outputs on a batch `x` (vmapped over its leading axis), and the new
     state for a stateful model.

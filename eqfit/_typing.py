@@ -1,0 +1,42 @@
+"""The named types of eqfit's public signatures.
+
+Each alias has two meanings. To a type checker (pyright, mypy) it is what the caller holds:
+the model's own class flows through a type variable, an optimizer state is optax's
+`OptState`, a model state is `eqx.nn.State`, and a PyTree of arrays is `Any` (jaxtyping's
+`PyTree` is unknown to checkers on purpose, and an unknown type spreads to everything the
+caller derives from it). At run time beartype reads the jaxtyping meaning, which is what
+it can check cheaply.
+"""
+
+import os
+from typing import Any, TYPE_CHECKING, TypeAlias, TypeVar
+
+import equinox as eqx
+import numpy as np
+from jaxtyping import Array, PyTree, Shaped
+
+
+Model = TypeVar("Model")
+"""The caller's model class: `fit(model: Model) -> FitResult[Model]`."""
+
+PathLike: TypeAlias = str | os.PathLike[str]
+
+if TYPE_CHECKING:
+    import optax
+
+    ArrayTree: TypeAlias = Any
+    Arrays: TypeAlias = Any
+    OptState: TypeAlias = optax.OptState
+    ModelState: TypeAlias = eqx.nn.State
+    FilterSpec: TypeAlias = Any
+else:
+    # A PyTree of arrays: a model's output, a batch's inputs.
+    ArrayTree = PyTree
+    # Data in memory: a PyTree of arrays sharing their leading (sample) axis.
+    Arrays = PyTree[Shaped[Array | np.ndarray, "_n ..."]]
+    # What `optimizer.init(params)` returns; `FitResult.opt_state`.
+    OptState = PyTree
+    # A stateful model's `eqx.nn.State` (or, for an ensemble, a stack of them).
+    ModelState = PyTree
+    # As `eqx.partition` takes it: a bool, a callable, or a PyTree of them.
+    FilterSpec = PyTree
