@@ -18,4 +18,5 @@ from ._result import (
     save as save,
     TrainingInterrupted as TrainingInterrupted,
 )
+from ._typing import ModelState as ModelState, OptState as OptState
 from ._version import __version__ as __version__

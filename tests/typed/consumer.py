@@ -1,0 +1,121 @@
+"""Research code as a typed API consumer writes it, calling every public entry point.
+
+Not a test that pytest runs: `.ci/run` type-checks it with pyright in strict mode and with
+mypy, and no error may come from eqfit. Each `assert_type` pins what a checker sees.
+"""
+
+from pathlib import Path
+from typing import Any, assert_type
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax  # type: ignore[import-untyped]  # optax ships neither stubs nor py.typed
+from jaxtyping import Array, Float
+
+import eqfit
+from eqfit.callbacks import CSVLogger, TensorBoard
+from eqfit.models import CNN, LinearRegression, MLP
+
+
+class Affine(eqx.Module):
+    weight: Float[Array, "3 2"]
+
+    def __call__(self, x: Float[Array, " 2"]) -> Float[Array, " 3"]:
+        return self.weight @ x
+
+
+class Printer:
+    stops_training: bool = False
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
+        print(epoch, logs)
+        return None
+
+
+def train(directory: Path) -> None:
+    key = jax.random.key(0)
+    x = np.zeros((64, 2), np.float32)
+    y = np.zeros((64, 3), np.float32)
+    model = Affine(jax.random.normal(key, (3, 2)))
+
+    result = eqfit.fit(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=key,
+        epochs=2,
+        batch_size=16,
+        metrics={"mae": eqfit.metrics.mae},
+        validation_split=0.25,
+        early_stopping=eqfit.EarlyStopping(patience=1, monitor="val_loss"),
+        callbacks=[Printer(), CSVLogger(directory / "log.csv")],
+        checkpoint=directory / "checkpoints",
+    )
+    assert_type(result, eqfit.FitResult[Affine])
+    assert_type(result.model, Affine)
+    assert_type(result.model.weight, Float[Array, "3 2"])
+    assert_type(result.history, eqfit.History)
+    assert_type(result.history.loss, np.ndarray)
+    assert_type(result.history.val_loss, np.ndarray | None)
+    # `best_epoch`: an int, or a tuple of one per member for an ensemble.
+    assert_type(result.history.best_epoch, int | tuple[int | None, ...] | None)
+    assert_type(result.opt_state, eqfit.OptState)
+    assert_type(result.state, eqfit.ModelState | None)
+
+    more = eqfit.fit(
+        result.model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=key,
+        epochs=4,
+        initial_epoch=2,
+        opt_state=result.opt_state,
+        progress=True,
+    )
+    assert_type(more, eqfit.FitResult[Affine])
+
+    assert_type(eqfit.predict(more.model, x, batch_size=32), Any)
+    values = eqfit.evaluate(more.model, (x, y), loss=eqfit.losses.mse)
+    assert_type(values, dict[str, float])
+
+    eqfit.save(directory / "result.eqx", more)
+    assert_type(eqfit.load(directory / "result.eqx", like=more), eqfit.FitResult[Affine])
+    assert_type(eqfit.load(str(directory / "result.eqx"), like=more.model), Affine)
+
+    try:
+        eqfit.fit(model, (x, y), loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), key=key)
+    except eqfit.NonFiniteLossError as e:
+        assert_type(e.result, eqfit.FitResult[Any])
+        assert_type(e.epoch, int)
+    except eqfit.TrainingInterrupted as e:
+        assert_type(e.result, eqfit.FitResult[Any])
+    except eqfit.CheckpointError as e:
+        print(e.result)
+
+    eqfit.enable_compilation_cache(directory / "jax")
+    eqfit.clear_cache()
+    assert_type(eqfit.__version__, str)
+    print(TensorBoard(directory / "tb").logdir)
+
+
+def ready_models() -> None:
+    key = jax.random.key(1)
+    linear = LinearRegression(4, key=key)
+    mlp = MLP(4, 10, 8, 2, key=key)
+    cnn = CNN(1, (8, 8), 10, key=key)
+    digits = np.zeros((32, 1, 8, 8), np.float32)
+    labels = np.zeros((32,), np.int32)
+    trained = eqfit.fit(
+        cnn,
+        (digits, labels),
+        loss=eqfit.losses.softmax_cross_entropy,
+        optimizer=optax.adam(1e-3),
+        key=key,
+        metrics={"accuracy": eqfit.metrics.accuracy},
+    )
+    assert_type(trained.model, CNN)
+    assert_type(linear, LinearRegression)
+    assert_type(mlp, MLP)
