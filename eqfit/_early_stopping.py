@@ -68,6 +68,10 @@ class EarlyStopping(eqx.Module):
                 )
 
         integer("patience", self.patience)
+        if not isinstance(self.restore_best, bool):
+            raise ValueError(
+                f"`EarlyStopping.restore_best` must be a bool, got {self.restore_best!r}."
+            )
         integer("start_from_epoch", self.start_from_epoch)
         delta = self.min_delta
         if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta >= 0:

@@ -9,11 +9,11 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
-from beartype import beartype
 from jax.sharding import Mesh
-from jaxtyping import Array, jaxtyped, Key, PyTree, UInt32
+from jaxtyping import Array, Key, PyTree, UInt32
 
 from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
+from ._checks import checked, reported_as
 from ._data import (
     as_data,
     as_key,
@@ -47,7 +47,7 @@ SECONDS_PER_CALL = 0.5
 DEFAULT_BATCH_SIZE = 32
 
 
-@jaxtyped(typechecker=beartype)
+@checked("fit", {"key": "a single PRNG key such as `jax.random.key(0)`"})
 def fit(
     model: Model,
     data: Data,
@@ -275,7 +275,7 @@ def fit(
             return jax.device_get(placement.get(s))
 
         interrupt = Interrupt()
-        with interrupt.deferred():
+        with interrupt.deferred(), reported_as("fit", "data"):
             outcome = drive(
                 loop,
                 run_program,

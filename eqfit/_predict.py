@@ -7,9 +7,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from beartype import beartype
-from jaxtyping import jaxtyped, PyTree
+from jaxtyping import PyTree
 
+from ._checks import checked, reported_as
 from ._data import as_data, check_batch_size, ensemble_size, num_samples
 from ._evaluate import evaluate_batches
 from ._step import Objective, takes_key
@@ -17,7 +17,7 @@ from ._typing import Arrays, ArrayTree, ModelState
 from .losses import LABEL_ERRORS, outputs, raise_label_errors
 
 
-@jaxtyped(typechecker=beartype)
+@checked("predict")
 def predict(
     model: Callable[..., Any],
     x: Arrays,
@@ -51,9 +51,14 @@ def predict(
     check_batch_size(batch_size)
     if ensemble:
         ensemble_size(model)
-    if not _is_array(x):
-        return _predict(eqx.nn.inference_mode(model), x_, state, batch_size, ensemble)
-    return _predict(eqx.nn.inference_mode(model), x_[0], state, batch_size, ensemble)
+    with reported_as("predict", "x"):
+        return _predict(
+            eqx.nn.inference_mode(model),
+            x_ if not _is_array(x) else x_[0],
+            state,
+            batch_size,
+            ensemble,
+        )
 
 
 def _is_array(x: Any) -> bool:
@@ -90,7 +95,7 @@ def _predict(model: PyTree, x: PyTree, state: PyTree, batch_size: int, ensemble:
     return run(model, state)
 
 
-@jaxtyped(typechecker=beartype)
+@checked("evaluate")
 def evaluate(
     model: ArrayTree,
     data: Arrays,
@@ -124,7 +129,8 @@ def evaluate(
     check_batch_size(batch_size)
     objective = Objective(loss, tuple((metrics or {}).items()), state is not None, takes_key(loss))
     labels_before = len(LABEL_ERRORS)
-    values = np.asarray(_evaluate(objective, model, state, data_, batch_size)).tolist()
+    with reported_as("evaluate", "data"):
+        values = np.asarray(_evaluate(objective, model, state, data_, batch_size)).tolist()
     raise_label_errors(labels_before)
     names = ("loss", *(name for name, _ in objective.metrics))
     return dict(zip(names, values))

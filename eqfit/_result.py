@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from ._checkpoint import serialise, versions, write_atomically
+from ._checks import checked
 from ._drive import Outcome
 from ._history import History, StopReason
 from ._loop import Consts, Loop
@@ -168,6 +169,13 @@ def make_result(
 _MAGIC = b"eqfit-result\n"
 
 
+@checked(
+    "save",
+    {
+        "result": "the `FitResult` that `fit` returned (a model alone saves with "
+        "`eqx.tree_serialise_leaves`)"
+    },
+)
 def save(path: PathLike, result: FitResult[Any]) -> None:
     """Writes a [`eqfit.FitResult`][] to one file: model, optimizer state, model state and
     history. The write is atomic: a crash leaves the old file or the new one, never half.
@@ -198,6 +206,7 @@ def save(path: PathLike, result: FitResult[Any]) -> None:
 def load(path: PathLike, *, like: FitResult[Model]) -> FitResult[Model]: ...
 @overload
 def load(path: PathLike, *, like: Model) -> Model: ...
+@checked("load")
 def load(path: PathLike, *, like: Any) -> Any:
     """Reads what `save` wrote.
 

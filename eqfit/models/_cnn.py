@@ -3,6 +3,7 @@ import jax
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, Key
 
+from .._checks import checked
 from ._check import check_input
 
 
@@ -27,6 +28,7 @@ class CNN(eqx.Module):
     head: eqx.nn.Linear
     input_shape: tuple[int, int, int] = eqx.field(static=True)
 
+    @checked("CNN", {"key": "a single PRNG key such as `jax.random.key(0)`"})
     def __init__(
         self,
         in_channels: int,

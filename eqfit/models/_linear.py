@@ -4,8 +4,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped
+from jaxtyping import Array, Float, jaxtyped, Key, UInt32
 
+from .._checks import checked
 from ._check import check_input
 
 
@@ -23,12 +24,13 @@ class LinearRegression(eqx.Module):
     bias: Float[Array, " out"]
     scalar: bool = eqx.field(static=True)
 
+    @checked("LinearRegression", {"key": "a single PRNG key such as `jax.random.key(0)`"})
     def __init__(
         self,
         in_features: int,
         out_features: int | Literal["scalar"] = "scalar",
         *,
-        key: Array,
+        key: Key[Array, ""] | UInt32[Array, "2"],
     ):
         self.scalar = out_features == "scalar"
         out = 1 if out_features == "scalar" else out_features

@@ -6,6 +6,7 @@ import jax
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, Key
 
+from .._checks import checked
 from ._check import check_input
 
 
@@ -30,6 +31,7 @@ class MLP(eqx.Module):
     activation: Callable[[Array], Array] = eqx.field(static=True)
     in_features: int = eqx.field(static=True)
 
+    @checked("MLP", {"key": "a single PRNG key such as `jax.random.key(0)`"})
     def __init__(
         self,
         in_features: int,

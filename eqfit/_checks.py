@@ -1,0 +1,140 @@
+"""The runtime check of public signatures, with messages that name the argument.
+
+`checked(fn)` is `jaxtyping.jaxtyped(typechecker=beartype)(fn)` whose failures are cut to
+what a caller needs: the function, the argument, what it must be and what it was, and a
+hint where eqfit has one. jaxtyping's own message also lists every argument and the whole
+signature (thousands of characters for `fit`); that is left out.
+
+The check's cost and its off switch are written down in the docs' guide to types and
+runtime checks: jaxtyping's own switch (`JAXTYPING_DISABLE=1` in the environment, or
+`jaxtyping.config.update("jaxtyping_disable", True)`) turns it off, leaving eqfit's own
+checks of values, which name the argument too.
+"""
+
+import contextlib
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from beartype import beartype
+from jaxtyping import jaxtyped, TypeCheckError
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_PARAMETER = re.compile(r"The problem arose whilst typechecking parameter '(\w+)'")
+_WHERE = re.compile(r"whilst checking the parameters of ([\w.<>]+)")
+_DETAIL_LINES = ("Actual value:", "Expected type:", "The current values for each dimension")
+_MAX_DETAIL = 240
+
+
+def checked(name: str, hints: dict[str, str] | None = None) -> Callable[[_F], _F]:
+    """Checks each call of the decorated function against its annotations.
+
+    **Arguments:**
+
+    - `name`: how messages name the function, as a user calls it (`"fit"`, `"MLP"`).
+    - `hints`: for some arguments, what they must be, in words; it leads the message.
+
+    **Returns:**
+
+    A decorator.
+    """
+
+    def decorate(fn: _F) -> _F:
+        inner = jaxtyped(typechecker=beartype)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            except TypeCheckError as e:
+                short = _shorten(e, fn, name, hints or {})
+                if short is None:
+                    raise
+                raise short from None
+
+        return call  # pyright: ignore[reportReturnType]
+
+    return decorate
+
+
+def _shorten(
+    error: TypeCheckError, fn: Callable[..., Any], name: str, hints: dict[str, str]
+) -> TypeCheckError | None:
+    """A short error for a failed argument, or `None` for any other failure (one raised
+    from inside the function's body, or of its return value), which keeps its own message.
+    """
+    message = str(error)
+    found = _PARAMETER.search(message)
+    if found is None or _raised_inside(error, fn):
+        return None
+    argument = found.group(1)
+    details = _details(message)
+    lead = f"`{name}`'s argument `{argument}`"
+    if argument in hints:
+        lead += f" must be {hints[argument]}"
+    else:
+        lead += " has the wrong type or shape"
+    return TypeCheckError("\n".join([lead + ".", *details]))
+
+
+def _raised_inside(error: BaseException, fn: Callable[..., Any]) -> bool:
+    # The body's own code: under jaxtyping's import hook (`pytest --jaxtyping-packages`),
+    # `fn` is already wrapped in a check of its own.
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= _MAX_DETAIL else line[: _MAX_DETAIL - 3] + "..."
+
+
+@contextlib.contextmanager
+def reported_as(name: str, argument: str) -> Iterator[None]:
+    """Reports a runtime type check that fails while `name` runs the model on batches of
+    its `argument` (an int32 `x` for a model that takes floats, say) as that argument's
+    fault, with where it failed, rather than as a failure deep inside the model.
+    """
+    try:
+        yield
+    except TypeCheckError as e:
+        message = str(e)
+        found, where = _PARAMETER.search(message), _WHERE.search(message)
+        if found is None or where is None:
+            raise
+        raise TypeCheckError(
+            "\n".join(
+                [
+                    f"`{name}`'s argument `{argument}` does not suit the model or the loss: "
+                    f"a batch of it failed the check of `{where.group(1).rstrip('.')}`'s parameter "
+                    f"`{found.group(1)}`.",
+                    *_details(message),
+                ]
+            )
+        ) from None
+
+
+def _details(message: str) -> list[str]:
+    """The lines of jaxtyping's message that say what was expected and what came."""
+    lines = message.split("----------------------")[0].splitlines()
+    return [_readable(line.strip()) for line in lines if line.strip().startswith(_DETAIL_LINES)]
+
+
+def _readable(line: str) -> str:
+    line = re.sub(r"<class '(.*)'>", r"\1", line)
+    for long, short in (
+        ("jaxlib._jax.Array", "Array"),
+        ("jaxtyping.", ""),
+        ("collections.abc.", ""),
+        ("typing.", ""),
+    ):
+        line = line.replace(long, short)
+    return _clip(line)
