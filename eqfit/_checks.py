@@ -11,10 +11,12 @@ runtime checks: jaxtyping's own switch (`JAXTYPING_DISABLE=1` in the environment
 checks of values, which name the argument too.
 """
 
+import ast
 import contextlib
 import functools
 import inspect
 import re
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -56,6 +58,9 @@ def checked(name: str, hints: dict[str, str] | None = None) -> Callable[[_F], _F
                     raise
                 raise short from None
 
+        shown = _as_written(fn)
+        if shown is not None:
+            call.__signature__ = shown  # pyright: ignore[reportFunctionMemberAccess]
         return call  # pyright: ignore[reportReturnType]
 
     return decorate
@@ -138,3 +143,44 @@ def _readable(line: str) -> str:
     ):
         line = line.replace(long, short)
     return _clip(line)
+
+
+class _Written:
+    """Shows as the source text it holds: an annotation or default as it was written."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _as_written(fn: Callable[..., Any]) -> inspect.Signature | None:
+    """`fn`'s signature with annotations and defaults as the source writes them, for
+    `help()`: `opt_state: OptState | None = None` rather than the objects' long reprs.
+    """
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    args = node.args
+    positional = [*args.posonlyargs, *args.args]
+    defaults = dict(zip([a.arg for a in positional][::-1], args.defaults[::-1]))
+    defaults |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+    annotations = {
+        a.arg: a.annotation
+        for a in [*positional, *args.kwonlyargs, args.vararg, args.kwarg]
+        if a is not None and a.annotation is not None
+    }
+    signature = inspect.signature(fn)
+    parameters = []
+    for p in signature.parameters.values():
+        if p.name in annotations:
+            p = p.replace(annotation=_Written(ast.unparse(annotations[p.name])))
+        if p.name in defaults:
+            p = p.replace(default=_Written(ast.unparse(defaults[p.name])))
+        parameters.append(p)
+    returns = _Written(ast.unparse(node.returns)) if node.returns else signature.empty
+    return signature.replace(parameters=parameters, return_annotation=returns)

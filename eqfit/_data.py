@@ -317,7 +317,8 @@ def is_dtype(dtype: Any, kind: Any) -> bool:
 def _describe(x: Any) -> str:
     if _is_array(x):
         return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"a {type(x).__name__}"
+    name = type(x).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
 def ensemble_size(model: PyTree) -> int:

@@ -2,7 +2,7 @@
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
-from jaxtyping import Array, Key, PyTree, UInt32
+from jaxtyping import Array, Key, PyTree
 
 from ._checkpoint import as_plain, Checkpoints, describe, Interrupt, position
 from ._checks import checked, reported_as
@@ -31,7 +31,18 @@ from ._parallel import choose_placement, Device
 from ._result import FitResult, make_result, TrainingInterrupted
 from ._sources import InMemory, Loader, Memmaps, streamed_source
 from ._step import takes_key
-from ._typing import Arrays, FilterSpec, Model, ModelState, OptState, PathLike
+from ._typing import (
+    Arrays,
+    FilterSpec,
+    Loss,
+    Metrics,
+    Model,
+    ModelState,
+    Optimizer,
+    OptState,
+    PathLike,
+    PRNGKey,
+)
 from .losses import LABEL_ERRORS, raise_label_errors
 
 
@@ -52,9 +63,9 @@ def fit(
     model: Model,
     data: Data,
     *,
-    loss: Callable[..., Any],
-    optimizer: optax.GradientTransformation | optax.MultiSteps,
-    key: Key[Array, ""] | UInt32[Array, "2"],
+    loss: Loss,
+    optimizer: Optimizer,
+    key: PRNGKey,
     epochs: int = 1,
     batch_size: int | None = None,
     steps_per_epoch: int | None = None,
@@ -67,7 +78,7 @@ def fit(
     state: ModelState | None = None,
     validation_data: Arrays | None = None,
     validation_split: float | None = None,
-    metrics: Mapping[str, Callable[..., Any]] | None = None,
+    metrics: Metrics | None = None,
     early_stopping: EarlyStopping | None = None,
     on_nan: Literal["raise", "stop", "skip"] = "raise",
     callbacks: Sequence[Callback] = (),
@@ -79,14 +90,15 @@ def fit(
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
-    **Arguments:**
+    **Main arguments:**
 
-    - `model`: any PyTree of arrays, usually an `eqx.Module`. It is not changed.
+    - `model`: any PyTree of arrays, usually an `eqx.Module`. It is not changed; the
+        trained one comes back as `result.model`, of the same type.
     - `data`: the training data, any of:
         - a tuple of numpy or JAX arrays sharing their leading (sample) axis, `(x, y)`,
             unpacked into `loss(model, *batch)`; or another PyTree of such arrays (a dict,
-            say), passed whole as `loss(model, batch)`. It is moved to the device once;
-            each pass then permutes indices, not data;
+            say), passed whole as `loss(model, batch)`. It goes to the device once; each
+            pass then permutes indices, not data;
         - the same with `np.memmap` arrays (`np.load(..., mmap_mode="r")`), for data
             larger than memory: read in chunks while the device trains;
         - a loader: a re-iterable yielding batches (a PyTorch `DataLoader`, a Grain
@@ -97,10 +109,16 @@ def fit(
         `key`, it gets a fresh key every step (for dropout and the like).
     - `optimizer`: any optax `GradientTransformation` (or `optax.MultiSteps`). Those that
         read the loss (`optax.contrib.reduce_on_plateau`) receive it as `value`.
-    - `key`: a PRNG key. It drives the shuffle, the per-step keys and `validation_split`.
+    - `key`: a PRNG key, `jax.random.key(seed)`. It drives the shuffle, the per-step keys
+        and `validation_split`.
     - `epochs`: the number of the last epoch, counted from 1: how many epochs to train,
         or with `initial_epoch`, where to stop.
     - `batch_size`: samples per step; by default 32, or a loader's own.
+
+    **Other arguments:**
+
+    *How the data is gone through:*
+
     - `steps_per_epoch`: optimizer steps per epoch. By default an epoch is a pass over the
         data. Given, the data is a continuing sequence of passes (each sample once per
         pass, shuffled anew) cut into epochs of this many steps: the history, validation,
@@ -111,13 +129,16 @@ def fit(
     - `shuffle`: visit the samples in a new random order each pass.
     - `drop_remainder`: skip the last, smaller batch of each pass instead of taking it
         as one more step.
-    - `progress`: `False` runs the whole training as one call of the compiled program.
-        `True` shows a tqdm bar and calls the same program in pieces; the result is the
-        same, bit for bit.
+
+    *What trains, and from where:*
+
     - `filter_spec`: which leaves of `model` train, as in `eqx.partition`. Leaves that
         are not floating-point arrays never train.
     - `opt_state`: an optimizer state to continue from, such as a previous result's.
     - `state`: the `eqx.nn.State` of a stateful model (BatchNorm and the like).
+
+    *What is measured, and when to stop:*
+
     - `validation_data`: data like `data`'s (arrays in memory), evaluated after each epoch
         in inference mode.
     - `validation_split`: instead, hold out this fraction of `data`'s samples (arrays or
@@ -130,10 +151,18 @@ def fit(
         [`eqfit.NonFiniteLossError`][] holding the last finite model. `"stop"`: stop and
         return it. `"skip"`: skip that update and go on. The check never syncs the host,
         and on finite losses all three train alike, bit for bit.
+
+    *What the host sees:*
+
+    - `progress`: `False` runs the training in a few long calls of the compiled program.
+        `True` shows a tqdm bar and calls the same program in shorter pieces; the result
+        is the same, bit for bit.
     - `callbacks`: objects with `on_epoch_end(epoch, logs)` (epochs counted from 1), called
-        on the host after each epoch; returning `True` stops training. With callbacks the
-        program runs an epoch per call, so that they see each epoch before the next
-        starts. [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard).
+        on the host after each epoch; returning `True` stops training.
+        [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard).
+
+    *Where it runs:*
+
     - `devices`: data parallel over these local devices (or the first `devices` of them)
         with `eqx.filter_pmap`. Each batch is split evenly over them, so `batch_size`
         must be a multiple of their number.
@@ -142,34 +171,32 @@ def fit(
         each process passes its own rows of `data`.
     - `ensemble`: `model` is a stack of members (every array with a leading member axis,
         as `eqx.filter_vmap` builds it), trained side by side in one program. Member `i`
-        trains as it would alone with key `jax.random.split(key, members)[i]`: its own
-        shuffle and per-step keys. `state` and `opt_state`, if given, are stacked too.
-        With `devices=` or `mesh=`, each batch is split over the devices and every
-        device holds all members.
-    - `checkpoint`: a directory. Every `checkpoint_every` epochs the whole training state
-        (model, optimizer state, `state`, position, history, early stopping) is written
-        there, atomically, keeping the last two. Calling `fit` again with the same
-        directory resumes from the newest complete checkpoint and ends with the same bits
-        as an uninterrupted run; one written by another configuration is refused.
-    - `checkpoint_every`: epochs between checkpoints.
+        trains as it would alone with key `jax.random.split(key, members)[i]`. `state` and
+        `opt_state`, if given, are stacked too.
 
-    Ctrl-C stops training where the program next returns to the host (on the compiled
-    path without a checkpoint, at the end of the run), writes a checkpoint if a
-    directory is given, and raises `KeyboardInterrupt`. A second Ctrl-C stops at once.
+    *What survives:*
+
+    - `checkpoint`: a directory. Every `checkpoint_every` epochs the whole training state
+        is written there, atomically, keeping the last two. Calling `fit` again with the
+        same directory resumes from the newest good checkpoint and ends with the same
+        bits as an uninterrupted run; one written by another configuration is refused.
+    - `checkpoint_every`: epochs between checkpoints.
 
     **Returns:**
 
     A [`eqfit.FitResult`][] with the trained `model`, the `opt_state`, the `history` and
     the model `state`.
 
-    !!! warning "What triggers a compilation"
+    **Raises:**
 
-        The run is compiled once per model structure (with its non-array leaves), the
-        arrays `filter_spec` chooses, the `loss`, `metrics` and `optimizer` objects, data
-        shapes, `(epochs, batch_size, shuffle, drop_remainder)` and the other settings
-        (`early_stopping`, `on_nan`, validation, `state`, `ensemble`). A new
-        `optax.adam(...)` is a new object, so keep one optimizer to reuse the program; a
-        new `filter_spec` function that chooses the same arrays reuses it.
+    - `TypeError`, `ValueError`: a bad argument, named, before anything is compiled.
+    - [`eqfit.NonFiniteLossError`][]: a NaN or infinite loss with `on_nan="raise"`.
+    - [`eqfit.TrainingInterrupted`][]: Ctrl-C, which stops training at the next epoch's
+        end (writing a checkpoint if there is a directory). A second Ctrl-C stops at
+        once.
+    - [`eqfit.CheckpointError`][]: a checkpoint could not be written.
+
+    Each of the last three holds what was trained as `.result`.
     """
     began = time.perf_counter()
     key_ = as_key(key)

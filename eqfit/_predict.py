@@ -1,6 +1,6 @@
 """Batched inference: `predict` and `evaluate`, each one compiled scan over the data."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -13,7 +13,7 @@ from ._checks import checked, reported_as
 from ._data import as_data, check_batch_size, ensemble_size, num_samples
 from ._evaluate import evaluate_batches
 from ._step import Objective, takes_key
-from ._typing import Arrays, ArrayTree, ModelState
+from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState
 from .losses import LABEL_ERRORS, outputs, raise_label_errors
 
 
@@ -100,8 +100,8 @@ def evaluate(
     model: ArrayTree,
     data: Arrays,
     *,
-    loss: Callable[..., Any],
-    metrics: Mapping[str, Callable[..., Any]] | None = None,
+    loss: Loss,
+    metrics: Metrics | None = None,
     batch_size: int = 256,
     state: ModelState | None = None,
 ) -> dict[str, float]:

@@ -9,21 +9,27 @@ it can check cheaply.
 """
 
 import os
+from collections.abc import Callable, Mapping
 from typing import Any, TYPE_CHECKING, TypeAlias, TypeVar
 
 import equinox as eqx
 import numpy as np
-from jaxtyping import Array, PyTree, Shaped
+import optax
+from jaxtyping import Array, Key, PyTree, Shaped, UInt32
 
 
 Model = TypeVar("Model")
 """The caller's model class: `fit(model: Model) -> FitResult[Model]`."""
 
 PathLike: TypeAlias = str | os.PathLike[str]
+# `loss(model, *batch)`, a metric `fn(model, *batch)`: see `fit`'s docstring.
+Loss: TypeAlias = Callable[..., Any]
+Metrics: TypeAlias = Mapping[str, Callable[..., Any]]
+Optimizer: TypeAlias = optax.GradientTransformation | optax.MultiSteps
+# `jax.random.key(seed)`, or a raw `jax.random.PRNGKey(seed)`.
+PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"]
 
 if TYPE_CHECKING:
-    import optax
-
     ArrayTree: TypeAlias = Any
     Arrays: TypeAlias = Any
     OptState: TypeAlias = optax.OptState
