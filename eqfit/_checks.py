@@ -18,7 +18,7 @@ import inspect
 import re
 import textwrap
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, cast, TypeVar
 
 from beartype import beartype
 from jaxtyping import jaxtyped, TypeCheckError
@@ -60,7 +60,7 @@ def checked(name: str, hints: dict[str, str] | None = None) -> Callable[[_F], _F
 
         shown = _as_written(fn)
         if shown is not None:
-            call.__signature__ = shown  # pyright: ignore[reportFunctionMemberAccess]
+            cast(Any, call).__signature__ = shown
         return call  # pyright: ignore[reportReturnType]
 
     return decorate
