@@ -94,6 +94,9 @@ class _Reader:
         # Each call's report, the step it began at and the steps it was asked for.
         self.in_flight: list[tuple[Report, int, int]] = []
         self.finished = False  # stopped early, or a callback asked to stop
+        # The last step read. After an early stop, calls already queued report the step
+        # the run stopped at, which is before the step they were asked to begin at.
+        self.done: int | None = None
         self.by_callback = False
         self.last_logs: dict[str, float] = {}
         self.clock = time.perf_counter()
@@ -126,8 +129,12 @@ class _Reader:
         )
         step, stopped, loss_sum, table = (np.asarray(x) for x in host)
         done = int(step.max())  # an ensemble's members stopped early are behind
-        if self.bar is not None:
-            self.bar.steps(done - begin, float(loss_sum.mean()), done // self.per_epoch + 1)
+        begin = begin if self.done is None else self.done
+        self.done = max(done, begin)
+        if self.bar is not None and done > begin:
+            # The epoch the run is in, or the one it stopped at.
+            epoch = -(-done // self.per_epoch) if stopped.all() else done // self.per_epoch + 1
+            self.bar.steps(done - begin, float(loss_sum.mean()), epoch)
         # Epochs are numbered from 1: epoch e ends at step e * steps_per_epoch.
         for epoch in range(begin // self.per_epoch + 1, done // self.per_epoch + 1):
             # An ensemble's values are its members' mean.

@@ -169,6 +169,33 @@ def test_early_stopping_in_the_compiled_program(getkey, restore_best):
     np.testing.assert_allclose(result.model.w, w, rtol=1e-5)
 
 
+def test_the_bar_counts_the_steps_run_when_early_stopping_ends_a_run(getkey, capsys):
+    """Slow steps make the bar's calls short, so calls are queued past the early stop:
+    the bar must end at the steps that ran, not count the queued calls' steps.
+    """
+    model, data, val, loss = drifting_problem()
+
+    def slow_loss(model, x, y):  # milliseconds a step, computed on the device
+        a = jax.lax.fori_loop(0, 30, lambda i, a: jnp.tanh(a @ a), jnp.full((256, 256), 0.01))
+        return loss(model, x, y) + 0.0 * a[0, 0]
+
+    result = eqfit.fit(
+        model,
+        data,
+        loss=slow_loss,
+        optimizer=optax.sgd(0.2),
+        key=getkey(),
+        epochs=100,
+        batch_size=4,
+        validation_data=val,
+        early_stopping=eqfit.EarlyStopping(patience=2),
+        progress=True,
+    )
+    assert result.history.epochs == 4
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "epoch 4/100" in last and " 4/100 " in last, last
+
+
 def test_early_stopping_on_a_maximised_metric(getkey):
     model, data, val, loss = drifting_problem()
 
