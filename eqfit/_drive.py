@@ -8,17 +8,19 @@ boundaries, at each epoch's end when callbacks must see it before training goes 
 every fraction of a second for the bar.
 """
 
+import collections
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoint import CheckpointError, Checkpoints, Interrupt
+from ._compile import PROGRAMS
 from ._loop import Inputs, Loop, Report, TrainState
 from ._parallel import Placement
 
@@ -71,6 +73,32 @@ class Outcome:
     stopped_by_callback: bool
     interrupted: bool
     failure: Exception | None = None  # a checkpoint that could not be written
+
+
+class _Speeds:
+    """The seconds per step last measured for each recent configuration, so that a later
+    `fit` of it sizes its first call by them: a run that takes less than a call's length
+    is then one call, with no first call to measure by (one dispatch and one wait fewer).
+    Kept for the `PROGRAMS` most recent configurations, as their programs are.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: Hashable) -> float | None:
+        with self.lock:
+            return self.seconds.get(key)
+
+    def set(self, key: Hashable, seconds: float) -> None:
+        with self.lock:
+            self.seconds[key] = seconds
+            self.seconds.move_to_end(key)
+            while len(self.seconds) > PROGRAMS:
+                self.seconds.popitem(last=False)
+
+
+SPEEDS = _Speeds()
 
 
 class _Reader:
@@ -279,9 +307,14 @@ def drive(
     programs = {loop.batch_size: program(loop)}  # and for pieces of a smaller last batch
     per_epoch = plan.steps_per_epoch
     position, report = plan.begin, None
-    # The first call is one short epoch, or 8 steps of a long one (whole on the compiled
-    # path): a quick first report to measure the speed by; later calls are sized by it.
-    steps_per_call = per_epoch if per_epoch <= 64 or plan.whole_epochs else 8
+    # Calls are sized by the speed: the one measured by an earlier run of this
+    # configuration, else by this run's first call, which is one short epoch, or 8 steps
+    # of a long one (whole on the compiled path), to report soon.
+    known = SPEEDS.get(loop)
+    if known is not None:
+        steps_per_call = max(1, int(plan.seconds_per_call / max(known, 1e-9)))
+    else:
+        steps_per_call = per_epoch if per_epoch <= 64 or plan.whole_epochs else 8
     finished = interrupted = False
     failure = None
     try:
@@ -308,6 +341,7 @@ def drive(
                 seconds = reader.read(keep=1)
                 if seconds is not None:
                     steps_per_call = max(1, int(plan.seconds_per_call / max(seconds, 1e-9)))
+                    SPEEDS.set(loop, seconds)
                 position = stop
                 if plan.sync_epochs and position % per_epoch == 0:
                     reader.read()
