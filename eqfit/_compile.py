@@ -23,13 +23,16 @@ PROGRAMS = 32
 
 
 class Programs:
-    """A least-recently-used cache of compiled programs, `PROGRAMS` configurations big."""
+    """A least-recently-used cache of compiled programs, `PROGRAMS` configurations big,
+    with the seconds per step last measured for each (which sizes a later run's calls).
+    """
 
     def __init__(self, size: int = PROGRAMS):
         self.size = size
         self.entries: collections.OrderedDict[Hashable, Callable[..., Any]] = (
             collections.OrderedDict()
         )
+        self.speeds: dict[Hashable, float] = {}
         self.lock = threading.Lock()  # fits may run in several threads at once
 
     def get(self, key: Hashable, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -43,12 +46,24 @@ class Programs:
         with self.lock:
             self.entries[key] = program
             while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+                evicted, _ = self.entries.popitem(last=False)
+                self.speeds.pop(evicted, None)
         return program
+
+    def speed(self, key: Hashable) -> float | None:
+        """The seconds per step last measured for the program cached under `key`."""
+        with self.lock:
+            return self.speeds.get(key)
+
+    def set_speed(self, key: Hashable, seconds: float) -> None:
+        with self.lock:
+            if key in self.entries:
+                self.speeds[key] = seconds
 
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
+            self.speeds.clear()
 
 
 PROGRAM_CACHE = Programs()

@@ -8,20 +8,19 @@ boundaries, at each epoch's end when callbacks must see it before training goes 
 every fraction of a second for the bar.
 """
 
-import collections
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoint import CheckpointError, Checkpoints, Interrupt
-from ._compile import PROGRAMS
-from ._loop import Inputs, Loop, Report, TrainState
+from ._compile import PROGRAM_CACHE
+from ._loop import Inputs, Loop, Report, run_key, TrainState
 from ._parallel import Placement
 
 
@@ -73,32 +72,6 @@ class Outcome:
     stopped_by_callback: bool
     interrupted: bool
     failure: Exception | None = None  # a checkpoint that could not be written
-
-
-class _Speeds:
-    """The seconds per step last measured for each recent configuration, so that a later
-    `fit` of it sizes its first call by them: a run that takes less than a call's length
-    is then one call, with no first call to measure by (one dispatch and one wait fewer).
-    Kept for the `PROGRAMS` most recent configurations, as their programs are.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key: Hashable) -> float | None:
-        with self.lock:
-            return self.seconds.get(key)
-
-    def set(self, key: Hashable, seconds: float) -> None:
-        with self.lock:
-            self.seconds[key] = seconds
-            self.seconds.move_to_end(key)
-            while len(self.seconds) > PROGRAMS:
-                self.seconds.popitem(last=False)
-
-
-SPEEDS = _Speeds()
 
 
 class _Reader:
@@ -310,7 +283,7 @@ def drive(
     # Calls are sized by the speed: the one measured by an earlier run of this
     # configuration, else by this run's first call, which is one short epoch, or 8 steps
     # of a long one (whole on the compiled path), to report soon.
-    known = SPEEDS.get(loop)
+    known = PROGRAM_CACHE.speed(run_key(loop))
     if known is not None:
         steps_per_call = max(1, int(plan.seconds_per_call / max(known, 1e-9)))
     else:
@@ -341,7 +314,7 @@ def drive(
                 seconds = reader.read(keep=1)
                 if seconds is not None:
                     steps_per_call = max(1, int(plan.seconds_per_call / max(seconds, 1e-9)))
-                    SPEEDS.set(loop, seconds)
+                    PROGRAM_CACHE.set_speed(run_key(loop), seconds)
                 position = stop
                 if plan.sync_epochs and position % per_epoch == 0:
                     reader.read()

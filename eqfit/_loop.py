@@ -281,10 +281,15 @@ def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*me
     return PROGRAM_CACHE.get(("start", loop), lambda: jax.jit(functools.partial(start, loop)))
 
 
+def run_key(loop: Loop) -> tuple[str, Loop]:
+    """Where `run` compiled for `loop` is cached (with its speed)."""
+    return ("run", loop)
+
+
 def run_program(loop: Loop) -> Callable[..., tuple[TrainState, Report]]:
     """`run` compiled for `loop` by its placement, the state donated (cached)."""
     compile = loop.placement.compile
-    return PROGRAM_CACHE.get(("run", loop), lambda: compile(functools.partial(run, loop), (0,)))
+    return PROGRAM_CACHE.get(run_key(loop), lambda: compile(functools.partial(run, loop), (0,)))
 
 
 def run(
