@@ -86,18 +86,20 @@ class _Reader:
         names: tuple[str, ...],
         steps_per_epoch: int,
         first_epoch: int,
+        begin: int,
         bar: "Bar | None",
         callbacks: Sequence[Callback],
     ):
         self.placement, self.names, self.per_epoch = placement, names, steps_per_epoch
         self.first_epoch = first_epoch
         self.bar, self.callbacks = bar, callbacks
-        # Each call's report, the step it began at and the steps it was asked for.
-        self.in_flight: list[tuple[Report, int, int]] = []
+        # Each call's report and the steps it was asked for.
+        self.in_flight: list[tuple[Report, int]] = []
         self.finished = False  # stopped early, or a callback asked to stop
-        # The last step read. After an early stop, calls already queued report the step
-        # the run stopped at, which is before the step they were asked to begin at.
-        self.done: int | None = None
+        # The step the last report read had reached (the run's start before any). Reads
+        # count from it, not from where a call was asked to begin: after an early stop,
+        # calls already queued report the step the run stopped at, behind their begin.
+        self.done = begin
         self.by_callback = False
         self.last_logs: dict[str, float] = {}
         self.clock = time.perf_counter()
@@ -105,7 +107,7 @@ class _Reader:
     def queued(self, report: Report, begin: int, stop: int) -> None:
         if not self.in_flight:  # the device starts on it now (its compilation is done)
             self.clock = time.perf_counter()
-        self.in_flight.append((report, begin, stop - begin))
+        self.in_flight.append((report, stop - begin))
 
     def read(self, keep: int = 0) -> float | None:
         """Reads every report in flight but the last `keep`; returns the seconds per step
@@ -113,8 +115,8 @@ class _Reader:
         """
         steps = 0
         while len(self.in_flight) > keep:
-            report, begin, count = self.in_flight.pop(0)
-            self._take(report, begin)
+            report, count = self.in_flight.pop(0)
+            self._take(report)
             steps += count
         if not steps:
             return None
@@ -123,14 +125,14 @@ class _Reader:
         self.clock = now
         return seconds
 
-    def _take(self, report: Report, begin: int) -> None:
+    def _take(self, report: Report) -> None:
         WAITER.wait(report.step)
         host = self.placement.host(
             (report.step, report.stopped, report.loss_sum, report.epoch_values)
         )
         step, stopped, loss_sum, table = (np.asarray(x) for x in host)
         done = int(step.max())  # an ensemble's members stopped early are behind
-        begin = begin if self.done is None else self.done
+        begin = self.done
         self.done = max(done, begin)
         if self.bar is not None and done > begin:
             # The epoch the run is in, or the one it stopped at.
@@ -275,19 +277,33 @@ def drive(
     An `Outcome` with the final state and the last call's report.
     """
     reader = _Reader(
-        loop.placement, loop.log_names, plan.steps_per_epoch, loop.first_epoch, bar, callbacks
+        loop.placement,
+        loop.log_names,
+        plan.steps_per_epoch,
+        loop.first_epoch,
+        plan.begin,
+        bar,
+        callbacks,
     )
     programs = {loop.batch_size: program(loop)}  # and for pieces of a smaller last batch
     per_epoch = plan.steps_per_epoch
     position, report = plan.begin, None
+
     # Calls are sized by the speed: the one measured by an earlier run of this
     # configuration, else by this run's first call, which is one short epoch, or 8 steps
     # of a long one (whole on the compiled path), to report soon.
+    def steps_for(seconds_per_step: float) -> int:
+        return max(1, int(plan.seconds_per_call / max(seconds_per_step, 1e-9)))
+
     known = PROGRAM_CACHE.speed(run_key(loop))
     if known is not None:
-        steps_per_call = max(1, int(plan.seconds_per_call / max(known, 1e-9)))
+        steps_per_call = steps_for(known)
     else:
         steps_per_call = per_epoch if per_epoch <= 64 or plan.whole_epochs else 8
+    # Steps between checkpoints; calls end at each.
+    every = None
+    if store is not None and plan.checkpoint_every:
+        every = plan.checkpoint_every * per_epoch
     finished = interrupted = False
     failure = None
     try:
@@ -302,8 +318,7 @@ def drive(
                     stop = max(stop // per_epoch * per_epoch, min(next_epoch, plan.total))
                 if plan.epoch_calls or plan.sync_epochs or interrupted:
                     stop = min(stop, next_epoch)
-                if store is not None and plan.checkpoint_every:
-                    every = plan.checkpoint_every * per_epoch
+                if every is not None:
                     stop = min(stop, (position // every + 1) * every)
                 stop = min(max(stop, position), feed.end)  # a call with nothing to do reports
                 size = feed.batch_size or loop.batch_size
@@ -313,20 +328,18 @@ def drive(
                 reader.queued(report, position, stop)
                 seconds = reader.read(keep=1)
                 if seconds is not None:
-                    steps_per_call = max(1, int(plan.seconds_per_call / max(seconds, 1e-9)))
+                    steps_per_call = steps_for(seconds)
                     PROGRAM_CACHE.set_speed(run_key(loop), seconds)
                 position = stop
                 if plan.sync_epochs and position % per_epoch == 0:
                     reader.read()
-                if store is not None and plan.checkpoint_every:
-                    every = plan.checkpoint_every * per_epoch
-                    if position % every == 0 or position >= plan.total:
-                        assert save is not None
-                        try:
-                            store.save(save(state))
-                        except CheckpointError as e:  # the result goes with the error
-                            failure = e
-                            break
+                if every is not None and (position % every == 0 or position >= plan.total):
+                    assert store is not None and save is not None
+                    try:
+                        store.save(save(state))
+                    except CheckpointError as e:  # the result goes with the error
+                        failure = e
+                        break
                 finished = reader.finished or position >= plan.total
                 if position >= feed.end:
                     break
