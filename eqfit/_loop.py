@@ -425,7 +425,7 @@ class _Run:
                 assert loop.passes is not None
 
                 # A loop that runs once or not at all, not a `cond`: XLA compiles a step
-                # inside a conditional at about twice the cost.
+                # inside a conditional more slowly than inside a loop.
                 def remainder_due(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
                     state, _ = carry
                     return (state.step == remainder_step) & (state.step < limit) & ~state.stopped

@@ -171,7 +171,6 @@ class Sharded:
 
 
 Placement = OneDevice | Pmap | Sharded
-_ONE_DEVICE = OneDevice()  # built once: constructing a Module costs microseconds a `fit`
 
 
 def choose_placement(
@@ -211,7 +210,7 @@ def choose_placement(
         placement = Pmap(chosen)
         count, what = len(chosen), "the devices"
     else:
-        return _ONE_DEVICE
+        return OneDevice()
     if batch_size % count:
         lower, upper = (batch_size // count) * count, -(-batch_size // count) * count
         raise ValueError(

@@ -18,7 +18,7 @@ Metrics = Mapping[str, Callable[..., Any]]
 def takes_key(fn: Callable[..., Any]) -> bool:
     """Whether `fn` accepts a keyword argument `key` (for dropout and the like)."""
     try:
-        return _takes_key(fn)  # `inspect.signature` costs a tenth of a small `fit` call
+        return _takes_key(fn)  # `inspect.signature` is slow next to a small `fit` call
     except TypeError:  # unhashable: a Module with a list field, say
         return _takes_key.__wrapped__(fn)
 
