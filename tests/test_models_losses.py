@@ -29,6 +29,28 @@ def test_mlp(getkey):
     assert len(model.layers) == 3
 
 
+def test_ready_models_have_equinox_initial_parameters():
+    # The layers are made in one compiled program; their parameters must be those that
+    # Equinox's layers give, made one operation at a time, from the same keys.
+    key = jax.random.key(7)
+    mlp = eqfit.models.MLP(4, "scalar", 8, 2, key=key)
+    keys = jax.random.split(key, 3)
+    expected = (
+        eqx.nn.Linear(4, 8, key=keys[0]),
+        eqx.nn.Linear(8, 8, key=keys[1]),
+        eqx.nn.Linear(8, "scalar", key=keys[2]),
+    )
+    cnn = eqfit.models.CNN(1, (8, 8), 10, channels=(4, 6), key=key)
+    k1, k2, k3 = jax.random.split(key, 3)
+    expected_cnn = (
+        eqx.nn.Conv2d(1, 4, 3, padding=1, key=k1),
+        eqx.nn.Conv2d(4, 6, 3, padding=1, key=k2),
+        eqx.nn.Linear(6 * 4 * 4, 10, key=k3),
+    )
+    got = (mlp.layers, (cnn.conv1, cnn.conv2, cnn.head))
+    assert bool(eqx.tree_equal(got, (expected, expected_cnn)))
+
+
 def test_mlp_dropout_needs_key_and_respects_inference_mode(getkey):
     model = eqfit.models.MLP(4, 2, 64, 1, dropout=0.5, key=getkey())
     x = jax.random.normal(getkey(), (4,))

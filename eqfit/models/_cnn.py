@@ -7,6 +7,19 @@ from .._checks import checked
 from ._check import check_input
 
 
+# One compiled program makes every layer (the parameters are the same as when made one
+# operation at a time, which would compile a program for each weight's random numbers).
+@eqx.filter_jit
+def _layers(
+    in_channels: int, channels: tuple[int, int], flat: int, num_classes: int, key: Key[Array, ""]
+) -> tuple[eqx.nn.Conv2d, eqx.nn.Conv2d, eqx.nn.Linear]:
+    k1, k2, k3 = jax.random.split(key, 3)
+    c1, c2 = channels
+    conv1 = eqx.nn.Conv2d(in_channels, c1, 3, padding=1, key=k1)
+    conv2 = eqx.nn.Conv2d(c1, c2, 3, padding=1, key=k2)
+    return conv1, conv2, eqx.nn.Linear(flat, num_classes, key=k3)
+
+
 class CNN(eqx.Module):
     """A small convolutional classifier for single images `(channels, height, width)`.
 
@@ -38,14 +51,11 @@ class CNN(eqx.Module):
         channels: tuple[int, int] = (16, 32),
         key: Key[Array, ""],
     ):
-        k1, k2, k3 = jax.random.split(key, 3)
-        c1, c2 = channels
-        self.conv1 = eqx.nn.Conv2d(in_channels, c1, 3, padding=1, key=k1)
-        self.conv2 = eqx.nn.Conv2d(c1, c2, 3, padding=1, key=k2)
-        self.pool = eqx.nn.AvgPool2d(2, stride=2)
         height, width = image_size
+        flat = channels[1] * (height // 2) * (width // 2)
+        self.conv1, self.conv2, self.head = _layers(in_channels, channels, flat, num_classes, key)
+        self.pool = eqx.nn.AvgPool2d(2, stride=2)
         self.input_shape = (in_channels, height, width)
-        self.head = eqx.nn.Linear(c2 * (height // 2) * (width // 2), num_classes, key=k3)
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "c h w"]) -> Float[Array, " classes"]:

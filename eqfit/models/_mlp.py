@@ -10,6 +10,17 @@ from .._checks import checked
 from ._check import check_input
 
 
+# One compiled program makes every layer (the parameters are the same as when made one
+# operation at a time, which would compile a program for each weight's random numbers).
+@eqx.filter_jit
+def _layers(
+    sizes: tuple[int, ...], out_features: int | Literal["scalar"], key: Key[Array, ""]
+) -> tuple[eqx.nn.Linear, ...]:
+    keys = jax.random.split(key, len(sizes))
+    hidden = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes, sizes[1:], keys)]
+    return (*hidden, eqx.nn.Linear(sizes[-1], out_features, key=keys[-1]))
+
+
 class MLP(eqx.Module):
     """A multi-layer perceptron with optional dropout after each hidden layer.
 
@@ -43,11 +54,8 @@ class MLP(eqx.Module):
         dropout: float = 0.0,
         key: Key[Array, ""],
     ):
-        sizes = [in_features] + [width] * depth
-        keys = jax.random.split(key, depth + 1)
-        hidden = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes, sizes[1:], keys)]
-        last = eqx.nn.Linear(sizes[-1], out_features, key=keys[-1])
-        self.layers = (*hidden, last)
+        sizes = (in_features,) + (width,) * depth
+        self.layers = _layers(sizes, out_features, key)
         self.dropout = eqx.nn.Dropout(dropout)
         self.activation = activation
         self.in_features = in_features
