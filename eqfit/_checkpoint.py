@@ -398,7 +398,8 @@ class Interrupt:
 
     Use as a context manager around training; `requested` turns true when Ctrl-C came.
     A second Ctrl-C raises `KeyboardInterrupt` at once (the driver waits for the device
-    in short sleeps, so Python's handler runs). Outside the main thread it does nothing.
+    on a lock, which a signal interrupts, so Python's handler runs). Outside the main
+    thread it does nothing.
     """
 
     def __init__(self) -> None:
