@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.monitoring
+import numpy as np
 
 
 # JAX reports each stage of a compilation as a duration event. Listening to them lets a
@@ -21,6 +22,7 @@ import jax.monitoring
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program loaded from disk
 
 
 class CompileEvents:
@@ -30,14 +32,22 @@ class CompileEvents:
         self.count: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         jax.monitoring.register_event_duration_secs_listener(self._record)
+        jax.monitoring.register_event_listener(self._event)
 
     def _record(self, event: str, duration: float, **_: Any) -> None:
         self.count[event] = self.count.get(event, 0) + 1
         self.seconds[event] = self.seconds.get(event, 0.0) + duration
 
+    def _event(self, event: str, **_: Any) -> None:
+        self.count[event] = self.count.get(event, 0) + 1
+
     def reset(self) -> None:
         self.count.clear()
         self.seconds.clear()
+
+    def cache_hits(self) -> int:
+        """How many programs JAX's persistent cache supplied since the last `reset`."""
+        return self.count.get(CACHE_HIT_EVENT, 0)
 
     def backend_compiles(self) -> int:
         """How many XLA programs were compiled since the last `reset`."""
@@ -51,6 +61,17 @@ class CompileEvents:
             "xla_compile_s": self.seconds.get(COMPILE_EVENT, 0.0),
             "xla_compiles": float(self.backend_compiles()),
         }
+
+
+def regression_data(n: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The benchmarks' problem: `x` standard normal, of shape `(n, features)`, and a smooth
+    target `y = sin(x @ w / 4)` with a little noise; float32 numpy arrays.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype(np.float32)
+    w = rng.normal(size=features).astype(np.float32)
+    y = np.sin(x @ w / 4) + 0.1 * rng.normal(size=n).astype(np.float32)
+    return x, y.astype(np.float32)
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -42,19 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import CompileEvents, regression_data
+
 
 HERE = Path(__file__).parent
 NUM_SAMPLES, FEATURES, EPOCHS, BATCH = 8192, 16, 3, 32
 VARIANTS = ("compiled", "progress", "cached", "keras", "keras_lazy")
-
-
-def _data() -> tuple[Any, Any]:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(NUM_SAMPLES, FEATURES)).astype(np.float32)
-    w = rng.normal(size=FEATURES).astype(np.float32)
-    return x, (np.sin(x @ w / 4) + 0.1 * rng.normal(size=NUM_SAMPLES)).astype(np.float32)
 
 
 def _keras_model(keras: Any, built: bool = True) -> Any:
@@ -71,49 +64,34 @@ def _keras_model(keras: Any, built: bool = True) -> Any:
     return model
 
 
-class _Compiles:
-    """Counts XLA compilations (and persistent-cache hits) through JAX's monitoring."""
-
-    def __init__(self) -> None:
-        import jax.monitoring
-
-        self.compiles = self.hits = 0
-        jax.monitoring.register_event_duration_secs_listener(self._duration)
-        jax.monitoring.register_event_listener(self._event)
-
-    def _duration(self, event: str, duration: float, **_: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.compiles += 1
-
-    def _event(self, event: str, **_: Any) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            self.hits += 1
-
-    def reset(self) -> None:
-        self.compiles = self.hits = 0
+def _timings(constructed: float, called: float, events: CompileEvents) -> dict[str, Any]:
+    """Seconds until now from the model's construction and from the `fit` call, and the
+    compilations since `events` was made (at the call).
+    """
+    end = time.perf_counter()
+    return {
+        "seconds": end - called,
+        "with_construction": end - constructed,
+        "compiles": events.backend_compiles(),
+        "cache_hits": events.cache_hits(),
+    }
 
 
 def worker(variant: str, cache_dir: str) -> dict[str, Any]:
     """One process's first `fit`: its seconds (from the call, and from the model's
     construction) and its compilations.
     """
-    x, y = _data()
+    x, y = regression_data(NUM_SAMPLES, FEATURES)
     if variant.startswith("keras"):
         os.environ["KERAS_BACKEND"] = "jax"
         import keras
 
-        built = time.perf_counter()
+        constructed = time.perf_counter()
         model = _keras_model(keras, built=variant == "keras")
-        counter = _Compiles()
-        start = time.perf_counter()
+        events = CompileEvents()
+        called = time.perf_counter()
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
-        end = time.perf_counter()
-        return {
-            "seconds": end - start,
-            "with_construction": end - built,
-            "compiles": counter.compiles,
-            "cache_hits": counter.hits,
-        }
+        return _timings(constructed, called, events)
 
     import jax
     import optax
@@ -124,15 +102,15 @@ def worker(variant: str, cache_dir: str) -> dict[str, Any]:
         eqfit.enable_compilation_cache(cache_dir)
     data = (jax.numpy.asarray(x), jax.numpy.asarray(y))
     jax.block_until_ready(data)
-    built = time.perf_counter()
+    constructed = time.perf_counter()
     model = eqfit.models.MLP(FEATURES, "scalar", 64, 2, key=jax.random.key(0))
     optimizer, key = optax.adam(1e-3), jax.random.key(1)
-    counter = _Compiles()
+    events = CompileEvents()
     devnull = open(os.devnull, "w")  # noqa: SIM115
     quiet = (
         contextlib.redirect_stderr(devnull) if variant == "progress" else contextlib.nullcontext()
     )
-    start = time.perf_counter()
+    called = time.perf_counter()
     with quiet:
         result = eqfit.fit(
             model,
@@ -145,13 +123,7 @@ def worker(variant: str, cache_dir: str) -> dict[str, Any]:
             progress=variant == "progress",
         )
         jax.block_until_ready(result.model)
-    end = time.perf_counter()
-    return {
-        "seconds": end - start,
-        "with_construction": end - built,
-        "compiles": counter.compiles,
-        "cache_hits": counter.hits,
-    }
+    return _timings(constructed, called, events)
 
 
 def _run_worker(variant: str, cache_dir: str) -> dict[str, Any]:
@@ -177,7 +149,7 @@ def recompile_costs(repeats: int, has_keras: bool) -> dict[str, Any]:
 
     import eqfit
 
-    x, y = _data()
+    x, y = regression_data(NUM_SAMPLES, FEATURES)
     data = (jax.numpy.asarray(x), jax.numpy.asarray(y))
 
     def eqfit_new_optimizer(n: int = NUM_SAMPLES, validation: bool = False) -> float:

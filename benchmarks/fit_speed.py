@@ -39,6 +39,7 @@ from _common import (
     CompileEvents,
     config,
     median,
+    regression_data,
     source_fingerprint,
     table,
     timed,
@@ -63,12 +64,9 @@ Run = Callable[[], Any]  # one full training run; blocks until the device is don
 
 
 def make_data(seed: int = 0) -> Data:
-    """A smooth regression target with a little noise, on the device once."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(NUM_SAMPLES, IN_FEATURES)).astype(np.float32)
-    w = rng.normal(size=IN_FEATURES).astype(np.float32)
-    y = np.sin(x @ w / 4) + 0.1 * rng.normal(size=NUM_SAMPLES).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(y.astype(np.float32))
+    """The benchmarks' regression problem, on the device once."""
+    x, y = regression_data(NUM_SAMPLES, IN_FEATURES, seed)
+    return jnp.asarray(x), jnp.asarray(y)
 
 
 def make_model(seed: int) -> eqfit.models.MLP:
