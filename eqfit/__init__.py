@@ -1,6 +1,12 @@
 """eqfit: typed, compiled training for Equinox models."""
 
-from . import callbacks as callbacks, losses as losses, metrics as metrics, models as models
+from . import (
+    callbacks as callbacks,
+    losses as losses,
+    metrics as metrics,
+    models as models,
+    sharding as sharding,
+)
 from ._checkpoint import CheckpointError as CheckpointError
 from ._compile import (
     clear_cache as clear_cache,
