@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -24,6 +24,10 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._version import __version__
+
+
+if TYPE_CHECKING:
+    from ._loop import Loop
 
 
 FORMAT = 2  # 2: a sequence number orders checkpoints
@@ -83,13 +87,38 @@ def write_atomically(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def run_config(
+    loop: "Loop", state: PyTree, data: list[list[Any]], val_data: Any, loss: Any, key: Any
+) -> dict[str, Any]:
+    """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
+    that a run may resume on others.
+    """
+    schedule = loop.schedule
+    return {
+        "state": describe(state),
+        "data": data,
+        "validation_data": describe(val_data),
+        "batch_size": schedule.batch_size,
+        "passes": None if schedule.passes is None else [as_plain(v) for v in schedule.passes],
+        "steps_per_epoch": schedule.steps_per_epoch,
+        "epochs": [schedule.first_epoch, schedule.epochs],
+        "shuffle": loop.shuffle,
+        "on_nan": loop.on_nan,
+        "early_stopping": None if loop.stopping is None else repr(loop.stopping),
+        "metrics": list(loop.metric_names),
+        "loss": getattr(loss, "__qualname__", type(loss).__name__),
+        "key": np.asarray(jax.random.key_data(key)).tolist(),
+        "ensemble": loop.members is not None,
+    }
+
+
 def position(state: Any) -> int:
     """Where a run stands, as a global step count: that of the members still training. An
     ensemble's members that stopped early are behind, and stay there; they must not hold
     the others back.
     """
     step = np.asarray(state.step).reshape(-1)
-    stopped = np.asarray(state.stopped).reshape(-1)
+    stopped = np.asarray(state.reason).reshape(-1) != 0  # not `Stop.RUNNING`
     return int(step[~stopped].max() if (~stopped).any() else step.max())
 
 

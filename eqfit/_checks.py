@@ -115,7 +115,7 @@ def reported_as(name: str, argument: str) -> Iterator[None]:
         found, where = _PARAMETER.search(message), _WHERE.search(message)
         if found is None or where is None:
             raise
-        raise TypeCheckError(
+        short = TypeCheckError(
             "\n".join(
                 [
                     f"`{name}`'s argument `{argument}` does not suit the model or the loss: "
@@ -124,7 +124,12 @@ def reported_as(name: str, argument: str) -> Iterator[None]:
                     *_details(message),
                 ]
             )
-        ) from None
+        )
+        # Notes added on the way out (which call of the loss failed, and on what) still
+        # apply to the shorter error.
+        for note in getattr(e, "__notes__", ()):
+            short.add_note(note)
+        raise short from None
 
 
 def _details(message: str) -> list[str]:

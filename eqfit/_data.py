@@ -2,7 +2,7 @@
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -106,48 +106,6 @@ def as_key(key: Any) -> Key[Array, ""]:
     raise TypeError(
         f"`key` must be a single PRNG key such as `jax.random.key(0)`, got {_describe(key)}."
     )
-
-
-class BatchPlan(NamedTuple):
-    """How one pass over the data splits into batches. Hashable: it is part of a compiled
-    program.
-    """
-
-    num_samples: int
-    batch_size: int
-    num_full: int
-    remainder: int
-
-    @property
-    def steps_per_pass(self) -> int:
-        return self.num_full + (self.remainder > 0)
-
-
-def plan_batches(num_samples: int, batch_size: int, drop_remainder: bool) -> BatchPlan:
-    """Splits a pass over `num_samples` into full batches of `batch_size` and one
-    remainder batch.
-
-    **Arguments:**
-
-    - `num_samples`: the size of the data's leading axis.
-    - `batch_size`: samples per step.
-    - `drop_remainder`: if `True`, the last `num_samples % batch_size` samples of each
-        pass's order are skipped rather than taken as a smaller final step.
-
-    **Returns:**
-
-    A `BatchPlan`.
-    """
-    check_batch_size(batch_size)
-    num_full, remainder = divmod(num_samples, batch_size)
-    if drop_remainder:
-        if num_full == 0:
-            raise ValueError(
-                f"`batch_size`={batch_size} is larger than the {num_samples} samples "
-                "in `data` and `drop_remainder=True`, so no step would run."
-            )
-        remainder = 0
-    return BatchPlan(num_samples, batch_size, num_full, remainder)
 
 
 def check_batch_size(batch_size: int) -> None:

@@ -1,11 +1,10 @@
-"""The one host driver: calls the compiled run piece by piece, and does everything that
-happens between pieces: the bar, callbacks, checkpoints, the interrupt and resuming.
+"""The one host driver: calls the compiled run piece by piece until it ends.
 
-Its two producers of data are the in-memory source, one feed covering the whole run, and
-the streamed ones (memmaps, loaders), a feed per chunk of batches. Whatever the feed, the
-driver picks where each call stops: at the run's end on the compiled path, at checkpoint
-boundaries, at each epoch's end when callbacks must see it before training goes on, and
-every fraction of a second for the bar.
+The driver sizes each call (about half a second, less for the bar), reads the program's
+reports once the next call is queued, and tells its observers: the bar, the callbacks,
+the checkpoints and the Ctrl-C handler each meet it through one small protocol,
+`Observer`. Streamed data arrives through `ReadAhead`, a background thread that moves
+each chunk to the device while the one before trains, and that every way out stops.
 """
 
 import dataclasses
@@ -15,13 +14,25 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoint import CheckpointError, Checkpoints, Interrupt
 from ._compile import PROGRAM_CACHE
-from ._loop import Inputs, Loop, Report, run_key, TrainState
-from ._parallel import Placement
+from ._loop import Inputs, Loop, Piece, Report, run_key, Stop, TrainState
+from ._schedule import Schedule
+from ._sources import Chunk
+
+
+# Calls of the program last about this long, so that the host reports often and a Ctrl-C
+# is answered soon, whatever an epoch's length; the bar redraws more often. A call costs a
+# dispatch and a sync, which is nothing next to either.
+SECONDS_PER_CALL = 0.5
+SECONDS_PER_BAR_CALL = 0.2
+# A run's first call, before its speed is known: this many steps, a few milliseconds of a
+# small model; the second is sized the same, then calls go by the measured speed.
+FIRST_CALL_STEPS = 8
 
 
 @runtime_checkable
@@ -46,68 +57,198 @@ class Feed(NamedTuple):
 
     inputs: Inputs
     end: int
-    batch_size: int | None = None  # streamed: the size of the batches in this piece
+    batch_size: int
 
 
-@dataclasses.dataclass
-class Plan:
-    """Where the calls stop."""
+class Progress(NamedTuple):
+    """What the host read of the calls done so far: the device's report, on the host."""
 
-    begin: int  # the global step the run starts from (after a resume, inside an epoch)
-    total: int  # the run's last step
-    steps_per_epoch: int
-    seconds_per_call: float  # calls of about this long (measured as training goes)
-    whole_epochs: bool = False  # calls end at epochs' ends (the compiled path)
-    checkpoint_every: int | None = None  # epochs between checkpoints
-    epoch_calls: bool = False  # a call per epoch at most (callbacks see each epoch)
-    sync_epochs: bool = False  # read each epoch's values before training on (callbacks)
+    position: int  # the global step reached
+    stopped: bool  # the program stopped the run (every member of an ensemble)
+    epoch: int  # the epoch (from 1) that the last step was in
+    epoch_loss: float  # that epoch's mean loss so far (the epoch's own, once it ended)
+    ended: tuple[tuple[int, dict[str, float]], ...]  # epochs that ended, with their values
 
 
-@dataclasses.dataclass
-class Outcome:
-    """How the drive ended: the final state, the last report, and why it stopped early."""
+class Observer:
+    """What watches the run from the host. Each method has a default that does nothing.
+
+    - `seconds_per_call`: calls last at most about this long while it watches.
+    - `boundary(position)`: a position the next call must not pass (`None`: any).
+    - `waits(position)`: whether the reports up to `position` must be read before
+        training goes past it (a callback that may stop training there).
+    - `after_call(position, state)`: the call to `position` is queued; `state` is its
+        (future) training state.
+    - `on_progress(progress)`: reports were read; returns `True` to stop training.
+    - `close()`: the run is over, however it ended.
+    """
+
+    seconds_per_call: float | None = None
+
+    def boundary(self, position: int) -> int | None:
+        return None
+
+    def waits(self, position: int) -> bool:
+        return False
+
+    def after_call(self, position: int, state: TrainState) -> None:
+        pass
+
+    def on_progress(self, progress: Progress) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class Bar(Observer):
+    """The tqdm bar. It starts when the first call is queued (after compilation, so its
+    rate is the training's), names the epoch the last step was in, and shows that epoch's
+    mean loss (at its end, `history.loss`'s value) and, once it ended, its validation
+    values.
+    """
+
+    seconds_per_call = SECONDS_PER_BAR_CALL
+
+    def __init__(self, schedule: Schedule, begin: int):
+        self.schedule, self.begin = schedule, begin
+        self.made: Any = None
+        self.shown = begin
+
+    def after_call(self, position: int, state: TrainState) -> None:
+        if self.made is None:
+            from tqdm.auto import tqdm
+
+            schedule = self.schedule
+            self.made = tqdm(
+                total=schedule.total - schedule.begin,
+                initial=self.begin - schedule.begin,
+                unit="step",
+                dynamic_ncols=True,
+            )
+
+    def on_progress(self, progress: Progress) -> bool:
+        if self.made is None or progress.position <= self.shown:
+            return False
+        epoch = min(progress.epoch, self.schedule.epochs)
+        self.made.set_description(f"epoch {epoch}/{self.schedule.epochs}", refresh=False)
+        values = {"loss": f"{progress.epoch_loss:.4g}"}
+        for number, logs in progress.ended:
+            if number == progress.epoch:
+                values.update({k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")})
+        self.made.set_postfix(values, refresh=False)
+        self.made.update(progress.position - self.shown)
+        self.shown = progress.position
+        return False
+
+    def close(self) -> None:
+        if self.made is not None:
+            self.made.close()
+
+
+class Callbacks(Observer):
+    """The user's callbacks: each sees every epoch's values, and may stop training."""
+
+    def __init__(self, callbacks: Sequence[Callback], schedule: Schedule):
+        self.callbacks, self.schedule = callbacks, schedule
+        # Unless every callback says it never stops training, the driver waits at each
+        # epoch's end for them before training on.
+        self.may_stop = any(getattr(c, "stops_training", True) for c in callbacks)
+        self.last_logs: dict[str, float] = {}
+        self.stopped = False
+
+    def boundary(self, position: int) -> int:
+        return self.schedule.next_epoch_end(position)  # calls end at each epoch's end
+
+    def waits(self, position: int) -> bool:
+        return self.may_stop and self.schedule.is_epoch_end(position)
+
+    def on_progress(self, progress: Progress) -> bool:
+        for epoch, logs in progress.ended:
+            self.last_logs = logs
+            for callback in self.callbacks:
+                if callback.on_epoch_end(epoch, dict(logs)):
+                    self.stopped = True
+            if self.stopped:
+                break
+        return self.stopped
+
+    def close(self) -> None:
+        for callback in self.callbacks:
+            end = getattr(callback, "on_train_end", None)
+            if callable(end):
+                end(dict(self.last_logs))
+
+
+class Checkpointing(Observer):
+    """Writes a checkpoint every `every` epochs, at the run's end, and where a Ctrl-C
+    stops it.
+    """
+
+    def __init__(
+        self,
+        store: Checkpoints,
+        every: int,
+        schedule: Schedule,
+        save: Callable[[TrainState], PyTree],
+        interrupt: Interrupt,
+    ):
+        self.store, self.save, self.schedule = store, save, schedule
+        self.every = every * schedule.steps_per_epoch  # steps between checkpoints
+        self.interrupt = interrupt
+
+    def boundary(self, position: int) -> int:
+        return (position // self.every + 1) * self.every
+
+    def after_call(self, position: int, state: TrainState) -> None:
+        # Also where a Ctrl-C stops the run: at an epoch's end.
+        stops = self.interrupt.requested and self.schedule.is_epoch_end(position)
+        if position % self.every == 0 or position >= self.schedule.total or stops:
+            self.store.save(self.save(state))
+
+
+class Interrupting(Observer):
+    """Ctrl-C: once asked, calls end at the epoch's end, and training stops there."""
+
+    def __init__(self, interrupt: Interrupt, schedule: Schedule):
+        self.interrupt, self.schedule = interrupt, schedule
+
+    def boundary(self, position: int) -> int | None:
+        if not self.interrupt.requested:
+            return None
+        return self.schedule.next_epoch_end(position)
+
+
+class Outcome(NamedTuple):
+    """How the drive ended: the final state, the last report, and what stopped it."""
 
     state: TrainState
     report: Report
     stopped_by_callback: bool
     interrupted: bool
-    failure: Exception | None = None  # a checkpoint that could not be written
+    failure: CheckpointError | None  # a checkpoint that could not be written
 
 
 class _Reader:
-    """Reads the reports of calls in flight, in order, and tells the bar and the
-    callbacks what they say. It reads a report only once the next call is queued, so the
-    host never waits with the device idle.
+    """Reads the reports of calls in flight, in order, once the next call is queued (so
+    the host never waits with the device idle), and hands what they say to the observers.
     """
 
-    def __init__(
-        self,
-        placement: Placement,
-        names: tuple[str, ...],
-        steps_per_epoch: int,
-        first_epoch: int,
-        begin: int,
-        bar: "Bar | None",
-        callbacks: Sequence[Callback],
-    ):
-        self.placement, self.names, self.per_epoch = placement, names, steps_per_epoch
-        self.first_epoch = first_epoch
-        self.bar, self.callbacks = bar, callbacks
-        # Each call's report and the steps it was asked for.
-        self.in_flight: list[tuple[Report, int]] = []
-        self.finished = False  # stopped early, or a callback asked to stop
-        # The step the last report read had reached (the run's start before any). Reads
-        # count from it, not from where a call was asked to begin: after an early stop,
-        # calls already queued report the step the run stopped at, behind their begin.
+    def __init__(self, loop: Loop, begin: int, observers: Sequence[Observer]):
+        self.loop, self.observers = loop, observers
+        self.in_flight: list[tuple[Report, int]] = []  # each call's report and steps
+        self.finished = False  # the program stopped, or an observer asked to stop
+        self.by_observer = False
+        # The position the last report read had reached. Reads count from it, not from
+        # where a call was asked to begin: after an early stop, calls already queued report
+        # the step the run stopped at, behind their begin.
         self.done = begin
-        self.by_callback = False
-        self.last_logs: dict[str, float] = {}
         self.clock = time.perf_counter()
 
-    def queued(self, report: Report, begin: int, stop: int) -> None:
+    def queued(self, report: Report, steps: int) -> None:
         if not self.in_flight:  # the device starts on it now (its compilation is done)
             self.clock = time.perf_counter()
-        self.in_flight.append((report, stop - begin))
+        self.in_flight.append((report, steps))
 
     def read(self, keep: int = 0) -> float | None:
         """Reads every report in flight but the last `keep`; returns the seconds per step
@@ -127,32 +268,32 @@ class _Reader:
 
     def _take(self, report: Report) -> None:
         WAITER.wait(report.step)
-        host = self.placement.host(
-            (report.step, report.stopped, report.loss_sum, report.epoch_values)
+        placement, schedule = self.loop.placement, self.loop.schedule
+        host = placement.host((report.step, report.reason, report.epoch_loss, report.epoch_values))
+        step, reason, epoch_loss, table = (np.asarray(x) for x in host)
+        stopped = bool((reason != Stop.RUNNING).all())
+        position = max(int(step.max()), self.done)  # members stopped early are behind
+        begin, self.done = self.done, position
+        ended = []
+        # An ensemble's values are its members' mean, leaving out members that stopped.
+        rows = table.reshape(-1, *table.shape[-2:])
+        for epoch in range(schedule.epochs_ended(begin) + 1, schedule.epochs_ended(position) + 1):
+            row = rows[:, epoch - 1 - schedule.first_epoch]
+            ended.append((epoch, dict(zip(self.loop.log_names, _mean_of_finished(row).tolist()))))
+        last = max(position - 1, schedule.begin)
+        losses = epoch_loss.reshape(-1)
+        finite = losses[np.isfinite(losses)]
+        progress = Progress(
+            position=position,
+            stopped=stopped,
+            epoch=int(schedule.epoch_of(last)),
+            epoch_loss=float(finite.mean()) if finite.size else float("nan"),
+            ended=tuple(ended),
         )
-        step, stopped, loss_sum, table = (np.asarray(x) for x in host)
-        done = int(step.max())  # an ensemble's members stopped early are behind
-        begin = self.done
-        self.done = max(done, begin)
-        if self.bar is not None and done > begin:
-            # The epoch the run is in, or the one it stopped at.
-            epoch = -(-done // self.per_epoch) if stopped.all() else done // self.per_epoch + 1
-            self.bar.steps(done - begin, float(loss_sum.mean()), epoch)
-        # Epochs are numbered from 1: epoch e ends at step e * steps_per_epoch.
-        for epoch in range(begin // self.per_epoch + 1, done // self.per_epoch + 1):
-            # An ensemble's values are its members' mean.
-            row = table.reshape(-1, *table.shape[-2:])[:, epoch - 1 - self.first_epoch]
-            logs = dict(zip(self.names, _mean_of_finished(row).tolist()))
-            self.last_logs = logs
-            if self.bar is not None:
-                self.bar.epoch(epoch, logs)
-            for callback in self.callbacks:
-                if callback.on_epoch_end(epoch, dict(logs)):
-                    self.finished = self.by_callback = True
-            if self.finished:
-                break
-        if bool(stopped.all()):
-            self.finished = True
+        for observer in self.observers:
+            if observer.on_progress(progress):
+                self.finished = self.by_observer = True
+        self.finished |= stopped
 
 
 def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
@@ -160,60 +301,6 @@ def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
     finished = ~np.isnan(rows)
     total = np.where(finished, rows, 0.0).sum(axis=0)
     return total / np.maximum(finished.sum(axis=0), 1)
-
-
-class Bar:
-    """The tqdm bar. It is made at the first report, when the device already has work
-    queued, and shows the epoch (counted from 1), the running loss and the last finished
-    epoch's validation values, labelled with that epoch.
-    """
-
-    def __init__(
-        self, total_steps: int, initial: int, steps_per_epoch: int, first_epoch: int, epochs: int
-    ):
-        self.total, self.initial = total_steps, initial
-        self.per_epoch, self.first_epoch, self.epochs = steps_per_epoch, first_epoch, epochs
-        self.made: Any = None
-        self.shown, self.loss_sum, self.loss_steps = -1, 0.0, 0
-        self.last: dict[str, str] = {}
-
-    def _bar(self) -> Any:
-        if self.made is None:
-            from tqdm.auto import tqdm
-
-            self.made = tqdm(
-                total=self.total, initial=self.initial, unit="step", dynamic_ncols=True
-            )
-        return self.made
-
-    def steps(self, count: int, loss_sum: float, epoch: int) -> None:
-        """`count` more steps, their losses summing to `loss_sum`; now in `epoch`."""
-        bar = self._bar()
-        shown = min(epoch, self.epochs)
-        if shown != self.shown:
-            self.shown, self.loss_sum, self.loss_steps = shown, 0.0, 0
-            bar.set_description(f"epoch {shown}/{self.epochs}", refresh=False)
-        self.loss_sum += loss_sum
-        self.loss_steps += count
-        self._show()
-        bar.update(count)
-
-    def epoch(self, epoch: int, logs: dict[str, float]) -> None:
-        """Epoch `epoch` ended with these values."""
-        values = {k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")}
-        self.last = {"epoch": str(epoch), **values} if values else {}
-        self._show()
-
-    def _show(self) -> None:
-        """The running loss of this epoch's steps, and the last finished epoch's values
-        (named by its number, which may be the epoch before the one the bar is in).
-        """
-        loss = self.loss_sum / max(self.loss_steps, 1)
-        self._bar().set_postfix({"loss": f"{loss:.4g}", **self.last}, refresh=False)
-
-    def close(self) -> None:
-        if self.made is not None:
-            self.made.close()
 
 
 class _Waiter:
@@ -226,16 +313,19 @@ class _Waiter:
     def __init__(self) -> None:
         self.requests: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
 
-    def wait(self, array: Any) -> None:
+    def wait(self, array: Any, timeout: float | None = None) -> bool:
+        """Waits for `array` (at most `timeout` seconds); returns whether it is ready."""
         if array.is_ready():
-            return
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._serve, daemon=True)
-            self.thread.start()
+            return True
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._serve, daemon=True)
+                self.thread.start()
         done = threading.Event()
         self.requests.put((array, done))
-        done.wait()
+        return done.wait(timeout)
 
     def _serve(self) -> None:
         while True:
@@ -250,117 +340,199 @@ class _Waiter:
 WAITER = _Waiter()
 
 
+class ReadAhead:
+    """Chunks of streamed data turned into feeds (moved to the device) in a background
+    thread, at most `depth` ahead of the driver.
+
+    The thread checks a stop event between chunks and never blocks on the queue for
+    long; `close()`, which the driver calls on every way out, sets the event and waits a
+    bounded time for it. A loader that blocks forever inside `next` leaves a daemon thread
+    behind, never a hung `fit`.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed], depth: int = 2):
+        self.ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, args=(chunks, feed), daemon=True)
+        self.thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _produce(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed]) -> None:
+        try:
+            for chunk in chunks:
+                if self.stop.is_set() or not self._put(feed(chunk)):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # surfaced in the training thread
+            self._put(e)
+
+    def __iter__(self) -> Iterator[Feed]:
+        while True:
+            try:
+                item = self.ready.get(timeout=0.05)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.ready.empty():
+                    return
+                continue
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=1.0)
+
+
+_DONE = object()
+
+
+def feeds(
+    chunks: Iterator[Chunk], template: Inputs, put: Callable[..., Any], streamed: bool
+) -> tuple[Iterator[Feed], Callable[[], None]]:
+    """The program's feeds from a source's chunks, and how to stop making them. Streamed
+    chunks are moved to the device ahead of time, in a background thread.
+    """
+
+    def feed(chunk: Chunk) -> Feed:
+        if chunk.order is None:  # the whole data: the program orders it
+            inputs = template._replace(data=put(chunk.data, sharded=True))
+        else:
+            piece = Piece(chunk.order, np.int32(chunk.first), np.int32(chunk.end))
+            inputs = template._replace(data=put(chunk.data, sharded=True), piece=put(piece))
+        return Feed(inputs, chunk.end, chunk.batch_size)
+
+    if not streamed:
+        return map(feed, chunks), lambda: None
+    ahead = ReadAhead(chunks, feed)
+    return iter(ahead), ahead.close
+
+
 def drive(
     loop: Loop,
     program: Callable[[Loop], Callable[..., tuple[TrainState, Report]]],
     state: TrainState,
     feeds: Iterator[Feed],
-    plan: Plan,
-    *,
-    bar: Bar | None = None,
-    callbacks: Sequence[Callback] = (),
-    store: Checkpoints | None = None,
-    interrupt: Interrupt | None = None,
-    save: Callable[[TrainState], PyTree] | None = None,
+    begin: int,
+    observers: Sequence[Observer],
 ) -> Outcome:
-    """Runs the compiled `program(loop)` over the feeds from `plan.begin` until the end,
-    a stop or an interrupt.
+    """Runs the compiled `program(loop)` over the feeds from `begin` until the run's end,
+    a stop, or an interrupt.
 
     Each call is queued before the previous one's report is read: the host updates the
-    bar while the device works. Calls last about `plan.seconds_per_call`, measured as
-    training goes; with `plan.whole_epochs` they end at epochs' ends. Checkpoints, which
-    need the state itself, wait for their call; so do epochs' ends when callbacks may stop
-    training. After a Ctrl-C, training goes on to the next epoch's end and stops there.
+    observers while the device works. A call lasts about `SECONDS_PER_CALL` (or less, as
+    its observers ask), measured as training goes, ending at the last epoch end it reaches
+    and at every observer's boundary.
 
     **Returns:**
 
     An `Outcome` with the final state and the last call's report.
     """
-    reader = _Reader(
-        loop.placement,
-        loop.log_names,
-        plan.steps_per_epoch,
-        loop.first_epoch,
-        plan.begin,
-        bar,
-        callbacks,
-    )
+    schedule = loop.schedule
+    reader = _Reader(loop, begin, observers)
     programs = {loop.batch_size: program(loop)}  # and for pieces of a smaller last batch
-    per_epoch = plan.steps_per_epoch
-    position, report = plan.begin, None
-
-    # Calls are sized by the speed: the one measured by an earlier run of this
-    # configuration, else by this run's first call, which is one short epoch, or 8 steps
-    # of a long one (whole on the compiled path), to report soon.
-    def steps_for(seconds_per_step: float) -> int:
-        return max(1, int(plan.seconds_per_call / max(seconds_per_step, 1e-9)))
-
+    seconds_per_call = min([SECONDS_PER_CALL] + [o.seconds_per_call or 1e9 for o in observers])
     known = PROGRAM_CACHE.speed(run_key(loop))
-    if known is not None:
-        steps_per_call = steps_for(known)
+    if known is not None:  # measured by an earlier run of this configuration
+        steps_per_call = max(1, int(seconds_per_call / max(known, 1e-9)))
     else:
-        steps_per_call = per_epoch if per_epoch <= 64 or plan.whole_epochs else 8
-    # Steps between checkpoints; calls end at each.
-    every = None
-    if store is not None and plan.checkpoint_every:
-        every = plan.checkpoint_every * per_epoch
-    finished = interrupted = False
+        steps_per_call = FIRST_CALL_STEPS
+    interrupting = next((o for o in observers if isinstance(o, Interrupting)), None)
+
+    def interrupted_at_epoch_end(position: int) -> bool:
+        """After a Ctrl-C, training stops at the first epoch's end."""
+        requested = interrupting is not None and interrupting.interrupt.requested
+        return requested and schedule.is_epoch_end(position)
+
+    position, report = begin, None
     failure = None
     try:
         for feed in feeds:
-            while not finished:
-                interrupted = interrupt is not None and interrupt.requested
-                next_epoch = (position // per_epoch + 1) * per_epoch
-                if interrupted and position % per_epoch == 0 and report is not None:
-                    break  # at an epoch's end: stop here
-                stop = min(plan.total, feed.end, position + steps_per_call)
-                if plan.whole_epochs:
-                    stop = max(stop // per_epoch * per_epoch, min(next_epoch, plan.total))
-                if plan.epoch_calls or plan.sync_epochs or interrupted:
-                    stop = min(stop, next_epoch)
-                if every is not None:
-                    stop = min(stop, (position // every + 1) * every)
-                stop = min(max(stop, position), feed.end)  # a call with nothing to do reports
-                size = feed.batch_size or loop.batch_size
-                if size not in programs:
-                    programs[size] = program(dataclasses.replace(loop, batch_size=size))
-                state, report = programs[size](state, feed.inputs, np.int32(stop))
-                reader.queued(report, position, stop)
+            # A call per turn, at least one per feed: a call with nothing to do (a finished
+            # run resumed) still reports where the run stands.
+            while not (report is not None and interrupted_at_epoch_end(position)):
+                stop = schedule.call_stop(position, steps_per_call, at_epoch_ends=True)
+                for observer in observers:
+                    boundary = observer.boundary(position)
+                    if boundary is not None:
+                        stop = min(stop, boundary)
+                stop = max(min(stop, feed.end), position)
+                if feed.batch_size not in programs:
+                    piece_loop = dataclasses.replace(loop, batch_size=feed.batch_size)
+                    programs[feed.batch_size] = program(piece_loop)
+                state, report = programs[feed.batch_size](state, feed.inputs, np.int32(stop))
+                reader.queued(report, stop - position)
+                position = stop
+                try:
+                    for observer in observers:
+                        observer.after_call(position, state)
+                except CheckpointError as e:  # the result goes with the error
+                    failure = e
+                    break
                 seconds = reader.read(keep=1)
                 if seconds is not None:
-                    steps_per_call = steps_for(seconds)
+                    steps_per_call = max(1, int(seconds_per_call / max(seconds, 1e-9)))
                     PROGRAM_CACHE.set_speed(run_key(loop), seconds)
-                position = stop
-                if plan.sync_epochs and position % per_epoch == 0:
+                if any(observer.waits(position) for observer in observers):
                     reader.read()
-                if every is not None and (position % every == 0 or position >= plan.total):
-                    assert store is not None and save is not None
-                    try:
-                        store.save(save(state))
-                    except CheckpointError as e:  # the result goes with the error
-                        failure = e
-                        break
-                finished = reader.finished or position >= plan.total
-                if position >= feed.end:
+                if position >= feed.end or reader.finished:
                     break
-            if failure or finished or interrupted and position % per_epoch == 0 and report:
+            if failure is not None or reader.finished or position >= schedule.total:
+                break
+            if interrupted_at_epoch_end(position):
                 break
         if report is None:  # no feed at all: nothing to train on from here
             raise ValueError("The data yielded no batches to train on.")
-        WAITER.wait(report.step)
-        if bar is not None or callbacks:
-            reader.read()
+        reader.read()
+    except BaseException:
+        # A second Ctrl-C, or an error: let the calls in flight (each about half a second)
+        # finish, so that the process does not exit with the device still running.
+        if report is not None:
+            WAITER.wait(report.step, timeout=2.0)
+        raise
     finally:
-        if bar is not None:
-            bar.close()
-        for callback in callbacks:
-            end = getattr(callback, "on_train_end", None)
-            if callable(end):
-                end(dict(reader.last_logs))
+        for observer in observers:
+            observer.close()
     return Outcome(
         state,
         report,
-        stopped_by_callback=reader.by_callback,
-        interrupted=interrupt is not None and interrupt.requested,
+        stopped_by_callback=reader.by_observer,
+        interrupted=interrupting is not None and interrupting.interrupt.requested,
         failure=failure,
     )
+
+
+def observers_for(
+    options: Any,
+    schedule: Schedule,
+    begin: int,
+    store: Checkpoints | None,
+    interrupt: Interrupt,
+    placement: Any,
+) -> list[Observer]:
+    """The run's observers, as its options ask: the bar, the callbacks, the checkpoints
+    (which take the state off the devices to write it), and Ctrl-C.
+    """
+    observers: list[Observer] = []
+    if options.progress:
+        observers.append(Bar(schedule, begin))
+    if options.callbacks:
+        observers.append(Callbacks(options.callbacks, schedule))
+    if store is not None:
+
+        def save(state: TrainState) -> PyTree:
+            return jax.device_get(placement.get(state))
+
+        every = options.checkpoint_every
+        observers.append(Checkpointing(store, every, schedule, save, interrupt))
+    observers.append(Interrupting(interrupt, schedule))
+    return observers

@@ -35,6 +35,9 @@ class EarlyStopping(eqx.Module):
     epochs do no work. An improvement resets the count, but with a `baseline` only if the
     value also beats the baseline.
 
+    Every argument has Keras's default but `restore_best`, so `EarlyStopping()` watches
+    `"val_loss"` and stops at the first epoch that does not improve on the best.
+
     **Arguments:**
 
     - `patience`: epochs without improvement before stopping (0: stop at the first).
@@ -42,8 +45,8 @@ class EarlyStopping(eqx.Module):
     - `monitor`: `"loss"`, `"val_loss"`, or a metric's name, with `"val_"` in front for
         its value on the validation data.
     - `restore_best`: return the parameters (and state) of the best epoch rather than
-        the last. (Keras's `restore_best_weights` defaults to `False`; here the best
-        model is what you asked for by stopping early.)
+        the last. It defaults to `True`, unlike Keras's `restore_best_weights=False`: the
+        best model is what you asked for by stopping early.
     - `mode`: `"min"` when smaller is better, `"max"` when larger is, or `"auto"`: `"max"`
         for accuracy-like names (containing `acc`, `auc`, `precision`, `recall`, `f1`,
         `fmeasure`, `iou` or `r2`), else `"min"`.
@@ -52,7 +55,9 @@ class EarlyStopping(eqx.Module):
     - `start_from_epoch`: epochs to let pass before monitoring (a warm-up).
     """
 
-    patience: int
+    # Keras's defaults (but `restore_best`), in eqfit's order: `EarlyStopping(3)` is a
+    # patience, as it always was here.
+    patience: int = 0
     min_delta: float = 0.0
     monitor: str = "val_loss"
     restore_best: bool = True

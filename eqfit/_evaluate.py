@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
+from ._labels import LabelError
 from ._step import clone, Objective
 
 
@@ -14,8 +15,9 @@ def evaluate_batches(
     model_state: PyTree,
     data: PyTree,
     batch_size: int,
-) -> Float[Array, " values"]:
-    """The mean loss and metrics over `data`, as `[loss, *metrics]`.
+) -> tuple[Float[Array, " values"], LabelError]:
+    """The mean loss and metrics over `data`, as `[loss, *metrics]`, and the first label
+    out of range met, if any.
 
     It runs a scan over full batches and one smaller last batch, weighting each batch's
     value by its size, so for a loss that is a mean over the batch this is the mean over
@@ -26,23 +28,27 @@ def evaluate_batches(
     num = jax.tree.leaves(data)[0].shape[0]
     num_full, remainder = divmod(num, batch_size)
 
-    def values(batch: PyTree) -> Float[Array, " values"]:
-        loss, _ = objective.value(model, clone(model_state), batch, key)
-        metrics = objective.metric_values(model, clone(model_state), batch)
-        return jnp.concatenate([loss[None].astype(jnp.float32), metrics])
+    def values(batch: PyTree) -> tuple[Float[Array, " values"], LabelError]:
+        loss, _, labels = objective.value(model, clone(model_state), batch, key)
+        metrics, metric_labels = objective.metric_values(model, clone(model_state), batch)
+        values = jnp.concatenate([loss[None].astype(jnp.float32), metrics])
+        return values, labels.or_else(metric_labels)
 
-    total = jnp.zeros(1 + len(objective.metrics))
+    total, labels = jnp.zeros(1 + len(objective.metrics)), LabelError.none()
     if num_full:
         full = jax.tree.map(
             lambda a: a[: num_full * batch_size].reshape(num_full, batch_size, *a.shape[1:]),
             data,
         )
 
-        def add(total: Float[Array, " values"], batch: PyTree):
-            return total + values(batch) * batch_size, None
+        def add(carry: tuple[Float[Array, " values"], LabelError], batch: PyTree):
+            total, labels = carry
+            batch_values, batch_labels = values(batch)
+            return (total + batch_values * batch_size, labels.or_else(batch_labels)), None
 
-        total, _ = jax.lax.scan(add, total, full)
+        (total, labels), _ = jax.lax.scan(add, (total, labels), full)
     if remainder:
         last = jax.tree.map(lambda a: a[num_full * batch_size :], data)
-        total = total + values(last) * remainder
-    return total / num
+        last_values, last_labels = values(last)
+        total, labels = total + last_values * remainder, labels.or_else(last_labels)
+    return total / num, labels

@@ -8,7 +8,17 @@ from typing import Any, Literal
 import numpy as np
 
 
-StopReason = Literal["early_stopping", "non_finite_loss", "callback", "out_of_data"] | None
+StopReason = (
+    Literal[
+        "early_stopping",
+        "non_finite_loss",
+        "callback",
+        "interrupted",
+        "checkpoint_error",
+        "out_of_data",
+    ]
+    | None
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +40,10 @@ class History:
     - `wall_time`: seconds spent in `fit`, compilation included.
     - `best_epoch`: the number of the best epoch by the early-stopping monitor, if any.
     - `stop_reason`: why training ended before its last epoch, or `None`:
-        `"early_stopping"`, `"non_finite_loss"`, `"callback"`, or `"out_of_data"` (an
-        iterator ran out before the last step).
+        `"early_stopping"`, `"non_finite_loss"` (a label out of range makes the loss
+        non-finite too), `"callback"`, `"interrupted"` (Ctrl-C), `"checkpoint_error"` (a
+        checkpoint could not be written), or `"out_of_data"` (an iterator ran out before
+        the last step).
     - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
 
     For an ensemble every per-epoch value has a last axis of members, `step_loss` and

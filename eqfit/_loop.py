@@ -8,6 +8,7 @@ same compiled program, and the pieces agree with one whole run bit for bit.
 """
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -15,18 +16,32 @@ from typing import Any, Literal, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
+from ._checkpoint import describe
 from ._compile import PROGRAM_CACHE
-from ._data import BatchPlan, epoch_order, shuffle_seed
+from ._data import epoch_order, is_dtype, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches
+from ._labels import LabelError
+from ._options import Options
 from ._parallel import OneDevice, Placement
-from ._step import Objective, Step
+from ._schedule import Schedule
+from ._step import Objective, Step, takes_key
 
 
 OnNan = Literal["raise", "stop", "skip"]
+
+
+class Stop(enum.IntEnum):
+    """Why the program stopped a run (a member, in an ensemble): reported as a value."""
+
+    RUNNING = 0  # not stopped: it reached the call's stop, or the run's end
+    EARLY_STOPPING = 1
+    NON_FINITE_LOSS = 2
+    BAD_LABEL = 3  # a label out of range made the loss non-finite
 
 
 class Skeleton(NamedTuple):
@@ -97,12 +112,9 @@ class Loop:
     trains: tuple[bool, ...]  # for each array of the model, in order: does it train
     objects: Skeleton  # (loss, metrics, optimizer)
     metric_names: tuple[str, ...]
+    schedule: Schedule
     batch_size: int  # of each step here (for streamed data: of this program's pieces)
-    passes: BatchPlan | None  # in memory: how each pass over the data splits into batches
-    steps_per_epoch: int
-    epochs: int  # the number of the run's last epoch, counted from 1
-    first_epoch: int = 0  # epochs done before this run (`initial_epoch`)
-    full_batch_size: int = 1  # the run's batch size (validation goes in batches of it)
+    in_memory: bool = True  # the data is on the device, ordered by the program
     shuffle: bool = True
     validate: bool = False
     on_nan: OnNan = "raise"
@@ -117,23 +129,6 @@ class Loop:
         """The per-epoch values, in the order of `TrainState.epoch_values`' columns."""
         names = ("loss", *self.metric_names)
         return names + tuple(f"val_{n}" for n in names) if self.validate else names
-
-    @property
-    def rows(self) -> int:
-        """Epochs in the record: those of this run, and one to trace with if none."""
-        return max(self.epochs - self.first_epoch, 1)
-
-    @property
-    def begin(self) -> int:
-        """The global step the run starts at: steps are counted from the first epoch
-        ever, so that shuffles and keys continue across `initial_epoch`.
-        """
-        return self.first_epoch * self.steps_per_epoch
-
-    @property
-    def total_steps(self) -> int:
-        """The global step the run ends at."""
-        return max(self.epochs, self.first_epoch) * self.steps_per_epoch
 
     def parts(self, consts: "Consts") -> "Parts":
         """The run's objects, rebuilt inside the program from the static skeletons."""
@@ -159,6 +154,14 @@ class Loop:
         arrays = iter(chosen)
         leaves = [next(arrays) if x is None else None for x in self.model.leaves]
         return jax.tree.unflatten(self.model.treedef, leaves)
+
+
+class Objects(NamedTuple):
+    """What the run calls: the loss, the metrics and the optimizer (a plain one)."""
+
+    loss: Callable[..., Any]
+    metrics: tuple[tuple[str, Callable[..., Any]], ...]
+    optimizer: optax.GradientTransformation
 
 
 class Parts(NamedTuple):
@@ -188,8 +191,9 @@ class TrainState(NamedTuple):
     model_state: PyTree
     stopping: StoppingState | None
     step: Int[Array, ""]  # optimizer steps done since the first epoch ever: the position
-    stopped: Bool[Array, ""]  # by early stopping or a non-finite loss
+    reason: Int[Array, ""]  # a `Stop`: why the run stopped, if it did
     nan_step: Int[Array, ""]  # the first step whose loss was not finite, or -1
+    label_error: LabelError  # the first label out of range met, if any
     # One row per epoch of this run:
     step_loss: Float[Array, "epochs steps"]  # NaN where no step ran
     step_metrics: Float[Array, "epochs steps metrics"]
@@ -222,10 +226,12 @@ class Report(NamedTuple):
     """What a call of `run` tells the host, read once it is due."""
 
     step: Int[Array, "*members"]  # the position after the call
-    stopped: Bool[Array, "*members"]
+    reason: Int[Array, "*members"]  # a `Stop`
     nan_step: Int[Array, "*members"]
+    label_error: LabelError
     best_epoch: Int[Array, "*members"]  # by early stopping; -1 without it
-    loss_sum: Float[Array, "*members"]  # the summed losses of this call's steps
+    # The mean loss of the epoch the last step was in, so far (NaN before any step).
+    epoch_loss: Float[Array, "*members"]
     epoch_values: Float[Array, "*members epochs logs"]  # NaN for epochs not finished
     # With `restore_best`: the trained arrays and model state to return.
     trained: tuple[PyTree, PyTree] | None
@@ -244,7 +250,8 @@ def start(
     Its outputs are new buffers (`run` may donate them), never the caller's arrays.
     """
     parts = loop.parts(consts)
-    rows, steps = loop.rows, loop.steps_per_epoch
+    schedule = loop.schedule
+    rows, steps = schedule.rows, schedule.steps_per_epoch
 
     def start_one(params: list[Array], opt_state: PyTree, model_state: PyTree) -> TrainState:
         params = loop.params_tree([jnp.copy(p) for p in params])
@@ -260,9 +267,10 @@ def start(
             opt_state=opt_state,
             model_state=model_state,
             stopping=stopping,
-            step=jnp.asarray(loop.begin, jnp.int32),
-            stopped=jnp.asarray(False),
+            step=jnp.asarray(schedule.begin, jnp.int32),
+            reason=jnp.asarray(Stop.RUNNING, jnp.int32),
             nan_step=jnp.asarray(-1, jnp.int32),
+            label_error=LabelError.none(),
             step_loss=jnp.full((rows, steps), nan),
             step_metrics=jnp.full((rows, steps, len(loop.metric_names)), nan),
             batch_sizes=jnp.zeros((rows, steps), jnp.int32),
@@ -322,63 +330,57 @@ class _Run:
     stop: Int[Array, ""]
 
     def run(self, state: TrainState) -> tuple[TrainState, Report]:
-        loop = self.loop
-        stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), loop.total_steps)
+        loop, schedule = self.loop, self.loop.schedule
+        stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
         # One key per global step, so a step's key does not depend on how the run is cut
         # into pieces. (Derived only if the loss asks for one: threefry is costly to
         # compile.)
         step_key = jax.random.fold_in(self.key, 1) if loop.use_key else None
-        carry = (state, jnp.float32(0.0))
-        piece, passes = self.inputs.piece, loop.passes
+        piece, passes = self.inputs.piece, schedule.passes
         if piece is not None:  # streamed: this piece's rows
             end = jnp.minimum(stop, piece.end)
             order = jnp.asarray(piece.order)
             # A piece of smaller batches (a pass's last) is a remainder: not split over
             # devices, as it need not divide evenly.
-            full = loop.batch_size == loop.full_batch_size
-            carry = self.run_steps(carry, order, piece.first, end, None, step_key, full)
+            full = loop.batch_size == schedule.batch_size
+            state = self.run_steps(state, order, piece.first, end, None, step_key, full)
         else:
             assert passes is not None
             seed = shuffle_seed(self.key)
-            per_pass = passes.steps_per_pass
 
-            def more(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
-                state, _ = carry
-                return (state.step < stop) & ~state.stopped
+            def more(state: TrainState) -> Bool[Array, ""]:
+                return (state.step < stop) & (state.reason == Stop.RUNNING)
 
-            def one_pass(carry: tuple[TrainState, Any]) -> tuple[TrainState, Any]:
-                state, _ = carry
-                index = state.step // per_pass
+            def one_pass(state: TrainState) -> TrainState:
+                index = schedule.pass_of(state.step)
                 order = epoch_order(seed, index, passes.num_samples, loop.shuffle)
-                first = index * per_pass
-                end = jnp.minimum(stop, first + per_pass)
-                remainder = first + passes.num_full if passes.remainder else None
-                return self.run_steps(carry, order, first, end, remainder, step_key)
+                first = schedule.pass_start(index)
+                end = jnp.minimum(stop, first + passes.steps_per_pass)
+                remainder = schedule.remainder_step(index)
+                return self.run_steps(state, order, first, end, remainder, step_key)
 
-            carry = jax.lax.while_loop(more, one_pass, carry)
-        state, loss_sum = carry
-        return state, self.report(state, loss_sum)
+            state = jax.lax.while_loop(more, one_pass, state)
+        return state, self.report(state)
 
     def run_steps(
         self,
-        carry: tuple[TrainState, Any],
+        state: TrainState,
         order: UInt32[Array, " n"],
         first: Any,
         end: Any,
         remainder_step: Any,
         step_key: Key[Array, ""] | None,
         full: bool = True,
-    ) -> tuple[TrainState, Any]:
+    ) -> TrainState:
         """Steps until `end` or until stopped, closing each epoch as it ends. Step `t`
         takes rows `order[(t - first) * batch_size:]`; in memory, `remainder_step` is
         the pass's last step, on the smaller batch of its remaining samples.
         """
-        loop = self.loop
-        per_epoch = loop.steps_per_epoch
+        loop, schedule = self.loop, self.loop.schedule
         data = self.inputs.data
+        running = lambda state: state.reason == Stop.RUNNING  # noqa: E731
 
-        def batch_step(carry: tuple[TrainState, Any], size: int, full: bool) -> Any:
-            state, loss_sum = carry
+        def batch_step(state: TrainState, size: int, full: bool) -> TrainState:
             t = state.step
             index = jax.lax.dynamic_slice_in_dim(order, (t - first) * loop.batch_size, size)
             placement = loop.placement
@@ -389,118 +391,216 @@ class _Run:
                 step = dataclasses.replace(self.parts.step, axis_name=None)
             key = None if step_key is None else jax.random.fold_in(step_key, t)
             out = step(state.params, state.opt_state, state.model_state, batch, key)
-            row, column = t // per_epoch - loop.first_epoch, t % per_epoch
+            row, column = schedule.record_row(t), schedule.record_column(t)
             nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
-            halts = ~out.finite if loop.on_nan != "skip" else jnp.asarray(False)
+            labels = out.labels._replace(step=jnp.asarray(t, jnp.int32))
+            reason = state.reason
+            if loop.on_nan != "skip":
+                why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
+                reason = jnp.where(out.finite, reason, why)
             state = state._replace(
                 params=out.params,
                 opt_state=out.opt_state,
                 model_state=out.model_state,
                 step=t + 1,
-                stopped=state.stopped | halts,
+                reason=reason,
                 nan_step=nan_step,
+                label_error=state.label_error.or_else(labels),
                 step_loss=state.step_loss.at[row, column].set(out.loss),
                 batch_sizes=state.batch_sizes.at[row, column].set(size),
             )
             if loop.metric_names:
                 metrics = state.step_metrics.at[row, column].set(out.metrics)
                 state = state._replace(step_metrics=metrics)
-            return state, loss_sum + out.loss
+            return state
 
-        def between_epoch_ends(carry: tuple[TrainState, Any]) -> tuple[TrainState, Any]:
-            state, _ = carry
-            epoch_end = (state.step // per_epoch + 1) * per_epoch
+        def between_epoch_ends(state: TrainState) -> TrainState:
+            epoch_end = schedule.next_epoch_end(state.step)
             limit = jnp.minimum(end, epoch_end)
             full_limit = limit if remainder_step is None else jnp.minimum(limit, remainder_step)
 
-            def more_full(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
-                state, _ = carry
-                return (state.step < full_limit) & ~state.stopped
+            def more_full(state: TrainState) -> Bool[Array, ""]:
+                return (state.step < full_limit) & running(state)
 
-            if loop.passes is None or loop.passes.num_full:  # else all is the remainder
-                carry = jax.lax.while_loop(
-                    more_full, lambda c: batch_step(c, loop.batch_size, full), carry
+            passes = schedule.passes
+            if passes is None or passes.num_full:  # else all is the remainder
+                state = jax.lax.while_loop(
+                    more_full, lambda s: batch_step(s, loop.batch_size, full), state
                 )
             if remainder_step is not None:
-                assert loop.passes is not None
+                assert passes is not None
 
                 # A loop that runs once or not at all, not a `cond`: XLA compiles a step
                 # inside a conditional more slowly than inside a loop.
-                def remainder_due(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
-                    state, _ = carry
-                    return (state.step == remainder_step) & (state.step < limit) & ~state.stopped
+                def remainder_due(state: TrainState) -> Bool[Array, ""]:
+                    return (state.step == remainder_step) & (state.step < limit) & running(state)
 
-                remainder = loop.passes.remainder
-                carry = jax.lax.while_loop(
-                    remainder_due, lambda c: batch_step(c, remainder, False), carry
+                remainder = passes.remainder
+                state = jax.lax.while_loop(
+                    remainder_due, lambda s: batch_step(s, remainder, False), state
                 )
-            state, loss_sum = carry
-            closes = (state.step == epoch_end) & ~state.stopped
-            state = jax.lax.cond(closes, self.close_epoch, lambda s: s, state)
-            return state, loss_sum
+            closes = (state.step == epoch_end) & running(state)
+            return jax.lax.cond(closes, self.close_epoch, lambda s: s, state)
 
-        def more(carry: tuple[TrainState, Any]) -> Bool[Array, ""]:
-            state, _ = carry
-            return (state.step < end) & ~state.stopped
+        def more(state: TrainState) -> Bool[Array, ""]:
+            return (state.step < end) & running(state)
 
-        return jax.lax.while_loop(more, between_epoch_ends, carry)
+        return jax.lax.while_loop(more, between_epoch_ends, state)
 
     def close_epoch(self, state: TrainState) -> TrainState:
         """The end of the epoch just finished: its values, validation, early stopping."""
-        loop, parts = self.loop, self.parts
-        row = state.step // loop.steps_per_epoch - 1 - loop.first_epoch
-        # Each step weighs as its share of the epoch's samples: the epoch's mean loss is
-        # then the mean over samples, as one full-batch pass would average a mean loss.
-        # Steps skipped for a non-finite loss (`on_nan="skip"`) trained nothing and are
-        # left out.
-        sizes = state.batch_sizes[row].astype(jnp.float32)
-        sizes = jnp.where(jnp.isfinite(state.step_loss[row]), sizes, 0.0)
-        weights = sizes / jnp.sum(sizes)  # NaN (0 / 0) if every step was skipped
-        step_loss = jnp.where(weights > 0, state.step_loss[row], 0.0)
-        step_metrics = jnp.where(weights[:, None] > 0, state.step_metrics[row], 0.0)
-        # Full float32 precision: on GPUs a default-precision dot may round through TF32.
-        precision = jax.lax.Precision.HIGHEST
-        train = jnp.concatenate(
-            [
-                jnp.dot(weights, step_loss, precision=precision)[None],
-                jnp.dot(weights, step_metrics, precision=precision),
-            ]
-        )
-        values = train
+        loop, parts, schedule = self.loop, self.parts, self.loop.schedule
+        row = schedule.record_row(state.step - 1)
+        values = epoch_means(state, row)
         if loop.validate:
             model = parts.combine(state.params)
-            val = evaluate_batches(
+            val, labels = evaluate_batches(
                 parts.objective,
                 model,
                 state.model_state,
                 self.inputs.val_data,
-                loop.full_batch_size,
+                schedule.batch_size,
             )
-            values = jnp.concatenate([train, val])
+            values = jnp.concatenate([values, val])
+            state = state._replace(label_error=state.label_error.or_else(labels))
         state = state._replace(epoch_values=state.epoch_values.at[row].set(values))
         if loop.stopping is None:
             return state
         assert state.stopping is not None
         monitored = values[loop.log_names.index(loop.stopping.monitor)]
-        epoch = row + loop.first_epoch + 1  # counted from 1
+        epoch = schedule.epoch_of(state.step - 1)
         stopping, stop = loop.stopping.update(
             state.stopping, monitored, epoch, state.params, state.model_state
         )
-        return state._replace(stopping=stopping, stopped=state.stopped | stop)
+        reason = jnp.where(stop, Stop.EARLY_STOPPING, state.reason)
+        return state._replace(stopping=stopping, reason=reason)
 
-    def report(self, state: TrainState, loss_sum: Float[Array, ""]) -> Report:
+    def report(self, state: TrainState) -> Report:
         stopping = self.loop.stopping
         trained = None
         if stopping is not None and stopping.restore_best:
             assert state.stopping is not None
             trained = stopping.trained(state.stopping, state.params, state.model_state)
         best = -1 if state.stopping is None else state.stopping.best_epoch
+        schedule = self.loop.schedule
+        last = jnp.maximum(state.step - 1, schedule.begin)  # the last step done
         return Report(
             step=state.step,
-            stopped=state.stopped,
+            reason=state.reason,
             nan_step=state.nan_step,
+            label_error=state.label_error,
             best_epoch=jnp.asarray(best, jnp.int32),
-            loss_sum=loss_sum,
+            epoch_loss=epoch_means(state, schedule.record_row(last), metrics=False)[0],
             epoch_values=state.epoch_values,
             trained=trained,
         )
+
+
+def epoch_means(
+    state: TrainState, row: Int[Array, ""], metrics: bool = True
+) -> Float[Array, " values"]:
+    """The mean loss (and metrics) of the steps of record row `row` that ran.
+
+    Each step weighs as its share of the epoch's samples: the epoch's mean loss is then the
+    mean over samples, as one full-batch pass would average a mean loss. Steps skipped for
+    a non-finite loss (`on_nan="skip"`) trained nothing and are left out; NaN (0 / 0) if
+    no step counts.
+    """
+    sizes = state.batch_sizes[row].astype(jnp.float32)
+    sizes = jnp.where(jnp.isfinite(state.step_loss[row]), sizes, 0.0)
+    weights = sizes / jnp.sum(sizes)
+    step_loss = jnp.where(weights > 0, state.step_loss[row], 0.0)
+    # Full float32 precision: on GPUs a default-precision dot may round through TF32.
+    precision = jax.lax.Precision.HIGHEST
+    loss = jnp.dot(weights, step_loss, precision=precision)[None]
+    if not metrics:
+        return loss
+    step_metrics = jnp.where(weights[:, None] > 0, state.step_metrics[row], 0.0)
+    return jnp.concatenate([loss, jnp.dot(weights, step_metrics, precision=precision)])
+
+
+def make_loop(
+    model: PyTree,
+    filter_spec: Any,
+    objects: Objects,
+    schedule: Schedule,
+    options: Options,
+    in_memory: bool,
+) -> tuple[Loop, list[Array], Consts]:
+    """Splits the model into the arrays that train and the frozen rest, takes out the
+    arrays the other objects hold, and describes the run as a hashable `Loop`.
+    """
+    arrays, skeleton = split_arrays(model)
+    trains = _trains(model, arrays, filter_spec)
+    if not any(trains):
+        raise ValueError(
+            "`model` has no floating-point arrays that `filter_spec` chooses to train, so "
+            f"training would change nothing (its arrays: {describe(model)[:6]})."
+        )
+    params = [a for a, t in zip(arrays, trains) if t]
+    frozen = [a for a, t in zip(arrays, trains) if not t]
+    object_arrays, objects_skeleton = split_arrays(objects)
+    loop = Loop(
+        model=skeleton,
+        trains=trains,
+        objects=objects_skeleton,
+        metric_names=tuple(name for name, _ in objects.metrics),
+        schedule=schedule,
+        batch_size=schedule.batch_size,
+        in_memory=in_memory,
+        shuffle=options.shuffle,
+        validate=options.validates,
+        on_nan=options.on_nan,
+        members=options.members,
+        stateful=options.stateful,
+        use_key=takes_key(objects.loss),
+        placement=options.placement,
+        stopping=options.early_stopping,
+    )
+    return loop, params, Consts(frozen, object_arrays)
+
+
+def _trains(model: PyTree, arrays: list[Any], filter_spec: Any) -> tuple[bool, ...]:
+    """For each array of `model`: whether `filter_spec` chooses it and it is floating."""
+    if callable(filter_spec) and jax.tree_util.treedef_is_leaf(jax.tree.structure(filter_spec)):
+        chosen = [bool(filter_spec(a)) for a in arrays]
+    else:  # a PyTree of bools or callables, as `eqx.partition` takes
+        picked, _ = eqx.partition(model, filter_spec)
+        none = lambda x: x is None  # noqa: E731
+        leaves = jax.tree.leaves(model, is_leaf=none)
+        kept = jax.tree.leaves(picked, is_leaf=none)
+        chosen = [k is not None for leaf, k in zip(leaves, kept) if eqx.is_array(leaf)]
+    return tuple(c and is_dtype(a.dtype, np.inexact) for a, c in zip(arrays, chosen))
+
+
+def check_opt_state(loop: Loop, params: list[Array], opt_state: PyTree, consts: Consts) -> None:
+    """Refuses an `opt_state` that is not the optimizer's state for these parameters."""
+    optimizer = loop.parts(consts).optimizer
+    init = optimizer.init if loop.members is None else jax.vmap(optimizer.init)
+    expected = jax.eval_shape(init, loop.params_tree(params))
+    given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), opt_state)
+    if jax.tree.structure(expected) != jax.tree.structure(given) or jax.tree.leaves(
+        expected
+    ) != jax.tree.leaves(given):
+        raise ValueError(
+            "`opt_state` is not this optimizer's state for the arrays that train: expected "
+            f"{_summary(expected)}, got {_summary(given)}. Pass the `opt_state` of a result "
+            "trained with the same optimizer (and `filter_spec`), or none."
+        )
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _summary(state: PyTree) -> str:
+    """An optimizer state in a line: its outer types and its arrays."""
+    kinds = (
+        f"({', '.join(type(s).__name__ for s in state)})"
+        if isinstance(state, tuple) and not hasattr(state, "_fields")
+        else type(state).__name__
+    )
+    leaves = jax.tree.leaves(state)
+    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in leaves[:4])
+    more = ", ..." if len(leaves) > 4 else ""
+    return f"{kinds} of {len(leaves)} arrays [{shapes}{more}]"

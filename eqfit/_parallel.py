@@ -174,9 +174,11 @@ Placement = OneDevice | Pmap | Sharded
 
 
 def choose_placement(
-    devices: int | Sequence[Device] | None, mesh: Mesh | None, batch_size: int
+    devices: int | Sequence[Device] | None, mesh: Mesh | None, batch_size: int | None
 ) -> Placement:
-    """Checks `devices` and `mesh` against each other and `batch_size`; returns a placement."""
+    """Checks `devices` and `mesh` against each other (and against `batch_size`, if
+    given); returns a placement.
+    """
     if devices is not None and mesh is not None:
         raise ValueError(
             "Give `devices=` (pmap) or `mesh=` (sharding), not both: "
@@ -187,7 +189,6 @@ def choose_placement(
         # which needs the mesh's axes in "auto" mode (`jax.make_mesh` makes explicit ones).
         auto = (AxisType.Auto,) * len(mesh.axis_names)
         placement: Placement = Sharded(Mesh(mesh.devices, mesh.axis_names, axis_types=auto))
-        count, what = placement.num_devices, f"the mesh axis {placement.axis!r}"
     elif devices is not None:
         available = jax.local_devices()
         if isinstance(devices, int) and not isinstance(devices, bool):
@@ -208,16 +209,27 @@ def choose_placement(
                     f"{len(available)} local devices."
                 )
         placement = Pmap(chosen)
-        count, what = len(chosen), "the devices"
     else:
-        return OneDevice()
+        placement = OneDevice()
+    if batch_size is not None:
+        check_batch_split(placement, batch_size)
+    return placement
+
+
+def check_batch_split(placement: Placement, batch_size: int) -> None:
+    """Refuses a `batch_size` that does not split evenly over the placement's devices."""
+    if isinstance(placement, Pmap):
+        count, what = len(placement.devices), "the devices"
+    elif isinstance(placement, Sharded):
+        count, what = placement.num_devices, f"the mesh axis {placement.axis!r}"
+    else:
+        return
     if batch_size % count:
         lower, upper = (batch_size // count) * count, -(-batch_size // count) * count
         raise ValueError(
             f"`batch_size`={batch_size} does not split evenly over {count} devices "
             f"({what}); use a multiple of {count}, such as {lower or upper} or {upper}."
         )
-    return placement
 
 
 def _count(devices: Any) -> int:
@@ -237,3 +249,22 @@ def _replicate(devices: tuple[Device, ...]) -> Callable:
 @jax.jit
 def _first_replica(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x[0], tree)
+
+
+def global_rows(placement: Placement, rows: int | None) -> int | None:
+    """The rows of a pass over the whole mesh: with a mesh over several processes, each
+    passes its own rows, and they must agree (checked, all processes taking part) before
+    anything trains.
+    """
+    if rows is None or not isinstance(placement, Sharded) or jax.process_count() == 1:
+        return rows
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(np.int64(rows))).reshape(-1)
+    if (every != rows).any():
+        raise ValueError(
+            "With a mesh over several processes each passes its own rows of `data`, as "
+            f"many as every other: the processes passed {every.tolist()} rows (by process "
+            "index), which differ."
+        )
+    return rows * jax.process_count()

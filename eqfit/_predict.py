@@ -1,7 +1,7 @@
 """Batched inference: `predict` and `evaluate`, each one compiled scan over the data."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload, TypeVar
 
 import equinox as eqx
 import jax
@@ -12,11 +12,35 @@ from jaxtyping import PyTree
 from ._checks import checked, reported_as
 from ._data import as_data, check_batch_size, ensemble_size, num_samples
 from ._evaluate import evaluate_batches
+from ._jit import cached_jit
+from ._labels import raise_found
 from ._step import Objective, takes_key
 from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState
-from .losses import LABEL_ERRORS, outputs, raise_label_errors
+from .losses import outputs
 
 
+# What the model returns for one example, so what `predict` returns for all of them.
+Output = TypeVar("Output")
+
+
+@overload
+def predict(
+    model: Callable[..., Output],
+    x: Arrays,
+    *,
+    batch_size: int = 256,
+    ensemble: bool = False,
+    state: None = None,
+) -> Output: ...
+@overload
+def predict(
+    model: Callable[..., tuple[Output, Any]],
+    x: Arrays,
+    *,
+    batch_size: int = 256,
+    ensemble: bool = False,
+    state: ModelState,
+) -> Output: ...
 @checked("predict")
 def predict(
     model: Callable[..., Any],
@@ -45,27 +69,39 @@ def predict(
 
     **Returns:**
 
-    The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True`.
+    The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True`: to a
+    type checker, what `model` returns (without the state, given one).
     """
     x_ = as_data(x if not _is_array(x) else (x,), "x")
     check_batch_size(batch_size)
-    if ensemble:
-        ensemble_size(model)
+    members = ensemble_size(model) if ensemble else None
     with reported_as("predict", "x"):
-        return _predict(
-            eqx.nn.inference_mode(model),
-            x_ if not _is_array(x) else x_[0],
-            state,
-            batch_size,
-            ensemble,
-        )
+        try:
+            return _predict(
+                eqx.nn.inference_mode(model),
+                x_ if not _is_array(x) else x_[0],
+                state,
+                batch_size,
+                ensemble,
+            )
+        except Exception as e:
+            if members is not None:
+                # A single model whose arrays happen to share their leading size passes
+                # for a stack; this is where it shows.
+                e.add_note(
+                    f"With `ensemble=True`, `predict` took `model` for a stack of {members} "
+                    "members (each array's leading axis indexing them) and called each "
+                    "member on one example. If `model` is a single model, leave out "
+                    "`ensemble`."
+                )
+            raise
 
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
 
 
-@eqx.filter_jit
+@cached_jit  # not `eqx.filter_jit`: `eqfit.clear_cache()` frees its programs
 def _predict(model: PyTree, x: PyTree, state: PyTree, batch_size: int, ensemble: bool) -> Any:
     n = num_samples(x)
     num_full, remainder = divmod(n, batch_size)
@@ -128,12 +164,12 @@ def evaluate(
     data_ = as_data(data)
     check_batch_size(batch_size)
     objective = Objective(loss, tuple((metrics or {}).items()), state is not None, takes_key(loss))
-    labels_before = len(LABEL_ERRORS)
     with reported_as("evaluate", "data"):
-        values = np.asarray(_evaluate(objective, model, state, data_, batch_size)).tolist()
-    raise_label_errors(labels_before)
+        values_, labels = _evaluate(objective, model, state, data_, batch_size)
+        values = np.asarray(values_).tolist()
+    raise_found(labels)
     names = ("loss", *(name for name, _ in objective.metrics))
     return dict(zip(names, values))
 
 
-_evaluate = eqx.filter_jit(evaluate_batches)
+_evaluate = cached_jit(evaluate_batches)

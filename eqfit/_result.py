@@ -16,8 +16,8 @@ from ._checkpoint import serialise, versions, write_atomically
 from ._checks import checked
 from ._drive import Outcome
 from ._history import History, StopReason
-from ._loop import Consts, Loop
-from ._parallel import Placement
+from ._labels import raise_found
+from ._loop import _unwrap, Consts, Loop, Stop
 from ._typing import Model, ModelState, OptState, PathLike
 
 
@@ -73,49 +73,101 @@ class NonFiniteLossError(FloatingPointError):
         self.step: int = step
 
 
-def make_result(
-    loop: Loop,
-    placement: Placement,
-    outcome: Outcome,
-    consts: Consts,
-    began: float,
-    raises: bool = True,
+def finish(
+    loop: Loop, outcome: Outcome, consts: Consts, began: float, checkpoints: Any = None
 ) -> FitResult[Any]:
-    """The result of a run, from its final state and the last call's report.
-
-    If `raises`, raises `NonFiniteLossError` (holding the result) if a non-finite loss
-    stopped the run and `on_nan="raise"`, and warns if the data ran out.
+    """The one place a run ends: makes the result from the final state and the last
+    report, then raises what must be raised, each error holding the result as `.result`:
+    a checkpoint that could not be written, a Ctrl-C, a label out of range, a non-finite
+    loss with `on_nan="raise"`. It warns if the data ran out.
     """
-    report, state = outcome.report, outcome.state
+    result, reasons = _result(loop, outcome, consts, began)
+    if outcome.failure is not None:
+        outcome.failure.result = result
+        raise outcome.failure
+    if outcome.interrupted:
+        raise TrainingInterrupted(result)
+    try:
+        raise_found(outcome.report.label_error, loop.members is not None)
+    except ValueError as e:
+        e.result = result  # type: ignore[attr-defined]
+        raise
+    schedule = loop.schedule
+    if "out_of_data" in reasons:
+        warnings.warn(
+            f"The data ran out after {max(outcome_epochs(loop, outcome))} of the "
+            f"{schedule.epochs - schedule.first_epoch} epochs asked for "
+            f"({schedule.steps_per_epoch} steps each); training stopped there. Give an "
+            "iterator with enough batches, or fewer `epochs` or `steps_per_epoch`.",
+            stacklevel=3,
+        )
+    nan_steps = np.asarray(loop.placement.host(outcome.report.nan_step)).reshape(-1).tolist()
+    if loop.on_nan == "raise" and max(nan_steps) >= 0:
+        i = next(i for i, t in enumerate(nan_steps) if t >= 0)
+        epoch, step = schedule.locate(nan_steps[i])
+        member = f"member {i}: " if loop.members is not None else ""
+        raise NonFiniteLossError(
+            f"The loss was not finite at {member}epoch {epoch}, step {step} of "
+            f"{schedule.steps_per_epoch} (counted from 1). Training stopped there; the last "
+            "finite model, from before that step, is in this error's `.result`. Pass "
+            "`on_nan='skip'` to skip such steps, or `on_nan='stop'` to return early without "
+            "an error.",
+            result,
+            epoch,
+            step,
+        )
+    return result
+
+
+def outcome_epochs(loop: Loop, outcome: Outcome) -> list[int]:
+    """Epochs of this run that each member had a step in (a cut-short one counts)."""
+    steps = np.asarray(loop.placement.host(outcome.report.step)).reshape(-1)
+    return [loop.schedule.run_epochs(int(t)) for t in steps.tolist()]
+
+
+def _result(
+    loop: Loop, outcome: Outcome, consts: Consts, began: float
+) -> tuple[FitResult[Any], list[StopReason]]:
+    """The result of a run, from its final state and the last call's report, and why
+    each member stopped.
+    """
+    report, state, placement, schedule = (
+        outcome.report,
+        outcome.state,
+        loop.placement,
+        loop.schedule,
+    )
     # `np.asarray` on each, not `jax.device_get`, whose tree walk costs more.
-    fields = (report.step, report.stopped, report.nan_step, report.best_epoch)
-    steps, stopped, nan_steps, best = (np.asarray(x).reshape(-1) for x in placement.host(fields))
+    steps, codes, best = (
+        np.asarray(x).reshape(-1)
+        for x in placement.host((report.step, report.reason, report.best_epoch))
+    )
     table, step_loss, sizes = placement.host(
         (report.epoch_values, state.step_loss, state.batch_sizes)
     )
     wall_time = time.perf_counter() - began  # `began`: when `fit` began
-    per_epoch = loop.steps_per_epoch
     ensemble = loop.members is not None
     if not ensemble:  # a single model is an ensemble of one here
         table, step_loss, sizes = table[None], step_loss[None], sizes[None]
-    # Python lists for the per-member bookkeeping: quicker than numpy scalars. An epoch cut
-    # short by a non-finite loss counts as run.
-    ran = [-(-int(t) // per_epoch) - loop.first_epoch for t in steps.tolist()]
-    nan_steps_ = nan_steps.tolist()
-    by_nan = loop.on_nan != "skip"
     reasons: list[StopReason] = []
-    for step, nan_step, halted in zip(steps.tolist(), nan_steps_, stopped.tolist()):
-        if by_nan and nan_step >= 0:
+    for step, code in zip(steps.tolist(), codes.tolist()):
+        if code in (Stop.NON_FINITE_LOSS, Stop.BAD_LABEL):
             reasons.append("non_finite_loss")
-        elif halted:
+        elif code == Stop.EARLY_STOPPING:
             reasons.append("early_stopping")
-        elif step < loop.total_steps:
-            reasons.append("callback" if outcome.stopped_by_callback else "out_of_data")
-        else:
+        elif step >= schedule.total:
             reasons.append(None)
+        elif outcome.interrupted:
+            reasons.append("interrupted")
+        elif outcome.stopped_by_callback:
+            reasons.append("callback")
+        elif outcome.failure is not None:
+            reasons.append("checkpoint_error")
+        else:
+            reasons.append("out_of_data")
     has_stopping = loop.stopping is not None
     best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
-    rows = max(ran)
+    rows = max(outcome_epochs(loop, outcome))
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
         return x[0] if not ensemble else np.moveaxis(x, 0, -1)
@@ -129,7 +181,7 @@ def make_result(
         wall_time,
         tuple(best_epochs) if ensemble else best_epochs[0],
         tuple(reasons) if ensemble else reasons[0],
-        loop.first_epoch,
+        schedule.first_epoch,
     )
     if report.trained is not None:
         params, model_state = report.trained
@@ -139,31 +191,8 @@ def make_result(
     # Only the trained arrays come back: the frozen ones are the caller's, untouched.
     trained, frozen = iter(jax.tree.leaves(params)), iter(consts.frozen)
     arrays = [next(trained) if t else next(frozen) for t in loop.trains]
-    model = loop.model.fill(arrays)
-    result = FitResult(model, opt_state, history, model_state)
-    if not raises:
-        return result
-    if "out_of_data" in reasons:
-        warnings.warn(
-            f"The data ran out after {max(ran)} of the {loop.epochs - loop.first_epoch} "
-            f"epochs asked for ({loop.steps_per_epoch} steps each); training stopped there. "
-            "Give an iterator with enough batches, or fewer `epochs` or `steps_per_epoch`.",
-            stacklevel=3,
-        )
-    if loop.on_nan == "raise" and max(nan_steps_) >= 0:
-        i = next(i for i, t in enumerate(nan_steps_) if t >= 0)
-        epoch, step = divmod(nan_steps_[i], per_epoch)
-        member = f"member {i}: " if ensemble else ""
-        raise NonFiniteLossError(
-            f"The loss was not finite at {member}epoch {epoch + 1}, step {step + 1} of "
-            f"{per_epoch} (counted from 1). Training stopped there; the last finite model, "
-            "from before that step, is in this error's `.result`. Pass `on_nan='skip'` to "
-            "skip such steps, or `on_nan='stop'` to return early without an error.",
-            result,
-            epoch + 1,
-            step + 1,
-        )
-    return result
+    model = _unwrap(loop.model.fill(arrays))
+    return FitResult(model, opt_state, history, model_state), reasons
 
 
 _MAGIC = b"eqfit-result\n"
@@ -182,9 +211,10 @@ def save(path: PathLike, result: FitResult[Any]) -> None:
 
     **Arguments:**
 
-    - `path`: the file to write.
+    - `path`: the file to write, in a directory that exists.
     - `result`: what `fit` returned.
     """
+    _check_writable(Path(path))
     h = result.history
     header = {
         "history": {
@@ -197,6 +227,7 @@ def save(path: PathLike, result: FitResult[Any]) -> None:
             "stop_reason": h.stop_reason,
         },
         "versions": versions(),
+        "structure": {part: _structure(getattr(result, part)) for part, _ in _PARTS},
     }
     leaves = serialise((result.model, result.opt_state, result.state))
     write_atomically(Path(path), _MAGIC + json.dumps(header).encode() + b"\n" + leaves)
@@ -213,8 +244,8 @@ def load(path: PathLike, *, like: Any) -> Any:
     **Arguments:**
 
     - `path`: the file.
-    - `like`: a `FitResult` of the same structure (`fit(..., epochs=0)` makes one), or
-        just a model of the same structure.
+    - `like`: a `FitResult` of the same structure (`fit(..., epochs=0)` with the saved
+        run's optimizer makes one), or just a model of the same structure.
 
     **Returns:**
 
@@ -232,6 +263,10 @@ def load(path: PathLike, *, like: Any) -> Any:
             raise ValueError(f"{path} is not an eqfit file written by `eqfit.save`.")
         try:
             header = json.loads(f.readline())
+        except ValueError:
+            raise ValueError(f"{path} is truncated: its header does not read.") from None
+        _check_like(path, header.get("structure"), like)  # older files have none
+        try:
             target = (
                 (like.model, like.opt_state, like.state) if isinstance(like, FitResult) else like
             )
@@ -261,3 +296,78 @@ def load(path: PathLike, *, like: Any) -> Any:
         h["initial_epoch"],
     )
     return FitResult(model, opt_state, history, state)
+
+
+# The parts of a result that `save` writes, in order, as `load`'s errors name them.
+_PARTS = (("model", "model"), ("opt_state", "optimizer state"), ("state", "model state"))
+
+
+def _check_writable(path: Path) -> None:
+    """Refuses a `path` that `save` cannot write, before anything is written."""
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"`path` must be a file to write, got {str(path)!r}, which is a directory. Name "
+            f"a file in it, such as {str(path / 'result.eqx')!r}."
+        )
+    parent = path.parent
+    if not parent.exists():
+        raise FileNotFoundError(
+            f"`path` must be in a directory that exists, but {str(parent)!r} does not exist "
+            f"(`path` is {str(path)!r}). Create it first, with `os.makedirs`."
+        )
+    if not parent.is_dir():
+        raise NotADirectoryError(
+            f"`path` must be in a directory, but {str(parent)!r} is a file "
+            f"(`path` is {str(path)!r})."
+        )
+
+
+def _structure(tree: Any) -> dict[str, Any]:
+    """A part of a result as `save` records it, for `load` to compare with `like`'s: its
+    outer types, and each leaf's dtype and shape (JSON).
+    """
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        kinds = f"({', '.join(type(s).__name__ for s in tree)})"
+    else:
+        kinds = type(tree).__name__
+    leaves = [  # arrays, and what stands for them (`jax.ShapeDtypeStruct`), by dtype and shape
+        f"{x.dtype}[{', '.join(map(str, x.shape))}]"
+        if hasattr(x, "shape") and hasattr(x, "dtype")
+        else type(x).__name__
+        for x in jax.tree.leaves(tree)
+    ]
+    return {"kinds": kinds, "leaves": leaves}
+
+
+def _summary(structure: dict[str, Any]) -> str:
+    """A part's structure in a line: its outer types and its first few leaves."""
+    leaves = structure["leaves"]
+    if not leaves:
+        return f"{structure['kinds']}, with no arrays"
+    more = ", ..." if len(leaves) > 4 else ""
+    return f"{structure['kinds']} of {len(leaves)} leaves [{', '.join(leaves[:4])}{more}]"
+
+
+def _check_like(path: PathLike, saved: dict[str, Any] | None, like: Any) -> None:
+    """Refuses a `like` whose model, optimizer state or model state has other arrays than
+    the saved one's, naming the part: reading on would fail later with a message about
+    bytes or leaves. Only the arrays must agree (the types are named in the message), as
+    for reading the file; a model class renamed since is fine.
+    """
+    if saved is None:
+        return
+    parts = _PARTS if isinstance(like, FitResult) else _PARTS[:1]
+    for part, name in parts:
+        given = _structure(getattr(like, part) if isinstance(like, FitResult) else like)
+        if given["leaves"] == saved[part]["leaves"]:
+            continue
+        hint = {
+            "model": "Pass a result (or model) of the saved model's structure.",
+            "opt_state": "Was `like` made with another optimizer? Make it with the saved "
+            "run's optimizer: `fit(model, data, optimizer=..., epochs=0)`.",
+            "state": "Make it with the saved run's `state=`.",
+        }[part]
+        raise ValueError(
+            f"`like`'s {name} differs from the one saved in {path}: the file holds "
+            f"{_summary(saved[part])}, `like` holds {_summary(given)}. {hint}"
+        )

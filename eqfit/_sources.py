@@ -1,26 +1,29 @@
-"""The producers of the driver's feeds: arrays in memory, memmaps and loaders.
+"""Where the training data comes from: arrays in memory, memmaps and loaders.
 
-Arrays in memory go to the device once, as one feed for the whole run; the program orders
-and gathers each pass's batches itself. Data larger than memory streams instead: a feed
-per chunk of consecutive batches of one size, read and moved to the device by a
-background thread while the device trains on the chunk before, so host memory holds a few
-chunks whatever the data's size.
+Each is a `Source`: it opens itself (checking what it can without training on it), holds
+out validation rows where it can, says its shape to the schedule, and yields `Chunk`s of
+plain host or device arrays. It knows nothing of the program or the driver, which move
+chunks to the device and train on them.
+
+Arrays in memory go to the device once, as one chunk for the whole run; the program orders
+and gathers each pass's batches itself. Data larger than memory streams instead: a chunk
+per run of consecutive batches of one size, so host memory holds a few chunks whatever the
+data's size.
 """
 
+import collections.abc
 import itertools
 import mmap
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import Array, Key, PyTree
 
-from ._data import BatchPlan, check_data, num_samples, sample_shapes
-from ._drive import Feed
-from ._loop import Inputs, Piece
+from ._data import as_data, check_data, num_samples, sample_shapes
+from ._options import Options
+from ._schedule import Schedule, SourceShape
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
@@ -30,154 +33,186 @@ CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copi
 LOADER_CHUNK_BATCHES = 128
 
 
-class InMemory:
-    """Arrays on the device: one feed, from the start to the end of the run."""
+class Chunk(NamedTuple):
+    """Data for the global steps `first` to `end` (not included).
 
-    def __init__(self, data: PyTree):
-        self.data = data
-        self.num_samples = num_samples(data)
-
-    def describe(self) -> list[list[Any]]:
-        return [["num_samples", self.num_samples], *sample_shapes(self.data)]
-
-    def feeds(self, begin: int, end: int, template: Inputs, put: Callable) -> Iterator[Feed]:
-        del begin
-        yield Feed(template._replace(data=put(self.data, sharded=True)), end)
-
-
-class _Chunk(NamedTuple):
-    """The host rows of consecutive batches of one size, with where they sit in the run."""
-
-    data: PyTree  # numpy arrays, `steps * batch_size` rows
-    order: np.ndarray  # the rows' order within the chunk
-    first: int  # the global step of its first batch
-    batch_size: int
-
-    @property
-    def end(self) -> int:
-        return self.first + len(self.order) // self.batch_size
-
-
-class Streamed:
-    """What the streamed sources share: chunks of full batches padded to one shape (so
-    that the program compiles once for them, and once more for a smaller last batch),
-    read ahead in a background thread.
+    `order` is `None` for the whole data in memory, which the program orders itself;
+    otherwise step `t` takes rows `order[(t - first) * batch_size:]` of `data`, whose
+    batches all have `batch_size` rows.
     """
 
+    data: PyTree
+    order: np.ndarray | None
+    first: int
+    end: int
     batch_size: int
-    per_chunk: int  # full batches per chunk
-    like: PyTree  # one batch: the structure, sample shapes and dtypes every batch has
 
-    def chunks(self, begin: int, end: int) -> Iterator[_Chunk]:
-        """The chunks from the one holding global step `begin` to the one holding `end - 1`."""
-        raise NotImplementedError
+
+@runtime_checkable
+class Source(Protocol):
+    """Training data that can say its shape and yield chunks."""
+
+    like: PyTree  # a batch of one: the structure, sample shapes and dtypes of every batch
+    streamed: bool  # chunks come from the host while training goes on
+
+    def shape(self) -> SourceShape: ...
 
     def describe(self) -> list[list[Any]]:
-        raise NotImplementedError
+        """What identifies the data for a checkpoint: its size and sample shapes."""
+        ...
 
-    def set_chunk_size(self) -> None:
+    def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Source", PyTree]:
+        """The source less the validation rows, and those rows as arrays."""
+        ...
+
+    def chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
+        """The chunks from the one holding step `begin` to the one holding `end - 1`."""
+        ...
+
+
+def open_source(data: Any, options: Options) -> Source:
+    """The source of `data`: arrays in memory, memmaps, or a loader."""
+    arrays = (np.ndarray, jax.Array)
+    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
+        raise TypeError(
+            f"`data` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A list "
+            "is taken as a loader: a sequence of batches.)"
+        )
+    if isinstance(data, (tuple, dict)):
+        if any(isinstance(a, np.memmap) for a in jax.tree.leaves(data)):
+            return Memmaps(data, options.shuffle, host_seed(options.key))
+    elif isinstance(data, Iterable) and not isinstance(data, (*arrays, str, bytes)):
+        # A list of batches, a loader, an iterator, a generator.
+        return Loader(data, options.steps_per_epoch)
+    return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
+
+
+def host_seed(key: Key[Array, ""]) -> int:
+    """An integer seed for the host's random choices (streamed shuffles, held-out rows)."""
+    words = np.asarray(jax.random.key_data(key)).reshape(-1)
+    return int.from_bytes(words.astype(np.uint32).tobytes(), "little")
+
+
+def held_out_rows(n: int, fraction: float, key: Key[Array, ""]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows that train and the rows held out for validation, both sorted, chosen
+    from `key` on the host.
+    """
+    held = int(np.ceil(fraction * n))
+    if not 0 < held < n:
+        raise ValueError(
+            f"`validation_split`={fraction} holds out {held} of the {n} samples of `data`, "
+            "leaving none to train on (or none held out); give a fraction that leaves both."
+        )
+    order = np.random.default_rng([host_seed(key), 0x5B117]).permutation(n)
+    return np.sort(order[held:]), np.sort(order[:held])
+
+
+class InMemory:
+    """Arrays on the device: one chunk, from the start to the end of the run."""
+
+    streamed = False
+
+    def __init__(self, data: PyTree):
+        self.data = as_data(data)  # checked, and moved to the device once
+        # On the host: slicing a device array would compile a program.
+        self.like = jax.tree.map(lambda a: np.zeros((1, *a.shape[1:]), a.dtype), self.data)
+
+    def shape(self) -> SourceShape:
+        return SourceShape(num_samples(self.data), None, None)
+
+    def describe(self) -> list[list[Any]]:
+        return [["num_samples", num_samples(self.data)], *sample_shapes(self.data)]
+
+    def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["InMemory", PyTree]:
+        train, held = held_out_rows(num_samples(self.data), fraction, key)
+        val = jax.tree.map(lambda a: a[held], self.data)
+        return InMemory(jax.tree.map(lambda a: a[train], self.data)), val
+
+    def chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
+        yield Chunk(self.data, None, begin, end, schedule.batch_size)
+
+
+class _Streamed:
+    """What the streamed sources share: chunks of full batches padded to one shape, so
+    that the program compiles once for them (and once more for a smaller last batch).
+    """
+
+    streamed = True
+    like: PyTree
+
+    def per_chunk(self, batch_size: int) -> int:
+        """Full batches per chunk: about `CHUNK_BYTES` of data."""
         row_bytes = sum(
             a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in jax.tree.leaves(self.like)
         )
-        per_batch = max(1, row_bytes * self.batch_size)
-        self.per_chunk = max(1, CHUNK_BYTES // per_batch)
+        return max(1, CHUNK_BYTES // max(1, row_bytes * batch_size))
 
-    def feeds(self, begin: int, end: int, template: Inputs, put: Callable) -> Iterator[Feed]:
-        """The chunks from the one holding step `begin` to `end`, each moved to the
-        device in a background thread while the one before trains.
+    def padded(self, chunk: Chunk, capacity: int, end: int) -> Chunk:
+        """`chunk` padded to `capacity` rows if its batches are full ones, and cut at the
+        run's `end`.
         """
-        capacity = self.per_chunk * self.batch_size
+        order = chunk.order
+        assert order is not None
+        data, order = chunk.data, order.astype(np.uint32)
+        rows = len(order)
+        if rows < capacity:
+            data = jax.tree.map(
+                lambda a: np.concatenate([a, np.zeros((capacity - rows, *a.shape[1:]), a.dtype)]),
+                data,
+            )
+            order = np.concatenate([order, np.arange(rows, capacity, dtype=np.uint32)])
+        return chunk._replace(data=data, order=order, end=min(chunk.end, end))
 
-        def feed(chunk: _Chunk) -> Feed:
-            rows = len(chunk.order)
-            data, order = chunk.data, chunk.order.astype(np.uint32)
-            if chunk.batch_size == self.batch_size and rows < capacity:  # one shape for all
-                data = jax.tree.map(lambda a: _pad(a, capacity), data)
-                order = np.concatenate([order, np.arange(rows, capacity, dtype=np.uint32)])
-            piece = Piece(order, np.asarray(chunk.first, np.int32), np.asarray(chunk.end, np.int32))
-            inputs = template._replace(data=put(data, sharded=True), piece=put(piece))
-            return Feed(inputs, min(chunk.end, end), chunk.batch_size)
+    def raw_chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
+        raise NotImplementedError
 
+    def chunk_size(self, schedule: Schedule) -> int:
+        return self.per_chunk(schedule.batch_size)
+
+    def chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
+        capacity = self.chunk_size(schedule) * schedule.batch_size
         if begin >= end:
             # Nothing left to train (a finished run resumed): one empty chunk, so that the
             # program still reports where the run stands.
             empty = jax.tree.map(lambda a: a[:0], self.like)
-            return iter([feed(_Chunk(empty, np.arange(0), end, self.batch_size))])
-
-        def produce() -> Iterator[Feed]:
-            for chunk in self.chunks(begin, end):
-                yield feed(chunk)
-                if chunk.end >= end:
-                    return
-
-        return _read_ahead(produce())
-
-
-def _pad(a: np.ndarray, rows: int) -> np.ndarray:
-    return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
-
-
-def _read_ahead(feeds: Iterator[Feed], depth: int = 2) -> Iterator[Feed]:
-    """`feeds`, produced in a background thread at most `depth` ahead of the consumer."""
-    ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def produce() -> None:
-        try:
-            for feed in feeds:
-                while not stop.is_set():
-                    try:
-                        ready.put(feed, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-                if stop.is_set():
-                    return
-            ready.put(done)
-        except BaseException as e:  # surfaced in the training thread
-            ready.put(e)
-
-    reader = threading.Thread(target=produce, daemon=True)
-    reader.start()
-    try:
-        while True:
-            item = ready.get()
-            if item is done:
+            chunk = Chunk(empty, np.arange(0), end, end, schedule.batch_size)
+            yield self.padded(chunk, capacity, end)
+            return
+        for chunk in self.raw_chunks(schedule, begin, end):
+            assert chunk.order is not None
+            full = chunk.batch_size == schedule.batch_size
+            yield self.padded(chunk, capacity if full else len(chunk.order), end)
+            if chunk.end >= end:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        reader.join()
 
 
-class Memmaps(Streamed):
+class Memmaps(_Streamed):
     """Reads rows from `np.memmap` arrays (`np.load(mmap_mode="r")`), in passes.
 
     With `shuffle`, each pass visits the blocks of `per_chunk` batches in a new random
     order and shuffles the rows inside each block (on the host, in the reading thread),
-    like a shuffle buffer of a block that never holds more than one. Both come from `key`
+    like a shuffle buffer of a block that never holds more than one. Both come from `seed`
     and the pass. Rows are read with `np.fromfile` at the array's offset, not through the
     mapping, so pages already trained on are not held in this process's memory.
     """
 
-    def __init__(self, data: PyTree, rows: np.ndarray | None = None):
+    def __init__(self, data: PyTree, shuffle: bool, seed: int, rows: np.ndarray | None = None):
         check_data(data)  # the same checks as in-memory data, nothing read
-        self.data = data
+        self.data, self.shuffle, self.seed = data, shuffle, seed
         self.rows = rows  # the training rows (sorted), when some are held out
         self.num_samples = num_samples(data) if rows is None else len(rows)
         self.like = jax.tree.map(lambda a: np.zeros((1, *a.shape[1:]), a.dtype), data)
 
-    def setup(self, passes: BatchPlan, shuffle: bool, seed: int) -> None:
-        self.passes, self.shuffle, self.seed = passes, shuffle, seed
-        self.batch_size = passes.batch_size
-        self.set_chunk_size()
-        self.per_chunk = min(self.per_chunk, max(passes.num_full, 1))
+    def shape(self) -> SourceShape:
+        return SourceShape(self.num_samples, None, None)
 
     def describe(self) -> list[list[Any]]:
         return [["num_samples", self.num_samples], *sample_shapes(self.data)]
+
+    def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Memmaps", PyTree]:
+        train, held = held_out_rows(self.num_samples, fraction, key)
+        val = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a[held])), self.data)
+        return Memmaps(self.data, self.shuffle, self.seed, train), val
 
     def read(self, start: int, stop: int) -> PyTree:
         """Training rows `start` to `stop` (of `self.rows` if set)."""
@@ -187,36 +222,44 @@ class Memmaps(Streamed):
         low, high = int(picked[0]), int(picked[-1]) + 1
         return jax.tree.map(lambda a: _read_rows(a, low, high)[picked - low], self.data)
 
-    def chunks(self, begin: int, end: int) -> Iterator[_Chunk]:
-        per_pass = self.passes.steps_per_pass
-        for pass_index in itertools.count(begin // per_pass):
-            for chunk in self.pass_chunks(pass_index):
+    def chunk_size(self, schedule: Schedule) -> int:
+        assert schedule.passes is not None
+        return min(self.per_chunk(schedule.batch_size), max(schedule.passes.num_full, 1))
+
+    def raw_chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
+        for index in itertools.count(schedule.pass_of(begin)):
+            for chunk in self.pass_chunks(schedule, index):
                 if chunk.end > begin:  # else trained before a resume
                     yield chunk
 
-    def pass_chunks(self, pass_index: int) -> Iterator[_Chunk]:
+    def pass_chunks(self, schedule: Schedule, index: int) -> Iterator[Chunk]:
         """One pass: whole blocks of `per_chunk` batches in a random order (if shuffled),
-        then the leftover full batches, then the remainder batch.
+        then the leftover full batches, then the remainder batch (where the schedule puts
+        it, as the program does for data in memory).
         """
-        plan, per_chunk, size = self.passes, self.per_chunk, self.batch_size
-        first_step = pass_index * plan.steps_per_pass
-        blocks = plan.num_full // per_chunk
-        rng = np.random.default_rng([self.seed, pass_index]) if self.shuffle else None
+        passes = schedule.passes
+        assert passes is not None
+        per_chunk, size = self.chunk_size(schedule), schedule.batch_size
+        first_step = schedule.pass_start(index)
+        blocks = passes.num_full // per_chunk
+        rng = np.random.default_rng([self.seed, index]) if self.shuffle else None
         order = np.arange(blocks) if rng is None else rng.permutation(blocks)
         # (steps into the pass, batches, batch size, first row)
         rows = per_chunk * size
         pieces = [(i * per_chunk, per_chunk, size, int(b) * rows) for i, b in enumerate(order)]
-        leftover = plan.num_full - blocks * per_chunk
+        leftover = passes.num_full - blocks * per_chunk
         if leftover:
             pieces.append((blocks * per_chunk, leftover, size, blocks * per_chunk * size))
-        if plan.remainder:
-            pieces.append((plan.num_full, 1, plan.remainder, plan.num_full * size))
+        remainder = schedule.remainder_step(index)
+        if remainder is not None:
+            pieces.append((remainder - first_step, 1, passes.remainder, passes.num_full * size))
         for step, batches, batch, start in pieces:
             count = batches * batch
             # Rows are shuffled within the chunk here, in the reading thread: numpy permutes
             # half a million indices in milliseconds, and the device never waits for it.
             within = np.arange(count) if rng is None else rng.permutation(count)
-            yield _Chunk(self.read(start, start + count), within, first_step + step, batch)
+            first = first_step + step
+            yield Chunk(self.read(start, start + count), within, first, first + batches, batch)
 
 
 def _read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -233,19 +276,29 @@ def _read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
     return np.array(a[start:stop])
 
 
-class Loader(Streamed):
+class Loader(_Streamed):
     """Batches from a loader: a re-iterable (iterated anew for each pass, such as a
     PyTorch `DataLoader` or a Grain dataset), or an iterator or generator (used once; an
     endless one with `steps_per_epoch`). Each batch is one step. Every batch has the size
     of the first but the last of a pass, which may be smaller. The loader shuffles as it
-    likes; one with `set_epoch` is told, before each pass, how many passes came before.
+    likes; one with `set_epoch` is told, before each pass (the first included), how many
+    passes came before.
+
+    Opening it starts the first pass, whose first batch says the batch's shape; training
+    goes on from that same iterator.
     """
 
     def __init__(self, loader: Iterable[Any], steps_per_epoch: int | None):
         self.loader = loader
-        self.one_shot = iter(loader) is loader  # type: ignore[comparison-overlap]
+        self.one_shot = isinstance(loader, collections.abc.Iterator)
         self.passes_done = 0
         length = _length(loader)
+        if length is not None and length >= 2**31 and steps_per_epoch is None:
+            raise ValueError(
+                f"`data` says it has {length} batches (`len`), more than a run can count: it "
+                "is endless, or repeats. Pass `steps_per_epoch=`, the number of batches each "
+                "epoch takes."
+            )
         if steps_per_epoch is None and length is None:
             if self.one_shot:
                 raise ValueError(
@@ -253,7 +306,7 @@ class Loader(Streamed):
                     "tell where an epoch ends, nor count its batches without using them up. "
                     "Pass `steps_per_epoch=`, the number of batches each epoch takes."
                 )
-            length = sum(1 for _ in self._iterate())  # the one counting pass
+            length = sum(1 for _ in self._iterate())  # a counting pass
             if not length:
                 raise ValueError("`data` yielded no batches.")
         self.length = length  # batches in a pass, if known
@@ -265,9 +318,20 @@ class Loader(Streamed):
         self.like = jax.tree.map(lambda a: a[:1], self.first)
         self.batch_size = num_samples(self.first)
 
-    def set_chunk_size(self) -> None:
-        super().set_chunk_size()
-        self.per_chunk = min(self.per_chunk, LOADER_CHUNK_BATCHES)
+    def shape(self) -> SourceShape:
+        return SourceShape(None, self.batch_size, self.length)
+
+    def describe(self) -> list[list[Any]]:
+        return [["loader", type(self.loader).__qualname__], *sample_shapes(self.first)]
+
+    def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Loader", PyTree]:
+        raise ValueError(
+            "`validation_split` needs the whole data to choose rows from; a loader yields it "
+            "a batch at a time. Pass `validation_data` instead."
+        )
+
+    def chunk_size(self, schedule: Schedule) -> int:
+        return min(self.per_chunk(schedule.batch_size), LOADER_CHUNK_BATCHES)
 
     def _iterate(self) -> Iterator[Any]:
         """One pass over the loader, telling it which pass it is (`set_epoch`)."""
@@ -292,23 +356,21 @@ class Loader(Streamed):
             if self.one_shot or starts:  # used up, or a pass yielded nothing
                 return
 
-    def describe(self) -> list[list[Any]]:
-        return [["loader", type(self.loader).__qualname__], *sample_shapes(self.first)]
-
-    def chunks(self, begin: int, end: int) -> Iterator[_Chunk]:
+    def raw_chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
         """Chunks of consecutive full batches; a smaller batch makes a chunk of its own.
         Steps before `begin` (a resume) are skipped: the loader is read up to there; and
         none is read past `end`.
         """
         structure = jax.tree.structure(self.first)
         shapes = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(self.first)]
-        size = self.batch_size
+        size, per_chunk = self.batch_size, self.chunk_size(schedule)
         held: list[PyTree] = []
         smaller = None  # the size of the last batch, if smaller: its pass must end there
 
-        def chunk(batches: list[PyTree], batch_size: int, first: int) -> _Chunk:
+        def chunk(batches: list[PyTree], batch_size: int, first: int) -> Chunk:
             data = jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
-            return _Chunk(data, np.arange(len(batches) * batch_size), first, batch_size)
+            order = np.arange(len(batches) * batch_size)
+            return Chunk(data, order, first, first + len(batches), batch_size)
 
         stream = itertools.chain([(self.first, True)], self.stream)
         step = 0
@@ -330,7 +392,7 @@ class Loader(Streamed):
                 yield chunk([batch], got, step)
             else:
                 held.append(batch)
-                if len(held) == self.per_chunk or step + 1 >= end:
+                if len(held) == per_chunk or step + 1 >= end:
                     yield chunk(held, size, step - len(held) + 1)
                     held = []
             if step + 1 >= end:
@@ -345,7 +407,7 @@ def _length(loader: Any) -> int | None:
         length = len(loader)
     except TypeError:
         return None
-    return length if 0 < length < 2**62 else None
+    return length if length > 0 else None
 
 
 def _as_batch(batch: Any, index: int) -> PyTree:
@@ -395,23 +457,3 @@ def _check_batch(
             f"{size}: all must have that many but the last of a pass, which may have fewer."
         )
     return got_size
-
-
-def streamed_source(data: Any, steps_per_epoch: int | None) -> "Memmaps | Loader | None":
-    """The source to stream `data` from: memmaps or a loader; `None` for arrays in memory
-    (checked later, as any PyTree of arrays).
-    """
-    arrays = (np.ndarray, jax.Array)
-    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
-        raise TypeError(
-            f"`data` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A list "
-            "is taken as a loader: a sequence of batches.)"
-        )
-    if isinstance(data, (np.ndarray, jax.Array, str, bytes)):
-        return None  # refused by the checks of data in memory
-    if isinstance(data, (tuple, dict)):
-        memmaps = any(isinstance(a, np.memmap) for a in jax.tree.leaves(data))
-        return Memmaps(data) if memmaps else None
-    if isinstance(data, Iterable):  # a list of batches, a loader, an iterator, a generator
-        return Loader(data, steps_per_epoch)
-    return None  # another PyTree of arrays (an `eqx.Module`, say), or refused later

@@ -1,15 +1,19 @@
 """The pure training step `(params, opt_state, batch, key) -> (params, opt_state, loss)`."""
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool, Float, Key, PyTree
+from jaxtyping import Array, Bool, Float, Key, PyTree, TypeCheckError
+
+from ._labels import collecting, first_of, LabelError
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -81,6 +85,83 @@ def _check_signature(
         ) from None
 
 
+# Words of the errors that a model called on a whole batch raises: `dot_general requires
+# contracting dimensions to have the same shape`, `Input to Conv needs to have rank 3`,
+# `Incompatible shapes for broadcasting`.
+_SHAPE_ERROR = re.compile(r"shape|dimension|\brank\b|broadcast", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def noting_call(
+    name: str, fn: Callable[..., Any], args: tuple[Any, ...], stateful: bool
+) -> Iterator[None]:
+    """Notes on an error raised while the user's `fn` (the loss, or metric `name`) is
+    traced: the call, with the shapes of the batch it was given, since the traceback shows
+    only tracers; and, for an Equinox model and an error such as calling it on the whole
+    batch gives, that the model is called on one example and should be vmapped.
+    """
+    try:
+        yield
+    except Exception as e:
+        first = 2 if stateful else 1
+        call, shapes = _described_call(fn, args[first:], ("model", "state")[:first])
+        e.add_note(f"while eqfit traced `{name}{call}` with {shapes} (one batch)")
+        if isinstance(args[0], eqx.Module) and _whole_batch_error(e, fn, args[first:]):
+            e.add_note(
+                "Equinox models are called on one example, `model(x[i])`: if the loss calls "
+                "the model on the whole batch, `jax.vmap` it over the batch, "
+                "`jax.vmap(model)(x)`, as `eqfit.losses` do."
+            )
+        raise
+
+
+def _whole_batch_error(error: Exception, fn: Callable[..., Any], batch: tuple[Any, ...]) -> bool:
+    """Whether `error` looks like that of a model called on the whole batch: an error about
+    shapes, or a runtime type check that met an array with the batch's leading size.
+    """
+    if getattr(fn, "__module__", "").startswith("eqfit."):
+        return False  # eqfit's losses and metrics vmap the model themselves
+    if not isinstance(error, TypeCheckError):
+        return _SHAPE_ERROR.search(str(error)) is not None
+    leaves = [x for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0) > 0]
+    if not leaves:
+        return False
+    return re.search(rf"Actual value: \w+\[{leaves[0].shape[0]}[,\]]", str(error)) is not None
+
+
+def _described_call(
+    fn: Callable[..., Any], batch: tuple[Any, ...], before: tuple[str, ...]
+) -> tuple[str, str]:
+    """`(model, x, y)` with `fn`'s own names for the batch's arguments (else `(model,
+    *batch)`), and each argument's arrays as `x: float32[32, 16]`.
+    """
+    names = None
+    with contextlib.suppress(TypeError, ValueError):
+        parameters = list(inspect.signature(fn).parameters.values())[len(before) :]
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if len(parameters) >= len(batch) and all(
+            p.kind in positional for p in parameters[: len(batch)]
+        ):
+            names = [p.name for p in parameters[: len(batch)]]
+    if names is None:
+        call = f"({', '.join([*before, '*batch'])})"
+        names = [f"batch[{i}]" for i in range(len(batch))]
+    else:
+        call = f"({', '.join([*before, *names])})"
+    shapes = [
+        f"{name}{jax.tree_util.keystr(path)}: {_shape(leaf)}"
+        for name, arg in zip(names, batch)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arg)
+    ]
+    return call, ", ".join(shapes) or "no arrays"
+
+
+def _shape(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{x.dtype}[{', '.join(map(str, x.shape))}]"
+    return type(x).__name__
+
+
 class Objective(eqx.Module):
     """How to call the user's loss and metrics on a batch, with or without model state."""
 
@@ -95,13 +176,16 @@ class Objective(eqx.Module):
 
     def value(
         self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
-    ) -> tuple[Float[Array, ""], PyTree]:
-        """The loss, and the model state after the batch (`None` without state)."""
+    ) -> tuple[Float[Array, ""], PyTree, LabelError]:
+        """The loss, the model state after the batch (`None` without state), and the
+        first label out of range that the loss met (see `eqfit._labels`).
+        """
         args = batch_args(batch)
         args = (model, model_state, *args) if self.stateful else (model, *args)
         kwargs = {"key": key} if self.use_key and key is not None else {}
         _check_signature(self.loss, args, kwargs, "`loss`", self.stateful)
-        out = self.loss(*args, **kwargs)
+        with collecting() as checks, noting_call("loss", self.loss, args, self.stateful):
+            out = self.loss(*args, **kwargs)
         if self.stateful:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ValueError(
@@ -111,19 +195,25 @@ class Objective(eqx.Module):
             value, model_state = out
         else:
             value = out
-        return check_scalar(value, "`loss(model, *batch)`"), model_state
+        return check_scalar(value, "`loss(model, *batch)`"), model_state, first_of(checks)
 
     def metric_values(
         self, model: PyTree, model_state: PyTree, batch: PyTree
-    ) -> Float[Array, " metrics"]:
-        """Each metric on the batch, in order; an empty vector without metrics."""
+    ) -> tuple[Float[Array, " metrics"], LabelError]:
+        """Each metric on the batch, in order (an empty vector without metrics), and the
+        first label out of range that they met.
+        """
         args = batch_args(batch)
         args = (model, model_state, *args) if self.stateful else (model, *args)
         values = []
-        for name, fn in self.metrics:
-            _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
-            values.append(check_scalar(fn(*args), f"metric {name!r}"))
-        return jnp.stack(values).astype(jnp.float32) if values else jnp.zeros(0)
+        with collecting() as checks:
+            for name, fn in self.metrics:
+                _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
+                with noting_call(f"metrics[{name!r}]", fn, args, self.stateful):
+                    value = fn(*args)
+                values.append(check_scalar(value, f"metric {name!r}"))
+        stacked = jnp.stack(values).astype(jnp.float32) if values else jnp.zeros(0)
+        return stacked, first_of(checks)
 
 
 def clone(state: PyTree) -> PyTree:
@@ -139,6 +229,7 @@ class StepResult(NamedTuple):
     loss: Float[Array, ""]
     metrics: Float[Array, " metrics"]
     finite: Bool[Array, ""]
+    labels: LabelError  # the first label out of range in the batch, if any
 
 
 class Step(eqx.Module):
@@ -170,18 +261,23 @@ class Step(eqx.Module):
         # metrics and a skipped step each get their own copy.
         kept = clone(model_state)
 
-        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree]]:
+        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree, LabelError]]:
             model = self.combine(p)
-            loss, new_state = self.objective.value(model, model_state, batch, key)
-            return loss, (model, new_state)
+            loss, new_state, labels = self.objective.value(model, model_state, batch, key)
+            return loss, (model, new_state, labels)
 
-        (loss, (model, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
+        (loss, (model, new_state, labels)), grads = jax.value_and_grad(value, has_aux=True)(params)
         # Metrics see the model before this step's update, as the loss does.
-        metrics = self.objective.metric_values(model, clone(new_state), batch)
+        metrics, metric_labels = self.objective.metric_values(model, clone(new_state), batch)
+        labels = labels.or_else(metric_labels)
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
             # the per-device means is the mean over the whole batch.
             loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), self.axis_name)
+            # A bad label on any device's share is the batch's.
+            every = jax.lax.all_gather(labels, self.axis_name)
+            first = jnp.argmax(every.found)
+            labels = jax.tree.map(lambda x: x[first], every)
         # `value=` lets optax transformations that read the loss (reduce_on_plateau)
         # work unchanged; with_extra_args_support makes plain ones ignore it.
         optimizer = optax.with_extra_args_support(self.optimizer)
@@ -200,4 +296,4 @@ class Step(eqx.Module):
         params, opt_state, model_state = jax.lax.cond(
             finite, apply, skip, (params, opt_state, kept)
         )
-        return StepResult(params, opt_state, model_state, loss, metrics, finite)
+        return StepResult(params, opt_state, model_state, loss, metrics, finite, labels)

@@ -18,14 +18,13 @@ from typing import Any, overload
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from beartype import beartype
-from jax.core import Tracer
-from jaxtyping import Array, Bool, Float, Int, jaxtyped, Key, PyTree, Shaped
+from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
+from ._labels import check_labels
 from ._step import takes_key
-from ._typing import ArrayTree
+from ._typing import ArrayTree, PRNGKey
 
 
 Model = Callable[..., Any]
@@ -33,7 +32,7 @@ State = eqx.nn.State
 
 
 def outputs(
-    model: Model, x: ArrayTree, state: State | None = None, key: Key[Array, ""] | None = None
+    model: Model, x: ArrayTree, state: State | None = None, key: PRNGKey | None = None
 ) -> tuple[Array, State | None]:
     """The model's outputs on a batch `x` (vmapped over its leading axis), and the new
     state for a stateful model.
@@ -42,63 +41,13 @@ def outputs(
     if key is not None and takes_key(model):
         keys = jax.random.split(key, jax.tree.leaves(x)[0].shape[0])
 
-    def one(x: PyTree, key: Key[Array, ""] | None) -> Any:
+    def one(x: PyTree, key: PRNGKey | None) -> Any:
         kwargs = {} if key is None else {"key": key}
         return model(x, **kwargs) if state is None else model(x, state, **kwargs)
 
     if state is None:
         return jax.vmap(one)(x, keys), None
     return jax.vmap(one, axis_name="batch", out_axes=(0, None))(x, keys)
-
-
-# Labels out of range, found inside compiled programs. A step with one gets NaN logits (so
-# its update is not applied, and training stops unless `on_nan="skip"`), and the label is
-# noted here, from a callback that runs only then; `fit`, `evaluate` and the ready
-# functions called directly raise it as a `ValueError` once the program is done.
-LABEL_ERRORS: list[str] = []
-
-
-def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Array:
-    """`values` (logits or outputs), NaN if a label of `y` is outside `[0, classes)`
-    (or, with `classes=None`, outside `[0, 1]`), the label then noted in `LABEL_ERRORS`.
-    """
-    bad = (y < 0) | (y >= classes) if classes is not None else (y < 0) | (y > 1)
-
-    def note(y: Any) -> np.ndarray:  # (numpy or JAX arrays, as JAX passes them)
-        y = np.asarray(y)
-        wrong = (y < 0) | (y >= classes) if classes is not None else (y < 0) | (y > 1)
-        i = np.unravel_index(int(np.argmax(wrong)), y.shape)
-        if classes is not None:
-            why = (
-                f"is outside [0, {classes}): the model gives {classes} classes, so labels "
-                f"must be integers from 0 to {classes - 1}"
-            )
-        else:
-            why = "is outside [0, 1]: labels must be 0 or 1, or probabilities"
-        where = tuple(map(int, i))
-        LABEL_ERRORS.append(f"`{name}`: label {y[i]} (at {where} of a batch) {why}.")
-        return np.full(values.shape, np.nan, values.dtype)
-
-    if not isinstance(y, Tracer):  # called directly, not in a program: raise now
-        since = len(LABEL_ERRORS)
-        if bool(jnp.any(bad)):
-            note(y)
-            raise_label_errors(since)
-        return values
-
-    def poisoned(values: Array, y: Array) -> Array:
-        shape = jax.ShapeDtypeStruct(values.shape, values.dtype)
-        return jax.pure_callback(note, shape, y, vmap_method="sequential")
-
-    return jax.lax.cond(jnp.any(bad), poisoned, lambda values, y: values, values, y)
-
-
-def raise_label_errors(since: int) -> None:
-    """Raises the first label error noted after the first `since`."""
-    if len(LABEL_ERRORS) > since:
-        message = LABEL_ERRORS[since]
-        del LABEL_ERRORS[since:]
-        raise ValueError(message)
 
 
 def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, Any]:
@@ -138,7 +87,7 @@ def mse(model: Model, x: Any, y: Any, /, *, key: Any = None) -> Float[Array, ""]
 def mse(
     model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
 ) -> tuple[Float[Array, ""], State]: ...
-def mse(model: Model, *args: Any, key: Key[Array, ""] | None = None) -> Any:
+def mse(model: Model, *args: Any, key: PRNGKey | None = None) -> Any:
     """Mean squared error of `model` on a batch.
 
     **Arguments:**
@@ -164,7 +113,7 @@ def _mse(
     state: State | None,
     x: PyTree[Shaped[Array, "batch ..."]],
     y: Float[Array, "batch ..."],
-    key: Key[Array, ""] | None,
+    key: PRNGKey | None,
 ) -> Any:
     out, state = outputs(model, x, state, key)
     value = jnp.mean(optax.squared_error(_like(out, y, "mse"), y))
@@ -179,7 +128,7 @@ def softmax_cross_entropy(
 def softmax_cross_entropy(
     model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
 ) -> tuple[Float[Array, ""], State]: ...
-def softmax_cross_entropy(model: Model, *args: Any, key: Key[Array, ""] | None = None) -> Any:
+def softmax_cross_entropy(model: Model, *args: Any, key: PRNGKey | None = None) -> Any:
     """Softmax cross-entropy against integer class labels.
 
     **Arguments:**
@@ -204,7 +153,7 @@ def _softmax_cross_entropy(
     state: State | None,
     x: PyTree[Shaped[Array, "batch ..."]],
     y: Int[Array, " batch"],
-    key: Key[Array, ""] | None,
+    key: PRNGKey | None,
 ) -> Any:
     logits, state = outputs(model, x, state, key)
     if logits.ndim != 2:
@@ -225,7 +174,7 @@ def binary_cross_entropy(
 def binary_cross_entropy(
     model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
 ) -> tuple[Float[Array, ""], State]: ...
-def binary_cross_entropy(model: Model, *args: Any, key: Key[Array, ""] | None = None) -> Any:
+def binary_cross_entropy(model: Model, *args: Any, key: PRNGKey | None = None) -> Any:
     """Binary cross-entropy on logits, for labels in {0, 1} (or probabilities).
 
     **Arguments:**
@@ -251,7 +200,7 @@ def _binary_cross_entropy(
     state: State | None,
     x: PyTree[Shaped[Array, "batch ..."]],
     y: Float[Array, "batch ..."] | Int[Array, "batch ..."] | Bool[Array, "batch ..."],
-    key: Key[Array, ""] | None,
+    key: PRNGKey | None,
 ) -> Any:
     logits, state = outputs(model, x, state, key)
     logits = check_labels(_like(logits, y, "binary_cross_entropy"), y, None, "binary_cross_entropy")

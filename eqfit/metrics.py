@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
-from .losses import _like, check_labels, Model, outputs, split_state, State
+from ._labels import check_labels
+from .losses import _like, Model, outputs, split_state, State
 
 
 @overload

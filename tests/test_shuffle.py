@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from eqfit._data import epoch_order, plan_batches, shuffle_seed
+from eqfit._data import epoch_order, shuffle_seed
+from eqfit._schedule import plan_passes
 
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 32, 33, 97, 127, 128, 129, 1000, 1009, 4095]
@@ -67,7 +68,7 @@ def test_every_sample_exactly_once_at_sixteen_million(n):
 def test_the_plan_and_the_order_cover_every_sample_once(n, batch_size, drop_remainder, seed):
     if drop_remainder and n < batch_size:
         return  # refused with an error; tested in test_errors
-    plan = plan_batches(n, batch_size, drop_remainder)
+    plan = plan_passes(n, batch_size, drop_remainder)
     (order,) = eqfit_orders(n, 1, seed)
     # Cut exactly as the loop cuts it: full batches, then the remainder.
     full = order[: plan.num_full * plan.batch_size].reshape(plan.num_full, batch_size)

@@ -1,17 +1,21 @@
 import equinox as eqx
 import jax
 from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped, Key
+from jaxtyping import Array, Float, jaxtyped
 
 from .._checks import checked
-from ._check import check_input
+from .._data import as_key
+from .._jit import cached_jit
+from .._typing import PRNGKey
+from ._check import check_input, KEY_HINT
 
 
 # One compiled program makes every layer (the parameters are the same as when made one
-# operation at a time, which would compile a program for each weight's random numbers).
-@eqx.filter_jit
+# operation at a time, which would compile a program for each weight's random numbers),
+# kept in eqfit's cache of programs, which `eqfit.clear_cache()` frees.
+@cached_jit
 def _layers(
-    in_channels: int, channels: tuple[int, int], flat: int, num_classes: int, key: Key[Array, ""]
+    in_channels: int, channels: tuple[int, int], flat: int, num_classes: int, key: PRNGKey
 ) -> tuple[eqx.nn.Conv2d, eqx.nn.Conv2d, eqx.nn.Linear]:
     k1, k2, k3 = jax.random.split(key, 3)
     c1, c2 = channels
@@ -32,7 +36,7 @@ class CNN(eqx.Module):
     - `image_size`: `(height, width)` of one image.
     - `num_classes`: the number of logits.
     - `channels`: channels of the two convolutions.
-    - `key`: initialises the weights.
+    - `key`: initialises the weights: `jax.random.key(seed)` or `jax.random.PRNGKey(seed)`.
     """
 
     conv1: eqx.nn.Conv2d
@@ -41,7 +45,7 @@ class CNN(eqx.Module):
     head: eqx.nn.Linear
     input_shape: tuple[int, int, int] = eqx.field(static=True)
 
-    @checked("CNN", {"key": "a single PRNG key such as `jax.random.key(0)`"})
+    @checked("CNN", {"key": KEY_HINT})
     def __init__(
         self,
         in_channels: int,
@@ -49,10 +53,12 @@ class CNN(eqx.Module):
         num_classes: int,
         *,
         channels: tuple[int, int] = (16, 32),
-        key: Key[Array, ""],
+        key: PRNGKey,
     ):
         height, width = image_size
         flat = channels[1] * (height // 2) * (width // 2)
+        # A raw key as the typed key of its bits: one program for both kinds.
+        key = as_key(key)
         self.conv1, self.conv2, self.head = _layers(in_channels, channels, flat, num_classes, key)
         self.pool = eqx.nn.AvgPool2d(2, stride=2)
         self.input_shape = (in_channels, height, width)

@@ -4,10 +4,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped, Key, UInt32
+from jaxtyping import Array, Float, jaxtyped
 
 from .._checks import checked
-from ._check import check_input
+from .._data import as_key
+from .._typing import PRNGKey
+from ._check import check_input, KEY_HINT
 
 
 class LinearRegression(eqx.Module):
@@ -17,25 +19,27 @@ class LinearRegression(eqx.Module):
 
     - `in_features`: the size of one input.
     - `out_features`: the size of one output, or `"scalar"` for a scalar output.
-    - `key`: initialises the weights (normal, scaled by `1/sqrt(in_features)`).
+    - `key`: initialises the weights (normal, scaled by `1/sqrt(in_features)`):
+        `jax.random.key(seed)` or `jax.random.PRNGKey(seed)`.
     """
 
     weight: Float[Array, "out in"]
     bias: Float[Array, " out"]
     scalar: bool = eqx.field(static=True)
 
-    @checked("LinearRegression", {"key": "a single PRNG key such as `jax.random.key(0)`"})
+    @checked("LinearRegression", {"key": KEY_HINT})
     def __init__(
         self,
         in_features: int,
         out_features: int | Literal["scalar"] = "scalar",
         *,
-        key: Key[Array, ""] | UInt32[Array, "2"],
+        key: PRNGKey,
     ):
         self.scalar = out_features == "scalar"
         out = 1 if out_features == "scalar" else out_features
         scale = 1.0 / jnp.sqrt(in_features)
-        self.weight = scale * jax.random.normal(key, (out, in_features))
+        # A raw key as the typed key of its bits: the same numbers, one program for both.
+        self.weight = scale * jax.random.normal(as_key(key), (out, in_features))
         self.bias = jnp.zeros(out)
 
     @jaxtyped(typechecker=beartype)

@@ -4,17 +4,21 @@ from typing import Literal
 import equinox as eqx
 import jax
 from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped, Key
+from jaxtyping import Array, Float, jaxtyped
 
 from .._checks import checked
-from ._check import check_input
+from .._data import as_key
+from .._jit import cached_jit
+from .._typing import PRNGKey
+from ._check import check_input, KEY_HINT
 
 
 # One compiled program makes every layer (the parameters are the same as when made one
-# operation at a time, which would compile a program for each weight's random numbers).
-@eqx.filter_jit
+# operation at a time, which would compile a program for each weight's random numbers),
+# kept in eqfit's cache of programs, which `eqfit.clear_cache()` frees.
+@cached_jit
 def _layers(
-    sizes: tuple[int, ...], out_features: int | Literal["scalar"], key: Key[Array, ""]
+    sizes: tuple[int, ...], out_features: int | Literal["scalar"], key: PRNGKey
 ) -> tuple[eqx.nn.Linear, ...]:
     keys = jax.random.split(key, len(sizes))
     hidden = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes, sizes[1:], keys)]
@@ -34,7 +38,7 @@ class MLP(eqx.Module):
     - `dropout`: the probability of dropping a hidden unit while training. With
         `dropout > 0` the model needs a `key` when called, unless in inference mode
         (`eqx.nn.inference_mode`).
-    - `key`: initialises the weights.
+    - `key`: initialises the weights: `jax.random.key(seed)` or `jax.random.PRNGKey(seed)`.
     """
 
     layers: tuple[eqx.nn.Linear, ...]
@@ -42,7 +46,7 @@ class MLP(eqx.Module):
     activation: Callable[[Array], Array] = eqx.field(static=True)
     in_features: int = eqx.field(static=True)
 
-    @checked("MLP", {"key": "a single PRNG key such as `jax.random.key(0)`"})
+    @checked("MLP", {"key": KEY_HINT})
     def __init__(
         self,
         in_features: int,
@@ -52,17 +56,18 @@ class MLP(eqx.Module):
         *,
         activation: Callable[[Array], Array] = jax.nn.relu,
         dropout: float = 0.0,
-        key: Key[Array, ""],
+        key: PRNGKey,
     ):
         sizes = (in_features,) + (width,) * depth
-        self.layers = _layers(sizes, out_features, key)
+        # A raw key as the typed key of its bits: one program for both kinds.
+        self.layers = _layers(sizes, out_features, as_key(key))
         self.dropout = eqx.nn.Dropout(dropout)
         self.activation = activation
         self.in_features = in_features
 
     @jaxtyped(typechecker=beartype)
     def __call__(
-        self, x: Float[Array, " in"], *, key: Key[Array, ""] | None = None
+        self, x: Float[Array, " in"], *, key: PRNGKey | None = None
     ) -> Float[Array, "..."]:
         """**Arguments:** `x`, one example; `key`, for dropout. **Returns:** the output."""
         check_input("MLP", x, (self.in_features,))

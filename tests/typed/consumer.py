@@ -25,6 +25,15 @@ class Affine(eqx.Module):
         return self.weight @ x
 
 
+class Stateful(eqx.Module):
+    weight: Float[Array, "3 2"]
+
+    def __call__(
+        self, x: Float[Array, " 2"], state: eqx.nn.State
+    ) -> tuple[Float[Array, " 3"], eqx.nn.State]:
+        return self.weight @ x, state
+
+
 class Printer:
     stops_training: bool = False
 
@@ -77,7 +86,9 @@ def train(directory: Path) -> None:
     )
     assert_type(more, eqfit.FitResult[Affine])
 
-    assert_type(eqfit.predict(more.model, x, batch_size=32), Any)
+    # `predict` returns what the model returns (for every example).
+    assert_type(eqfit.predict(more.model, x, batch_size=32), Float[Array, " 3"])
+    assert_type(eqfit.predict(more.model, x, ensemble=True), Array)
     values = eqfit.evaluate(more.model, (x, y), loss=eqfit.losses.mse)
     assert_type(values, dict[str, float])
 
@@ -119,3 +130,14 @@ def ready_models() -> None:
     assert_type(trained.model, CNN)
     assert_type(linear, LinearRegression)
     assert_type(mlp, MLP)
+    assert_type(eqfit.predict(cnn, digits), Array)
+    assert_type(eqfit.predict(mlp, np.zeros((8, 4), np.float32)), Array)
+    # A raw key, as Equinox's layers take, and early stopping with Keras's defaults.
+    assert_type(MLP(4, 10, 8, 2, key=jax.random.PRNGKey(0)), MLP)
+    assert_type(eqfit.EarlyStopping(), eqfit.EarlyStopping)
+
+
+def stateful(model: Stateful, state: eqx.nn.State) -> None:
+    x = np.zeros((16, 2), np.float32)
+    # Given `state=`, the model returns `(output, state)` and `predict` the outputs.
+    assert_type(eqfit.predict(model, x, state=state), Float[Array, " 3"])

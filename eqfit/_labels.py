@@ -1,0 +1,153 @@
+"""Labels out of range, found inside a compiled program and reported as values.
+
+The ready losses and metrics check their labels. Called directly on arrays they raise at
+once. Inside a program that eqfit traces, the check is a value: `collecting()` gathers each
+check made while the user's loss or metric is traced, the step returns them merged into
+one `LabelError` (as `optax.apply_if_finite` carries its count in its state), and the host
+turns it into a `ValueError` once the run is done. Nothing is kept in a module: fits in
+several threads never see each other's errors. Traced anywhere else (the user's own
+`jax.jit`), the check raises at run time through `eqx.error_if`.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jaxtyping import Array, Bool, Float, Int
+
+
+# The ready functions that check labels, by number (the number is what the program
+# reports; the name is found here again on the host).
+CHECKERS = (
+    "softmax_cross_entropy",
+    "binary_cross_entropy",
+    "accuracy",
+    "binary_accuracy",
+)
+_DIMS = 4  # where in a batch the label was: up to this many indices
+
+
+class LabelError(NamedTuple):
+    """The first label out of range that a program met, as device values."""
+
+    found: Bool[Array, "*members"]
+    checker: Int[Array, "*members"]  # its index in `CHECKERS`
+    classes: Int[Array, "*members"]  # -1: binary labels, in [0, 1]
+    label: Float[Array, "*members"]
+    where: Int[Array, "*members 4"]  # its index in the batch, -1 past the label's rank
+    step: Int[Array, "*members"]  # the global step (-1: validation or evaluation)
+
+    @staticmethod
+    def none() -> "LabelError":
+        return LabelError(
+            jnp.asarray(False),
+            jnp.asarray(0, jnp.int32),
+            jnp.asarray(0, jnp.int32),
+            jnp.asarray(0.0, jnp.float32),
+            jnp.full((_DIMS,), -1, jnp.int32),
+            jnp.asarray(-1, jnp.int32),
+        )
+
+    def or_else(self, other: "LabelError") -> "LabelError":
+        """This one if it found a bad label, else `other`: the first found is kept."""
+        return jax.tree.map(lambda a, b: jnp.where(self.found, a, b), self, other)
+
+
+_COLLECTOR: contextvars.ContextVar[list[LabelError] | None] = contextvars.ContextVar(
+    "eqfit_label_checks", default=None
+)
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[LabelError]]:
+    """Gathers the label checks made while tracing inside the block (in this thread)."""
+    found: list[LabelError] = []
+    token = _COLLECTOR.set(found)
+    try:
+        yield found
+    finally:
+        _COLLECTOR.reset(token)
+
+
+def first_of(found: list[LabelError]) -> LabelError:
+    """The first bad label among the checks of one call, or none."""
+    error = LabelError.none()
+    for check in reversed(found):
+        error = check.or_else(error)
+    return error
+
+
+def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Array:
+    """`values` (logits or outputs), NaN where a label of `y` is outside `[0, classes)`
+    (or, with `classes=None`, outside `[0, 1]`), the label reported as described above.
+    """
+    bad = (y < 0) | (y >= classes) if classes is not None else (y < 0) | (y > 1)
+    if not isinstance(y, Tracer):  # called directly, not in a program: raise now
+        if bool(jnp.any(bad)):
+            y_, bad_ = np.asarray(y), np.asarray(bad)
+            at = np.unravel_index(int(np.argmax(bad_)), y_.shape)
+            raise ValueError(message(name, classes, y_[at], tuple(map(int, at))))
+        return values
+    any_bad = jnp.any(bad)
+    found = _COLLECTOR.get()
+    if found is None:  # traced by someone else's program: fail loudly at run time
+        why = _why(classes)
+        return eqx.error_if(values, any_bad, f"`{name}`: a label {why}.")
+    flat = jnp.argmax(bad.reshape(-1))
+    at = jnp.unravel_index(flat, y.shape) if y.ndim else ()
+    where = jnp.full((_DIMS,), -1, jnp.int32)
+    for i, index in enumerate(at[:_DIMS]):
+        where = where.at[i].set(index.astype(jnp.int32))
+    found.append(
+        LabelError(
+            found=any_bad,
+            checker=jnp.asarray(CHECKERS.index(name), jnp.int32),
+            classes=jnp.asarray(-1 if classes is None else classes, jnp.int32),
+            label=y.reshape(-1)[flat].astype(jnp.float32),
+            where=where,
+            step=jnp.asarray(-1, jnp.int32),
+        )
+    )
+    # NaN values: the step's loss is not finite, so its update is not applied.
+    return jnp.where(any_bad, jnp.nan, values)
+
+
+def _why(classes: int | None) -> str:
+    if classes is None:
+        return "is outside [0, 1]: labels must be 0 or 1, or probabilities"
+    return (
+        f"is outside [0, {classes}): the model gives {classes} classes, so labels must be "
+        f"integers from 0 to {classes - 1}"
+    )
+
+
+def message(name: str, classes: int | None, label: Any, where: tuple[int, ...]) -> str:
+    return f"`{name}`: label {label} (at {where} of a batch) {_why(classes)}."
+
+
+def raise_found(error: Any, ensemble: bool = False) -> None:
+    """Raises the `ValueError` for a `LabelError` read back to the host, if it found one."""
+    found = np.asarray(error.found).reshape(-1)
+    if not found.any():
+        return
+    i = int(np.argmax(found))
+    checker, classes, label, step = (
+        np.asarray(x).reshape(-1)[i]
+        for x in (error.checker, error.classes, error.label, error.step)
+    )
+    where = tuple(int(w) for w in np.asarray(error.where).reshape(-1, _DIMS)[i] if w >= 0)
+    classes_ = None if int(classes) < 0 else int(classes)
+    # Class labels are integers; binary ones may be probabilities.
+    value = int(label) if classes_ is not None else float(label)
+    text = message(CHECKERS[int(checker)], classes_, value, where)
+    if int(step) >= 0:
+        text += f" (Found at step {step + 1} of the run, counted from 1.)"
+    if ensemble:
+        text = f"member {i}: " + text
+    raise ValueError(text)

@@ -1,0 +1,189 @@
+"""`fit`'s arguments checked, all of them, before any data is read or program compiled.
+
+`check_options` refuses what cannot be (counts, combinations, a monitored value the run
+will not compute, devices that are not there, a key that is not one) and returns the
+checked `Options`, which every later phase reads instead of the raw arguments.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import optax
+from jax.sharding import Mesh
+from jaxtyping import Array, Key
+
+from ._data import as_key, ensemble_size
+from ._early_stopping import EarlyStopping
+from ._parallel import choose_placement, Device, Placement
+
+
+DEFAULT_BATCH_SIZE = 32
+# Steps are counted in 32-bit integers on the device, and a batch's rows too.
+MAX_COUNT = 2**31 - 1
+
+OnNan = Literal["raise", "stop", "skip"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """`fit`'s checked arguments, but for the model, the data and the objects it calls."""
+
+    key: Key[Array, ""]
+    epochs: int
+    initial_epoch: int
+    steps_per_epoch: int | None
+    batch_size: int  # for arrays and memmaps; a loader's own size overrides the default
+    batch_size_given: bool
+    shuffle: bool
+    drop_remainder: bool
+    progress: bool
+    on_nan: OnNan
+    members: int | None  # an ensemble's size
+    stateful: bool
+    validation_split: float | None
+    validates: bool
+    metric_names: tuple[str, ...]
+    early_stopping: EarlyStopping | None
+    callbacks: tuple[Any, ...]
+    checkpoint: Any
+    checkpoint_every: int
+    placement: Placement
+
+    @property
+    def log_names(self) -> tuple[str, ...]:
+        """The values each epoch records, in order."""
+        names = ("loss", *self.metric_names)
+        return names + tuple(f"val_{n}" for n in names) if self.validates else names
+
+
+def check_options(
+    *,
+    model: Any,
+    key: Any,
+    epochs: Any,
+    initial_epoch: Any,
+    steps_per_epoch: Any,
+    batch_size: Any,
+    shuffle: bool,
+    drop_remainder: bool,
+    progress: bool,
+    on_nan: OnNan,
+    state: Any,
+    validation_data: Any,
+    validation_split: Any,
+    metrics: Any,
+    early_stopping: EarlyStopping | None,
+    callbacks: Sequence[Any],
+    devices: int | Sequence[Device] | None,
+    mesh: Mesh | None,
+    ensemble: bool,
+    checkpoint: Any,
+    checkpoint_every: Any,
+) -> Options:
+    """Checks every argument of `fit` that can be checked without its data.
+
+    **Returns:**
+
+    The checked `Options`.
+
+    **Raises:**
+
+    `TypeError` or `ValueError`, naming the argument, what it must be and what it is.
+    """
+    _whole("epochs", epochs, 0)
+    _whole("initial_epoch", initial_epoch, 0)
+    if epochs < initial_epoch:
+        raise ValueError(
+            f"`epochs`={epochs} is the number of the last epoch, but `initial_epoch`="
+            f"{initial_epoch} epochs are done already; give `epochs` >= {initial_epoch}."
+        )
+    if steps_per_epoch is not None:
+        _whole("steps_per_epoch", steps_per_epoch, 1)
+        if epochs * steps_per_epoch > MAX_COUNT:
+            raise ValueError(
+                f"`epochs`={epochs} of `steps_per_epoch`={steps_per_epoch} steps each is "
+                f"{epochs * steps_per_epoch} steps, more than the 2**31 - 1 a run can count; "
+                "train for fewer."
+            )
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be at least 1, got {batch_size!r}.")
+        if batch_size > MAX_COUNT:
+            raise ValueError(
+                f"`batch_size` must be below 2**31 (rows are counted in 32-bit integers on "
+                f"the device), got {batch_size}."
+            )
+    _whole("checkpoint_every", checkpoint_every, 1)
+    if on_nan not in ("raise", "stop", "skip"):
+        raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {on_nan!r}.")
+    if validation_data is not None and validation_split is not None:
+        raise ValueError("Give `validation_data` or `validation_split`, not both.")
+    if validation_split is not None:
+        fraction = validation_split
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError(f"`validation_split` must be a float in (0, 1), got {fraction!r}.")
+        if not (math.isfinite(fraction) and 0.0 < fraction < 1.0):
+            raise ValueError(f"`validation_split` must be in (0, 1), got {fraction}.")
+    members = ensemble_size(model) if ensemble else None
+    if members is not None and validation_split is not None:
+        raise ValueError(
+            "`validation_split` would hold out different samples for each member of an "
+            "ensemble; pass `validation_data` instead."
+        )
+    metric_names = tuple((metrics or {}).keys())
+    for name in metric_names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`metrics` must map names (strings) to functions; got {name!r}.")
+    callbacks = tuple(callbacks)
+    for i, callback in enumerate(callbacks):
+        if not callable(getattr(callback, "on_epoch_end", None)):
+            raise TypeError(
+                f"`callbacks[{i}]` must have a method `on_epoch_end(epoch, logs)`, got a "
+                f"{type(callback).__name__}."
+            )
+    options = Options(
+        key=as_key(key),
+        epochs=epochs,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch,
+        batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+        batch_size_given=batch_size is not None,
+        shuffle=shuffle,
+        drop_remainder=drop_remainder,
+        progress=progress,
+        on_nan=on_nan,
+        members=members,
+        stateful=state is not None,
+        validation_split=validation_split,
+        validates=validation_data is not None or validation_split is not None,
+        metric_names=metric_names,
+        early_stopping=early_stopping,
+        callbacks=callbacks,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        # The batch's split over the devices is checked once the batch size is known.
+        placement=choose_placement(devices, mesh, None),
+    )
+    if early_stopping is not None and early_stopping.monitor not in options.log_names:
+        hint = ""
+        if early_stopping.monitor.startswith("val_") and not options.validates:
+            hint = " Give `validation_data` or `validation_split` to compute validation values."
+        raise ValueError(
+            f"`early_stopping.monitor` is {early_stopping.monitor!r}, which this run does "
+            f"not compute; it computes {list(options.log_names)}.{hint}"
+        )
+    return options
+
+
+def plain_optimizer(optimizer: Any) -> optax.GradientTransformation:
+    """`optimizer` as a plain transformation (`optax.MultiSteps` unwrapped)."""
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer.gradient_transformation()
+    return optimizer
+
+
+def _whole(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"`{name}` must be an integer of {least} or more, got {value!r}.")
