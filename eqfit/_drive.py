@@ -478,7 +478,10 @@ def drive(
                 except CheckpointError as e:  # the result goes with the error
                     failure = e
                     break
-                seconds = reader.read(keep=1)
+                # After a Ctrl-C, no call is queued ahead: a second one then waits for
+                # one call at most.
+                asked = interrupting is not None and interrupting.interrupt.requested
+                seconds = reader.read(keep=0 if asked else 1)
                 if seconds is not None:
                     steps_per_call = max(1, int(seconds_per_call / max(seconds, 1e-9)))
                     PROGRAM_CACHE.set_speed(run_key(loop), seconds)
@@ -495,9 +498,10 @@ def drive(
         reader.read()
     except BaseException:
         # A second Ctrl-C, or an error: let the calls in flight (each about half a second)
-        # finish, so that the process does not exit with the device still running.
+        # finish, so that the process does not exit with the device still running; but
+        # not for long, as the user asked to stop.
         if report is not None:
-            WAITER.wait(report.step, timeout=2.0)
+            WAITER.wait(report.step, timeout=1.0)
         raise
     finally:
         for observer in observers:
@@ -530,6 +534,8 @@ def observers_for(
     if store is not None:
 
         def save(state: TrainState) -> PyTree:
+            if store.collective:  # every process writes its own shards
+                return state
             return jax.device_get(placement.get(state))
 
         every = options.checkpoint_every
