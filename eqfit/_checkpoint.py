@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TYPE_CHECKING
+from typing import Any, ClassVar, TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -148,6 +148,11 @@ class Checkpoints:
     removes the temporary folders of writes that were cut short. With several processes
     (`jax.distributed`), process 0 alone writes and holds the lock; the others read.
 
+    How the state itself is written, checked and read is up to a subclass: it overrides
+    `_encode`, `_write_state`, `_size`, `_check_state` and `_read_state`, and names its
+    kind in `storage`, which its manifests carry. `ShardedCheckpoints` keeps an Orbax
+    checkpoint this way, under the same directory rules.
+
     **Arguments:**
 
     - `directory`: where the checkpoints live; created if missing.
@@ -156,6 +161,11 @@ class Checkpoints:
     - `steps_per_epoch`: to name checkpoints by epoch.
     - `writer`: whether this process writes (process 0 of a `jax.distributed` run).
     """
+
+    # The manifest's "storage": how the state is kept. `None` (no such key): `state.eqx`.
+    storage: ClassVar[str | None] = None
+    # Whether every process writes a part of the state, so each takes part in `_write`.
+    collective: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -213,7 +223,10 @@ class Checkpoints:
                     continue
                 try:
                     manifest = _read_manifest(folder)
-                    _check_state(folder, manifest)
+                    # Another kind's state is not this class's to check: `restore` refuses
+                    # it by name rather than skipping it as damaged.
+                    if manifest.get("storage") == self.storage:
+                        self._check_state(folder, manifest)
                 except ValueError as e:
                     self._warn(folder, str(e))
                     continue
@@ -231,54 +244,60 @@ class Checkpoints:
         tries once more. Other processes of a `jax.distributed` run wait for the write.
         """
         final = None
-        if self.writer:
+        if self.writer or self.collective:
             final = self._write(state)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("eqfit checkpoint written")
-        return final
+        return final if self.writer else None
 
     def _write(self, state: PyTree) -> Path:
-        epoch, step = divmod(position(state), self.steps_per_epoch)
-        data = serialise(state)
-        existing = self._checkpoints()
-        manifest = {
+        """Writes a checkpoint (the writer; with `collective`, every process, where only the
+        writer lists, names, commits and prunes).
+        """
+        epoch, step = divmod(self._position(state), self.steps_per_epoch)
+        payload = self._encode(state)
+        existing = self._checkpoints() if self.writer else []
+        head = {
             "format": FORMAT,
             "sequence": existing[0][0] + 1 if existing else 1,
             "epoch": epoch,
             "step": step,
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "config": self.config,
-            "versions": versions(),
         }
-        text = json.dumps(manifest, indent=1).encode()
         final = self.directory / f"ckpt-{epoch:06d}-{step:06d}"
         try:
-            self._put(final, data, text)
+            manifest = self._put(final, head, payload)
         except OSError as e:
             if e.errno not in _NO_SPACE:
                 raise CheckpointError(f"Cannot write the checkpoint {final}: {e}.") from None
-            # Out of space: make room by dropping the oldest kept checkpoint, once.
+            # Out of space: make room by dropping the oldest kept checkpoint, once. Not when
+            # several processes write it: the others could not know to write again.
+            if self.collective and jax.process_count() > 1:
+                raise CheckpointError(self._no_room(payload, head, e)) from None
             if len(existing) >= KEEP:
                 self._remove(existing[-1][1])
             try:
-                self._put(final, data, text)
+                manifest = self._put(final, head, payload)
             except OSError as again:
                 if again.errno not in _NO_SPACE:
                     raise CheckpointError(
                         f"Cannot write the checkpoint {final}: {again}."
                     ) from None
-                raise CheckpointError(
-                    f"The checkpoint directory {self.directory} has no room for a checkpoint "
-                    f"of {len(data) + len(text)} bytes ({again.strerror}), even after removing "
-                    "the oldest one. Free some space, or give another directory."
-                ) from None
-        assert self.good is not None
-        self.good[final.name] = (manifest["sequence"], final, manifest)
-        for _, folder, _ in self._checkpoints()[KEEP:]:
-            self._remove(folder)
+                raise CheckpointError(self._no_room(payload, head, again)) from None
+        if self.writer:
+            assert self.good is not None
+            self.good[final.name] = (manifest["sequence"], final, manifest)
+            for _, folder, _ in self._checkpoints()[KEEP:]:
+                self._remove(folder)
         return final
+
+    def _no_room(self, payload: Any, head: dict[str, Any], error: OSError) -> str:
+        return (
+            f"The checkpoint directory {self.directory} has no room for a checkpoint "
+            f"of {self._size(payload, head)} bytes ({error.strerror}), even after removing "
+            "the oldest one. Free some space, or give another directory."
+        )
 
     def _remove(self, folder: Path) -> None:
         """Removes a checkpoint: first renamed out of the way, in one step, so that a kill
@@ -294,14 +313,18 @@ class Checkpoints:
             return
         shutil.rmtree(away, ignore_errors=True)
 
-    def _put(self, final: Path, data: bytes, manifest: bytes) -> None:
+    def _put(self, final: Path, head: dict[str, Any], payload: Any) -> dict[str, Any]:
         """Writes a checkpoint folder through a fsynced temporary one and a rename; on a
-        failure removes the temporary folder, leaving no litter.
+        failure removes the temporary folder, leaving no litter. Returns its manifest
+        (written by the writer alone).
         """
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory))
+        tmp = self._temporary(final)
         try:
-            _write(tmp / "state.eqx", data)
-            _write(tmp / "manifest.json", manifest)
+            fields = self._write_state(tmp, payload)
+            manifest = {**head, **fields, "config": self.config, "versions": versions()}
+            if not self.writer:
+                return manifest
+            _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
             if final.exists():  # the same point saved again (after a resume): replace it
                 old = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
@@ -311,8 +334,9 @@ class Checkpoints:
             else:
                 os.replace(tmp, final)
             _fsync_dir(self.directory)
+            return manifest
         finally:
-            if tmp.exists():
+            if self.writer and tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def restore(self, like: PyTree) -> PyTree | None:
@@ -323,22 +347,70 @@ class Checkpoints:
         for _, folder, manifest in self._checkpoints():
             if manifest["config"] != self.config:
                 raise ValueError(_mismatch(folder, manifest["config"], self.config))
+            if manifest.get("storage") != self.storage:
+                raise ValueError(_other_storage(folder, manifest.get("storage"), self.storage))
             try:
-                data = (folder / "state.eqx").read_bytes()
-                return eqx.tree_deserialise_leaves(io.BytesIO(data), like)
+                return self._read_state(folder, manifest, like)
+            except NotLike:
+                raise
             except Exception as e:  # changed since it was checked, or another layout
                 self._warn(folder, f"its state does not read back ({type(e).__name__}: {e})")
         return None
 
+    # How the state is kept: one file, `state.eqx`, written by the writer from a host copy.
 
-def _check_state(folder: Path, manifest: dict[str, Any]) -> None:
-    """Refuses a checkpoint whose state file is missing or does not match its manifest."""
-    try:
+    def _position(self, state: PyTree) -> int:
+        """Where `state` stands (see `position`), which names its checkpoint."""
+        return position(state)
+
+    def _encode(self, state: PyTree) -> Any:
+        """What `_write_state` writes, made once per checkpoint (a retry writes it again)."""
+        return serialise(state)
+
+    def _temporary(self, final: Path) -> Path:
+        """A new temporary folder in the directory, to be renamed to `final`."""
+        return Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory))
+
+    def _write_state(self, folder: Path, payload: Any) -> dict[str, Any]:
+        """Writes the state into the temporary checkpoint folder `folder`.
+
+        **Returns:**
+
+        The manifest's fields that describe it, its checksum (`sha256`) among them.
+        """
+        _write(folder / "state.eqx", payload)
+        return {"sha256": hashlib.sha256(payload).hexdigest()}
+
+    def _size(self, payload: Any, head: dict[str, Any]) -> int:
+        """The bytes a checkpoint takes, for the message of a full disk."""
+        fields = {"sha256": hashlib.sha256(payload).hexdigest()}
+        manifest = {**head, **fields, "config": self.config, "versions": versions()}
+        return len(payload) + len(json.dumps(manifest, indent=1).encode())
+
+    def _check_state(self, folder: Path, manifest: dict[str, Any]) -> None:
+        """Refuses (`ValueError`) a checkpoint whose state file is missing or does not
+        match its manifest.
+        """
+        try:
+            data = (folder / "state.eqx").read_bytes()
+        except OSError as e:
+            raise ValueError(f"its state cannot be read ({e.strerror})") from None
+        if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+            raise ValueError("its contents do not match the checksum in its manifest")
+
+    def _read_state(self, folder: Path, manifest: dict[str, Any], like: PyTree) -> PyTree:
+        """The checkpoint's state, read into the shape of `like`. Raises `NotLike` where
+        `like` cannot describe it (the caller's mistake); any other error skips the
+        checkpoint as damaged.
+        """
         data = (folder / "state.eqx").read_bytes()
-    except OSError as e:
-        raise ValueError(f"its state cannot be read ({e.strerror})") from None
-    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
-        raise ValueError("its contents do not match the checksum in its manifest")
+        return eqx.tree_deserialise_leaves(io.BytesIO(data), like)
+
+
+class NotLike(ValueError):
+    """`like` does not describe a checkpoint's state: a mistake of the caller's, refused,
+    where a damaged checkpoint is skipped.
+    """
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -415,6 +487,23 @@ def _mismatch(folder: Path, saved: dict[str, Any], now: dict[str, Any]) -> str:
         f"is not loaded. What differs: {details}. Use another `checkpoint` directory, or "
         "the configuration that wrote it."
     )
+
+
+def _other_storage(folder: Path, saved: str | None, now: str | None) -> str:
+    return (
+        f"The checkpoint {folder} keeps its state as {_storage_name(saved)}, but this run "
+        f"keeps {_storage_name(now)}, so it is not loaded. Resume with the sharding it was "
+        "written with (`shard=` keeps Orbax checkpoints), or use another `checkpoint` "
+        "directory."
+    )
+
+
+def _storage_name(storage: str | None) -> str:
+    if storage is None:
+        return "one file, `state.eqx`"
+    if storage == "orbax":
+        return "an Orbax checkpoint (a run with `shard=`)"
+    return repr(storage)
 
 
 def _short(value: Any) -> str:
