@@ -31,6 +31,7 @@ from ._options import check_options, Options, plain_optimizer
 from ._parallel import check_batch_split, Device, global_rows
 from ._result import finish, FitResult
 from ._schedule import make_schedule, Schedule
+from ._sharding import Shard
 from ._sources import open_source, Source
 from ._typing import (
     Arrays,
@@ -78,6 +79,7 @@ def fit(
     callbacks: Sequence[Callback] = (),
     devices: int | Sequence[Device] | None = None,
     mesh: Mesh | None = None,
+    shard: Shard | None = None,
     ensemble: bool = False,
     checkpoint: PathLike | None = None,
     checkpoint_every: int = 1,
@@ -163,6 +165,13 @@ def fit(
     - `mesh`: data parallel through sharding over the first axis of this
         `jax.sharding.Mesh`, which may span several processes (`jax.distributed`); then
         each process passes its own rows of `data`.
+    - `shard`: with `mesh`, how each array of the model is laid out over it, so that no
+        device holds the whole model and optimizer state: [`eqfit.sharding.fsdp`][] (each
+        array split along its largest dimension), [`eqfit.sharding.rules`][] (regexes over
+        the arrays' paths, as Keras's `LayoutMap`), a function `(path, leaf) ->
+        PartitionSpec | None`, or a PyTree of `PartitionSpec | None` that is a prefix of
+        the model. The optimizer state follows the parameters; `result.model` comes back
+        laid out so. By default every array is replicated.
     - `ensemble`: `model` is a stack of members (every array with a leading member axis,
         as `eqx.filter_vmap` builds it), trained side by side in one program. Member `i`
         trains as it would alone with key `jax.random.split(key, members)[i]`. `state` and
@@ -213,6 +222,7 @@ def fit(
         callbacks=callbacks,
         devices=devices,
         mesh=mesh,
+        shard=shard,
         ensemble=ensemble,
         checkpoint=checkpoint,
         checkpoint_every=checkpoint_every,
@@ -227,9 +237,10 @@ def fit(
     )
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
-    train_state, keys = start_program(loop)(params, opt_state, state, options.key, consts)
-    # Drive it, from the newest checkpoint if there is one; then finish.
     placement = loop.placement
+    start_inputs = placement.start_inputs((params, opt_state, state, options.key, consts))
+    train_state, keys = start_program(loop)(*start_inputs)
+    # Drive it, from the newest checkpoint if there is one; then finish.
     with contextlib.ExitStack() as stack:
         store = None
         if options.checkpoint is not None:
@@ -294,7 +305,14 @@ def _plan(source: Source, options: Options) -> Schedule:
 
 
 def _checkpoints(options: Options, config: dict[str, Any], schedule: Schedule) -> Checkpoints:
-    writer = jax.process_index() == 0  # one process writes; all read
+    """The checkpoint directory: under `shard=`, Orbax's format, which every process writes
+    its shards of; else one file, which process 0 writes and every process reads.
+    """
+    if getattr(options.placement, "specs", None) is not None:
+        from ._orbax import ShardedCheckpoints
+
+        return ShardedCheckpoints(options.checkpoint, config, schedule.steps_per_epoch)
+    writer = jax.process_index() == 0
     return Checkpoints(options.checkpoint, config, schedule.steps_per_epoch, writer=writer)
 
 
@@ -304,9 +322,16 @@ def _resume(
     """The training state to start from, and its position: the newest good checkpoint's,
     if there is one, else the start's.
     """
-    if store is not None:
+    if store is None:
+        return state, schedule.begin
+    if store.collective:  # read straight into the state's layout (`shard=`)
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
+        restored = store.restore(like)
+    else:
         restored = store.restore(jax.device_get(state))
-        if restored is not None:
-            state = jax.device_put(restored)
-            return state, position(state)
-    return state, schedule.begin
+        restored = None if restored is None else jax.device_put(restored)
+    if restored is None:
+        return state, schedule.begin
+    return restored, position(restored)

@@ -10,7 +10,7 @@ same compiled program, and the pieces agree with one whole run bit for bit.
 import dataclasses
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
 from ._checkpoint import describe
@@ -142,10 +143,24 @@ class Loop:
             arrays = [next(trained) if t else next(fixed) for t in self.trains]
             return _unwrap(self.model.fill(arrays))
 
-        step = Step(objective, optimizer, combine, self.placement.axis_name)
+        lay_out = None
+        if self.param_shardings() is not None:
+            lay_out = functools.partial(lay_out_state, self, optimizer)
+        step = Step(objective, optimizer, combine, self.placement.axis_name, lay_out)
         return Parts(objective, optimizer, combine, step)
 
-    def params_tree(self, params: list[Array]) -> PyTree:
+    def param_shardings(self) -> PyTree | None:
+        """With `shard=`, each trained array's `NamedSharding`, in `params_tree`'s
+        structure; else `None`.
+        """
+        specs = getattr(self.placement, "specs", None)
+        if specs is None:
+            return None
+        mesh = self.placement.mesh  # pyright: ignore[reportAttributeAccessIssue]
+        chosen = [NamedSharding(mesh, spec) for spec, t in zip(specs, self.trains) if t]
+        return self.params_tree(chosen)
+
+    def params_tree(self, params: Sequence[Any]) -> PyTree:
         """The trained arrays in the model's structure, `None` elsewhere: what the
         optimizer sees, as `eqx.filter(model, filter_spec)` would give it.
         """
@@ -259,6 +274,8 @@ def start(
             opt_state = parts.optimizer.init(params)
         else:
             opt_state = jax.tree.map(jnp.copy, opt_state)
+        if loop.param_shardings() is not None:  # laid out as `shard=` asks, from the start
+            params, opt_state = lay_out_state(loop, parts.optimizer, params, opt_state)
         model_state = jax.tree.map(jnp.copy, model_state)
         stopping = None if loop.stopping is None else loop.stopping.init(params, model_state)
         nan = jnp.float32(jnp.nan)
@@ -360,6 +377,11 @@ class _Run:
                 return self.run_steps(state, order, first, end, remainder, step_key)
 
             state = jax.lax.while_loop(more, one_pass, state)
+        if loop.param_shardings() is not None:  # the outputs laid out as `shard=` asks
+            params, opt_state = lay_out_state(
+                loop, self.parts.optimizer, state.params, state.opt_state
+            )
+            state = state._replace(params=params, opt_state=opt_state)
         return state, self.report(state)
 
     def run_steps(
@@ -604,3 +626,27 @@ def _summary(state: PyTree) -> str:
     shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in leaves[:4])
     more = ", ..." if len(leaves) > 4 else ""
     return f"{kinds} of {len(leaves)} arrays [{shapes}{more}]"
+
+
+def lay_out_state(
+    loop: Loop, optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree
+) -> tuple[PyTree, PyTree]:
+    """`params` (or any tree shaped like them) laid out as `shard=` asks, and `opt_state`
+    (unless `None`) following them: each copy of the parameters in it (Adam's moments, say)
+    laid out as they are, the rest (step counts) replicated. Constraints inside the
+    program, so that XLA's partitioner places every intermediate to match.
+    """
+    shardings = loop.param_shardings()
+    assert shardings is not None
+    constrain = jax.lax.with_sharding_constraint
+    params = jax.tree.map(constrain, params, shardings)
+    if opt_state is not None:
+        replicated = NamedSharding(loop.placement.mesh, PartitionSpec())  # pyright: ignore
+        opt_state = optax.tree_map_params(
+            optimizer,
+            constrain,
+            opt_state,
+            shardings,
+            transform_non_params=lambda x: constrain(x, replicated) if eqx.is_array(x) else x,
+        )
+    return params, opt_state

@@ -10,13 +10,15 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import jax
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
 from ._data import as_key, ensemble_size
 from ._early_stopping import EarlyStopping
 from ._parallel import choose_placement, Device, Placement
+from ._sharding import resolve
 
 
 DEFAULT_BATCH_SIZE = 32
@@ -78,6 +80,7 @@ def check_options(
     callbacks: Sequence[Any],
     devices: int | Sequence[Device] | None,
     mesh: Mesh | None,
+    shard: Any,
     ensemble: bool,
     checkpoint: Any,
     checkpoint_every: Any,
@@ -164,7 +167,7 @@ def check_options(
         checkpoint=checkpoint,
         checkpoint_every=checkpoint_every,
         # The batch's split over the devices is checked once the batch size is known.
-        placement=choose_placement(devices, mesh, None),
+        placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
     )
     if early_stopping is not None and early_stopping.monitor not in options.log_names:
         hint = ""
@@ -175,6 +178,27 @@ def check_options(
             f"not compute; it computes {list(options.log_names)}.{hint}"
         )
     return options
+
+
+def _layout(model: Any, mesh: Mesh | None, shard: Any, ensemble: bool) -> tuple[Any, ...] | None:
+    """The `PartitionSpec` of each array of `model` that `shard` asks for, checked against
+    the arrays and the mesh (`None` without `shard`).
+    """
+    if shard is None:
+        return None
+    if mesh is None:
+        raise ValueError(
+            "`shard=` lays the model's arrays out over a mesh: give `mesh=` too (a "
+            "`jax.sharding.Mesh`, whose first axis also splits the batch)."
+        )
+    if ensemble:
+        raise ValueError(
+            "`shard=` with `ensemble=True`: an ensemble's arrays carry a leading member axis "
+            "that the layout rules do not see; train the members one by one, or the "
+            "ensemble without `shard=`."
+        )
+    specs = resolve(model, mesh, shard)
+    return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
 
 
 def plain_optimizer(optimizer: Any) -> optax.GradientTransformation:

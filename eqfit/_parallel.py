@@ -44,6 +44,10 @@ class OneDevice:
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
+    def start_inputs(self, tree: PyTree) -> PyTree:
+        """The arguments of the program that makes the training state, placed for it."""
+        return tree
+
     def host(self, tree: PyTree) -> Any:
         """`tree`'s arrays read back to numpy: waits for them only, not for work queued
         after them.
@@ -90,6 +94,9 @@ class Pmap:
         arrays, rest = eqx.partition(tree, eqx.is_array)
         return eqx.combine(_first_replica(arrays), rest)
 
+    def start_inputs(self, tree: PyTree) -> PyTree:
+        return tree  # the state is made on one device, then replicated
+
     def host(self, tree: PyTree) -> Any:
         # On the host: a compiled `get` would queue behind the work dispatched since.
         return jax.tree.map(lambda x: np.asarray(x)[0], tree)
@@ -112,6 +119,9 @@ class Sharded:
     """
 
     mesh: Mesh
+    # With `shard=`: the layout of each array of the model, in order (`split_arrays`'s);
+    # `None`: every array replicated.
+    specs: tuple[P, ...] | None = None
     axis_name: None = None  # XLA partitions the program: the step needs no collective
 
     @property
@@ -133,6 +143,8 @@ class Sharded:
         def place(x: Any) -> Any:
             if not eqx.is_array(x):
                 return x
+            if isinstance(x, jax.Array) and _laid_out_on(x, self.mesh):
+                return x  # laid out by the program already (`shard=`): keep its layout
             if multiprocess:
                 # Each process holds its own rows of the data (and a full copy of
                 # everything replicated); JAX stitches them into one global array.
@@ -158,6 +170,12 @@ class Sharded:
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
+    def start_inputs(self, tree: PyTree) -> PyTree:
+        # With `shard=`, the program that makes the state lays it out over the mesh, so
+        # it runs over the mesh: its arguments go there, replicated where they are not
+        # laid out already (a model built by `eqfit.sharding.init` is).
+        return tree if self.specs is None else self.put(tree)
+
     def host(self, tree: PyTree) -> Any:
         return jax.tree.map(np.asarray, tree)
 
@@ -174,7 +192,10 @@ Placement = OneDevice | Pmap | Sharded
 
 
 def choose_placement(
-    devices: int | Sequence[Device] | None, mesh: Mesh | None, batch_size: int | None
+    devices: int | Sequence[Device] | None,
+    mesh: Mesh | None,
+    batch_size: int | None,
+    specs: tuple[P, ...] | None = None,
 ) -> Placement:
     """Checks `devices` and `mesh` against each other (and against `batch_size`, if
     given); returns a placement.
@@ -188,7 +209,7 @@ def choose_placement(
         # eqfit places every array itself and constrains each batch inside the program,
         # which needs the mesh's axes in "auto" mode (`jax.make_mesh` makes explicit ones).
         auto = (AxisType.Auto,) * len(mesh.axis_names)
-        placement: Placement = Sharded(Mesh(mesh.devices, mesh.axis_names, axis_types=auto))
+        placement: Placement = Sharded(Mesh(mesh.devices, mesh.axis_names, axis_types=auto), specs)
     elif devices is not None:
         available = jax.local_devices()
         if isinstance(devices, int) and not isinstance(devices, bool):
@@ -268,3 +289,8 @@ def global_rows(placement: Placement, rows: int | None) -> int | None:
             "index), which differ."
         )
     return rows * jax.process_count()
+
+
+def _laid_out_on(x: jax.Array, mesh: Mesh) -> bool:
+    sharding = x.sharding
+    return isinstance(sharding, NamedSharding) and sharding.mesh == mesh

@@ -244,6 +244,9 @@ class Step(eqx.Module):
     optimizer: optax.GradientTransformation
     combine: Callable[[PyTree], PyTree]  # the trained arrays -> the whole model
     axis_name: str | None = None  # set under `pmap`: losses and gradients are averaged
+    # With `shard=`: lays out a params-shaped tree (the gradients, the new parameters) as
+    # the parameters are, and the optimizer state as it follows them.
+    lay_out: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
 
     def __call__(
         self,
@@ -278,6 +281,9 @@ class Step(eqx.Module):
             every = jax.lax.all_gather(labels, self.axis_name)
             first = jnp.argmax(every.found)
             labels = jax.tree.map(lambda x: x[first], every)
+        if self.lay_out is not None:
+            # The gradients as the parameters are laid out: XLA reduce-scatters them.
+            grads, _ = self.lay_out(grads, None)
         # `value=` lets optax transformations that read the loss (reduce_on_plateau)
         # work unchanged; with_extra_args_support makes plain ones ignore it.
         optimizer = optax.with_extra_args_support(self.optimizer)
@@ -286,7 +292,10 @@ class Step(eqx.Module):
         def apply(carry: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
             params, opt_state, _ = carry
             updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
-            return eqx.apply_updates(params, updates), opt_state, new_state
+            params = eqx.apply_updates(params, updates)
+            if self.lay_out is not None:
+                params, opt_state = self.lay_out(params, opt_state)
+            return params, opt_state, new_state
 
         def skip(carry: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
             return carry

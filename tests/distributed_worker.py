@@ -1,10 +1,12 @@
 """One process of the two-process `jax.distributed` tests (run by test_parallel.py).
 
-Usage: python distributed_worker.py PROCESS_ID PORT OUT.npz [CHECKPOINT_DIRECTORY]
+Usage: python distributed_worker.py PROCESS_ID PORT OUT.npz [CHECKPOINT_DIRECTORY [shard]]
 
 Without a directory it trains the shared problem on both paths and saves the results;
 with one, it trains a longer run with checkpoints there (printing "epoch N" as it goes),
-resuming from them if there are any, and saves the result.
+resuming from them if there are any, and saves the result. With `shard`, each process
+has 4 devices, and the model and optimizer state are split over all 8 (FSDP), with
+sharded (Orbax) checkpoints that each process writes its part of.
 """
 
 import sys
@@ -14,14 +16,16 @@ import jax
 
 process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 directory = sys.argv[4] if len(sys.argv) > 4 else None
+sharded = len(sys.argv) > 5 and sys.argv[5] == "shard"
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_num_cpu_devices", 4 if sharded else 2)
 jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
 )
 
 import equinox as eqx  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from shared_problem import problem  # noqa: E402
 
@@ -50,11 +54,18 @@ if directory is None:
         arrays.update({f"leaf{i}_{progress}": np.asarray(a) for i, a in enumerate(leaves)})
 else:
     kwargs["epochs"] = 120
+    if sharded:  # every array split over the 8 devices where a dimension divides
+        kwargs["shard"] = eqfit.sharding.fsdp("batch", min_bytes=0)
     result = eqfit.fit(
         model, (x[rows], y[rows]), mesh=mesh, checkpoint=directory, callbacks=[Announce()], **kwargs
     )
     leaves = jax.tree.leaves(eqx.filter(result.model, eqx.is_array))
     arrays["loss"] = result.history.loss
-    arrays.update({f"leaf{i}": np.asarray(a) for i, a in enumerate(leaves)})
+    if sharded:
+        arrays["split"] = np.asarray([not a.is_fully_addressable for a in leaves])
+    # A split array spans both processes: each gathers the whole of it to compare.
+    arrays.update(
+        {f"leaf{i}": multihost_utils.process_allgather(a, tiled=True) for i, a in enumerate(leaves)}
+    )
 np.savez(out, **arrays)
 jax.distributed.shutdown()

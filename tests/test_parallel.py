@@ -155,7 +155,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_two_processes(outs, directory=None):
+def start_two_processes(outs, directory=None, *mode):
     here = Path(__file__).parent
     port = _free_port()
     env = {
@@ -163,7 +163,7 @@ def start_two_processes(outs, directory=None):
         "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("XLA_FLAGS", None)
-    extra = [] if directory is None else [str(directory)]
+    extra = ([] if directory is None else [str(directory)]) + list(mode)
     return [
         subprocess.Popen(
             [sys.executable, str(here / "distributed_worker.py"), str(i), str(port), str(outs[i])]
@@ -209,13 +209,16 @@ def test_two_processes_with_jax_distributed(tmp_path):
 
 
 @pytest.mark.heavy
-def test_two_processes_share_a_checkpoint_directory_through_a_kill(tmp_path):
+@pytest.mark.parametrize("mode", [(), ("shard",)])
+def test_two_processes_share_a_checkpoint_directory_through_a_kill(tmp_path, mode):
     """Process 0 writes the checkpoints (and holds the lock), process 1 waits for each;
     both killed mid-run, both resume from the shared directory and end as one run would.
+    With `shard`: 2 processes of 4 devices, FSDP over the 8, each process writing its
+    shards of each checkpoint.
     """
     directory = tmp_path / "shared"
     outs = [tmp_path / f"process{i}.npz" for i in range(2)]
-    workers = start_two_processes(outs, directory)
+    workers = start_two_processes(outs, directory, *mode)
     try:
         for line in workers[0].stdout:
             if line.startswith("epoch 30"):
@@ -228,11 +231,15 @@ def test_two_processes_share_a_checkpoint_directory_through_a_kill(tmp_path):
             w.communicate()
     written = sorted(p.name for p in directory.glob("ckpt-*"))
     assert written and written[-1] < "ckpt-000120", written
-    finish(start_two_processes(outs, directory))
+    if mode:
+        assert (directory / written[-1] / "state").is_dir()  # Orbax's format
+    finish(start_two_processes(outs, directory, *mode))
     model, data, kwargs = problem()
     reference = eqfit.fit(model, data, **{**kwargs, "epochs": 120})
     for out in outs:
         got = np.load(out)
+        if mode:
+            assert got["split"].any()  # no process held those arrays whole
         np.testing.assert_allclose(got["loss"], reference.history.loss, rtol=1e-4, atol=1e-6)
         for i, leaf in enumerate(expected_leaves(reference)):
             np.testing.assert_allclose(got[f"leaf{i}"], leaf, rtol=1e-4, atol=1e-5)
