@@ -18,7 +18,10 @@ device.
 
 from ._sharding import (
     bytes_per_device as bytes_per_device,
+    FSDP as FSDP,
     fsdp as fsdp,
     init as init,
+    Rules as Rules,
     rules as rules,
+    Shard as Shard,
 )

@@ -22,6 +22,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
         pytest.param("digits_batchnorm.py", "test accuracy", marks=pytest.mark.heavy),
         pytest.param("data_parallel.py", "largest parameter difference", marks=pytest.mark.heavy),
         pytest.param("sweep.py", "wrote sweep.png", marks=pytest.mark.heavy),
+        pytest.param("transformer_lm.py", "sample:", marks=pytest.mark.heavy),
     ],
 )
 def test_example_runs(script, expected, tmp_path):
