@@ -281,13 +281,17 @@ class _Reader:
             row = rows[:, epoch - 1 - schedule.first_epoch]
             ended.append((epoch, dict(zip(self.loop.log_names, _mean_of_finished(row).tolist()))))
         last = max(position - 1, schedule.begin)
-        losses = epoch_loss.reshape(-1)
-        finite = losses[np.isfinite(losses)]
+        if ended and ended[-1][0] == schedule.epoch_of(last):
+            loss = ended[-1][1]["loss"]  # at the epoch's end: its own value, as recorded
+        else:  # inside an epoch: its running mean (of the members still training)
+            losses = epoch_loss.reshape(-1)
+            finite = losses[np.isfinite(losses)]
+            loss = float(finite.mean()) if finite.size else float("nan")
         progress = Progress(
             position=position,
             stopped=stopped,
             epoch=int(schedule.epoch_of(last)),
-            epoch_loss=float(finite.mean()) if finite.size else float("nan"),
+            epoch_loss=loss,
             ended=tuple(ended),
         )
         for observer in self.observers:

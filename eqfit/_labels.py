@@ -40,7 +40,8 @@ class LabelError(NamedTuple):
     checker: Int[Array, "*members"]  # its index in `CHECKERS`
     classes: Int[Array, "*members"]  # -1: binary labels, in [0, 1]
     label: Float[Array, "*members"]
-    where: Int[Array, "*members 4"]  # its index in the batch, -1 past the label's rank
+    # The label's index in the flattened batch, then the batch's shape (-1 past its rank).
+    where: Int[Array, "*members 4"]
     step: Int[Array, "*members"]  # the global step (-1: validation or evaluation)
 
     @staticmethod
@@ -94,16 +95,20 @@ def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Arr
             at = np.unravel_index(int(np.argmax(bad_)), y_.shape)
             raise ValueError(message(name, classes, y_[at], tuple(map(int, at))))
         return values
-    any_bad = jnp.any(bad)
     found = _COLLECTOR.get()
     if found is None:  # traced by someone else's program: fail loudly at run time
         why = _why(classes)
-        return eqx.error_if(values, any_bad, f"`{name}`: a label {why}.")
-    flat = jnp.argmax(bad.reshape(-1))
-    at = jnp.unravel_index(flat, y.shape) if y.ndim else ()
-    where = jnp.full((_DIMS,), -1, jnp.int32)
-    for i, index in enumerate(at[:_DIMS]):
-        where = where.at[i].set(index.astype(jnp.int32))
+        return eqx.error_if(values, jnp.any(bad), f"`{name}`: a label {why}.")
+    # The first bad label's flat index (its size if none), by one plain min-reduction,
+    # which XLA compiles faster than `argmax` and `any` together.
+    size = max(bad.size, 1)
+    flat = jnp.min(jnp.where(bad.reshape(-1), jnp.arange(bad.size, dtype=jnp.int32), size))
+    any_bad = flat < size
+    flat = jnp.minimum(flat, size - 1)
+    # The flat index and the batch's shape (constants): the host finds the index in the
+    # batch from them, which keeps the program small.
+    shape = list(y.shape[: _DIMS - 1]) + [-1] * (_DIMS - 1 - min(y.ndim, _DIMS - 1))
+    where = jnp.concatenate([flat[None].astype(jnp.int32), jnp.asarray(shape, jnp.int32)])
     found.append(
         LabelError(
             found=any_bad,
@@ -141,7 +146,8 @@ def raise_found(error: Any, ensemble: bool = False) -> None:
         np.asarray(x).reshape(-1)[i]
         for x in (error.checker, error.classes, error.label, error.step)
     )
-    where = tuple(int(w) for w in np.asarray(error.where).reshape(-1, _DIMS)[i] if w >= 0)
+    flat, *dims = np.asarray(error.where).reshape(-1, _DIMS)[i].tolist()
+    where = tuple(int(w) for w in np.unravel_index(flat, [d for d in dims if d >= 0]))
     classes_ = None if int(classes) < 0 else int(classes)
     # Class labels are integers; binary ones may be probabilities.
     value = int(label) if classes_ is not None else float(label)

@@ -214,6 +214,9 @@ class TrainState(NamedTuple):
     step_metrics: Float[Array, "epochs steps metrics"]
     batch_sizes: Int[Array, "epochs steps"]  # 0 where no step ran
     epoch_values: Float[Array, "epochs logs"]  # `Loop.log_names` of each finished epoch
+    # The epoch in progress: its finite steps' losses weighted by their batch sizes,
+    # summed, and the sizes summed (for the bar; the epoch's value is `epoch_values`').
+    running: Float[Array, "2"]
 
 
 class Piece(NamedTuple):
@@ -245,7 +248,7 @@ class Report(NamedTuple):
     nan_step: Int[Array, "*members"]
     label_error: LabelError
     best_epoch: Int[Array, "*members"]  # by early stopping; -1 without it
-    # The mean loss of the epoch the last step was in, so far (NaN before any step).
+    # The mean loss of the epoch in progress so far (NaN at its start).
     epoch_loss: Float[Array, "*members"]
     epoch_values: Float[Array, "*members epochs logs"]  # NaN for epochs not finished
     # With `restore_best`: the trained arrays and model state to return.
@@ -292,6 +295,7 @@ def start(
             step_metrics=jnp.full((rows, steps, len(loop.metric_names)), nan),
             batch_sizes=jnp.zeros((rows, steps), jnp.int32),
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
+            running=jnp.zeros(2),
         )
 
     if loop.members is None:
@@ -429,6 +433,8 @@ class _Run:
                 nan_step=nan_step,
                 label_error=state.label_error.or_else(labels),
                 step_loss=state.step_loss.at[row, column].set(out.loss),
+                running=state.running
+                + jnp.where(out.finite, jnp.stack([out.loss * size, size]), 0.0),
                 batch_sizes=state.batch_sizes.at[row, column].set(size),
             )
             if loop.metric_names:
@@ -485,7 +491,9 @@ class _Run:
             )
             values = jnp.concatenate([values, val])
             state = state._replace(label_error=state.label_error.or_else(labels))
-        state = state._replace(epoch_values=state.epoch_values.at[row].set(values))
+        state = state._replace(
+            epoch_values=state.epoch_values.at[row].set(values), running=jnp.zeros(2)
+        )
         if loop.stopping is None:
             return state
         assert state.stopping is not None
@@ -504,23 +512,19 @@ class _Run:
             assert state.stopping is not None
             trained = stopping.trained(state.stopping, state.params, state.model_state)
         best = -1 if state.stopping is None else state.stopping.best_epoch
-        schedule = self.loop.schedule
-        last = jnp.maximum(state.step - 1, schedule.begin)  # the last step done
         return Report(
             step=state.step,
             reason=state.reason,
             nan_step=state.nan_step,
             label_error=state.label_error,
             best_epoch=jnp.asarray(best, jnp.int32),
-            epoch_loss=epoch_means(state, schedule.record_row(last), metrics=False)[0],
+            epoch_loss=state.running[0] / state.running[1],
             epoch_values=state.epoch_values,
             trained=trained,
         )
 
 
-def epoch_means(
-    state: TrainState, row: Int[Array, ""], metrics: bool = True
-) -> Float[Array, " values"]:
+def epoch_means(state: TrainState, row: Int[Array, ""]) -> Float[Array, " values"]:
     """The mean loss (and metrics) of the steps of record row `row` that ran.
 
     Each step weighs as its share of the epoch's samples: the epoch's mean loss is then the
@@ -535,8 +539,6 @@ def epoch_means(
     # Full float32 precision: on GPUs a default-precision dot may round through TF32.
     precision = jax.lax.Precision.HIGHEST
     loss = jnp.dot(weights, step_loss, precision=precision)[None]
-    if not metrics:
-        return loss
     step_metrics = jnp.where(weights[:, None] > 0, state.step_metrics[row], 0.0)
     return jnp.concatenate([loss, jnp.dot(weights, step_metrics, precision=precision)])
 
