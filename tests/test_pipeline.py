@@ -101,8 +101,17 @@ class _StopAt:
 KINDS = ["endless", "loader", "memmap"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("progress", [False, True])
+# One source and path in the quick suite; every other pair with the heavy tests.
+EARLY_ENDS = [
+    pytest.param(
+        kind, progress, marks=[] if (kind, progress) == ("endless", False) else [pytest.mark.heavy]
+    )
+    for kind in KINDS
+    for progress in (False, True)
+]
+
+
+@pytest.mark.parametrize("kind, progress", EARLY_ENDS)
 def test_early_ends_finish(kind, progress, tmp_path):
     x, y = _arrays()
 

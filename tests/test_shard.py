@@ -1,5 +1,8 @@
 """`fit(..., mesh=, shard=)`: the model and optimizer state laid out over the mesh, never
 whole on one device, training as one device does.
+
+Most are heavy (a 64-1024-1024-1 MLP over 8 devices, fitted several times): the quick
+suite keeps the layout's memory and its errors.
 """
 
 import re
@@ -81,6 +84,7 @@ def test_fsdp_holds_an_eighth_per_device(problem):
     assert mu.layers[1].weight.sharding.spec == P("data")
 
 
+@pytest.mark.heavy
 def test_fsdp_trains_as_one_device(problem):
     model, data, kw, alone = problem
     result = eqfit.fit(model, data, mesh=mesh8(), shard=fsdp("data"), **kw)
@@ -88,6 +92,7 @@ def test_fsdp_trains_as_one_device(problem):
     np.testing.assert_allclose(result.history.loss, alone.history.loss, rtol=1e-5)
 
 
+@pytest.mark.heavy
 def test_tensor_parallel_rules_on_a_2x4_mesh(problem):
     model, data, kw, alone = problem
     result = eqfit.fit(model, data, mesh=mesh2x4(), shard=TENSOR_PARALLEL, **kw)
@@ -96,6 +101,7 @@ def test_tensor_parallel_rules_on_a_2x4_mesh(problem):
     np.testing.assert_allclose(result.history.loss, alone.history.loss, rtol=1e-5)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("form", ["spec", "function", "prefix"])
 def test_every_form_of_shard(problem, form):
     model, data, kw, alone = problem
@@ -129,6 +135,7 @@ def test_layout_errors_come_before_anything_compiles(problem):
         eqfit.fit(stacked, data, mesh=mesh8(), shard=fsdp(), ensemble=True, **kw)
 
 
+@pytest.mark.heavy
 def test_a_sharded_model_predicts_and_evaluates(problem):
     model, (x, y), kw, alone = problem
     result = eqfit.fit(model, (x, y), mesh=mesh8(), shard=fsdp("data"), **{**kw, "epochs": 1})
@@ -138,6 +145,7 @@ def test_a_sharded_model_predicts_and_evaluates(problem):
     assert np.isfinite(values["loss"])
 
 
+@pytest.mark.heavy
 def test_streamed_data_and_progress_under_shard(problem):
     model, (x, y), kw, _ = problem
     compiled = eqfit.fit(model, (x, y), mesh=mesh8(), shard=fsdp("data"), shuffle=False, **kw)
@@ -170,6 +178,7 @@ def _stopped_run(model, data, kw, directory, mesh, shard):
     assert (directory / "ckpt-000002-000000" / "state").is_dir()  # Orbax's format
 
 
+@pytest.mark.heavy
 def test_resume_on_the_same_layout_is_bitwise_equal(problem, tmp_path):
     model, data, kw, _ = problem
     kw = {**kw, "epochs": 4}
@@ -184,6 +193,7 @@ def test_resume_on_the_same_layout_is_bitwise_equal(problem, tmp_path):
     np.testing.assert_array_equal(resumed.history.step_loss, whole.history.step_loss)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layout", ["2x4", "4 devices"])
 def test_resume_onto_another_layout(problem, tmp_path, layout):
     model, data, kw, _ = problem
