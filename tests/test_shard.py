@@ -213,3 +213,33 @@ def test_resume_onto_another_layout(problem, tmp_path, layout):
     assert len(arrays(resumed.model)[0].sharding.device_set) == mesh.size
     assert_trees_close(resumed.model, whole.model, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(resumed.history.loss, whole.history.loss, rtol=1e-5)
+
+
+class _Normed(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.linear = eqx.nn.Linear(FEATURES, 64, key=k1)
+        self.norm = eqx.nn.BatchNorm(64, axis_name="batch", mode="batch")
+        self.head = eqx.nn.Linear(64, "scalar", key=k2)
+
+    def __call__(self, x, state):
+        h, state = self.norm(jax.nn.relu(self.linear(x)), state)
+        return self.head(h), state
+
+
+@pytest.mark.heavy
+def test_a_stateful_model_under_shard(problem):
+    _, data, kw, _ = problem
+    model, state = eqx.nn.make_with_state(_Normed)(jax.random.key(3))
+    kw = {**kw, "loss": eqfit.losses.mse, "epochs": 2}
+    alone = eqfit.fit(model, data, state=state, **kw)
+    every = lambda path, leaf: P("data") if leaf.ndim and leaf.shape[0] % 8 == 0 else None  # noqa: E731
+    result = eqfit.fit(model, data, state=state, mesh=mesh8(), shard=every, **kw)
+    assert result.model.linear.weight.sharding.spec == P("data")
+    assert result.state is not None  # the model state, replicated, moved as one device's
+    assert_trees_close(result.state, alone.state, rtol=1e-5, atol=1e-5)
+    assert_trees_close(result.model, alone.model, rtol=1e-5, atol=1e-5)
