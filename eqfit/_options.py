@@ -169,6 +169,10 @@ def check_options(
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
     )
+    if shard is not None and checkpoint is not None:
+        from ._orbax import require_orbax  # not at import: `import eqfit` stays lean
+
+        require_orbax()
     if early_stopping is not None and early_stopping.monitor not in options.log_names:
         hint = ""
         if early_stopping.monitor.startswith("val_") and not options.validates:

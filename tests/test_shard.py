@@ -6,6 +6,7 @@ suite keeps the layout's memory and its errors.
 """
 
 import re
+import sys
 
 import equinox as eqx
 import jax
@@ -120,6 +121,15 @@ def test_every_form_of_shard(problem, form):
         expected = [P(), P(), P("data"), P("data"), P(), P()]
     result = eqfit.fit(model, data, mesh=mesh8(), shard=shard, **{**kw, "epochs": 1})
     assert specs(result.model) == expected
+
+
+def test_checkpoints_under_shard_need_orbax_and_say_so(problem, monkeypatch, tmp_path):
+    model, data, kw, _ = problem
+    for name in ("orbax", "orbax.checkpoint"):  # as if it were not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=re.escape("pip install 'eqfit[sharding]'")):
+        eqfit.fit(model, data, mesh=mesh8(), shard=fsdp("data"), checkpoint=tmp_path, **kw)
+    assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
 def test_layout_errors_come_before_anything_compiles(problem):
