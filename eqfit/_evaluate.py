@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
-from ._labels import LabelError
+from ._labels import either, LabelError
 from ._step import clone, Objective
 
 
@@ -32,7 +32,9 @@ def evaluate_batches(
         loss, _, labels = objective.value(model, clone(model_state), batch, key)
         metrics, metric_labels = objective.metric_values(model, clone(model_state), batch)
         values = jnp.concatenate([loss[None].astype(jnp.float32), metrics])
-        return values, labels.or_else(metric_labels)
+        labels = either(labels, metric_labels)
+        # Carried through the scan, so always a value (once per evaluation: cheap).
+        return values, LabelError.none() if labels is None else labels
 
     total, labels = jnp.zeros(1 + len(objective.metrics)), LabelError.none()
     if num_full:

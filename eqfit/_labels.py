@@ -76,12 +76,23 @@ def collecting() -> Iterator[list[LabelError]]:
         _COLLECTOR.reset(token)
 
 
-def first_of(found: list[LabelError]) -> LabelError:
-    """The first bad label among the checks of one call, or none."""
-    error = LabelError.none()
-    for check in reversed(found):
+def first_of(found: list[LabelError]) -> LabelError | None:
+    """The first bad label among the checks of one call; `None` where nothing checked
+    labels (then the program carries nothing for them, and pays nothing).
+    """
+    if not found:
+        return None
+    error = found[-1]
+    for check in reversed(found[:-1]):
         error = check.or_else(error)
     return error
+
+
+def either(first: LabelError | None, then: LabelError | None) -> LabelError | None:
+    """`first` if it found a bad label, else `then`; either may be `None` (no checks)."""
+    if first is None or then is None:
+        return then if first is None else first
+    return first.or_else(then)
 
 
 def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Array:

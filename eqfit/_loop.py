@@ -419,10 +419,14 @@ class _Run:
             out = step(state.params, state.opt_state, state.model_state, batch, key)
             row, column = schedule.record_row(t), schedule.record_column(t)
             nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
-            labels = out.labels._replace(step=jnp.asarray(t, jnp.int32))
-            reason = state.reason
-            if loop.on_nan != "skip":
+            reason, label_error = state.reason, state.label_error
+            why: Any = Stop.NON_FINITE_LOSS
+            if out.labels is not None:  # the loss or the metrics check labels
+                label_error = label_error.or_else(
+                    out.labels._replace(step=jnp.asarray(t, jnp.int32))
+                )
                 why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
+            if loop.on_nan != "skip":
                 reason = jnp.where(out.finite, reason, why)
             state = state._replace(
                 params=out.params,
@@ -431,7 +435,7 @@ class _Run:
                 step=t + 1,
                 reason=reason,
                 nan_step=nan_step,
-                label_error=state.label_error.or_else(labels),
+                label_error=label_error,
                 step_loss=state.step_loss.at[row, column].set(out.loss),
                 running=state.running
                 + jnp.where(out.finite, jnp.stack([out.loss * size, size]), 0.0),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree, TypeCheckError
 
-from ._labels import collecting, first_of, LabelError
+from ._labels import collecting, either, first_of, LabelError
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -176,7 +176,7 @@ class Objective(eqx.Module):
 
     def value(
         self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
-    ) -> tuple[Float[Array, ""], PyTree, LabelError]:
+    ) -> tuple[Float[Array, ""], PyTree, LabelError | None]:
         """The loss, the model state after the batch (`None` without state), and the
         first label out of range that the loss met (see `eqfit._labels`).
         """
@@ -199,7 +199,7 @@ class Objective(eqx.Module):
 
     def metric_values(
         self, model: PyTree, model_state: PyTree, batch: PyTree
-    ) -> tuple[Float[Array, " metrics"], LabelError]:
+    ) -> tuple[Float[Array, " metrics"], LabelError | None]:
         """Each metric on the batch, in order (an empty vector without metrics), and the
         first label out of range that they met.
         """
@@ -229,7 +229,7 @@ class StepResult(NamedTuple):
     loss: Float[Array, ""]
     metrics: Float[Array, " metrics"]
     finite: Bool[Array, ""]
-    labels: LabelError  # the first label out of range in the batch, if any
+    labels: LabelError | None  # the first label out of range; `None`: nothing checked
 
 
 class Step(eqx.Module):
@@ -264,7 +264,7 @@ class Step(eqx.Module):
         # metrics and a skipped step each get their own copy.
         kept = clone(model_state)
 
-        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree, LabelError]]:
+        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree, LabelError | None]]:
             model = self.combine(p)
             loss, new_state, labels = self.objective.value(model, model_state, batch, key)
             return loss, (model, new_state, labels)
@@ -272,15 +272,15 @@ class Step(eqx.Module):
         (loss, (model, new_state, labels)), grads = jax.value_and_grad(value, has_aux=True)(params)
         # Metrics see the model before this step's update, as the loss does.
         metrics, metric_labels = self.objective.metric_values(model, clone(new_state), batch)
-        labels = labels.or_else(metric_labels)
+        labels = either(labels, metric_labels)
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
             # the per-device means is the mean over the whole batch.
             loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), self.axis_name)
-            # A bad label on any device's share is the batch's.
-            every = jax.lax.all_gather(labels, self.axis_name)
-            first = jnp.argmax(every.found)
-            labels = jax.tree.map(lambda x: x[first], every)
+            if labels is not None:  # a bad label on any device's share is the batch's
+                every = jax.lax.all_gather(labels, self.axis_name)
+                first = jnp.argmax(every.found)
+                labels = jax.tree.map(lambda x: x[first], every)
         if self.lay_out is not None:
             # The gradients as the parameters are laid out: XLA reduce-scatters them.
             grads, _ = self.lay_out(grads, None)
