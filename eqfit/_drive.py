@@ -499,7 +499,10 @@ def drive(
                 break
         if report is None:  # no feed at all: nothing to train on from here
             raise ValueError("The data yielded no batches to train on.")
-        reader.read()
+        if any(type(o).on_progress is not Observer.on_progress for o in observers):
+            reader.read()  # the last reports, for those who read them (the bar, callbacks)
+        else:  # nobody reads them: `finish` reads the last one
+            WAITER.wait(report.step)
     except BaseException:
         # A second Ctrl-C, or an error: let the calls in flight (each about half a second)
         # finish, so that the process does not exit with the device still running; but
