@@ -28,7 +28,7 @@ from ._loop import (
     TrainState,
 )
 from ._options import check_options, Options, plain_optimizer
-from ._parallel import check_batch_split, Device, global_rows
+from ._parallel import check_batch_split, Device, global_rows, param_specs
 from ._result import finish, FitResult
 from ._schedule import make_schedule, Schedule
 from ._sharding import Shard
@@ -232,9 +232,7 @@ def fit(
     schedule = _plan(source, options)
     # The program: the run's static description, its arrays, its starting state.
     objects = Objects(loss, tuple((metrics or {}).items()), plain_optimizer(optimizer))
-    loop, params, consts = make_loop(
-        model, filter_spec, objects, schedule, options, not source.streamed
-    )
+    loop, params, consts = make_loop(model, filter_spec, objects, schedule, options)
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
     placement = loop.placement
@@ -308,7 +306,7 @@ def _checkpoints(options: Options, config: dict[str, Any], schedule: Schedule) -
     """The checkpoint directory: under `shard=`, Orbax's format, which every process writes
     its shards of; else one file, which process 0 writes and every process reads.
     """
-    if getattr(options.placement, "specs", None) is not None:
+    if param_specs(options.placement) is not None:
         from ._orbax import ShardedCheckpoints
 
         return ShardedCheckpoints(options.checkpoint, config, schedule.steps_per_epoch)

@@ -28,7 +28,7 @@ from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches
 from ._labels import LabelError
 from ._options import Options
-from ._parallel import OneDevice, Placement
+from ._parallel import OneDevice, param_specs, Placement
 from ._schedule import Schedule
 from ._step import Objective, Step, takes_key
 
@@ -115,7 +115,6 @@ class Loop:
     metric_names: tuple[str, ...]
     schedule: Schedule
     batch_size: int  # of each step here (for streamed data: of this program's pieces)
-    in_memory: bool = True  # the data is on the device, ordered by the program
     shuffle: bool = True
     validate: bool = False
     on_nan: OnNan = "raise"
@@ -153,7 +152,7 @@ class Loop:
         """With `shard=`, each trained array's `NamedSharding`, in `params_tree`'s
         structure; else `None`.
         """
-        specs = getattr(self.placement, "specs", None)
+        specs = param_specs(self.placement)
         if specs is None:
             return None
         mesh = self.placement.mesh  # pyright: ignore[reportAttributeAccessIssue]
@@ -553,7 +552,6 @@ def make_loop(
     objects: Objects,
     schedule: Schedule,
     options: Options,
-    in_memory: bool,
 ) -> tuple[Loop, list[Array], Consts]:
     """Splits the model into the arrays that train and the frozen rest, takes out the
     arrays the other objects hold, and describes the run as a hashable `Loop`.
@@ -575,7 +573,6 @@ def make_loop(
         metric_names=tuple(name for name, _ in objects.metrics),
         schedule=schedule,
         batch_size=schedule.batch_size,
-        in_memory=in_memory,
         shuffle=options.shuffle,
         validate=options.validates,
         on_nan=options.on_nan,

@@ -237,6 +237,11 @@ def choose_placement(
     return placement
 
 
+def param_specs(placement: Placement) -> tuple[P, ...] | None:
+    """The layout of each array of the model that `shard=` asked for; `None`: replicated."""
+    return placement.specs if isinstance(placement, Sharded) else None
+
+
 def check_batch_split(placement: Placement, batch_size: int) -> None:
     """Refuses a `batch_size` that does not split evenly over the placement's devices."""
     if isinstance(placement, Pmap):
