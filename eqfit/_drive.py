@@ -20,7 +20,7 @@ from jaxtyping import PyTree
 
 from ._checkpoint import CheckpointError, Checkpoints, Interrupt
 from ._compile import PROGRAM_CACHE
-from ._loop import Inputs, Loop, Piece, Report, run_key, Stop, TrainState
+from ._loop import Inputs, learned_state, Loop, Piece, Report, run_key, Steps, Stop, TrainState
 from ._schedule import Schedule
 from ._sources import Chunk
 
@@ -58,6 +58,7 @@ class Feed(NamedTuple):
     inputs: Inputs
     end: int
     batch_size: int
+    epoch_length: int | None = None  # learned from the loader's first pass
 
 
 class Progress(NamedTuple):
@@ -80,10 +81,16 @@ class Observer:
     - `after_call(position, state)`: the call to `position` is queued; `state` is its
         (future) training state.
     - `on_progress(progress)`: reports were read; returns `True` to stop training.
+    - `learned(schedule)`: the first epoch showed the epoch's length (a loader without
+        `len`); `schedule` is the run's from now on.
     - `close()`: the run is over, however it ended.
     """
 
     seconds_per_call: float | None = None
+    schedule: Schedule
+
+    def learned(self, schedule: Schedule) -> None:
+        self.schedule = schedule
 
     def boundary(self, position: int) -> int | None:
         return None
@@ -121,11 +128,17 @@ class Bar(Observer):
 
             schedule = self.schedule
             self.made = tqdm(
-                total=schedule.total - schedule.begin,
+                total=None if schedule.learning else schedule.total - schedule.begin,
                 initial=self.begin - schedule.begin,
                 unit="step",
                 dynamic_ncols=True,
             )
+
+    def learned(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        if self.made is not None:
+            self.made.total = schedule.total - schedule.begin
+            self.made.refresh()
 
     def on_progress(self, progress: Progress) -> bool:
         if self.made is None or progress.position <= self.shown:
@@ -220,8 +233,11 @@ class Interrupting(Observer):
 
 
 class Outcome(NamedTuple):
-    """How the drive ended: the final state, the last report, and what stopped it."""
+    """How the drive ended: the final state, the last report, and what stopped it;
+    `loop` is the run's, with the epoch's length learned if it was to be.
+    """
 
+    loop: Loop
     state: TrainState
     report: Report
     stopped_by_callback: bool
@@ -236,7 +252,8 @@ class _Reader:
 
     def __init__(self, loop: Loop, begin: int, observers: Sequence[Observer]):
         self.loop, self.observers = loop, observers
-        self.in_flight: list[tuple[Report, int]] = []  # each call's report and steps
+        self.in_flight: list[tuple[Report, int, int]] = []  # each call's report, begin, stop
+        self.first_epoch: list[Steps] = []  # while it teaches the epoch's length: its steps
         self.finished = False  # the program stopped, or an observer asked to stop
         self.by_observer = False
         # The position the last report read had reached. Reads count from it, not from
@@ -245,10 +262,10 @@ class _Reader:
         self.done = begin
         self.clock = time.perf_counter()
 
-    def queued(self, report: Report, steps: int) -> None:
+    def queued(self, report: Report, begin: int, stop: int) -> None:
         if not self.in_flight:  # the device starts on it now (its compilation is done)
             self.clock = time.perf_counter()
-        self.in_flight.append((report, steps))
+        self.in_flight.append((report, begin, stop))
 
     def read(self, keep: int = 0) -> float | None:
         """Reads every report in flight but the last `keep`; returns the seconds per step
@@ -256,9 +273,9 @@ class _Reader:
         """
         steps = 0
         while len(self.in_flight) > keep:
-            report, count = self.in_flight.pop(0)
-            self._take(report)
-            steps += count
+            report, begin, stop = self.in_flight.pop(0)
+            self._take(report, begin, stop)
+            steps += stop - begin
         if not steps:
             return None
         now = time.perf_counter()
@@ -266,9 +283,26 @@ class _Reader:
         self.clock = now
         return seconds
 
-    def _take(self, report: Report) -> None:
+    def first_steps(self, length: int) -> Steps | None:
+        """The record of the first epoch's steps, up to `length` of them, as the calls
+        read so far reported them; `None` before any call.
+        """
+        if not self.first_epoch:
+            return None
+        axis = 0 if self.loop.members is None else 1
+        joined = [np.concatenate(x, axis=axis) for x in zip(*self.first_epoch)]
+        return Steps(
+            *(np.take(x, np.arange(min(length, x.shape[axis])), axis=axis) for x in joined)
+        )
+
+    def _take(self, report: Report, call_begin: int, call_stop: int) -> None:
         WAITER.wait(report.step)
         placement, schedule = self.loop.placement, self.loop.schedule
+        if report.steps is not None:  # the first epoch, while it teaches its length
+            axis = 0 if self.loop.members is None else 1
+            columns = np.arange(call_begin, call_stop) % schedule.columns
+            steps = placement.host(report.steps)
+            self.first_epoch.append(Steps(*(np.take(x, columns, axis=axis) for x in steps)))
         host = placement.host((report.step, report.reason, report.epoch_loss, report.epoch_values))
         step, reason, epoch_loss, table = (np.asarray(x) for x in host)
         stopped = bool((reason != Stop.RUNNING).all())
@@ -413,7 +447,7 @@ def feeds(
         else:
             piece = Piece(chunk.order, np.int32(chunk.first), np.int32(chunk.end))
             inputs = template._replace(data=put(chunk.data, sharded=True), piece=put(piece))
-        return Feed(inputs, chunk.end, chunk.batch_size)
+        return Feed(inputs, chunk.end, chunk.batch_size, chunk.epoch_length)
 
     if not streamed:
         return map(feed, chunks), lambda: None
@@ -459,8 +493,27 @@ def drive(
 
     position, report = begin, None
     failure = None
+
+    def learn(length: int) -> None:
+        """The first epoch has shown the epoch's length: the run goes on as one of
+        epochs of `length` steps, with the steps so far in its record.
+        """
+        nonlocal loop, schedule, state, programs
+        reader.read()  # the steps of every call so far
+        loop = dataclasses.replace(loop, schedule=schedule.learned(length))
+        reader.loop, schedule = loop, loop.schedule
+        learned = learned_state(loop, state, reader.first_steps(length))
+        records = ("step_loss", "step_metrics", "batch_sizes", "epoch_values")
+        placed = loop.placement.put(jax.device_put({k: getattr(learned, k) for k in records}))
+        state = state._replace(**placed)
+        programs = {loop.batch_size: program(loop)}
+        for observer in observers:
+            observer.learned(schedule)
+
     try:
         for feed in feeds:
+            if feed.epoch_length is not None and schedule.learning:
+                learn(feed.epoch_length)
             # A call per turn, at least one per feed: a call with nothing to do (a finished
             # run resumed) still reports where the run stands.
             while not (report is not None and interrupted_at_epoch_end(position)):
@@ -474,7 +527,7 @@ def drive(
                     piece_loop = dataclasses.replace(loop, batch_size=feed.batch_size)
                     programs[feed.batch_size] = program(piece_loop)
                 state, report = programs[feed.batch_size](state, feed.inputs, np.int32(stop))
-                reader.queued(report, stop - position)
+                reader.queued(report, position, stop)
                 position = stop
                 try:
                     for observer in observers:
@@ -499,7 +552,10 @@ def drive(
                 break
         if report is None:  # no feed at all: nothing to train on from here
             raise ValueError("The data yielded no batches to train on.")
-        if any(type(o).on_progress is not Observer.on_progress for o in observers):
+        if schedule.learning:  # stopped in the first epoch: it is as long as it went
+            reader.read()
+            learn(max(reader.done, 1))
+        elif any(type(o).on_progress is not Observer.on_progress for o in observers):
             reader.read()  # the last reports, for those who read them (the bar, callbacks)
         else:  # nobody reads them: `finish` reads the last one
             WAITER.wait(report.step)
@@ -514,6 +570,7 @@ def drive(
         for observer in observers:
             observer.close()
     return Outcome(
+        loop,
         state,
         report,
         stopped_by_callback=reader.by_observer,

@@ -99,7 +99,10 @@ def fit(
             larger than memory: read in chunks while the device trains;
         - a loader: a re-iterable yielding batches (a PyTorch `DataLoader`, a Grain
             dataset), iterated anew for each pass; or an iterator or generator, used once
-            (an endless one needs `steps_per_epoch`).
+            (an endless one needs `steps_per_epoch`). A loader without `len` trains its
+            first pass as it is read, and that pass's length is every epoch's (an
+            iterator without `len` trains one epoch, to its end, unless given
+            `steps_per_epoch`).
     - `loss`: called as `loss(model, *batch)` (or `loss(model, state, *batch)` returning
         `(value, new_state)` with `state=`), returning a scalar. If it takes a keyword
         `key`, it gets a fresh key every step (for dropout and the like).
@@ -258,7 +261,7 @@ def fit(
             outcome = drive(
                 loop, run_program, placement.put(train_state), train_feeds, begin, observers
             )
-    return finish(loop, outcome, consts, began)
+    return finish(outcome.loop, outcome, consts, began)
 
 
 def _open(data: Any, validation_data: Any, options: Options) -> tuple[Source, PyTree | None]:

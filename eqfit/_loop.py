@@ -239,6 +239,16 @@ class Inputs(NamedTuple):
     piece: Piece | None = None  # streamed data: where `data` sits in the run
 
 
+class Steps(NamedTuple):
+    """The record of one call's steps, while the epoch's length is learned: column
+    `t % Schedule.columns` holds step `t`'s (NaN, or 0 for sizes, where none ran).
+    """
+
+    loss: Float[ArrayLike, "*members steps"]
+    metrics: Float[ArrayLike, "*members steps metrics"]
+    batch_sizes: Int[ArrayLike, "*members steps"]
+
+
 class Report(NamedTuple):
     """What a call of `run` tells the host, read once it is due."""
 
@@ -252,6 +262,7 @@ class Report(NamedTuple):
     epoch_values: Float[Array, "*members epochs logs"]  # NaN for epochs not finished
     # With `restore_best`: the trained arrays and model state to return.
     trained: tuple[PyTree, PyTree] | None
+    steps: Steps | None = None  # while the epoch's length is learned: this call's steps
 
 
 def start(
@@ -268,7 +279,7 @@ def start(
     """
     parts = loop.parts(consts)
     schedule = loop.schedule
-    rows, steps = schedule.rows, schedule.steps_per_epoch
+    rows, steps = schedule.rows, schedule.columns
 
     def start_one(params: list[Array], opt_state: PyTree, model_state: PyTree) -> TrainState:
         params = loop.params_tree([jnp.copy(p) for p in params])
@@ -352,6 +363,12 @@ class _Run:
     def run(self, state: TrainState) -> tuple[TrainState, Report]:
         loop, schedule = self.loop, self.loop.schedule
         stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
+        if schedule.learning:  # each call's steps are recorded afresh, for the host
+            state = state._replace(
+                step_loss=jnp.full_like(state.step_loss, jnp.nan),
+                step_metrics=jnp.full_like(state.step_metrics, jnp.nan),
+                batch_sizes=jnp.zeros_like(state.batch_sizes),
+            )
         # One key per global step, so a step's key does not depend on how the run is cut
         # into pieces. (Derived only if the loss asks for one: threefry is costly to
         # compile.)
@@ -524,7 +541,42 @@ class _Run:
             epoch_loss=state.running[0] / state.running[1],
             epoch_values=state.epoch_values,
             trained=trained,
+            steps=Steps(state.step_loss[0], state.step_metrics[0], state.batch_sizes[0])
+            if self.loop.schedule.learning
+            else None,
         )
+
+
+def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainState:
+    """`state` of a run that learned its epoch's length, as `loop` (the learned one)
+    keeps it: the first epoch's steps so far (`first`, on the host; `None`: none) in its
+    record.
+    """
+    schedule = loop.schedule
+    members = () if loop.members is None else (loop.members,)
+    shape = (*members, schedule.rows, schedule.columns)
+    if first is None:
+        none = (*members, 0)
+        metrics = np.zeros((*none, len(loop.metric_names)), np.float32)
+        first = Steps(np.zeros(none, np.float32), metrics, np.zeros(none, np.int32))
+
+    def record(steps: ArrayLike, fill: Any) -> np.ndarray:
+        """A record of `steps` (`(*members, n, ...)`) as row 0 of `(*members, rows,
+        columns, ...)`, filled with `fill` elsewhere.
+        """
+        steps = np.asarray(steps)
+        rest = steps.shape[len(members) + 1 :]
+        out = np.full((*shape, *rest), fill, steps.dtype)
+        out[(slice(None),) * len(members) + (0, slice(0, steps.shape[len(members)]))] = steps
+        return out
+
+    logs = (*members, schedule.rows, len(loop.log_names))
+    return state._replace(
+        step_loss=record(first.loss, np.nan),
+        step_metrics=record(first.metrics, np.nan),
+        batch_sizes=record(first.batch_sizes, 0),
+        epoch_values=np.full(logs, np.nan, np.float32),
+    )
 
 
 def epoch_means(state: TrainState, row: Int[Array, ""]) -> Float[Array, " values"]:

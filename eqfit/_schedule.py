@@ -10,10 +10,17 @@ on Python integers and on traced JAX integers alike, so the program asks them to
 import dataclasses
 from typing import Any, NamedTuple, TypeVar
 
+import jax
+
 from ._options import Options
 
 
 _Int = TypeVar("_Int")  # a Python int, or a traced integer inside the program
+
+
+# The `steps_per_epoch` of a run whose epoch's length is learned from its first epoch,
+# while that epoch trains: no step reaches an epoch's end before the length is known.
+UNKNOWN = 2**31 - 1
 
 
 class SourceShape(NamedTuple):
@@ -22,6 +29,7 @@ class SourceShape(NamedTuple):
     num_samples: int | None  # rows per pass (arrays and memmaps); None for a loader
     batch_size: int | None  # a loader's own batch size (its first batch's)
     batches: int | None  # a loader's batches per pass, where it says (`len`)
+    steps_per_chunk: int | None = None  # a loader's most batches in one chunk
 
 
 class Passes(NamedTuple):
@@ -51,6 +59,9 @@ class Schedule:
     - `epochs`: the number of the run's last epoch, counted from 1.
     - `passes`: how a pass over rows the program (or the memmap reader) orders splits
         into batches; `None` for a loader, which makes its own batches.
+    - `columns`: the steps each epoch's row of the run's record holds: `steps_per_epoch`,
+        but while a loader's first epoch teaches its length (`steps_per_epoch` is then
+        `UNKNOWN`), the most steps of one call, the host keeping each call's steps.
     """
 
     batch_size: int
@@ -58,6 +69,21 @@ class Schedule:
     first_epoch: int
     epochs: int
     passes: Passes | None = None
+    columns: int = 0  # 0: `steps_per_epoch`
+
+    def __post_init__(self) -> None:
+        if not self.columns:
+            object.__setattr__(self, "columns", self.steps_per_epoch)
+
+    @property
+    def learning(self) -> bool:
+        """Whether the epoch's length is still to be learned from the first epoch."""
+        return self.steps_per_epoch == UNKNOWN
+
+    def learned(self, steps_per_epoch: int) -> "Schedule":
+        """The schedule once the first epoch has shown its length."""
+        assert self.learning and self.first_epoch == 0
+        return Schedule(self.batch_size, steps_per_epoch, 0, self.epochs)
 
     @property
     def begin(self) -> int:
@@ -66,7 +92,9 @@ class Schedule:
 
     @property
     def total(self) -> int:
-        """The global step the run ends at."""
+        """The global step the run ends at (while learning the epoch's length: none)."""
+        if self.learning:
+            return UNKNOWN
         return max(self.epochs, self.first_epoch) * self.steps_per_epoch
 
     @property
@@ -100,7 +128,7 @@ class Schedule:
         return step // self.steps_per_epoch - self.first_epoch  # type: ignore[operator]
 
     def record_column(self, step: _Int) -> _Int:
-        return step % self.steps_per_epoch  # type: ignore[operator]
+        return step % self.columns  # type: ignore[operator]
 
     def locate(self, step: int) -> tuple[int, int]:
         """`(epoch, step within it)` of the step at index `step`, both counted from 1."""
@@ -149,12 +177,9 @@ def make_schedule(shape: SourceShape, options: Options) -> Schedule:
         assert shape.batch_size is not None
         batch_size, passes = shape.batch_size, None
         per_epoch = options.steps_per_epoch or shape.batches
-        if per_epoch is None:
-            raise ValueError(
-                "`data` is a loader that does not say its length (no `len`), or says one too "
-                "large to be an epoch, so eqfit cannot tell where an epoch ends. Pass "
-                "`steps_per_epoch=`, the number of batches each epoch takes."
-            )
+        if per_epoch is None:  # learned from the first epoch, as it trains
+            assert shape.steps_per_chunk is not None
+            return Schedule(batch_size, UNKNOWN, 0, options.epochs, columns=shape.steps_per_chunk)
     else:
         batch_size = options.batch_size
         passes = plan_passes(shape.num_samples, batch_size, options.drop_remainder)
@@ -166,6 +191,29 @@ def make_schedule(shape: SourceShape, options: Options) -> Schedule:
             "train for fewer, or give a smaller `steps_per_epoch`."
         )
     return Schedule(batch_size, per_epoch, options.initial_epoch, options.epochs, passes)
+
+
+def check_learnable(one_shot: bool, options: Options) -> None:
+    """Refuses, before any batch is read, a run that needs an epoch's length before the
+    first epoch can show it (a loader without `len` or `steps_per_epoch`).
+    """
+    need = None
+    if one_shot and options.epochs > 1:
+        need = (
+            f"trains for `epochs`={options.epochs}, but it is an iterator (or generator): "
+            "one pass, which eqfit cannot cut into epochs without knowing their length"
+        )
+    elif options.initial_epoch:
+        need = f"continues from `initial_epoch`={options.initial_epoch}"
+    elif options.checkpoint is not None:
+        need = "writes checkpoints, which are named by their epoch and step"
+    elif jax.process_count() > 1:
+        need = "runs over several processes, which must agree on every epoch's end"
+    if need is not None:
+        raise ValueError(
+            "`data` is a loader that does not say its length (no `len`), and this run "
+            f"{need}. Pass `steps_per_epoch=`, the number of batches each epoch takes."
+        )
 
 
 def plan_passes(num_samples: int, batch_size: int, drop_remainder: bool) -> Passes:

@@ -23,7 +23,7 @@ from jaxtyping import Array, Key, PyTree
 
 from ._data import as_data, check_data, num_samples, sample_shapes
 from ._options import Options
-from ._schedule import Schedule, SourceShape
+from ._schedule import check_learnable, Schedule, SourceShape
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
@@ -46,6 +46,9 @@ class Chunk(NamedTuple):
     first: int
     end: int
     batch_size: int
+    # A loader without `len`: the first epoch's length, on the chunk that ends it (and
+    # every chunk after), learned by reading one batch ahead in its first pass.
+    epoch_length: int | None = None
 
 
 @runtime_checkable
@@ -83,7 +86,7 @@ def open_source(data: Any, options: Options) -> Source:
             return Memmaps(data, options.shuffle, host_seed(options.key))
     elif isinstance(data, Iterable) and not isinstance(data, (*arrays, str, bytes)):
         # A list of batches, a loader, an iterator, a generator.
-        return Loader(data, options.steps_per_epoch)
+        return Loader(data, options)
     return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
 
 
@@ -285,41 +288,37 @@ class Loader(_Streamed):
     passes came before.
 
     Opening it starts the first pass, whose first batch says the batch's shape; training
-    goes on from that same iterator.
+    goes on from that same iterator. A loader that does not say its length (no `len`,
+    no `steps_per_epoch`) is never counted ahead: its first pass trains as it is read, a
+    batch read ahead to see where it ends, and that pass's length is every epoch's.
     """
 
-    def __init__(self, loader: Iterable[Any], steps_per_epoch: int | None):
+    def __init__(self, loader: Iterable[Any], options: Options):
         self.loader = loader
         self.one_shot = isinstance(loader, collections.abc.Iterator)
         self.passes_done = 0
         length = _length(loader)
-        if length is not None and length >= 2**31 and steps_per_epoch is None:
+        if length is not None and length >= 2**31 and options.steps_per_epoch is None:
             raise ValueError(
                 f"`data` says it has {length} batches (`len`), more than a run can count: it "
                 "is endless, or repeats. Pass `steps_per_epoch=`, the number of batches each "
                 "epoch takes."
             )
-        if steps_per_epoch is None and length is None:
-            if self.one_shot:
-                raise ValueError(
-                    "`data` is an iterator (or generator) of unknown length, so eqfit cannot "
-                    "tell where an epoch ends, nor count its batches without using them up. "
-                    "Pass `steps_per_epoch=`, the number of batches each epoch takes."
-                )
-            length = sum(1 for _ in self._iterate())  # a counting pass
-            if not length:
-                raise ValueError("`data` yielded no batches.")
         self.length = length  # batches in a pass, if known
+        self.learns = options.steps_per_epoch is None and length is None
+        if self.learns:
+            check_learnable(self.one_shot, options)
         self.stream = self._batches()
         try:
-            self.first, _ = next(self.stream)
+            self.first, _, self.first_ends = next(self.stream)
         except StopIteration:
             raise ValueError("`data` yielded no batches.") from None
         self.like = jax.tree.map(lambda a: a[:1], self.first)
         self.batch_size = num_samples(self.first)
 
     def shape(self) -> SourceShape:
-        return SourceShape(None, self.batch_size, self.length)
+        chunk = min(self.per_chunk(self.batch_size), LOADER_CHUNK_BATCHES)
+        return SourceShape(None, self.batch_size, self.length, chunk)
 
     def describe(self) -> list[list[Any]]:
         return [["loader", type(self.loader).__qualname__], *sample_shapes(self.first)]
@@ -342,17 +341,24 @@ class Loader(_Streamed):
             self.passes_done += 1
         return iter(self.loader)
 
-    def _batches(self) -> Iterator[tuple[PyTree, bool]]:
-        """Every batch as numpy arrays, with whether it starts a pass, pass after pass (a
-        one-shot loader gives one pass).
+    def _batches(self) -> Iterator[tuple[PyTree, bool, bool]]:
+        """Every batch as numpy arrays, with whether it starts a pass and whether it ends
+        the first, pass after pass (a one-shot loader gives one pass). Where the loader's
+        length is to be learned, its first pass is read a batch ahead, so that its last
+        batch is known as such; otherwise nothing is read before it is trained on.
         """
         index = 0
         while True:
+            batches = self._iterate()
+            ahead = self.learns and not index  # the first pass, of unknown length
+            batch = next(batches, _END)
             starts = True
-            for batch in self._iterate():
-                yield _as_batch(batch, index), starts
+            while batch is not _END:
+                following = next(batches, _END) if ahead else None
+                yield _as_batch(batch, index), starts, following is _END
                 starts = False
                 index += 1
+                batch = following if ahead else next(batches, _END)
             if self.one_shot or starts:  # used up, or a pass yielded nothing
                 return
 
@@ -372,9 +378,10 @@ class Loader(_Streamed):
             order = np.arange(len(batches) * batch_size)
             return Chunk(data, order, first, first + len(batches), batch_size)
 
-        stream = itertools.chain([(self.first, True)], self.stream)
+        stream = itertools.chain([(self.first, True, self.first_ends)], self.stream)
         step = 0
-        for step, (batch, starts_pass) in enumerate(stream):
+        learned = None  # the first epoch's length, once its last batch is read
+        for step, (batch, starts_pass, ends_first) in enumerate(stream):
             if smaller is not None and not starts_pass:
                 raise ValueError(
                     f"The loader's batch {step} follows a batch of {smaller} samples in the "
@@ -383,22 +390,28 @@ class Loader(_Streamed):
                 )
             got = _check_batch(batch, step, structure, shapes, size)
             smaller = got if got < size else None
+            if ends_first and schedule.learning:
+                learned = step + 1  # then the run is its epochs of this many steps
+                end = min(end, schedule.epochs * learned)
             if step < begin:  # trained before a resume
                 continue
             if got < size:
                 if held:
-                    yield chunk(held, size, step - len(held))
+                    yield chunk(held, size, step - len(held))._replace(epoch_length=learned)
                     held = []
-                yield chunk([batch], got, step)
+                yield chunk([batch], got, step)._replace(epoch_length=learned)
             else:
                 held.append(batch)
-                if len(held) == per_chunk or step + 1 >= end:
-                    yield chunk(held, size, step - len(held) + 1)
+                if len(held) == per_chunk or step + 1 >= end or ends_first:
+                    yield chunk(held, size, step - len(held) + 1)._replace(epoch_length=learned)
                     held = []
             if step + 1 >= end:
                 return
         if held:
-            yield chunk(held, size, step - len(held) + 1)
+            yield chunk(held, size, step - len(held) + 1)._replace(epoch_length=learned)
+
+
+_END = object()  # a pass's end, when reading ahead
 
 
 def _length(loader: Any) -> int | None:

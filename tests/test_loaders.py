@@ -71,10 +71,109 @@ def test_re_iterable_loader_trains_as_arrays_without_a_counting_pass(arrays, mod
     assert loader.epochs_set == [0, 1, 2]  # told before each pass how many came before
 
 
-def test_a_loader_without_len_is_counted_once(arrays, model):
-    loader = Batches(*arrays, with_len=False)
-    eqfit.fit(model, loader, epochs=2, **KWARGS)
-    assert loader.passes == 3  # one to count the batches, then one per epoch
+class Many:
+    """A loader of batches of 2: more than a chunk's 128 steps per pass, a last batch of 1.
+    With `len` or without, and once (a generator) or re-iterable.
+    """
+
+    def __init__(self, x, y, with_len):
+        self.x, self.y, self.with_len, self.passes = x, y, with_len, 0
+
+    def __len__(self):
+        if not self.with_len:
+            raise TypeError("no len")
+        return -(-len(self.x) // 2)
+
+    def __iter__(self):
+        self.passes += 1
+        for i in range(0, len(self.x), 2):
+            yield self.x[i : i + 2], self.y[i : i + 2]
+
+
+def _learned_problem():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(301, 4)).astype(np.float32)  # 151 batches: 150 of 2, one of 1
+    y = x.sum(axis=1)
+    kwargs = KWARGS | dict(optimizer=optax.sgd(0.01), metrics={"mae": eqfit.metrics.mae})
+    return x, y, kwargs
+
+
+def _same_run(a, b):
+    """Two results alike in everything: model, every value, step records, stop reason."""
+    assert_trees_equal(a.model, b.model)
+    assert a.history.values.keys() == b.history.values.keys()
+    for name in a.history.values:
+        np.testing.assert_array_equal(a.history[name], b.history[name])
+    np.testing.assert_array_equal(a.history.step_loss, b.history.step_loss)
+    np.testing.assert_array_equal(a.history.batch_sizes, b.history.batch_sizes)
+    assert a.history.stop_reason == b.history.stop_reason
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_loader_without_len_learns_its_epoch_from_the_first(model, progress):
+    """No counting pass: the first pass trains as it is read, over several calls of the
+    program, and the run is then what it is with `len`: the same history to the step.
+    """
+    x, y, kwargs = _learned_problem()
+    loader = Many(x, y, with_len=False)
+    result = eqfit.fit(model, loader, epochs=3, progress=progress, **kwargs)
+    assert loader.passes == 3  # one per epoch, none to count
+    expected = eqfit.fit(model, Many(x, y, with_len=True), epochs=3, **kwargs)
+    _same_run(result, expected)
+    assert result.history.step_loss.shape == (3, 151)
+    assert result.history.batch_sizes[0, -1] == 1 and np.all(np.isfinite(result.history.loss))
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_generator_with_one_epoch_trains_to_its_end(model, progress):
+    """As Keras does: an iterator of unknown length, `epochs=1`, is one epoch to its end,
+    whose history row is the mean of its batches.
+    """
+    x, y, kwargs = _learned_problem()
+    once = iter(Many(x, y, with_len=False))
+    result = eqfit.fit(model, once, epochs=1, progress=progress, **kwargs)
+    assert next(once, None) is None  # used up
+    _same_run(result, eqfit.fit(model, Many(x, y, with_len=True), epochs=1, **kwargs))
+    sizes, steps = result.history.batch_sizes[0], result.history.step_loss[0]
+    np.testing.assert_allclose(result.history.loss, [np.sum(sizes * steps) / 301], rtol=1e-5)
+
+
+def test_an_ensemble_learns_its_epoch_and_stops_inside_it(model):
+    """Members each keep their steps while the length is learned; a run stopped by a
+    NaN inside the first epoch ends as the run with `len` does.
+    """
+    x, y, kwargs = _learned_problem()
+    members = eqx.filter_vmap(lambda k: eqfit.models.MLP(4, "scalar", 8, 1, key=k))(
+        jax.random.split(jax.random.key(5), 2)
+    )
+    for data_y, on_nan in [(y, "raise"), (np.where(np.arange(301) == 261, np.nan, y), "stop")]:
+        runs = [
+            eqfit.fit(
+                members, Many(x, data_y, with_len), epochs=2, ensemble=True, on_nan=on_nan,
+                **kwargs,
+            )
+            for with_len in (False, True)
+        ]  # fmt: skip
+        _same_run(*runs)
+    assert runs[0].history.stop_reason == ("non_finite_loss", "non_finite_loss")
+    assert np.isnan(runs[0].history.step_loss[0, 130:]).all()
+
+
+def test_what_needs_the_epochs_length_first_names_steps_per_epoch(arrays, model, tmp_path):
+    """Refused before a batch is read: the generator loses none."""
+    x, y = arrays
+    once = iter(Batches(x, y, with_len=False))
+    cases = [
+        (once, dict(epochs=2), r"`epochs`=2, but it is an iterator \(or generator\)"),
+        (Batches(x, y, with_len=False), dict(epochs=2, initial_epoch=1), "`initial_epoch`=1"),
+        (Batches(x, y, with_len=False), dict(checkpoint=tmp_path / "run"), "checkpoints"),
+    ]
+    for data, options, message in cases:
+        with pytest.raises(ValueError, match=f"{message}.*Pass `steps_per_epoch=`"):
+            eqfit.fit(model, data, **options, **KWARGS)
+    assert not (tmp_path / "run").exists()
+    result = eqfit.fit(model, once, epochs=1, **KWARGS)
+    np.testing.assert_array_equal(result.history.batch_sizes, [[BATCH] * (N // BATCH)])
 
 
 @pytest.mark.parametrize("progress", [False, True])
@@ -96,8 +195,6 @@ def test_a_generator_is_used_once(arrays, model):
         for i in range(0, N, BATCH):
             yield x[i : i + BATCH], y[i : i + BATCH]
 
-    with pytest.raises(ValueError, match=r"iterator \(or generator\) of unknown length.*"):
-        eqfit.fit(model, once(), epochs=1, **KWARGS)
     # With a step budget it trains; running out stops training, with a warning.
     with pytest.warns(UserWarning, match=r"The data ran out after 1 of the 2 epochs"):
         result = eqfit.fit(model, once(), steps_per_epoch=6, epochs=2, **KWARGS)
