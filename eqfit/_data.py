@@ -176,13 +176,22 @@ def shuffle_seed(key: Key[Array, ""]) -> UInt32[Array, ""]:
 def feistel(
     x: UInt32[Array, " m"], round_keys: UInt32[Array, " rounds"], a: int, b: int
 ) -> UInt32[Array, " m"]:
-    """A keyed permutation of `[0, a * b)` (an even number of rounds), applied to `x`."""
-    high, low = x // jnp.uint32(b), x % jnp.uint32(b)
-    m_high, m_low = a, b
-    for r in range(round_keys.shape[0]):
-        total = high + _below(_hash32(low ^ round_keys[r]), m_high)
-        high, low = low, jnp.where(total >= m_high, total - jnp.uint32(m_high), total)
-        m_high, m_low = m_low, m_high
+    """A keyed permutation of `[0, a * b)` (an even number of rounds), applied to `x`.
+
+    The rounds go by pairs (moduli `a`, then `b`) in a loop, not unrolled: the program
+    then holds two rounds, which XLA compiles in a quarter of the time of eight.
+    """
+
+    def one(high: Any, low: Any, key: Any, m: int) -> tuple[Any, Any]:
+        total = high + _below(_hash32(low ^ key), m)
+        return low, jnp.where(total >= m, total - jnp.uint32(m), total)
+
+    def two(r: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        high, low = one(*carry, round_keys[2 * r], a)
+        return one(high, low, round_keys[2 * r + 1], b)
+
+    pairs = round_keys.shape[0] // 2
+    high, low = jax.lax.fori_loop(0, pairs, two, (x // jnp.uint32(b), x % jnp.uint32(b)))
     return high * jnp.uint32(b) + low
 
 

@@ -115,6 +115,7 @@ def test_a_loader_without_len_learns_its_epoch_from_the_first(model, progress):
     program, and the run is then what it is with `len`: the same history to the step.
     """
     x, y, kwargs = _learned_problem()
+    kwargs |= dict(validation_data=(x[:40], y[:40] + 1))
     loader = Many(x, y, with_len=False)
     result = eqfit.fit(model, loader, epochs=3, progress=progress, **kwargs)
     assert loader.passes == 3  # one per epoch, none to count
@@ -122,6 +123,7 @@ def test_a_loader_without_len_learns_its_epoch_from_the_first(model, progress):
     _same_run(result, expected)
     assert result.history.step_loss.shape == (3, 151)
     assert result.history.batch_sizes[0, -1] == 1 and np.all(np.isfinite(result.history.loss))
+    assert np.all(np.isfinite(result.history["val_mae"]))
 
 
 @pytest.mark.parametrize("progress", [False, True])

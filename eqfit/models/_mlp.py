@@ -71,10 +71,12 @@ class MLP(eqx.Module):
     ) -> Float[Array, "..."]:
         """**Arguments:** `x`, one example; `key`, for dropout. **Returns:** the output."""
         check_input("MLP", x, (self.in_features,))
+        # Keys only for a dropout that drops: splitting one costs a threefry per call.
+        drops = not (isinstance(self.dropout.p, (int, float)) and self.dropout.p == 0)
         keys = (
-            [None] * len(self.layers)
-            if key is None
-            else list(jax.random.split(key, len(self.layers)))
+            list(jax.random.split(key, len(self.layers)))
+            if key is not None and drops and not self.dropout.inference
+            else [None] * len(self.layers)
         )
         for layer, k in zip(self.layers[:-1], keys):
             x = self.dropout(self.activation(layer(x)), key=k)
