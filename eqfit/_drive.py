@@ -20,7 +20,18 @@ from jaxtyping import PyTree
 
 from ._checkpoint import CheckpointError, Checkpoints, Interrupt
 from ._compile import PROGRAM_CACHE
-from ._loop import Inputs, learned_state, Loop, Piece, Report, run_key, Steps, Stop, TrainState
+from ._loop import (
+    Inputs,
+    learned_state,
+    Loop,
+    Piece,
+    Report,
+    run_key,
+    Starting,
+    Steps,
+    Stop,
+    TrainState,
+)
 from ._schedule import Schedule
 from ._sources import Chunk
 
@@ -458,7 +469,7 @@ def feeds(
 def drive(
     loop: Loop,
     program: Callable[[Loop], Callable[..., tuple[TrainState, Report]]],
-    state: TrainState,
+    state: TrainState | Starting,
     feeds: Iterator[Feed],
     begin: int,
     observers: Sequence[Observer],
@@ -493,19 +504,24 @@ def drive(
 
     position, report = begin, None
     failure = None
+    starting = state if isinstance(state, Starting) else None
+    current = None if isinstance(state, Starting) else state  # the state, once made
 
     def learn(length: int) -> None:
         """The first epoch has shown the epoch's length: the run goes on as one of
         epochs of `length` steps, with the steps so far in its record.
         """
-        nonlocal loop, schedule, state, programs
+        nonlocal loop, schedule, current, programs
         reader.read()  # the steps of every call so far
         loop = dataclasses.replace(loop, schedule=schedule.learned(length))
         reader.loop, schedule = loop, loop.schedule
-        learned = learned_state(loop, state, reader.first_steps(length))
+        if current is None:  # learned before the first call
+            assert starting is not None
+            current = starting.result()
+        learned = learned_state(loop, current, reader.first_steps(length))
         records = ("step_loss", "step_metrics", "batch_sizes", "epoch_values")
         placed = loop.placement.put(jax.device_put({k: getattr(learned, k) for k in records}))
-        state = state._replace(**placed)
+        current = current._replace(**placed)
         programs = {loop.batch_size: program(loop)}
         for observer in observers:
             observer.learned(schedule)
@@ -526,12 +542,16 @@ def drive(
                 if feed.batch_size not in programs:
                     piece_loop = dataclasses.replace(loop, batch_size=feed.batch_size)
                     programs[feed.batch_size] = program(piece_loop)
-                state, report = programs[feed.batch_size](state, feed.inputs, np.int32(stop))
+                call = programs[feed.batch_size]
+                if current is None:  # traced while `start` compiles
+                    assert starting is not None
+                    current = starting.ready(call, feed.inputs, np.int32(stop))
+                current, report = call(current, feed.inputs, np.int32(stop))
                 reader.queued(report, position, stop)
                 position = stop
                 try:
                     for observer in observers:
-                        observer.after_call(position, state)
+                        observer.after_call(position, current)
                 except CheckpointError as e:  # the result goes with the error
                     failure = e
                     break
@@ -569,9 +589,10 @@ def drive(
     finally:
         for observer in observers:
             observer.close()
+    assert current is not None
     return Outcome(
         loop,
-        state,
+        current,
         report,
         stopped_by_callback=reader.by_observer,
         interrupted=interrupting is not None and interrupting.interrupt.requested,

@@ -25,10 +25,11 @@ from ._loop import (
     Objects,
     run_program,
     start_program,
+    Starting,
     TrainState,
 )
 from ._options import check_options, Options, plain_optimizer
-from ._parallel import check_batch_split, Device, global_rows, param_specs
+from ._parallel import check_batch_split, Device, global_rows, OneDevice, param_specs
 from ._result import finish, FitResult
 from ._schedule import make_schedule, Schedule
 from ._sharding import Shard
@@ -240,15 +241,22 @@ def fit(
         check_opt_state(loop, params, opt_state, consts)
     placement = loop.placement
     start_inputs = placement.start_inputs((params, opt_state, state, options.key, consts))
-    train_state, keys = start_program(loop)(*start_inputs)
+    # On one device, with nothing to resume and a key per run, the state is made while
+    # the run's program is traced; else now.
+    alone = isinstance(placement, OneDevice) and options.members is None
+    starting: TrainState | Starting
+    if alone and options.checkpoint is None:
+        starting, keys = Starting(start_program(loop), start_inputs), options.key
+    else:
+        starting, keys = start_program(loop)(*start_inputs)
     # Drive it, from the newest checkpoint if there is one; then finish.
     with contextlib.ExitStack() as stack:
-        store = None
-        if options.checkpoint is not None:
-            config = run_config(loop, train_state, source.describe(), val_data, loss, options.key)
+        store, begin = None, schedule.begin
+        if not isinstance(starting, Starting) and options.checkpoint is not None:
+            config = run_config(loop, starting, source.describe(), val_data, loss, options.key)
             store = _checkpoints(options, config, schedule)
             stack.callback(store.close)
-        train_state, begin = _resume(store, train_state, schedule)
+            starting, begin = _resume(store, starting, schedule)
         template = Inputs(
             None, placement.put(val_data, sharded=True), placement.put(keys), placement.put(consts)
         )
@@ -259,7 +267,7 @@ def fit(
         observers = observers_for(options, schedule, begin, store, interrupt, placement)
         with reported_as("fit", "data"):
             outcome = drive(
-                loop, run_program, placement.put(train_state), train_feeds, begin, observers
+                loop, run_program, placement.put(starting), train_feeds, begin, observers
             )
     return finish(outcome.loop, outcome, consts, began)
 
@@ -317,14 +325,10 @@ def _checkpoints(options: Options, config: dict[str, Any], schedule: Schedule) -
     return Checkpoints(options.checkpoint, config, schedule.steps_per_epoch, writer=writer)
 
 
-def _resume(
-    store: Checkpoints | None, state: TrainState, schedule: Schedule
-) -> tuple[TrainState, int]:
+def _resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[TrainState, int]:
     """The training state to start from, and its position: the newest good checkpoint's,
     if there is one, else the start's.
     """
-    if store is None:
-        return state, schedule.begin
     if store.collective:  # read straight into the state's layout (`shard=`)
         like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
