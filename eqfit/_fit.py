@@ -21,6 +21,7 @@ from ._early_stopping import EarlyStopping
 from ._loop import (
     check_opt_state,
     Inputs,
+    Loop,
     make_loop,
     Objects,
     run_program,
@@ -240,15 +241,7 @@ def fit(
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
     placement = loop.placement
-    start_inputs = placement.start_inputs((params, opt_state, state, options.key, consts))
-    # On one device, with nothing to resume and a key per run, the state is made while
-    # the run's program is traced; else now.
-    alone = isinstance(placement, OneDevice) and options.members is None
-    starting: TrainState | Starting
-    if alone and options.checkpoint is None:
-        starting, keys = Starting(start_program(loop), start_inputs), options.key
-    else:
-        starting, keys = start_program(loop)(*start_inputs)
+    starting, keys = _start(loop, (params, opt_state, state, options.key, consts), options)
     # Drive it, from the newest checkpoint if there is one; then finish.
     with contextlib.ExitStack() as stack:
         store, begin = None, schedule.begin
@@ -270,6 +263,21 @@ def fit(
                 loop, run_program, placement.put(starting), train_feeds, begin, observers
             )
     return finish(outcome.loop, outcome, consts, began)
+
+
+def _start(
+    loop: Loop, inputs: tuple[Any, ...], options: Options
+) -> tuple[TrainState | Starting, PyTree]:
+    """The training state at the start, and the key of each member (or the key). On one
+    device, with no checkpoint to resume and one key, the state is made in a thread while
+    the run's program is traced (`Starting`); else now.
+    """
+    placement = loop.placement
+    inputs = placement.start_inputs(inputs)
+    alone = isinstance(placement, OneDevice) and options.members is None
+    if alone and options.checkpoint is None:
+        return Starting(start_program(loop), inputs), options.key
+    return start_program(loop)(*inputs)
 
 
 def _open(data: Any, validation_data: Any, options: Options) -> tuple[Source, PyTree | None]:
