@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, assert_trees_equal, regression_data
+from helpers import assert_trees_close, assert_trees_equal, normal, regression_data
 
 import eqfit
 
@@ -44,9 +44,13 @@ def test_validation_data_is_evaluated_after_each_epoch(getkey, problem):
     # (in batches of 16 with a remainder of 5: still the exact mean).
     expected = eqfit.losses.mse(eqx.nn.inference_mode(result.model), *val)
     np.testing.assert_allclose(result.history.val_loss[-1], expected, rtol=1e-5)
-    # After one epoch, it is that model's loss too.
-    one = eqfit.fit(model, data, validation_data=val, epochs=1, **kwargs)
+    # After one epoch, it is that model's loss too. (The run is stopped there by a callback:
+    # its 10 epochs are test_callbacks_see_each_epoch_and_can_stop's program.)
+    one = eqfit.fit(model, data, validation_data=val, epochs=10, callbacks=[StopAt(1)], **kwargs)
+    assert one.history.epochs == 1
     np.testing.assert_allclose(one.history.val_loss[0], result.history.val_loss[0], rtol=1e-6)
+    expected = eqfit.losses.mse(eqx.nn.inference_mode(one.model), *val)
+    np.testing.assert_allclose(one.history.val_loss[0], expected, rtol=1e-5)
 
 
 def test_validation_split_is_deterministic(getkey, problem):
@@ -80,9 +84,9 @@ def test_validation_data_must_match_data(getkey, problem):
 
 def test_metrics_on_training_and_validation_data(getkey):
     kx, kv = getkey(), getkey()
-    x = jax.random.normal(kx, (90, 4))
+    x = normal(kx, (90, 4))
     y = (x[:, 0] > 0).astype(jnp.int32) + (x[:, 1] > 0).astype(jnp.int32)
-    xv = jax.random.normal(kv, (31, 4))
+    xv = normal(kv, (31, 4))
     yv = (xv[:, 0] > 0).astype(jnp.int32) + (xv[:, 1] > 0).astype(jnp.int32)
     model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())
     result = both_paths(
@@ -111,13 +115,13 @@ def test_metrics_on_training_and_validation_data(getkey):
 
 def test_ready_metrics_against_direct_computation(getkey):
     model = eqfit.models.MLP(3, 4, 8, 1, key=getkey())
-    x, y = jax.random.normal(getkey(), (20, 3)), jnp.arange(20) % 4
+    x, y = normal(getkey(), (20, 3)), jnp.arange(20) % 4
     logits = jax.vmap(model)(x)
     np.testing.assert_allclose(
         eqfit.metrics.accuracy(model, x, y), np.mean(np.argmax(logits, -1) == np.asarray(y))
     )
     reg = eqfit.models.LinearRegression(3, key=getkey())
-    t = jax.random.normal(getkey(), (20,))
+    t = normal(getkey(), (20,))
     pred = jax.vmap(reg)(x)
     np.testing.assert_allclose(eqfit.metrics.mae(reg, x, t), np.mean(np.abs(pred - t)), rtol=1e-6)
     labels = (t > 0).astype(jnp.int32)
@@ -346,9 +350,10 @@ def test_non_finite_loss_skip(getkey):
 def test_non_finite_loss_skip_twice_in_an_epoch(getkey):
     model, (x, y), kwargs = nan_problem(getkey)
     x = x.at[5, 1].set(jnp.inf)  # step 0 too, besides step 2
-    result = both_paths(model, (x, y), epochs=2, on_nan="skip", **kwargs)
+    # 3 epochs: test_non_finite_loss_skip's program.
+    result = both_paths(model, (x, y), epochs=3, on_nan="skip", **kwargs)
     keep = np.r_[10:20, 30:40]
-    without = eqfit.fit(model, (x[keep], y[keep]), epochs=2, **kwargs)
+    without = eqfit.fit(model, (x[keep], y[keep]), epochs=3, **kwargs)
     assert_trees_close(result.model, without.model, rtol=1e-6, atol=1e-7)
     assert not np.isfinite(result.history.step_loss[:, [0, 2]]).any()
     assert np.isfinite(result.history.step_loss[:, [1, 3]]).all()
