@@ -73,8 +73,8 @@ def test_re_iterable_loader_trains_as_arrays_without_a_counting_pass(arrays, mod
 
 def test_a_loader_without_len_is_counted_once(arrays, model):
     loader = Batches(*arrays, with_len=False)
-    eqfit.fit(model, loader, epochs=2, **KWARGS)
-    assert loader.passes == 3  # one to count the batches, then one per epoch
+    eqfit.fit(model, loader, epochs=3, **KWARGS)  # the program of the loader with `len`
+    assert loader.passes == 4  # one to count the batches, then one per epoch
 
 
 @pytest.mark.parametrize("progress", [False, True])
@@ -99,8 +99,8 @@ def test_a_generator_is_used_once(arrays, model):
     with pytest.raises(ValueError, match=r"iterator \(or generator\) of unknown length.*"):
         eqfit.fit(model, once(), epochs=1, **KWARGS)
     # With a step budget it trains; running out stops training, with a warning.
-    with pytest.warns(UserWarning, match=r"The data ran out after 1 of the 2 epochs"):
-        result = eqfit.fit(model, once(), steps_per_epoch=6, epochs=2, **KWARGS)
+    with pytest.warns(UserWarning, match=r"The data ran out after 1 of the 3 epochs"):
+        result = eqfit.fit(model, once(), steps_per_epoch=6, epochs=3, **KWARGS)
     assert result.history.stop_reason == "out_of_data" and result.history.epochs == 1
 
 
@@ -266,7 +266,7 @@ def test_a_metric_with_the_wrong_signature_is_named(arrays, model):
 
 
 def test_ready_losses_give_dropout_models_a_key(arrays):
-    dropout = eqfit.models.MLP(4, "scalar", 32, 1, dropout=0.5, key=jax.random.key(5))
+    dropout = eqfit.models.MLP(4, "scalar", 8, 1, dropout=0.5, key=jax.random.key(5))
     kwargs = dict(optimizer=ADAM, epochs=2, batch_size=BATCH)
     a = eqfit.fit(dropout, arrays, loss=eqfit.losses.mse, key=jax.random.key(6), **kwargs)
     b = eqfit.fit(dropout, arrays, loss=eqfit.losses.mse, key=jax.random.key(7), **kwargs)

@@ -251,17 +251,18 @@ def test_csv_logger_and_tensorboard_write_each_epoch(problem, tmp_path):
     scalars = read_tensorboard(tmp_path / "tb")
     assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
     np.testing.assert_allclose([v for _, v in scalars["val_loss"]], result.history.val_loss)
-    # append=True continues a file.
+    # append=True continues a file. (The same run again: the same program.)
     eqfit.fit(
         model,
         data,
+        validation_data=val,
         batch_size=16,
-        epochs=1,
+        epochs=3,
         callbacks=[eqfit.callbacks.CSVLogger(tmp_path / "log.csv", append=True)],
         **kwargs,
     )
     with open(tmp_path / "log.csv") as f:
-        assert len(list(csv.DictReader(f))) == 4
+        assert len(list(csv.DictReader(f))) == 6
 
 
 def read_tensorboard(logdir):
