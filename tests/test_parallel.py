@@ -87,7 +87,7 @@ def test_mesh_with_data_not_divisible_by_devices(getkey):
 
 def test_per_device_keys_are_distinct_and_deterministic(getkey):
     data = regression_data(getkey(), 64)
-    model = eqfit.models.MLP(4, "scalar", 32, 1, dropout=0.5, key=getkey())
+    model = eqfit.models.MLP(4, "scalar", 16, 1, dropout=0.5, key=getkey())
 
     def loss(model, x, y, *, key):
         keys = jax.random.split(key, x.shape[0])
