@@ -13,6 +13,9 @@ from helpers import assert_trees_close, assert_trees_equal, normal, regression_d
 import eqfit
 
 
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
+
+
 def both_paths(model, data, **kwargs):
     """Runs `fit` compiled and with the bar, checks they agree bitwise, returns one."""
     compiled = eqfit.fit(model, data, progress=False, **kwargs)
@@ -37,7 +40,7 @@ def problem(getkey):
 
 def test_validation_data_is_evaluated_after_each_epoch(getkey, problem):
     model, data, val = problem
-    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), batch_size=16)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), batch_size=16)
     result = both_paths(model, data, validation_data=val, epochs=3, **kwargs)
     assert result.history.val_loss is not None and result.history.val_loss.shape == (3,)
     # The last epoch's value is the final model's loss on the whole validation set
@@ -56,7 +59,7 @@ def test_validation_data_is_evaluated_after_each_epoch(getkey, problem):
 def test_validation_split_is_deterministic(getkey, problem):
     model, data, _ = problem
     key = getkey()
-    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), batch_size=10, epochs=2)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, batch_size=10, epochs=2)
     a = eqfit.fit(model, data, validation_split=0.25, key=key, **kwargs)
     b = eqfit.fit(model, data, validation_split=0.25, key=key, **kwargs)
     c = eqfit.fit(model, data, validation_split=0.25, key=getkey(), **kwargs)
@@ -95,7 +98,7 @@ def test_metrics_on_training_and_validation_data(getkey):
         loss=eqfit.losses.softmax_cross_entropy,
         metrics={"accuracy": eqfit.metrics.accuracy, "again": eqfit.losses.softmax_cross_entropy},
         validation_data=(xv, yv),
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=4,
         batch_size=16,
@@ -267,7 +270,7 @@ def test_stateful_model(getkey, problem):
         data,
         state=state,
         loss=batchnorm_loss,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=16,
@@ -291,7 +294,7 @@ def nan_problem(getkey):
     model = eqfit.models.LinearRegression(4, key=getkey())
     kwargs = dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         batch_size=10,
         shuffle=False,
@@ -323,7 +326,7 @@ def test_non_finite_loss_stop(getkey):
 def test_every_nan_policy_trains_alike_on_clean_data(getkey, problem):
     """One guarded step for every policy: on finite losses they give the same bits."""
     model, data, _ = problem
-    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), epochs=2)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), epochs=2)
     results = [eqfit.fit(model, data, on_nan=policy, **kwargs) for policy in ("raise", "stop")]
     results.append(both_paths(model, data, on_nan="skip", **kwargs))
     for other in results[1:]:
@@ -413,7 +416,7 @@ def test_history_exports(getkey, problem, tmp_path):
         validation_data=val,
         metrics={"mae": eqfit.metrics.mae},
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=32,
@@ -447,7 +450,7 @@ def test_callbacks_see_each_epoch_and_can_stop(getkey, problem, progress):
     kwargs = dict(
         validation_data=val,
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         batch_size=16,
     )

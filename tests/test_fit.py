@@ -11,6 +11,9 @@ from helpers import assert_trees_equal, regression_data
 import eqfit
 
 
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
+
+
 def linear(getkey, features=4):
     return eqfit.models.LinearRegression(features, key=getkey())
 
@@ -26,7 +29,7 @@ def test_progress_is_bitwise_equal_to_compiled(getkey, n, batch_size, drop_remai
     model = eqfit.models.MLP(4, "scalar", 16, 2, key=getkey())
     kwargs = dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=batch_size,
@@ -187,7 +190,7 @@ def test_callers_model_is_left_intact(getkey, progress):
         model,
         data,
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=2,
         batch_size=16,
@@ -260,7 +263,7 @@ def test_integer_leaves_ride_along(getkey):
 
 def test_continue_from_opt_state(getkey):
     data = regression_data(getkey(), 64)
-    optimizer = optax.adam(1e-2)
+    optimizer = ADAM
     kwargs = dict(loss=eqfit.losses.mse, optimizer=optimizer, batch_size=16, shuffle=False)
     first = eqfit.fit(linear(getkey), data, key=getkey(), epochs=1, **kwargs)
     second = eqfit.fit(
@@ -329,7 +332,7 @@ def test_progress_from_inside_an_epoch_is_bitwise_equal(getkey):
     model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
     kwargs = dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=2,  # 75 steps an epoch
@@ -380,9 +383,7 @@ def test_frozen_arrays_losses_with_arrays_and_unhashable_fields(getkey, case, tm
     """
     data = regression_data(getkey(), 64)
     model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
-    kwargs = dict(
-        loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), epochs=2, batch_size=16
-    )
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), epochs=2, batch_size=16)
     if case == "frozen_by_callable":  # biases train, weights are frozen floats
         kwargs["filter_spec"] = lambda x: eqx.is_inexact_array(x) and x.ndim == 1
     elif case == "frozen_by_tree":

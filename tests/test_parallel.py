@@ -18,6 +18,9 @@ from shared_problem import problem
 import eqfit
 
 
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
+
+
 def mesh8():
     return jax.make_mesh((8,), ("batch",))
 
@@ -34,7 +37,7 @@ def test_same_answer_as_one_device(getkey, parallel, progress, n):
     model = eqfit.models.MLP(4, "scalar", 16, 2, key=getkey())
     kwargs = dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=32,
@@ -64,7 +67,7 @@ def test_pmap_progress_equals_pmap_compiled(getkey):
     model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
     kwargs = dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=2,
         batch_size=16,

@@ -16,6 +16,9 @@ import eqfit
 import eqfit._sources
 
 
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     # 7 batches of 16 rows of (4 + 1) float32s per chunk: several chunks and a partial one.
@@ -39,7 +42,7 @@ def on_disk(tmp_path):
 def kwargs(getkey, **extra):
     return dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=16,  # 15 full batches and a remainder of 10
