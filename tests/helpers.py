@@ -15,6 +15,14 @@ def regression_data(key, n=200, features=4):
     return jnp.asarray(x), jnp.asarray(y)
 
 
+def normal(key, shape):
+    """Standard normal float32s of `shape`, drawn by numpy from `key`'s bits: for inputs of
+    many shapes, where `jax.random.normal` would compile a program for each.
+    """
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    return jnp.asarray(rng.normal(size=shape).astype(np.float32))
+
+
 def assert_trees_equal(a, b):
     """Bitwise equality of every array leaf, and equal structure."""
     la, ta = jax.tree.flatten(eqx.filter(a, eqx.is_array))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, regression_data
+from helpers import assert_trees_close, normal, regression_data
 
 import eqfit
 
@@ -128,7 +128,10 @@ def test_learning_rate_sweep_through_inject_hyperparams(getkey):
         models, data, key=key, ensemble=True, optimizer=optimizer, opt_state=opt_state, **kwargs
     )
     for i, k in enumerate(jax.random.split(key, 3)):
-        alone = eqfit.fit(member(models, i), data, key=k, optimizer=optax.sgd(rates[i]), **kwargs)
+        # SGD at this member's rate; as an injected hyperparameter, all three alone runs
+        # are one program (a rate written into the program would make three).
+        alone_sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=rates[i])
+        alone = eqfit.fit(member(models, i), data, key=k, optimizer=alone_sgd, **kwargs)
         assert_trees_close(member(result.model, i), alone.model)
     np.testing.assert_array_equal(result.opt_state.hyperparams["learning_rate"], rates)
 
@@ -154,7 +157,7 @@ class Scalarish(eqx.Module):
 
 def test_predict_equals_vmap(getkey):
     model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())
-    x = jax.random.normal(getkey(), (103, 4))
+    x = normal(getkey(), (103, 4))
     expected = jax.vmap(model)(x)
     # Batches of another size multiply in another order: float32 rounding apart, near 0
     # too (hence `atol`; seen on AMD EPYC CPUs).
@@ -169,14 +172,14 @@ def test_predict_equals_vmap(getkey):
 
 def test_predict_uses_inference_mode(getkey):
     model = eqfit.models.MLP(4, 3, 16, 1, dropout=0.9, key=getkey())
-    x = jax.random.normal(getkey(), (20, 4))
+    x = normal(getkey(), (20, 4))
     expected = jax.vmap(eqx.nn.inference_mode(model))(x)
     np.testing.assert_allclose(eqfit.predict(model, x, batch_size=8), expected, rtol=1e-6)
 
 
 def test_predict_ensemble(getkey):
     models = stacked_mlps(getkey())
-    x = jax.random.normal(getkey(), (37, 4))
+    x = normal(getkey(), (37, 4))
     out = eqfit.predict(models, x, batch_size=16, ensemble=True)
     assert out.shape == (MEMBERS, 37)
     for i in range(MEMBERS):
@@ -187,7 +190,7 @@ def test_predict_ensemble(getkey):
 
 def test_evaluate_equals_full_batch(getkey):
     model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())
-    x = jax.random.normal(getkey(), (103, 4))
+    x = normal(getkey(), (103, 4))
     y = jnp.arange(103) % 3
     metrics = {"accuracy": eqfit.metrics.accuracy}
     got = eqfit.evaluate(

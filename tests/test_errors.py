@@ -136,8 +136,8 @@ def test_float_labels_for_cross_entropy(getkey):
 
 @pytest.fixture
 def classes(getkey):
-    model = eqfit.models.MLP(3, 3, 8, 1, key=getkey())
-    x = jnp.ones((12, 3))
+    model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())  # a constructor other tests compile
+    x = jnp.ones((12, 4))
     kwargs = dict(loss=eqfit.losses.softmax_cross_entropy, optimizer=optax.sgd(0.1), key=getkey())
     return model, x, kwargs
 
@@ -164,7 +164,7 @@ def test_labels_checked_by_every_ready_function(classes, getkey):
         eqfit.metrics.accuracy(model, x, bad)
     with pytest.raises(ValueError, match=r"`softmax_cross_entropy`: label 3"):
         eqfit.evaluate(model, (x, bad), loss=eqfit.losses.softmax_cross_entropy)
-    linear = eqfit.models.LinearRegression(3, key=getkey())
+    linear = eqfit.models.LinearRegression(4, key=getkey())
     with pytest.raises(ValueError, match=r"`binary_cross_entropy`: label 2.0 .* outside \[0, 1\]"):
         eqfit.fit(
             linear,
@@ -186,9 +186,7 @@ def test_unclear_inputs_get_clear_errors(setup, getkey):
     with pytest.raises(ValueError, match=r"`validation_split` must be in \(0, 1\).*got nan"):
         eqfit.fit(model, (x, y), validation_split=float("nan"), **kwargs)
     with pytest.raises(ValueError, match=r"stack of members.*is it a single model\?"):
-        eqfit.fit(
-            eqfit.models.MLP(3, "scalar", 8, 1, key=getkey()), (x, y), ensemble=True, **kwargs
-        )
+        eqfit.fit(eqfit.models.MLP(3, 4, 8, 1, key=getkey()), (x, y), ensemble=True, **kwargs)
     with pytest.raises(ValueError, match=r"`validation_data\[0\]` has 3 samples but `validation"):
         eqfit.fit(model, (x, y), validation_data=(x[:3], y[:4]), **kwargs)
     with pytest.raises(ValueError, match=r"no floating-point arrays that `filter_spec` chooses"):

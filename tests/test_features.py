@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, assert_trees_equal, regression_data
+from helpers import assert_trees_close, assert_trees_equal, normal, regression_data
 
 import eqfit
+
+
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
 
 
 def both_paths(model, data, **kwargs):
@@ -37,22 +40,26 @@ def problem(getkey):
 
 def test_validation_data_is_evaluated_after_each_epoch(getkey, problem):
     model, data, val = problem
-    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), batch_size=16)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), batch_size=16)
     result = both_paths(model, data, validation_data=val, epochs=3, **kwargs)
     assert result.history.val_loss is not None and result.history.val_loss.shape == (3,)
     # The last epoch's value is the final model's loss on the whole validation set
     # (in batches of 16 with a remainder of 5: still the exact mean).
     expected = eqfit.losses.mse(eqx.nn.inference_mode(result.model), *val)
     np.testing.assert_allclose(result.history.val_loss[-1], expected, rtol=1e-5)
-    # After one epoch, it is that model's loss too.
-    one = eqfit.fit(model, data, validation_data=val, epochs=1, **kwargs)
+    # After one epoch, it is that model's loss too. (The run is stopped there by a callback:
+    # its 10 epochs are test_callbacks_see_each_epoch_and_can_stop's program.)
+    one = eqfit.fit(model, data, validation_data=val, epochs=10, callbacks=[StopAt(1)], **kwargs)
+    assert one.history.epochs == 1
     np.testing.assert_allclose(one.history.val_loss[0], result.history.val_loss[0], rtol=1e-6)
+    expected = eqfit.losses.mse(eqx.nn.inference_mode(one.model), *val)
+    np.testing.assert_allclose(one.history.val_loss[0], expected, rtol=1e-5)
 
 
 def test_validation_split_is_deterministic(getkey, problem):
     model, data, _ = problem
     key = getkey()
-    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), batch_size=10, epochs=2)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, batch_size=10, epochs=2)
     a = eqfit.fit(model, data, validation_split=0.25, key=key, **kwargs)
     b = eqfit.fit(model, data, validation_split=0.25, key=key, **kwargs)
     c = eqfit.fit(model, data, validation_split=0.25, key=getkey(), **kwargs)
@@ -80,9 +87,9 @@ def test_validation_data_must_match_data(getkey, problem):
 
 def test_metrics_on_training_and_validation_data(getkey):
     kx, kv = getkey(), getkey()
-    x = jax.random.normal(kx, (90, 4))
+    x = normal(kx, (90, 4))
     y = (x[:, 0] > 0).astype(jnp.int32) + (x[:, 1] > 0).astype(jnp.int32)
-    xv = jax.random.normal(kv, (31, 4))
+    xv = normal(kv, (31, 4))
     yv = (xv[:, 0] > 0).astype(jnp.int32) + (xv[:, 1] > 0).astype(jnp.int32)
     model = eqfit.models.MLP(4, 3, 16, 1, key=getkey())
     result = both_paths(
@@ -91,7 +98,7 @@ def test_metrics_on_training_and_validation_data(getkey):
         loss=eqfit.losses.softmax_cross_entropy,
         metrics={"accuracy": eqfit.metrics.accuracy, "again": eqfit.losses.softmax_cross_entropy},
         validation_data=(xv, yv),
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=4,
         batch_size=16,
@@ -111,13 +118,13 @@ def test_metrics_on_training_and_validation_data(getkey):
 
 def test_ready_metrics_against_direct_computation(getkey):
     model = eqfit.models.MLP(3, 4, 8, 1, key=getkey())
-    x, y = jax.random.normal(getkey(), (20, 3)), jnp.arange(20) % 4
+    x, y = normal(getkey(), (20, 3)), jnp.arange(20) % 4
     logits = jax.vmap(model)(x)
     np.testing.assert_allclose(
         eqfit.metrics.accuracy(model, x, y), np.mean(np.argmax(logits, -1) == np.asarray(y))
     )
     reg = eqfit.models.LinearRegression(3, key=getkey())
-    t = jax.random.normal(getkey(), (20,))
+    t = normal(getkey(), (20,))
     pred = jax.vmap(reg)(x)
     np.testing.assert_allclose(eqfit.metrics.mae(reg, x, t), np.mean(np.abs(pred - t)), rtol=1e-6)
     labels = (t > 0).astype(jnp.int32)
@@ -263,7 +270,7 @@ def test_stateful_model(getkey, problem):
         data,
         state=state,
         loss=batchnorm_loss,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=16,
@@ -287,7 +294,7 @@ def nan_problem(getkey):
     model = eqfit.models.LinearRegression(4, key=getkey())
     kwargs = dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         batch_size=10,
         shuffle=False,
@@ -319,7 +326,7 @@ def test_non_finite_loss_stop(getkey):
 def test_every_nan_policy_trains_alike_on_clean_data(getkey, problem):
     """One guarded step for every policy: on finite losses they give the same bits."""
     model, data, _ = problem
-    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), epochs=2)
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), epochs=2)
     results = [eqfit.fit(model, data, on_nan=policy, **kwargs) for policy in ("raise", "stop")]
     results.append(both_paths(model, data, on_nan="skip", **kwargs))
     for other in results[1:]:
@@ -346,9 +353,10 @@ def test_non_finite_loss_skip(getkey):
 def test_non_finite_loss_skip_twice_in_an_epoch(getkey):
     model, (x, y), kwargs = nan_problem(getkey)
     x = x.at[5, 1].set(jnp.inf)  # step 0 too, besides step 2
-    result = both_paths(model, (x, y), epochs=2, on_nan="skip", **kwargs)
+    # 3 epochs: test_non_finite_loss_skip's program.
+    result = both_paths(model, (x, y), epochs=3, on_nan="skip", **kwargs)
     keep = np.r_[10:20, 30:40]
-    without = eqfit.fit(model, (x[keep], y[keep]), epochs=2, **kwargs)
+    without = eqfit.fit(model, (x[keep], y[keep]), epochs=3, **kwargs)
     assert_trees_close(result.model, without.model, rtol=1e-6, atol=1e-7)
     assert not np.isfinite(result.history.step_loss[:, [0, 2]]).any()
     assert np.isfinite(result.history.step_loss[:, [1, 3]]).all()
@@ -408,7 +416,7 @@ def test_history_exports(getkey, problem, tmp_path):
         validation_data=val,
         metrics={"mae": eqfit.metrics.mae},
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=32,
@@ -442,7 +450,7 @@ def test_callbacks_see_each_epoch_and_can_stop(getkey, problem, progress):
     kwargs = dict(
         validation_data=val,
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         batch_size=16,
     )

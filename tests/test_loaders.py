@@ -198,8 +198,8 @@ def test_a_generator_is_used_once(arrays, model):
             yield x[i : i + BATCH], y[i : i + BATCH]
 
     # With a step budget it trains; running out stops training, with a warning.
-    with pytest.warns(UserWarning, match=r"The data ran out after 1 of the 2 epochs"):
-        result = eqfit.fit(model, once(), steps_per_epoch=6, epochs=2, **KWARGS)
+    with pytest.warns(UserWarning, match=r"The data ran out after 1 of the 3 epochs"):
+        result = eqfit.fit(model, once(), steps_per_epoch=6, epochs=3, **KWARGS)
     assert result.history.stop_reason == "out_of_data" and result.history.epochs == 1
 
 
@@ -365,7 +365,7 @@ def test_a_metric_with_the_wrong_signature_is_named(arrays, model):
 
 
 def test_ready_losses_give_dropout_models_a_key(arrays):
-    dropout = eqfit.models.MLP(4, "scalar", 32, 1, dropout=0.5, key=jax.random.key(5))
+    dropout = eqfit.models.MLP(4, "scalar", 8, 1, dropout=0.5, key=jax.random.key(5))
     kwargs = dict(optimizer=ADAM, epochs=2, batch_size=BATCH)
     a = eqfit.fit(dropout, arrays, loss=eqfit.losses.mse, key=jax.random.key(6), **kwargs)
     b = eqfit.fit(dropout, arrays, loss=eqfit.losses.mse, key=jax.random.key(7), **kwargs)

@@ -5,13 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import normal
 
 import eqfit
 
 
 def test_linear_regression(getkey):
     model = eqfit.models.LinearRegression(5, key=getkey())
-    x = jax.random.normal(getkey(), (5,))
+    x = normal(getkey(), (5,))
     np.testing.assert_allclose(model(x), model.weight[0] @ x + model.bias[0], rtol=1e-6)
     assert model(x).shape == ()
     wide = eqfit.models.LinearRegression(5, 3, key=getkey())
@@ -19,8 +20,8 @@ def test_linear_regression(getkey):
 
 
 def test_mlp(getkey):
-    model = eqfit.models.MLP(4, 2, 8, 2, key=getkey())
-    x = jax.random.normal(getkey(), (4,))
+    model = eqfit.models.MLP(3, 2, 8, 2, key=getkey())
+    x = normal(getkey(), (3,))
     h = x
     for layer in model.layers[:-1]:
         h = jax.nn.relu(layer.weight @ h + layer.bias)
@@ -33,12 +34,12 @@ def test_ready_models_have_equinox_initial_parameters():
     # The layers are made in one compiled program; their parameters must be those that
     # Equinox's layers give, made one operation at a time, from the same keys.
     key = jax.random.key(7)
-    mlp = eqfit.models.MLP(4, "scalar", 8, 2, key=key)
+    mlp = eqfit.models.MLP(4, "scalar", 16, 2, key=key)
     keys = jax.random.split(key, 3)
     expected = (
-        eqx.nn.Linear(4, 8, key=keys[0]),
-        eqx.nn.Linear(8, 8, key=keys[1]),
-        eqx.nn.Linear(8, "scalar", key=keys[2]),
+        eqx.nn.Linear(4, 16, key=keys[0]),
+        eqx.nn.Linear(16, 16, key=keys[1]),
+        eqx.nn.Linear(16, "scalar", key=keys[2]),
     )
     cnn = eqfit.models.CNN(1, (8, 8), 10, channels=(4, 6), key=key)
     k1, k2, k3 = jax.random.split(key, 3)
@@ -52,8 +53,8 @@ def test_ready_models_have_equinox_initial_parameters():
 
 
 def test_mlp_dropout_needs_key_and_respects_inference_mode(getkey):
-    model = eqfit.models.MLP(4, 2, 64, 1, dropout=0.5, key=getkey())
-    x = jax.random.normal(getkey(), (4,))
+    model = eqfit.models.MLP(4, 3, 16, 1, dropout=0.5, key=getkey())
+    x = normal(getkey(), (4,))
     a, b = model(x, key=getkey()), model(x, key=getkey())
     assert not np.array_equal(a, b)
     inference = eqx.nn.inference_mode(model)
@@ -63,11 +64,11 @@ def test_mlp_dropout_needs_key_and_respects_inference_mode(getkey):
 
 
 def test_cnn(getkey):
-    model = eqfit.models.CNN(1, (8, 8), 10, key=getkey())
-    x = jax.random.normal(getkey(), (1, 8, 8))
+    model = eqfit.models.CNN(1, (8, 8), 10, channels=(4, 6), key=getkey())
+    x = normal(getkey(), (1, 8, 8))
     h = jax.nn.relu(model.conv1(x))
     h = jax.nn.relu(model.conv2(h))
-    pooled = h.reshape(32, 4, 2, 4, 2).mean(axis=(2, 4))
+    pooled = h.reshape(6, 4, 2, 4, 2).mean(axis=(2, 4))
     expected = model.head.weight @ pooled.ravel() + model.head.bias
     np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"shape \(1, 8, 8\), got \(2, 8, 8\)"):
@@ -76,14 +77,14 @@ def test_cnn(getkey):
 
 def test_mse(getkey):
     model = eqfit.models.LinearRegression(3, key=getkey())
-    x, y = jax.random.normal(getkey(), (6, 3)), jax.random.normal(getkey(), (6,))
+    x, y = normal(getkey(), (6, 3)), normal(getkey(), (6,))
     pred = x @ model.weight[0] + model.bias[0]
     np.testing.assert_allclose(eqfit.losses.mse(model, x, y), np.mean((pred - y) ** 2), rtol=1e-6)
 
 
 def test_softmax_cross_entropy(getkey):
     model = eqfit.models.MLP(3, 4, 8, 1, key=getkey())
-    x, y = jax.random.normal(getkey(), (6, 3)), jnp.array([0, 1, 2, 3, 0, 1])
+    x, y = normal(getkey(), (6, 3)), jnp.array([0, 1, 2, 3, 0, 1])
     logits = jax.vmap(model)(x)
     expected = -np.mean(np.asarray(jax.nn.log_softmax(logits))[np.arange(6), np.asarray(y)])
     np.testing.assert_allclose(eqfit.losses.softmax_cross_entropy(model, x, y), expected, rtol=1e-6)
@@ -91,7 +92,7 @@ def test_softmax_cross_entropy(getkey):
 
 def test_binary_cross_entropy(getkey):
     model = eqfit.models.LinearRegression(3, key=getkey())
-    x = jax.random.normal(getkey(), (6, 3))
+    x = normal(getkey(), (6, 3))
     y = jnp.array([0, 1, 1, 0, 1, 0])
     logits = np.asarray(jax.vmap(model)(x), dtype=np.float64)
     p = 1 / (1 + np.exp(-logits))

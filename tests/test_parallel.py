@@ -18,6 +18,9 @@ from shared_problem import problem
 import eqfit
 
 
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
+
+
 def mesh8():
     return jax.make_mesh((8,), ("batch",))
 
@@ -34,7 +37,7 @@ def test_same_answer_as_one_device(getkey, parallel, progress, n):
     model = eqfit.models.MLP(4, "scalar", 16, 2, key=getkey())
     kwargs = dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=32,
@@ -59,17 +62,30 @@ def test_pmap_over_a_list_of_devices(getkey):
     assert_trees_close(four.model, one.model)
 
 
-def test_pmap_progress_equals_pmap_compiled(getkey):
-    data = regression_data(getkey(), 100)
-    model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
+def dropout_loss(model, x, y, *, key):
+    keys = jax.random.split(key, x.shape[0])
+    return jnp.mean((jax.vmap(lambda a, k: model(a, key=k))(x, keys) - y) ** 2)
+
+
+def dropout_run(getkey):
+    """A dropout MLP over 4 devices: each device's keys show in the result. (One program
+    for the two tests below.)
+    """
+    data = regression_data(getkey(), 100)  # a remainder batch of 4, one row a device
+    model = eqfit.models.MLP(4, "scalar", 16, 1, dropout=0.5, key=getkey())
     kwargs = dict(
-        loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        loss=dropout_loss,
+        optimizer=ADAM,  # a state to carry from call to call
         key=getkey(),
         epochs=2,
         batch_size=16,
         devices=4,
     )
+    return model, data, kwargs
+
+
+def test_pmap_progress_equals_pmap_compiled(getkey):
+    model, data, kwargs = dropout_run(getkey)
     compiled = eqfit.fit(model, data, **kwargs)
     bar = eqfit.fit(model, data, progress=True, **kwargs)
     assert_trees_close(bar.model, compiled.model, rtol=0, atol=0)
@@ -86,14 +102,7 @@ def test_mesh_with_data_not_divisible_by_devices(getkey):
 
 
 def test_per_device_keys_are_distinct_and_deterministic(getkey):
-    data = regression_data(getkey(), 64)
-    model = eqfit.models.MLP(4, "scalar", 32, 1, dropout=0.5, key=getkey())
-
-    def loss(model, x, y, *, key):
-        keys = jax.random.split(key, x.shape[0])
-        return jnp.mean((jax.vmap(lambda a, k: model(a, key=k))(x, keys) - y) ** 2)
-
-    kwargs = dict(loss=loss, optimizer=optax.sgd(0.01), key=getkey(), batch_size=16, devices=4)
+    model, data, kwargs = dropout_run(getkey)
     a = eqfit.fit(model, data, **kwargs)
     b = eqfit.fit(model, data, **kwargs)
     assert_trees_close(a.model, b.model, rtol=0, atol=0)

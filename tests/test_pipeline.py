@@ -187,7 +187,7 @@ def test_threads_do_not_share_label_errors():
         loss=eqfit.losses.softmax_cross_entropy,
         optimizer=optax.sgd(0.1),
         key=jax.random.key(0),
-        epochs=2,
+        epochs=5,  # test_the_bar_shows_the_epoch_it_names's program
         batch_size=BATCH,
     )
     results = {}
@@ -218,9 +218,16 @@ def test_bad_labels_in_validation_are_reported():
     x, y = _arrays()
     bad = y.copy()
     bad[3] = -1
+    # The validation rows and epochs of test_the_bar_shows_the_epoch_it_names: its program.
     with pytest.raises(ValueError, match=r"label -1 \(at \(3,\) of a batch\)") as e:
-        _fit((x, y), epochs=2, steps_per_epoch=None, batch_size=BATCH, validation_data=(x, bad))
-    assert e.value.result.history.epochs == 2  # pyright: ignore  (training went on)
+        _fit(
+            (x, y),
+            epochs=5,
+            steps_per_epoch=None,
+            batch_size=BATCH,
+            validation_data=(x[:16], bad[:16]),
+        )
+    assert e.value.result.history.epochs == 5  # pyright: ignore  (training went on)
 
 
 def test_a_label_error_outside_eqfit_raises_at_run_time():

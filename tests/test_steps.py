@@ -93,15 +93,16 @@ def test_every_epoch_happens_every_steps_per_epoch(problem, progress):
 def test_initial_epoch_continues_the_run_bit_for_bit(problem):
     model, data, val, kwargs = problem
     common = dict(validation_data=val, batch_size=16, **kwargs)
-    ten = eqfit.fit(model, data, epochs=10, **common)
-    five = eqfit.fit(model, data, epochs=5, **common)
+    # 3 + 3 epochs (the first 3: test_csv_logger_and_tensorboard_write_each_epoch's program).
+    six = eqfit.fit(model, data, epochs=6, **common)
+    three = eqfit.fit(model, data, epochs=3, **common)
     rest = eqfit.fit(
-        five.model, data, opt_state=five.opt_state, initial_epoch=5, epochs=10, **common
+        three.model, data, opt_state=three.opt_state, initial_epoch=3, epochs=6, **common
     )
-    assert_trees_equal(rest.model, ten.model)
-    assert_trees_equal(rest.opt_state, ten.opt_state)
-    np.testing.assert_array_equal(rest.history.epoch, np.arange(6, 11))
-    np.testing.assert_array_equal(rest.history.val_loss, ten.history.val_loss[5:])
+    assert_trees_equal(rest.model, six.model)
+    assert_trees_equal(rest.opt_state, six.opt_state)
+    np.testing.assert_array_equal(rest.history.epoch, np.arange(4, 7))
+    np.testing.assert_array_equal(rest.history.val_loss, six.history.val_loss[3:])
     with pytest.raises(ValueError, match=r"`epochs`=3 is the number of the last epoch.*>= 5"):
         eqfit.fit(model, data, initial_epoch=5, epochs=3, **common)
 
@@ -251,17 +252,18 @@ def test_csv_logger_and_tensorboard_write_each_epoch(problem, tmp_path):
     scalars = read_tensorboard(tmp_path / "tb")
     assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
     np.testing.assert_allclose([v for _, v in scalars["val_loss"]], result.history.val_loss)
-    # append=True continues a file.
+    # append=True continues a file. (The same run again: the same program.)
     eqfit.fit(
         model,
         data,
+        validation_data=val,
         batch_size=16,
-        epochs=1,
+        epochs=3,
         callbacks=[eqfit.callbacks.CSVLogger(tmp_path / "log.csv", append=True)],
         **kwargs,
     )
     with open(tmp_path / "log.csv") as f:
-        assert len(list(csv.DictReader(f))) == 4
+        assert len(list(csv.DictReader(f))) == 6
 
 
 def read_tensorboard(logdir):

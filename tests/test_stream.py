@@ -16,6 +16,9 @@ import eqfit
 import eqfit._sources
 
 
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     # 7 batches of 16 rows of (4 + 1) float32s per chunk: several chunks and a partial one.
@@ -39,7 +42,7 @@ def on_disk(tmp_path):
 def kwargs(getkey, **extra):
     return dict(
         loss=eqfit.losses.mse,
-        optimizer=optax.adam(1e-2),
+        optimizer=ADAM,
         key=getkey(),
         epochs=3,
         batch_size=16,  # 15 full batches and a remainder of 10
@@ -77,11 +80,13 @@ class Loader:
 def test_loader_trains_as_in_memory(getkey, small_chunks, on_disk, drop_remainder):
     memory, _ = on_disk
     model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
-    kw = kwargs(getkey)
+    # With the validation data of the memmap test: without dropping, its programs.
+    kw = kwargs(getkey, validation_data=(memory[0][:30], memory[1][:30]))
     expected = eqfit.fit(model, memory, drop_remainder=drop_remainder, **kw)
     streamed = eqfit.fit(model, Loader(memory, 16, drop_last=drop_remainder), **kw)
     assert_trees_equal(streamed.model, expected.model)
     np.testing.assert_array_equal(streamed.history.step_loss, expected.history.step_loss)
+    np.testing.assert_array_equal(streamed.history.val_loss, expected.history.val_loss)
 
 
 def test_shuffled_memmap_uses_every_sample_once_per_epoch(getkey, small_chunks, tmp_path):
@@ -126,7 +131,9 @@ def test_streaming_checks_its_input(getkey, on_disk):
 def test_streamed_run_checkpoints_and_resumes(getkey, small_chunks, on_disk, tmp_path):
     memory, mapped = on_disk
     model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
-    kw = {**kwargs(getkey), "shuffle": True}
+    # With the memmap test's validation data: its programs.
+    kw = kwargs(getkey, validation_data=(memory[0][:30], memory[1][:30]))
+    kw["shuffle"] = True
     expected = eqfit.fit(model, mapped, **kw)
     eqfit.fit(model, mapped, checkpoint=tmp_path / "ck", **{**kw, "epochs": 3})
     resumed = eqfit.fit(model, mapped, checkpoint=tmp_path / "ck", **kw)

@@ -24,7 +24,7 @@ import eqfit
     "make",
     [
         lambda key: eqfit.models.MLP(3, 2, 8, 2, dropout=0.5, key=key),
-        lambda key: eqfit.models.CNN(1, (4, 4), 3, channels=(2, 2), key=key),
+        lambda key: eqfit.models.CNN(1, (8, 8), 10, channels=(4, 6), key=key),
         lambda key: eqfit.models.LinearRegression(3, 2, key=key),
     ],
     ids=["MLP", "CNN", "LinearRegression"],
