@@ -27,9 +27,10 @@ def stacked_mlps(key, members=MEMBERS, **kwargs):
 @pytest.fixture(scope="module")
 def ensemble():
     """An ensemble problem, and each member trained alone: the reference."""
+    # The sizes of test_features' problem: each member alone is its validation test's program.
     key = jax.random.key(10)
-    data = regression_data(jax.random.fold_in(key, 1), 103)
-    val = regression_data(jax.random.fold_in(key, 2), 21)
+    data = regression_data(jax.random.fold_in(key, 1), 120)
+    val = regression_data(jax.random.fold_in(key, 2), 37)
     models = stacked_mlps(jax.random.fold_in(key, 3))
     fit_key = jax.random.fold_in(key, 4)
     kwargs = dict(
@@ -48,7 +49,7 @@ def test_each_member_trains_as_it_would_alone(ensemble, progress):
     result = eqfit.fit(models, data, key=key, ensemble=True, progress=progress, **kwargs)
     assert result.history.loss.shape == (3, MEMBERS)
     assert result.history.val_loss is not None and result.history.val_loss.shape == (3, MEMBERS)
-    assert result.history.step_loss.shape == (3, 7, MEMBERS)
+    assert result.history.step_loss.shape == (3, 8, MEMBERS)  # 7 batches of 16 and one of 8
     for i, one in enumerate(alone):
         assert_trees_close(member(result.model, i), one.model)
         np.testing.assert_allclose(result.history.loss[:, i], one.history.loss, rtol=1e-5)

@@ -325,8 +325,17 @@ def test_non_finite_loss_stop(getkey):
 
 def test_every_nan_policy_trains_alike_on_clean_data(getkey, problem):
     """One guarded step for every policy: on finite losses they give the same bits."""
-    model, data, _ = problem
-    kwargs = dict(loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), epochs=2)
+    model, data, val = problem
+    # The settings of test_validation_data_is_evaluated_after_each_epoch: its program, for
+    # "raise" and "stop".
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=ADAM,
+        key=getkey(),
+        epochs=3,
+        batch_size=16,
+        validation_data=val,
+    )
     results = [eqfit.fit(model, data, on_nan=policy, **kwargs) for policy in ("raise", "stop")]
     results.append(both_paths(model, data, on_nan="skip", **kwargs))
     for other in results[1:]:
