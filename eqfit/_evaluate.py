@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
 from ._labels import either, LabelError
-from ._step import clone, Objective
+from ._step import clone, needs_key, Objective
 
 
 def evaluate_batches(
@@ -24,7 +24,9 @@ def evaluate_batches(
     the whole data: what one full-batch call would give, without its memory.
     """
     model = eqx.nn.inference_mode(model)
-    key = jax.random.key(0)  # a loss that asks for a key gets one; inference ignores it
+    # Inference needs no randomness: the loss gets a key only if it or the model
+    # requires one (in inference mode the model ignores it). Keys cost compile time.
+    key = jax.random.key(0) if needs_key(objective.loss) or needs_key(model) else None
     num = jax.tree.leaves(data)[0].shape[0]
     num_full, remainder = divmod(num, batch_size)
 

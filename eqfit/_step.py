@@ -21,23 +21,31 @@ Metrics = Mapping[str, Callable[..., Any]]
 
 def takes_key(fn: Callable[..., Any]) -> bool:
     """Whether `fn` accepts a keyword argument `key` (for dropout and the like)."""
+    return _key_parameter(fn) is not None
+
+
+def needs_key(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` requires a keyword argument `key` (one without a default)."""
+    param = _key_parameter(fn)
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def _key_parameter(fn: Callable[..., Any]) -> inspect.Parameter | None:
     try:
-        return _takes_key(fn)  # `inspect.signature` is slow next to a small `fit` call
+        return _cached_key_parameter(fn)  # `inspect.signature` is slow next to a small `fit`
     except TypeError:  # unhashable: a Module with a list field, say
-        return _takes_key.__wrapped__(fn)
+        return _cached_key_parameter.__wrapped__(fn)
 
 
 @functools.lru_cache(maxsize=64)
-def _takes_key(fn: Callable[..., Any]) -> bool:
+def _cached_key_parameter(fn: Callable[..., Any]) -> inspect.Parameter | None:
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return False
+        return None
     param = parameters.get("key")
-    return param is not None and param.kind in (
-        inspect.Parameter.KEYWORD_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    )
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return param if param is not None and param.kind in kinds else None
 
 
 def check_scalar(value: Any, what: str) -> Float[Array, ""]:

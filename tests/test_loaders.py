@@ -365,6 +365,52 @@ def test_a_metric_with_the_wrong_signature_is_named(arrays, model):
         eqfit.fit(model, arrays, metrics={"bad": two_arguments}, **KWARGS)
 
 
+class _NeedsKey(eqx.Module):
+    """A model whose call requires a key, even in inference mode."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, *, key):
+        return self.linear(x)[0]
+
+
+def test_validation_passes_a_key_only_where_one_is_required(arrays):
+    x, y = arrays
+    validation = (x[:40], y[:40])
+    given = {"train": set(), "val": set()}
+
+    def optional(model, x, y, *, key=None):  # records, while traced, what it was given
+        phase = "val" if _inference(model) else "train"
+        given[phase].add(key is not None)
+        return eqfit.losses.mse(model, x, y, key=key)
+
+    model = eqfit.models.MLP(4, "scalar", 8, 1, dropout=0.5, key=jax.random.key(5))
+    kwargs = dict(optimizer=ADAM, epochs=2, batch_size=BATCH, validation_data=validation)
+    result = eqfit.fit(model, arrays, loss=optional, key=jax.random.key(6), **kwargs)
+    # Training steps get a key for dropout; inference needs none, so none is passed.
+    assert given == {"train": {True}, "val": {False}}
+    val = eqfit.evaluate(result.model, validation, loss=eqfit.losses.mse, batch_size=BATCH)
+    np.testing.assert_allclose(result.history.val_loss[-1], val["loss"], rtol=1e-6)
+
+    def required(model, x, y, *, key):
+        return eqfit.losses.mse(model, x, y, key=key)
+
+    for loss, net in [
+        (required, model),
+        (eqfit.losses.mse, _NeedsKey(eqx.nn.Linear(4, 1, key=jax.random.key(7)))),
+    ]:
+        result = eqfit.fit(net, arrays, loss=loss, key=jax.random.key(6), **kwargs)
+        assert np.isfinite(result.history.val_loss).all()
+
+
+def _inference(model):
+    return any(
+        getattr(m, "inference", False)
+        for m in jax.tree.leaves(model, is_leaf=lambda m: isinstance(m, eqx.nn.Dropout))
+        if isinstance(m, eqx.nn.Dropout)
+    )
+
+
 def test_ready_losses_give_dropout_models_a_key(arrays):
     dropout = eqfit.models.MLP(4, "scalar", 8, 1, dropout=0.5, key=jax.random.key(5))
     kwargs = dict(optimizer=ADAM, epochs=2, batch_size=BATCH)
