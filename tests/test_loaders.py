@@ -392,13 +392,12 @@ def test_validation_passes_a_key_only_where_one_is_required(arrays):
     val = eqfit.evaluate(result.model, validation, loss=eqfit.losses.mse, batch_size=BATCH)
     np.testing.assert_allclose(result.history.val_loss[-1], val["loss"], rtol=1e-6)
 
+    # A loss or a model that requires a key gets one in validation too.
     def required(model, x, y, *, key):
         return eqfit.losses.mse(model, x, y, key=key)
 
-    for loss, net in [
-        (required, model),
-        (eqfit.losses.mse, _NeedsKey(eqx.nn.Linear(4, 1, key=jax.random.key(7)))),
-    ]:
+    needs = _NeedsKey(eqx.nn.Linear(4, 1, key=jax.random.key(7)))
+    for loss, net in [(required, needs), (eqfit.losses.mse, needs)]:
         result = eqfit.fit(net, arrays, loss=loss, key=jax.random.key(6), **kwargs)
         assert np.isfinite(result.history.val_loss).all()
 
