@@ -1,7 +1,18 @@
+import os
 import tempfile
 
 import jax
 
+
+# Most of the suite's time is XLA compiling small programs, and LLVM's optimisation of
+# their kernels is about a third of it. The tests check behaviour, and every comparison
+# they make is between programs compiled alike, or within a tolerance, so they compile
+# without it (XLA reads its flags when the backend starts, below). A level given in
+# `XLA_FLAGS` is kept. The examples, which the tests run in processes of their own, and the
+# benchmarks compile with XLA's default.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 # Before any device is touched: eight simulated CPU devices for the multi-device tests.
 # (Equinox's own suite also turns on strict dtype promotion; optax's Adam does
