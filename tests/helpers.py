@@ -1,3 +1,5 @@
+import os
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -38,3 +40,13 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):
     assert len(la) == len(lb)
     for x, y in zip(la, lb):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def worker_env(*paths):
+    """The environment for a worker process: this one's, with `paths` first on
+    `PYTHONPATH`. `XLA_FLAGS` is kept: it holds the suite's optimisation level
+    (`conftest.py`), so a worker compiles as the test does and their results compare
+    bitwise.
+    """
+    python_path = os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": python_path}

@@ -5,7 +5,6 @@ Ctrl-C on every path, and refusing what cannot be written or read.
 import contextlib
 import itertools
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import equinox as eqx
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal, regression_data
+from helpers import assert_trees_equal, regression_data, worker_env
 from shared_problem import checkpoint_problem
 
 import eqfit
@@ -29,11 +28,7 @@ ADAM = optax.adam(1e-2)
 
 
 def worker(directory, mode, *extra):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("XLA_FLAGS", None)
+    env = worker_env(HERE)
     return subprocess.Popen(
         [sys.executable, str(HERE / "checkpoint_worker.py"), str(directory), mode, *extra],
         env=env,

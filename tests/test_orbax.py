@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import pytest
+from helpers import worker_env
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqfit
@@ -235,8 +236,7 @@ def test_like_must_describe_the_state_with_shardings(tmp_path):
 
 
 def run_python(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = worker_env()
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), *args],
         env=env,
@@ -386,8 +386,7 @@ def test_two_processes_each_write_their_shards(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = worker_env()
     workers = [
         subprocess.Popen(
             [

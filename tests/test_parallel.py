@@ -1,6 +1,5 @@
 """Several devices: `devices=` (filter_pmap) and `mesh=` (sharding) give the one-device answer."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, regression_data
+from helpers import assert_trees_close, regression_data, worker_env
 from shared_problem import problem
 
 import eqfit
@@ -167,11 +166,7 @@ def _free_port() -> int:
 def start_two_processes(outs, directory=None, *mode):
     here = Path(__file__).parent
     port = _free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("XLA_FLAGS", None)
+    env = worker_env(here)
     extra = ([] if directory is None else [str(directory)]) + list(mode)
     return [
         subprocess.Popen(
