@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._schedule import epochs_and_steps
 from ._version import __version__
 
 
@@ -256,7 +257,7 @@ class Checkpoints:
         """Writes a checkpoint (the writer; with `collective`, every process, where only the
         writer lists, names, commits and prunes).
         """
-        epoch, step = divmod(self._position(state), self.steps_per_epoch)
+        epoch, step = epochs_and_steps(self._position(state), self.steps_per_epoch)
         payload = self._encode(state)
         existing = self._checkpoints() if self.writer else []
         head = {

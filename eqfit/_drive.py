@@ -218,16 +218,18 @@ class Checkpointing(Observer):
         interrupt: Interrupt,
     ):
         self.store, self.save, self.schedule = store, save, schedule
-        self.every = every * schedule.steps_per_epoch  # steps between checkpoints
+        self.every = every  # epochs between checkpoints
         self.interrupt = interrupt
 
     def boundary(self, position: int) -> int:
-        return (position // self.every + 1) * self.every
+        return self.schedule.next_epoch_end(position, self.every)
 
     def after_call(self, position: int, state: TrainState) -> None:
         # Also where a Ctrl-C stops the run: at an epoch's end.
-        stops = self.interrupt.requested and self.schedule.is_epoch_end(position)
-        if position % self.every == 0 or position >= self.schedule.total or stops:
+        schedule = self.schedule
+        stops = self.interrupt.requested and schedule.is_epoch_end(position)
+        due = schedule.is_epoch_end(position, self.every) or position >= schedule.total
+        if due or stops:
             self.store.save(self.save(state))
 
 

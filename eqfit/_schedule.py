@@ -116,12 +116,16 @@ class Schedule:
         """How many epochs had at least one step by `position` (a cut-short one counts)."""
         return -(-position // self.steps_per_epoch)
 
-    def next_epoch_end(self, position: _Int) -> _Int:
-        """The position at which the epoch that `position` is in ends."""
-        return (position // self.steps_per_epoch + 1) * self.steps_per_epoch  # type: ignore[operator]
+    def next_epoch_end(self, position: _Int, every: int = 1) -> _Int:
+        """The position at which the epoch that `position` is in ends (with `every`, the
+        next end of an epoch whose number `every` divides).
+        """
+        steps = self.steps_per_epoch * every
+        return (position // steps + 1) * steps  # type: ignore[operator]
 
-    def is_epoch_end(self, position: int) -> bool:
-        return position % self.steps_per_epoch == 0
+    def is_epoch_end(self, position: int, every: int = 1) -> bool:
+        """Whether an epoch ends at `position` (whose number `every` divides)."""
+        return position % (self.steps_per_epoch * every) == 0
 
     def record_row(self, step: _Int) -> _Int:
         """The row of the run's record (one per epoch of this run) that step `step` fills."""
@@ -132,7 +136,7 @@ class Schedule:
 
     def locate(self, step: int) -> tuple[int, int]:
         """`(epoch, step within it)` of the step at index `step`, both counted from 1."""
-        epoch, within = divmod(step, self.steps_per_epoch)
+        epoch, within = epochs_and_steps(step, self.steps_per_epoch)
         return epoch + 1, within + 1
 
     def run_epochs(self, position: int) -> int:
@@ -229,3 +233,10 @@ def plan_passes(num_samples: int, batch_size: int, drop_remainder: bool) -> Pass
             )
         remainder = 0
     return Passes(num_samples, batch_size, num_full, remainder)
+
+
+def epochs_and_steps(position: int, steps_per_epoch: int) -> tuple[int, int]:
+    """The epochs ended at `position` (a count of steps since the first epoch ever) and
+    the steps since the last of them: how a checkpoint is named, and where a step falls.
+    """
+    return divmod(position, steps_per_epoch)
