@@ -71,8 +71,8 @@ PROGRAM_CACHE = Programs()
 
 def clear_cache() -> None:
     """Frees every program eqfit compiled and keeps in memory: those of `fit`, `predict`,
-    `evaluate` and the ready models' constructors (it keeps those of its `PROGRAMS` = 32
-    most recent configurations). A later call compiles again what it needs.
+    `evaluate`, `sharding.init` and the ready models' constructors (it keeps those of its
+    `PROGRAMS` = 32 most recent configurations). A later call compiles again what it needs.
 
     For a sweep, no compilation at all is cheaper still: an optimizer whose
     hyperparameters are arrays (`optax.inject_hyperparams`) compiles once for every

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._checks import checked
+from ._compile import PROGRAM_CACHE
 from ._typing import ArrayTree
 
 
@@ -215,13 +216,22 @@ def init(make: Callable[..., Any], *args: Any, mesh: Mesh, shard: Shard, **kwarg
     placed = shardings(abstract, mesh, shard)
     shapes, rest = eqx.partition(abstract, _is_abstract)
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    out_shardings = jax.tree.leaves(placed)
 
     def build(dynamic: PyTree) -> list:
         args, kwargs = eqx.combine(dynamic, static)
         return jax.tree.leaves(eqx.filter(make(*args, **kwargs), eqx.is_array))
 
     # A flat list of arrays and of shardings: nothing for `jit` to match up but order.
-    out = jax.jit(build, out_shardings=jax.tree.leaves(placed))(dynamic)
+    compile = lambda: jax.jit(build, out_shardings=out_shardings)  # noqa: E731
+    # Kept with `fit`'s programs, so a second `init` of the same build compiles nothing.
+    leaves, treedef = jax.tree.flatten(static)
+    key = ("sharding.init", make, treedef, tuple(leaves), tuple(map(type, leaves)))
+    try:
+        program = PROGRAM_CACHE.get((*key, tuple(out_shardings)), compile)
+    except TypeError:  # an argument that cannot be hashed: compiled afresh, as `jit` would
+        program = compile()
+    out = program(dynamic)
     return eqx.combine(jax.tree.unflatten(jax.tree.structure(shapes), out), rest)
 
 

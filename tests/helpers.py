@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import equinox as eqx
@@ -50,3 +51,36 @@ def worker_env(*paths):
     """
     python_path = os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": python_path}
+
+
+# Programs compiled, counted by JAX's compile events.
+
+_COMPILED = "/jax/core/compile/backend_compile_duration"
+_LOADED = "/jax/compilation_cache/cache_hits"  # the suite keeps programs on disk too
+
+
+@contextlib.contextmanager
+def _counting_programs():
+    """Counts the programs JAX compiles or loads from its persistent cache meanwhile."""
+    count = [0]
+
+    def duration(event, duration_secs, **kwargs):
+        count[0] += event == _COMPILED
+
+    def event(event, **kwargs):
+        count[0] += event == _LOADED
+
+    jax.monitoring.register_event_duration_secs_listener(duration)
+    jax.monitoring.register_event_listener(event)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(duration)
+        jax.monitoring.unregister_event_listener(event)
+
+
+def programs_made(call):
+    """How many programs JAX compiled (or loaded from its persistent cache) for `call()`."""
+    with _counting_programs() as count:
+        jax.block_until_ready(call())
+    return count[0]

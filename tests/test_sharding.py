@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import programs_made
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+import eqfit
 from eqfit._sharding import resolve, shardings
 from eqfit.sharding import bytes_per_device, fsdp, init, rules
 
@@ -313,6 +315,22 @@ def test_init_is_bit_for_bit_the_plain_build(fsdp_mlp):
     model = init(make, key, 16, mesh=mesh8(), shard=fsdp(min_bytes=0))
     np.testing.assert_array_equal(model.weight, make(key, 16).weight)
     assert model.weight.sharding.spec == P("data")
+
+
+def test_init_compiles_a_build_once():
+    def build(width=8, key=jax.random.key(4)):
+        return init(eqx.nn.Linear, 24, width, key=key, mesh=mesh8(), shard=fsdp(min_bytes=0))
+
+    first = build()
+    assert programs_made(build) == 0  # the same build: its program is kept
+    again = build()
+    np.testing.assert_array_equal(again.weight, first.weight)
+    assert again.weight.sharding == first.weight.sharding
+    # Another key (an array) reuses it too; another width (held fixed) does not.
+    assert programs_made(lambda: build(key=jax.random.key(5))) == 0
+    assert programs_made(lambda: build(width=16)) > 0
+    eqfit.clear_cache()
+    assert programs_made(build) > 0  # freed with `fit`'s programs
 
 
 def test_init_checks_the_layout_before_building():

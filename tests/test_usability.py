@@ -3,15 +3,13 @@
 `predict(ensemble=True)`, `save` and `load` misused.
 """
 
-import contextlib
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, programs_made
 from jaxtyping import TypeCheckError
 
 import eqfit
@@ -66,35 +64,6 @@ def test_early_stopping_has_keras_defaults_but_restore_best():
 
 # `clear_cache`
 
-_COMPILED = "/jax/core/compile/backend_compile_duration"
-_LOADED = "/jax/compilation_cache/cache_hits"  # the suite keeps programs on disk too
-
-
-@contextlib.contextmanager
-def _counting_programs():
-    """Counts the programs JAX compiles or loads from its persistent cache meanwhile."""
-    count = [0]
-
-    def duration(event, duration_secs, **kwargs):
-        count[0] += event == _COMPILED
-
-    def event(event, **kwargs):
-        count[0] += event == _LOADED
-
-    jax.monitoring.register_event_duration_secs_listener(duration)
-    jax.monitoring.register_event_listener(event)
-    try:
-        yield count
-    finally:
-        jax.monitoring.unregister_event_duration_listener(duration)
-        jax.monitoring.unregister_event_listener(event)
-
-
-def _programs_made(call):
-    with _counting_programs() as count:
-        jax.block_until_ready(call())
-    return count[0]
-
 
 @pytest.mark.parametrize("which", ["predict", "evaluate"])
 def test_clear_cache_frees_predict_and_evaluate_programs(which, getkey):
@@ -105,10 +74,10 @@ def test_clear_cache_frees_predict_and_evaluate_programs(which, getkey):
     else:
         call = lambda: eqfit.evaluate(model, (x, y), loss=eqfit.losses.mse, batch_size=3)  # noqa: E731
     call()
-    assert _programs_made(call) == 0  # cached
+    assert programs_made(call) == 0  # cached
     eqfit.clear_cache()
-    assert _programs_made(call) > 0  # freed, so compiled (or loaded from disk) again
-    assert _programs_made(call) == 0
+    assert programs_made(call) > 0  # freed, so compiled (or loaded from disk) again
+    assert programs_made(call) == 0
 
 
 # Notes on errors raised in the user's loss
