@@ -273,7 +273,7 @@ def _start(
     the run's program is traced (`Starting`); else now.
     """
     placement = loop.placement
-    inputs = placement.start_inputs(inputs)
+    inputs = placement.start_inputs(inputs, loop.trains)
     alone = isinstance(placement, OneDevice) and options.members is None
     if alone and options.checkpoint is None:
         return Starting(start_program(loop), inputs), options.key

@@ -44,8 +44,11 @@ class OneDevice:
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
-    def start_inputs(self, tree: PyTree) -> PyTree:
-        """The arguments of the program that makes the training state, placed for it."""
+    def start_inputs(self, tree: PyTree, trains: tuple[bool, ...]) -> PyTree:
+        """The arguments of the program that makes the training state, placed for it:
+        `(params, ...)`, `params` the model's arrays for which `trains` is true.
+        """
+        del trains
         return tree
 
     def host(self, tree: PyTree) -> Any:
@@ -94,7 +97,8 @@ class Pmap:
         arrays, rest = eqx.partition(tree, eqx.is_array)
         return eqx.combine(_first_replica(arrays), rest)
 
-    def start_inputs(self, tree: PyTree) -> PyTree:
+    def start_inputs(self, tree: PyTree, trains: tuple[bool, ...]) -> PyTree:
+        del trains
         return tree  # the state is made on one device, then replicated
 
     def host(self, tree: PyTree) -> Any:
@@ -170,11 +174,25 @@ class Sharded:
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
-    def start_inputs(self, tree: PyTree) -> PyTree:
+    def start_inputs(self, tree: PyTree, trains: tuple[bool, ...]) -> PyTree:
         # With `shard=`, the program that makes the state lays it out over the mesh, so
-        # it runs over the mesh: its arguments go there, replicated where they are not
-        # laid out already (a model built by `eqfit.sharding.init` is).
-        return tree if self.specs is None else self.put(tree)
+        # it runs over the mesh: its arguments go there. The arrays that train go
+        # straight to their layouts (each device gets its share, never the whole array),
+        # unless laid out already (a model built by `eqfit.sharding.init` is); the rest
+        # is replicated. Over several processes each passes its whole model, which `put`
+        # stitches together replicated, and the program lays it out.
+        if self.specs is None:
+            return tree
+        params, *rest = tree
+        if jax.process_count() == 1:
+            specs = [spec for spec, t in zip(self.specs, trains) if t]
+            params = [
+                x
+                if not eqx.is_array(x) or (isinstance(x, jax.Array) and _laid_out_on(x, self.mesh))
+                else jax.device_put(x, NamedSharding(self.mesh, spec))
+                for x, spec in zip(params, specs)
+            ]
+        return self.put((params, *rest))
 
     def host(self, tree: PyTree) -> Any:
         return jax.tree.map(np.asarray, tree)
