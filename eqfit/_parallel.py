@@ -189,7 +189,7 @@ class Sharded:
             params = [
                 x
                 if not eqx.is_array(x) or (isinstance(x, jax.Array) and _laid_out_on(x, self.mesh))
-                else jax.device_put(x, NamedSharding(self.mesh, spec))
+                else jax.device_put(x, NamedSharding(self.mesh, _trimmed(spec)))
                 for x, spec in zip(params, specs)
             ]
         return self.put((params, *rest))
@@ -312,6 +312,16 @@ def global_rows(placement: Placement, rows: int | None) -> int | None:
             "index), which differ."
         )
     return rows * jax.process_count()
+
+
+def _trimmed(spec: P) -> P:
+    """`spec` without trailing `None`s, as a program's outputs name the same layout (so the
+    trained model's arrays say `P("model")`, not `P("model", None)`, whatever came in).
+    """
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)
 
 
 def _laid_out_on(x: jax.Array, mesh: Mesh) -> bool:
