@@ -296,13 +296,18 @@ class _Reader:
         self.clock = now
         return seconds
 
+    @property
+    def _steps_axis(self) -> int:
+        """The steps' axis in a `Steps` record: after the members' of an ensemble."""
+        return 0 if self.loop.members is None else 1
+
     def first_steps(self, length: int) -> Steps | None:
         """The record of the first epoch's steps, up to `length` of them, as the calls
         read so far reported them; `None` before any call.
         """
         if not self.first_epoch:
             return None
-        axis = 0 if self.loop.members is None else 1
+        axis = self._steps_axis
         joined = [np.concatenate(x, axis=axis) for x in zip(*self.first_epoch)]
         return Steps(
             *(np.take(x, np.arange(min(length, x.shape[axis])), axis=axis) for x in joined)
@@ -312,7 +317,7 @@ class _Reader:
         WAITER.wait(report.step)
         placement, schedule = self.loop.placement, self.loop.schedule
         if report.steps is not None:  # the first epoch, while it teaches its length
-            axis = 0 if self.loop.members is None else 1
+            axis = self._steps_axis
             columns = np.arange(call_begin, call_stop) % schedule.columns
             steps = placement.host(report.steps)
             self.first_epoch.append(Steps(*(np.take(x, columns, axis=axis) for x in steps)))

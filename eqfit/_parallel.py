@@ -147,7 +147,7 @@ class Sharded:
         def place(x: Any) -> Any:
             if not eqx.is_array(x):
                 return x
-            if isinstance(x, jax.Array) and _laid_out_on(x, self.mesh):
+            if _laid_out_on(x, self.mesh):
                 return x  # laid out by the program already (`shard=`): keep its layout
             if multiprocess:
                 # Each process holds its own rows of the data (and a full copy of
@@ -186,11 +186,10 @@ class Sharded:
         params, *rest = tree
         if jax.process_count() == 1:
             specs = [spec for spec, t in zip(self.specs, trains) if t]
+            layouts = [NamedSharding(self.mesh, _trimmed(spec)) for spec in specs]
             params = [
-                x
-                if not eqx.is_array(x) or (isinstance(x, jax.Array) and _laid_out_on(x, self.mesh))
-                else jax.device_put(x, NamedSharding(self.mesh, _trimmed(spec)))
-                for x, spec in zip(params, specs)
+                x if _laid_out_on(x, self.mesh) else jax.device_put(x, layout)
+                for x, layout in zip(params, layouts)
             ]
         return self.put((params, *rest))
 
@@ -324,6 +323,8 @@ def _trimmed(spec: P) -> P:
     return P(*parts)
 
 
-def _laid_out_on(x: jax.Array, mesh: Mesh) -> bool:
-    sharding = x.sharding
-    return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+def _laid_out_on(x: Any, mesh: Mesh) -> bool:
+    """Whether `x` is a JAX array laid out over `mesh` already."""
+    if not isinstance(x, jax.Array):
+        return False
+    return isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh

@@ -373,14 +373,15 @@ class Loader(_Streamed):
         held: list[PyTree] = []
         smaller = None  # the size of the last batch, if smaller: its pass must end there
 
+        learned = None  # the first epoch's length, once its last batch is read
+
         def chunk(batches: list[PyTree], batch_size: int, first: int) -> Chunk:
             data = jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
             order = np.arange(len(batches) * batch_size)
-            return Chunk(data, order, first, first + len(batches), batch_size)
+            return Chunk(data, order, first, first + len(batches), batch_size, learned)
 
         stream = itertools.chain([(self.first, True, self.first_ends)], self.stream)
         step = 0
-        learned = None  # the first epoch's length, once its last batch is read
         for step, (batch, starts_pass, ends_first) in enumerate(stream):
             if smaller is not None and not starts_pass:
                 raise ValueError(
@@ -397,18 +398,18 @@ class Loader(_Streamed):
                 continue
             if got < size:
                 if held:
-                    yield chunk(held, size, step - len(held))._replace(epoch_length=learned)
+                    yield chunk(held, size, step - len(held))
                     held = []
-                yield chunk([batch], got, step)._replace(epoch_length=learned)
+                yield chunk([batch], got, step)
             else:
                 held.append(batch)
                 if len(held) == per_chunk or step + 1 >= end or ends_first:
-                    yield chunk(held, size, step - len(held) + 1)._replace(epoch_length=learned)
+                    yield chunk(held, size, step - len(held) + 1)
                     held = []
             if step + 1 >= end:
                 return
         if held:
-            yield chunk(held, size, step - len(held) + 1)._replace(epoch_length=learned)
+            yield chunk(held, size, step - len(held) + 1)
 
 
 _END = object()  # a pass's end, when reading ahead
