@@ -15,9 +15,9 @@ def evaluate_batches(
     model_state: PyTree,
     data: PyTree,
     batch_size: int,
-) -> tuple[Float[Array, " values"], LabelError]:
+) -> tuple[Float[Array, " values"], LabelError | None]:
     """The mean loss and metrics over `data`, as `[loss, *metrics]`, and the first label
-    out of range met, if any.
+    out of range met, if any (`None` where nothing checks labels).
 
     It runs a scan over full batches and one smaller last batch, weighting each batch's
     value by its size, so for a loss that is a mean over the batch this is the mean over
@@ -30,29 +30,31 @@ def evaluate_batches(
     num = jax.tree.leaves(data)[0].shape[0]
     num_full, remainder = divmod(num, batch_size)
 
-    def values(batch: PyTree) -> tuple[Float[Array, " values"], LabelError]:
+    def values(batch: PyTree) -> tuple[Float[Array, " values"], LabelError | None]:
         loss, _, labels = objective.value(model, clone(model_state), batch, key)
         metrics, metric_labels = objective.metric_values(model, clone(model_state), batch)
         values = jnp.concatenate([loss[None].astype(jnp.float32), metrics])
-        labels = either(labels, metric_labels)
-        # Carried through the scan, so always a value (once per evaluation: cheap).
-        return values, LabelError.none() if labels is None else labels
+        return values, either(labels, metric_labels)
 
-    total, labels = jnp.zeros(1 + len(objective.metrics)), LabelError.none()
+    total, labels = jnp.zeros(1 + len(objective.metrics)), None
     if num_full:
         full = jax.tree.map(
             lambda a: a[: num_full * batch_size].reshape(num_full, batch_size, *a.shape[1:]),
             data,
         )
 
-        def add(carry: tuple[Float[Array, " values"], LabelError], batch: PyTree):
-            total, labels = carry
+        def add(total: Float[Array, " values"], batch: PyTree):
             batch_values, batch_labels = values(batch)
-            return (total + batch_values * batch_size, labels.or_else(batch_labels)), None
+            return total + batch_values * batch_size, batch_labels
 
-        (total, labels), _ = jax.lax.scan(add, (total, labels), full)
+        # Each batch's label check is an output of the scan (none where nothing checks
+        # labels), the first found picked after it.
+        total, every = jax.lax.scan(add, total, full)
+        if every is not None:
+            first = jnp.argmax(every.found)
+            labels = jax.tree.map(lambda x: x[first], every)
     if remainder:
         last = jax.tree.map(lambda a: a[num_full * batch_size :], data)
         last_values, last_labels = values(last)
-        total, labels = total + last_values * remainder, labels.or_else(last_labels)
+        total, labels = total + last_values * remainder, either(labels, last_labels)
     return total / num, labels

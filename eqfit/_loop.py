@@ -471,7 +471,8 @@ class _Run:
 
         def batch_step(state: TrainState, size: int, full: bool) -> TrainState:
             t = state.step
-            index = jax.lax.dynamic_slice_in_dim(order, (t - first) * loop.batch_size, size)
+            start = (t - first) * loop.batch_size  # in range: `t` is in the piece
+            index = jax.lax.dynamic_slice(order, (start,), (size,), allow_negative_indices=False)
             placement = loop.placement
             if full:
                 batch, step = placement.full_batch(data, index), self.parts.step
@@ -557,7 +558,8 @@ class _Run:
                 schedule.batch_size,
             )
             values = jnp.concatenate([values, val])
-            state = state._replace(label_error=state.label_error.or_else(labels))
+            if labels is not None:
+                state = state._replace(label_error=state.label_error.or_else(labels))
         state = state._replace(
             epoch_values=_put(state.epoch_values, values, row), running=jnp.zeros(2)
         )
@@ -596,12 +598,13 @@ class _Run:
 
 def _put(record: Array, value: Any, *index: Any) -> Array:
     """`record.at[index].set(value)` as a dynamic update slice, not a scatter: XLA
-    compiles it in less time (the indices are in range by construction).
+    compiles it in less time. The indices are in range by construction, so neither
+    negative ones nor clamping need handling.
     """
     value = jnp.asarray(value, record.dtype)
     update = value.reshape((1,) * len(index) + value.shape)
     start = (*index, *(0,) * value.ndim)
-    return jax.lax.dynamic_update_slice(record, update, start)
+    return jax.lax.dynamic_update_slice(record, update, start, allow_negative_indices=False)
 
 
 def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainState:
@@ -644,14 +647,18 @@ def epoch_means(state: TrainState, row: Int[Array, ""]) -> Float[Array, " values
     a non-finite loss (`on_nan="skip"`) trained nothing and are left out; NaN (0 / 0) if
     no step counts.
     """
-    sizes = state.batch_sizes[row].astype(jnp.float32)
-    sizes = jnp.where(jnp.isfinite(state.step_loss[row]), sizes, 0.0)
+
+    def at_row(record: Array) -> Array:  # `row` is in range by construction
+        return jax.lax.dynamic_index_in_dim(record, row, 0, False, allow_negative_indices=False)
+
+    step_loss = at_row(state.step_loss)
+    counts = jnp.isfinite(step_loss)  # NaN where no step ran, so this is false there too
+    sizes = jnp.where(counts, at_row(state.batch_sizes).astype(jnp.float32), 0.0)
     weights = sizes / jnp.sum(sizes)
-    step_loss = jnp.where(weights > 0, state.step_loss[row], 0.0)
     # Full float32 precision: on GPUs a default-precision dot may round through TF32.
     precision = jax.lax.Precision.HIGHEST
-    loss = jnp.dot(weights, step_loss, precision=precision)[None]
-    step_metrics = jnp.where(weights[:, None] > 0, state.step_metrics[row], 0.0)
+    loss = jnp.dot(weights, jnp.where(counts, step_loss, 0.0), precision=precision)[None]
+    step_metrics = jnp.where(counts[:, None], at_row(state.step_metrics), 0.0)
     return jnp.concatenate([loss, jnp.dot(weights, step_metrics, precision=precision)])
 
 

@@ -167,7 +167,8 @@ def evaluate(
     with reported_as("evaluate", "data"):
         values_, labels = _evaluate(objective, model, state, data_, batch_size)
         values = np.asarray(values_).tolist()
-    raise_found(labels)
+    if labels is not None:
+        raise_found(labels)
     names = ("loss", *(name for name, _ in objective.metrics))
     return dict(zip(names, values))
 

@@ -11,11 +11,29 @@ import dataclasses
 from typing import Any, NamedTuple, TypeVar
 
 import jax
+import jax.numpy as jnp
 
 from ._options import Options
 
 
 _Int = TypeVar("_Int")  # a Python int, or a traced integer inside the program
+
+
+def _div(position: Any, steps: int) -> Any:
+    """`position // steps` for a position or step index (never negative). On a JAX
+    integer, `lax.div`: for non-negative operands truncation is floor division, and it
+    traces to one operation where `//` on signed integers traces to eight.
+    """
+    if isinstance(position, jax.Array):
+        return jax.lax.div(position, jnp.asarray(steps, position.dtype))
+    return position // steps
+
+
+def _mod(position: Any, steps: int) -> Any:
+    """`position % steps` for a position (never negative), as `_div`."""
+    if isinstance(position, jax.Array):
+        return jax.lax.rem(position, jnp.asarray(steps, position.dtype))
+    return position % steps
 
 
 # The `steps_per_epoch` of a run whose epoch's length is learned from its first epoch,
@@ -106,11 +124,11 @@ class Schedule:
 
     def epoch_of(self, step: _Int) -> _Int:
         """The epoch, counted from 1, that the step at index `step` belongs to."""
-        return step // self.steps_per_epoch + 1  # type: ignore[operator]
+        return _div(step, self.steps_per_epoch) + 1
 
     def epochs_ended(self, position: _Int) -> _Int:
         """How many epochs have ended (counted from the first ever) at `position`."""
-        return position // self.steps_per_epoch  # type: ignore[operator]
+        return _div(position, self.steps_per_epoch)
 
     def epochs_begun(self, position: int) -> int:
         """How many epochs had at least one step by `position` (a cut-short one counts)."""
@@ -121,7 +139,7 @@ class Schedule:
         next end of an epoch whose number `every` divides).
         """
         steps = self.steps_per_epoch * every
-        return (position // steps + 1) * steps  # type: ignore[operator]
+        return (_div(position, steps) + 1) * steps
 
     def is_epoch_end(self, position: int, every: int = 1) -> bool:
         """Whether an epoch ends at `position` (whose number `every` divides)."""
@@ -129,10 +147,10 @@ class Schedule:
 
     def record_row(self, step: _Int) -> _Int:
         """The row of the run's record (one per epoch of this run) that step `step` fills."""
-        return step // self.steps_per_epoch - self.first_epoch  # type: ignore[operator]
+        return _div(step, self.steps_per_epoch) - self.first_epoch
 
     def record_column(self, step: _Int) -> _Int:
-        return step % self.columns  # type: ignore[operator]
+        return _mod(step, self.columns)
 
     def locate(self, step: int) -> tuple[int, int]:
         """`(epoch, step within it)` of the step at index `step`, both counted from 1."""
@@ -147,7 +165,7 @@ class Schedule:
 
     def pass_of(self, step: _Int) -> _Int:
         assert self.passes is not None
-        return step // self.passes.steps_per_pass  # type: ignore[operator]
+        return _div(step, self.passes.steps_per_pass)
 
     def pass_start(self, index: _Int) -> _Int:
         assert self.passes is not None

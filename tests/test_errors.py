@@ -1,7 +1,9 @@
 """Bad input fails at the call, with a message naming the argument and the sizes."""
 
 import os
+import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +174,36 @@ def test_labels_checked_by_every_ready_function(classes, getkey):
             loss=eqfit.losses.binary_cross_entropy,
             optimizer=optax.sgd(0.1),
             key=getkey(),
+        )
+
+
+@pytest.mark.parametrize(
+    "bad, reported",
+    [
+        ({9: 5, 6: 4}, "label 4 (at (2,)"),
+        ({13: 7}, "label 7 (at (1,)"),
+        ({13: 7, 2: 3}, "label 3 (at (2,)"),
+    ],
+)
+def test_evaluation_reports_the_first_bad_label_of_any_batch(getkey, bad, reported):
+    # 14 rows in batches of 4: three full batches (a scan), then a last one of 2.
+    model = eqx.nn.Linear(4, 3, key=getkey())
+    x = jax.random.normal(getkey(), (14, 4))
+    labels = np.zeros(14, np.int32)
+    for at, label in bad.items():
+        labels[at] = label
+    loss = eqfit.losses.softmax_cross_entropy
+    with pytest.raises(ValueError, match=re.escape(reported)):
+        eqfit.evaluate(model, (x, labels), loss=loss, batch_size=4)
+    with pytest.raises(ValueError, match=re.escape(reported)):
+        eqfit.fit(
+            model,
+            (x, np.zeros(14, np.int32)),
+            loss=loss,
+            optimizer=optax.sgd(0.1),
+            key=getkey(),
+            batch_size=4,
+            validation_data=(x, labels),
         )
 
 
