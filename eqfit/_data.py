@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, Int, Key, PyTree, UInt32
 
 
@@ -146,22 +147,28 @@ def check_batch_size(batch_size: int) -> None:
 FEISTEL_ROUNDS = 8
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive integers over 32 bits
 
+# The cipher is written in `lax` operations on uint32 values, its constants numpy uint32
+# scalars: each `^`, `>>` or `*` on a traced array would go through one of jax.numpy's
+# jitted functions, several times the cost to trace of the one operation it stages (and
+# every first `fit` traces the shuffle).
+_U32 = np.uint32
+xor, shr, mul, add = lax.bitwise_xor, lax.shift_right_logical, lax.mul, lax.add
+
 
 def _hash32(x: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
     """Wellons' lowbias32: a 32-bit integer hash with near-ideal avalanche."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
+    x = mul(xor(x, shr(x, _U32(16))), _U32(0x7FEB352D))
+    x = mul(xor(x, shr(x, _U32(15))), _U32(0x846CA68B))
+    return xor(x, shr(x, _U32(16)))
 
 
 def _below(h: UInt32[Array, "*shape"], m: int) -> UInt32[Array, "*shape"]:
     """`floor(h * m / 2**32)`: a uniform 32-bit `h` taken to `[0, m)`, for `m < 2**16`,
     by a multiply-high in 32-bit arithmetic (no 64-bit integers, no division).
     """
-    m_ = jnp.uint32(m)
-    return ((h >> 16) * m_ + (((h & 0xFFFF) * m_) >> 16)) >> 16
+    high = mul(shr(h, _U32(16)), _U32(m))
+    low = shr(mul(lax.bitwise_and(h, _U32(0xFFFF)), _U32(m)), _U32(16))
+    return shr(add(high, low), _U32(16))
 
 
 def shuffle_seed(key: Key[Array, ""]) -> UInt32[Array, ""]:
@@ -169,7 +176,7 @@ def shuffle_seed(key: Key[Array, ""]) -> UInt32[Array, ""]:
     words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
     seed = jnp.uint32(0x5EED)
     for i in range(words.shape[0]):
-        seed = _hash32(seed ^ (words[i] + jnp.uint32((_GOLDEN * (i + 1)) & 0xFFFFFFFF)))
+        seed = _hash32(xor(seed, add(words[i], _U32((_GOLDEN * (i + 1)) & 0xFFFFFFFF))))
     return seed
 
 
@@ -183,16 +190,17 @@ def feistel(
     """
 
     def one(high: Any, low: Any, key: Any, m: int) -> tuple[Any, Any]:
-        total = high + _below(_hash32(low ^ key), m)
-        return low, jnp.where(total >= m, total - jnp.uint32(m), total)
+        total = add(high, _below(_hash32(xor(low, key)), m))
+        return low, lax.select(lax.ge(total, _U32(m)), lax.sub(total, _U32(m)), total)
 
     def two(r: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
-        high, low = one(*carry, round_keys[2 * r], a)
-        return one(high, low, round_keys[2 * r + 1], b)
+        keys = lax.dynamic_slice(round_keys, (2 * r,), (2,), allow_negative_indices=False)
+        high, low = one(*carry, keys[0], a)
+        return one(high, low, keys[1], b)
 
     pairs = round_keys.shape[0] // 2
-    high, low = jax.lax.fori_loop(0, pairs, two, (x // jnp.uint32(b), x % jnp.uint32(b)))
-    return high * jnp.uint32(b) + low
+    high, low = jax.lax.fori_loop(0, pairs, two, (lax.div(x, _U32(b)), lax.rem(x, _U32(b))))
+    return add(mul(high, _U32(b)), low)
 
 
 def epoch_order(
@@ -215,9 +223,10 @@ def epoch_order(
     if not shuffle or num_samples == 1:
         return index
     a, b = _domain(num_samples)
-    epoch_key = _hash32(seed ^ _hash32(jnp.asarray(epoch, jnp.uint32) + jnp.uint32(_GOLDEN)))
+    epoch_bits = lax.convert_element_type(epoch, jnp.uint32)
+    epoch_key = _hash32(xor(seed, _hash32(add(epoch_bits, _U32(_GOLDEN)))))
     rounds = jnp.arange(FEISTEL_ROUNDS, dtype=jnp.uint32)
-    round_keys = _hash32(epoch_key + rounds * jnp.uint32(_GOLDEN))
+    round_keys = _hash32(add(epoch_key, mul(rounds, _U32(_GOLDEN))))
 
     def walking(carry: tuple[Any, Any]) -> Any:
         first, x = carry
