@@ -167,6 +167,13 @@ class Schedule:
         assert self.passes is not None
         return _div(step, self.passes.steps_per_pass)
 
+    @property
+    def epochs_end_at_pass_ends(self) -> bool:
+        """Whether every epoch ends where a pass over the data ends (an epoch is one pass,
+        or several whole ones), so that no epoch ends inside a pass.
+        """
+        return self.passes is not None and self.steps_per_epoch % self.passes.steps_per_pass == 0
+
     def pass_start(self, index: _Int) -> _Int:
         assert self.passes is not None
         return index * self.passes.steps_per_pass  # type: ignore[operator]
