@@ -19,18 +19,22 @@ from ._labels import collecting, either, first_of, LabelError
 Metrics = Mapping[str, Callable[..., Any]]
 
 
-def takes_key(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` accepts a keyword argument `key` (for dropout and the like)."""
+def takes_key(fn: object) -> bool:
+    """Whether `fn` accepts a keyword argument `key` (for dropout and the like); `False`
+    for what is not callable (a model may be any PyTree).
+    """
     return _key_parameter(fn) is not None
 
 
-def needs_key(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` requires a keyword argument `key` (one without a default)."""
+def needs_key(fn: object) -> bool:
+    """Whether `fn` requires a keyword argument `key` (one without a default); `False`
+    for what is not callable.
+    """
     param = _key_parameter(fn)
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def _key_parameter(fn: Callable[..., Any]) -> inspect.Parameter | None:
+def _key_parameter(fn: object) -> inspect.Parameter | None:
     try:
         return _cached_key_parameter(fn)  # `inspect.signature` is slow next to a small `fit`
     except TypeError:  # unhashable: a Module with a list field, say
@@ -38,7 +42,9 @@ def _key_parameter(fn: Callable[..., Any]) -> inspect.Parameter | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_key_parameter(fn: Callable[..., Any]) -> inspect.Parameter | None:
+def _cached_key_parameter(fn: object) -> inspect.Parameter | None:
+    if not callable(fn):
+        return None
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -59,18 +59,18 @@ def test_steps_per_epoch_draws_from_continuing_passes(progress):
 
 
 @pytest.mark.parametrize("progress", PROGRESS)
-def test_an_epoch_of_whole_passes_is_those_passes(problem, progress):
-    # 100 samples in batches of 16: a pass is 6 full steps and a remainder of 4. Epochs of
-    # two whole passes end only where passes end.
-    model, data, val, kwargs = problem
-    common = dict(validation_data=val, batch_size=16, progress=progress, **kwargs)
-    two = eqfit.fit(model, data, steps_per_epoch=14, epochs=2, **common)
-    np.testing.assert_array_equal(two.history.batch_sizes, [([16] * 6 + [4]) * 2] * 2)
-    assert two.history.val_loss is not None and two.history.val_loss.shape == (2,)
-    one = eqfit.fit(model, data, epochs=4, **common)  # the same 28 steps, an epoch a pass
+def test_an_epoch_of_whole_passes_is_those_passes(progress):
+    # 10 samples in batches of 4: a pass is 4, 4 and a remainder of 2. Epochs of two whole
+    # passes end only where passes end.
+    common = dict(key=jax.random.key(0), batch_size=4, progress=progress)
+    common.update(validation_data=(jnp.arange(10),))
+    counts, two = visits(10, steps_per_epoch=6, epochs=2, **common)
+    np.testing.assert_array_equal(counts, np.full(10, 4.0))  # each sample once per pass
+    np.testing.assert_array_equal(two.history.batch_sizes, [[4, 4, 2] * 2] * 2)
+    _, one = visits(10, epochs=4, **common)  # the same 12 steps, an epoch a pass
     assert_trees_equal(two.model, one.model)
     np.testing.assert_array_equal(two.history.step_loss.ravel(), one.history.step_loss.ravel())
-    assert one.history.val_loss is not None
+    assert two.history.val_loss is not None and one.history.val_loss is not None
     np.testing.assert_array_equal(two.history.val_loss, one.history.val_loss[1::2])
 
 
