@@ -57,8 +57,14 @@ def problem():
         epochs=3,
         batch_size=32,
     )
-    alone = eqfit.fit(model, (x, y), **kw)
-    return model, (x, y), kw, alone
+    return model, (x, y), kw
+
+
+@pytest.fixture(scope="module")
+def alone(problem):
+    """The one-device run the layouts are compared with (by the heavy tests only)."""
+    model, data, kw = problem
+    return eqfit.fit(model, data, **kw)
 
 
 def arrays(tree):
@@ -70,7 +76,7 @@ def specs(model):
 
 
 def test_fsdp_holds_an_eighth_per_device(problem):
-    model, data, kw, _ = problem
+    model, data, kw = problem
     result = eqfit.fit(
         model, data, mesh=mesh8(), shard=fsdp("data"), **{**kw, "optimizer": optax.adam(1e-3)}
     )
@@ -86,16 +92,16 @@ def test_fsdp_holds_an_eighth_per_device(problem):
 
 
 @pytest.mark.heavy
-def test_fsdp_trains_as_one_device(problem):
-    model, data, kw, alone = problem
+def test_fsdp_trains_as_one_device(problem, alone):
+    model, data, kw = problem
     result = eqfit.fit(model, data, mesh=mesh8(), shard=fsdp("data"), **kw)
     assert_trees_close(result.model, alone.model, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(result.history.loss, alone.history.loss, rtol=1e-5)
 
 
 @pytest.mark.heavy
-def test_tensor_parallel_rules_on_a_2x4_mesh(problem):
-    model, data, kw, alone = problem
+def test_tensor_parallel_rules_on_a_2x4_mesh(problem, alone):
+    model, data, kw = problem
     result = eqfit.fit(model, data, mesh=mesh2x4(), shard=TENSOR_PARALLEL, **kw)
     assert specs(result.model)[:3] == [P("model"), P("model"), P(None, "model")]
     assert_trees_close(result.model, alone.model, rtol=1e-5, atol=1e-5)
@@ -105,7 +111,7 @@ def test_tensor_parallel_rules_on_a_2x4_mesh(problem):
 @pytest.mark.heavy
 @pytest.mark.parametrize("form", ["spec", "function", "prefix"])
 def test_every_form_of_shard(problem, form):
-    model, data, kw, alone = problem
+    model, data, kw = problem
     if form == "spec":
         shard = P()  # every array replicated
         expected = [P()] * 6
@@ -124,7 +130,7 @@ def test_every_form_of_shard(problem, form):
 
 
 def test_checkpoints_under_shard_need_orbax_and_say_so(problem, monkeypatch, tmp_path):
-    model, data, kw, _ = problem
+    model, data, kw = problem
     for name in ("orbax", "orbax.checkpoint"):  # as if it were not installed
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=re.escape("pip install 'eqfit[sharding]'")):
@@ -133,7 +139,7 @@ def test_checkpoints_under_shard_need_orbax_and_say_so(problem, monkeypatch, tmp
 
 
 def test_layout_errors_come_before_anything_compiles(problem):
-    model, data, kw, _ = problem
+    model, data, kw = problem
     with pytest.raises(ValueError, match=r"no axis 'model'.*`\.layers\[1\]\.weight`|`\.layers"):
         eqfit.fit(model, data, mesh=mesh8(), shard=rules((r"weight", P("model"))), **kw)
     with pytest.raises(ValueError, match=re.escape("(of size 1) does not split evenly")):
@@ -147,7 +153,7 @@ def test_layout_errors_come_before_anything_compiles(problem):
 
 @pytest.mark.heavy
 def test_a_sharded_model_predicts_and_evaluates(problem):
-    model, (x, y), kw, alone = problem
+    model, (x, y), kw = problem
     result = eqfit.fit(model, (x, y), mesh=mesh8(), shard=fsdp("data"), **{**kw, "epochs": 1})
     out = eqfit.predict(result.model, x, batch_size=64)
     np.testing.assert_allclose(out, jax.vmap(result.model)(jnp.asarray(x)), rtol=1e-5, atol=1e-6)
@@ -157,7 +163,7 @@ def test_a_sharded_model_predicts_and_evaluates(problem):
 
 @pytest.mark.heavy
 def test_streamed_data_and_progress_under_shard(problem):
-    model, (x, y), kw, _ = problem
+    model, (x, y), kw = problem
     compiled = eqfit.fit(model, (x, y), mesh=mesh8(), shard=fsdp("data"), shuffle=False, **kw)
     batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, N, 32)]
     streamed = eqfit.fit(model, batches, mesh=mesh8(), shard=fsdp("data"), **kw)
@@ -190,7 +196,7 @@ def _stopped_run(model, data, kw, directory, mesh, shard):
 
 @pytest.mark.heavy
 def test_resume_on_the_same_layout_is_bitwise_equal(problem, tmp_path):
-    model, data, kw, _ = problem
+    model, data, kw = problem
     kw = {**kw, "epochs": 4}
     whole = eqfit.fit(model, data, mesh=mesh8(), shard=fsdp("data"), **kw)
     _stopped_run(model, data, kw, tmp_path, mesh8(), fsdp("data"))
@@ -206,7 +212,7 @@ def test_resume_on_the_same_layout_is_bitwise_equal(problem, tmp_path):
 @pytest.mark.heavy
 @pytest.mark.parametrize("layout", ["2x4", "4 devices"])
 def test_resume_onto_another_layout(problem, tmp_path, layout):
-    model, data, kw, _ = problem
+    model, data, kw = problem
     kw = {**kw, "epochs": 4}
     whole = eqfit.fit(model, data, **kw)
     _stopped_run(model, data, kw, tmp_path, mesh8(), fsdp("data"))
@@ -243,7 +249,7 @@ class _Normed(eqx.Module):
 
 @pytest.mark.heavy
 def test_a_stateful_model_under_shard(problem):
-    _, data, kw, _ = problem
+    _, data, kw = problem
     model, state = eqx.nn.make_with_state(_Normed)(jax.random.key(3))
     kw = {**kw, "loss": eqfit.losses.mse, "epochs": 2}
     alone = eqfit.fit(model, data, state=state, **kw)
