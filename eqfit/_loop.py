@@ -541,11 +541,11 @@ class _Run:
         def more(state: TrainState) -> Bool[Array, ""]:
             return (state.step < end) & running(state)
 
-        if self.inputs.piece is None and schedule.epochs_end_at_pass_ends:
-            # In memory, from a step inside a pass (the caller's loop sees to that) to
-            # `end`, at or before the pass's end, no epoch ends but at `end`: one
-            # stretch, with no loop around it. A loop level fewer in the program, which
-            # XLA then compiles in much less time.
+        if schedule.epochs_end_at_pass_ends:
+            # From a step inside a pass to `end`, at or before the pass's end (in memory
+            # the caller's loop sees to that, and a memmap's pieces each lie in one pass),
+            # no epoch ends but at `end`: one stretch, with no loop around it. A loop
+            # level fewer in the program, which XLA then compiles in much less time.
             return between_epoch_ends(state)
         return jax.lax.while_loop(more, between_epoch_ends, state)
 

@@ -63,6 +63,20 @@ def test_memmap_trains_as_in_memory_in_the_same_order(getkey, small_chunks, on_d
     np.testing.assert_array_equal(streamed.history.val_loss, expected.history.val_loss)
 
 
+def test_memmap_epochs_ending_inside_passes_train_as_in_memory(getkey, small_chunks, on_disk):
+    # A pass is 16 steps in chunks of 7 batches: epochs of 5 steps end inside passes and
+    # inside chunks.
+    memory, mapped = on_disk
+    model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
+    val = (memory[0][:30], memory[1][:30])
+    kw = kwargs(getkey, steps_per_epoch=5, validation_data=val)
+    expected = eqfit.fit(model, memory, **kw)
+    streamed = eqfit.fit(model, mapped, **kw)
+    assert_trees_equal(streamed.model, expected.model)
+    np.testing.assert_array_equal(streamed.history.step_loss, expected.history.step_loss)
+    np.testing.assert_array_equal(streamed.history.val_loss, expected.history.val_loss)
+
+
 class Loader:
     """A re-iterable of batches, in order, as a PyTorch or Grain loader would yield them."""
 
