@@ -384,8 +384,9 @@ def run(
     """Trains from `state.step` to the global step `stop`, or until stopped.
 
     A while loop over passes over the data, each holding a while loop over the stretches
-    between epoch ends, each a while loop over full batches, then the pass's remainder
-    batch and the epoch's end (validation, metrics, early stopping) as they fall due.
+    between epoch ends (one stretch and no loop where epochs end only at pass ends), each
+    a while loop over full batches, then the pass's remainder batch and the epoch's end
+    (validation, metrics, early stopping) as they fall due.
     """
     parts = loop.parts(inputs.consts)
 
