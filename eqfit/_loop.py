@@ -539,15 +539,16 @@ class _Run:
             closes = (state.step == epoch_end) & running(state)
             return jax.lax.cond(closes, self.close_epoch, lambda s: s, state)
 
-        def more(state: TrainState) -> Bool[Array, ""]:
-            return (state.step < end) & running(state)
-
         if schedule.epochs_end_at_pass_ends:
             # From a step inside a pass to `end`, at or before the pass's end (in memory
             # the caller's loop sees to that, and a memmap's pieces each lie in one pass),
             # no epoch ends but at `end`: one stretch, with no loop around it. A loop
             # level fewer in the program, which XLA then compiles in much less time.
             return between_epoch_ends(state)
+
+        def more(state: TrainState) -> Bool[Array, ""]:
+            return (state.step < end) & running(state)
+
         return jax.lax.while_loop(more, between_epoch_ends, state)
 
     def close_epoch(self, state: TrainState) -> TrainState:
