@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TYPE_CHECKING
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -25,10 +25,6 @@ from jaxtyping import PyTree
 
 from ._schedule import epochs_and_steps
 from ._version import __version__
-
-
-if TYPE_CHECKING:
-    from ._loop import Loop
 
 
 FORMAT = 2  # 2: a sequence number orders checkpoints
@@ -45,16 +41,6 @@ def versions() -> dict[str, str]:
         "equinox": eqx.__version__,
         "optax": optax.__version__,
     }
-
-
-def describe(tree: PyTree) -> list[list[Any]]:
-    """Each array's path, shape and dtype, as JSON: what a checkpoint must match.
-
-    Paths rather than the tree's repr, which holds object addresses that change between
-    processes.
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
-    return [[jax.tree_util.keystr(path), list(x.shape), str(x.dtype)] for path, x in leaves]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -86,31 +72,6 @@ def write_atomically(path: Path, data: bytes) -> None:
     _write(Path(tmp), data)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def run_config(
-    loop: "Loop", state: PyTree, data: list[list[Any]], val_data: Any, loss: Any, key: Any
-) -> dict[str, Any]:
-    """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
-    that a run may resume on others.
-    """
-    schedule = loop.schedule
-    return {
-        "state": describe(state),
-        "data": data,
-        "validation_data": describe(val_data),
-        "batch_size": schedule.batch_size,
-        "passes": None if schedule.passes is None else [as_plain(v) for v in schedule.passes],
-        "steps_per_epoch": schedule.steps_per_epoch,
-        "epochs": [schedule.first_epoch, schedule.epochs],
-        "shuffle": loop.shuffle,
-        "on_nan": loop.on_nan,
-        "early_stopping": None if loop.stopping is None else repr(loop.stopping),
-        "metrics": list(loop.metric_names),
-        "loss": getattr(loss, "__qualname__", type(loss).__name__),
-        "key": np.asarray(jax.random.key_data(key)).tolist(),
-        "ensemble": loop.members is not None,
-    }
 
 
 def position(state: Any) -> int:

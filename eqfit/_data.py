@@ -12,6 +12,16 @@ from jax import lax
 from jaxtyping import Array, Int, Key, PyTree, UInt32
 
 
+def describe(tree: PyTree) -> list[list[Any]]:
+    """Each array's path, shape and dtype, as JSON: what a checkpoint must match.
+
+    Paths rather than the tree's repr, which holds object addresses that change between
+    processes.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    return [[jax.tree_util.keystr(path), list(x.shape), str(x.dtype)] for path, x in leaves]
+
+
 def as_data(data: Any, name: str = "data") -> PyTree:
     """Checks `data` and moves it to the device once.
 

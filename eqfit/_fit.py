@@ -13,7 +13,7 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from ._checkpoint import Checkpoints, Interrupt, position, run_config
+from ._checkpoint import Checkpoints, Interrupt, position
 from ._checks import checked, reported_as
 from ._data import as_data, sample_shapes
 from ._drive import Callback, drive, feeds, observers_for
@@ -24,6 +24,7 @@ from ._loop import (
     Loop,
     make_loop,
     Objects,
+    run_config,
     run_program,
     start_program,
     Starting,

@@ -22,9 +22,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
-from ._checkpoint import describe
+from ._checkpoint import as_plain
 from ._compile import PROGRAM_CACHE
-from ._data import epoch_order, is_dtype, shuffle_seed
+from ._data import describe, epoch_order, is_dtype, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches
 from ._labels import LabelError
@@ -264,6 +264,31 @@ class Report(NamedTuple):
     # With `restore_best`: the trained arrays and model state to return.
     trained: tuple[PyTree, PyTree] | None
     steps: Steps | None = None  # while the epoch's length is learned: this call's steps
+
+
+def run_config(
+    loop: Loop, state: PyTree, data: list[list[Any]], val_data: Any, loss: Any, key: Any
+) -> dict[str, Any]:
+    """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
+    that a run may resume on others.
+    """
+    schedule = loop.schedule
+    return {
+        "state": describe(state),
+        "data": data,
+        "validation_data": describe(val_data),
+        "batch_size": schedule.batch_size,
+        "passes": None if schedule.passes is None else [as_plain(v) for v in schedule.passes],
+        "steps_per_epoch": schedule.steps_per_epoch,
+        "epochs": [schedule.first_epoch, schedule.epochs],
+        "shuffle": loop.shuffle,
+        "on_nan": loop.on_nan,
+        "early_stopping": None if loop.stopping is None else repr(loop.stopping),
+        "metrics": list(loop.metric_names),
+        "loss": getattr(loss, "__qualname__", type(loss).__name__),
+        "key": np.asarray(jax.random.key_data(key)).tolist(),
+        "ensemble": loop.members is not None,
+    }
 
 
 def start(

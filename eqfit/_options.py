@@ -17,6 +17,7 @@ from jaxtyping import Array, Key
 
 from ._data import as_key, ensemble_size
 from ._early_stopping import EarlyStopping
+from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
 from ._sharding import resolve
 
@@ -170,8 +171,6 @@ def check_options(
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
     )
     if shard is not None and checkpoint is not None:
-        from ._orbax import require_orbax  # not at import: `import eqfit` stays lean
-
         require_orbax()
     if early_stopping is not None and early_stopping.monitor not in options.log_names:
         hint = ""

@@ -1,7 +1,6 @@
 """Checkpoints of sharded state, kept by Orbax: each process writes its own shards."""
 
 import hashlib
-import importlib.util
 import os
 import re
 import time
@@ -13,22 +12,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoint import _fsync_dir, Checkpoints, NotLike, position
-
-
-def require_orbax() -> None:
-    """Refuses, with what to install, when `orbax-checkpoint` is not there (found, not
-    imported: `import eqfit` stays free of it).
-    """
-    try:
-        found = importlib.util.find_spec("orbax.checkpoint") is not None
-    except ModuleNotFoundError:  # no `orbax` package at all
-        found = False
-    if not found:
-        raise ImportError(
-            "Checkpoints of a run under `shard=` are Orbax checkpoints, and "
-            "`orbax-checkpoint` is not installed: `pip install 'eqfit[sharding]'` (or "
-            "`pip install orbax-checkpoint`), or train without `checkpoint=`."
-        )
+from ._extras import require_orbax
 
 
 class ShardedCheckpoints(Checkpoints):

@@ -175,7 +175,9 @@ def test_predict_uses_inference_mode(getkey):
     model = eqfit.models.MLP(4, 3, 16, 1, dropout=0.9, key=getkey())
     x = normal(getkey(), (20, 4))
     expected = jax.vmap(eqx.nn.inference_mode(model))(x)
-    np.testing.assert_allclose(eqfit.predict(model, x, batch_size=8), expected, rtol=1e-6)
+    np.testing.assert_allclose(
+        eqfit.predict(model, x, batch_size=8), expected, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_predict_ensemble(getkey):
