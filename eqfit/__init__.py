@@ -16,6 +16,7 @@ from ._drive import Callback as Callback
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._fit import fit as fit
 from ._history import History as History
+from ._precision import Precision as Precision
 from ._predict import evaluate as evaluate, predict as predict
 from ._result import (
     FitResult as FitResult,

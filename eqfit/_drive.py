@@ -122,8 +122,8 @@ class Observer:
 class Bar(Observer):
     """The tqdm bar. It starts when the first call is queued (after compilation, so its
     rate is the training's), names the epoch the last step was in, and shows that epoch's
-    mean loss (at its end, `history.loss`'s value) and, once it ended, its validation
-    values.
+    mean loss (at its end, `history.loss`'s value) and the other values of the last epoch
+    that ended (validation, aux values, norms).
     """
 
     seconds_per_call = SECONDS_PER_BAR_CALL
@@ -132,6 +132,7 @@ class Bar(Observer):
         self.schedule, self.begin = schedule, begin
         self.made: Any = None
         self.shown = begin
+        self.last: dict[str, str] = {}  # the last ended epoch's values, but its loss
 
     def after_call(self, position: int, state: TrainState) -> None:
         if self.made is None:
@@ -156,11 +157,9 @@ class Bar(Observer):
             return False
         epoch = min(progress.epoch, self.schedule.epochs)
         self.made.set_description(f"epoch {epoch}/{self.schedule.epochs}", refresh=False)
-        values = {"loss": f"{progress.epoch_loss:.4g}"}
-        for number, logs in progress.ended:
-            if number == progress.epoch:
-                values.update({k: f"{v:.4g}" for k, v in logs.items() if k.startswith("val_")})
-        self.made.set_postfix(values, refresh=False)
+        for _, logs in progress.ended[-1:]:
+            self.last = {k: f"{v:.4g}" for k, v in logs.items() if k != "loss"}
+        self.made.set_postfix({"loss": f"{progress.epoch_loss:.4g}", **self.last}, refresh=False)
         self.made.update(progress.position - self.shown)
         self.shown = progress.position
         return False
@@ -526,7 +525,7 @@ def drive(
             assert starting is not None
             current = starting.result()
         learned = learned_state(loop, current, reader.first_steps(length))
-        records = ("step_loss", "step_metrics", "batch_sizes", "epoch_values")
+        records = ("step_loss", "step_values", "batch_sizes", "epoch_values")
         placed = loop.placement.put(jax.device_put({k: getattr(learned, k) for k in records}))
         current = current._replace(**placed)
         programs = {loop.batch_size: program(loop)}

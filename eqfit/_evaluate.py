@@ -16,8 +16,9 @@ def evaluate_batches(
     data: PyTree,
     batch_size: int,
 ) -> tuple[Float[Array, " values"], LabelError | None]:
-    """The mean loss and metrics over `data`, as `[loss, *metrics]`, and the first label
-    out of range met, if any (`None` where nothing checks labels).
+    """The mean loss, aux values and metrics over `data`, as `[loss, *aux, *metrics]`
+    (`objective.value_names`), and the first label out of range met, if any (`None` where
+    nothing checks labels). The objective's precision policy casts the model and batches.
 
     It runs a scan over full batches and one smaller last batch, weighting each batch's
     value by its size, so for a loss that is a mean over the batch this is the mean over
@@ -31,12 +32,12 @@ def evaluate_batches(
     num_full, remainder = divmod(num, batch_size)
 
     def values(batch: PyTree) -> tuple[Float[Array, " values"], LabelError | None]:
-        loss, _, labels = objective.value(model, clone(model_state), batch, key)
+        loss, aux, _, labels = objective.value(model, clone(model_state), batch, key)
         metrics, metric_labels = objective.metric_values(model, clone(model_state), batch)
-        values = jnp.concatenate([loss[None].astype(jnp.float32), metrics])
+        values = jnp.concatenate([loss[None].astype(jnp.float32), aux, metrics])
         return values, either(labels, metric_labels)
 
-    total, labels = jnp.zeros(1 + len(objective.metrics)), None
+    total, labels = jnp.zeros(len(objective.value_names)), None
     if num_full:
         full = jax.tree.map(
             lambda a: a[: num_full * batch_size].reshape(num_full, batch_size, *a.shape[1:]),

@@ -32,6 +32,7 @@ from ._loop import (
 )
 from ._options import check_options, Options, plain_optimizer
 from ._parallel import check_batch_split, Device, global_rows, OneDevice, param_specs
+from ._precision import PrecisionLike
 from ._result import finish, FitResult
 from ._schedule import make_schedule, Schedule
 from ._sharding import Shard
@@ -86,6 +87,10 @@ def fit(
     ensemble: bool = False,
     checkpoint: PathLike | None = None,
     checkpoint_every: int = 1,
+    precision: PrecisionLike = None,
+    ema: float | None = None,
+    validate_ema: bool = False,
+    norms: bool = False,
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -108,7 +113,11 @@ def fit(
             `steps_per_epoch`).
     - `loss`: called as `loss(model, *batch)` (or `loss(model, state, *batch)` returning
         `(value, new_state)` with `state=`), returning a scalar. If it takes a keyword
-        `key`, it gets a fresh key every step (for dropout and the like).
+        `key`, it gets a fresh key every step (for dropout and the like). It may also
+        return what it computes besides: `(value, aux)`, `aux` a dict of scalars (or of
+        arrays, averaged), such as `{"kl": kl}`; with `state=`, `((value, aux),
+        new_state)`. Only `value` is differentiated; each aux value is recorded under its
+        name per step and per epoch, and on the validation data as `val_<name>`.
     - `optimizer`: any optax `GradientTransformation` (or `optax.MultiSteps`). Those that
         read the loss (`optax.contrib.reduce_on_plateau`) receive it as `value`.
     - `key`: a PRNG key, `jax.random.key(seed)`. It drives the shuffle, the per-step keys
@@ -154,6 +163,24 @@ def fit(
         return it. `"skip"`: skip that update and go on. The check never syncs the host,
         and on finite losses all three train alike, bit for bit.
 
+    *Real models:*
+
+    - `precision`: mixed precision. `"bfloat16"`: the trained arrays, their optimizer
+        state and their average stay in float32; inside each step the model's floating
+        arrays and the batch's are cast to bfloat16 for the loss's forward and backward
+        passes, and the loss and gradients come back in float32. `"float16"`: the same
+        in float16, with dynamic loss scaling (`history["loss_scale"]`,
+        `history["skipped_steps"]`). An [`eqfit.Precision`][] sets the dtypes, the arrays
+        kept in float32 and the scaling. Validation and metrics run under it too;
+        `result.model` comes back in its own dtypes.
+    - `ema`: keep a moving average of the trained arrays, `average = ema * average + (1
+        - ema) * weights` after every step (from the initial weights, no bias
+        correction), returned as `result.ema_model`.
+    - `validate_ema`: validate the average instead of the weights (validation values,
+        metrics and early stopping on them).
+    - `norms`: record the global L2 norm of each step's gradient (unscaled, before the
+        optimizer) and of its update as `"grad_norm"` and `"update_norm"`.
+
     *What the host sees:*
 
     - `progress`: `False` runs the training in a few long calls of the compiled program.
@@ -193,8 +220,8 @@ def fit(
 
     **Returns:**
 
-    A [`eqfit.FitResult`][] with the trained `model`, the `opt_state`, the `history` and
-    the model `state`.
+    A [`eqfit.FitResult`][] with the trained `model`, the `opt_state`, the `history`, the
+    model `state`, and with `ema=` the average as `ema_model`.
 
     **Raises:**
 
@@ -232,13 +259,20 @@ def fit(
         ensemble=ensemble,
         checkpoint=checkpoint,
         checkpoint_every=checkpoint_every,
+        precision=precision,
+        ema=ema,
+        validate_ema=validate_ema,
+        norms=norms,
+        loss=loss,
     )
     # Open the data, and plan the run's shape from it.
     source, val_data = _open(data, validation_data, options)
     schedule = _plan(source, options)
     # The program: the run's static description, its arrays, its starting state.
     objects = Objects(loss, tuple((metrics or {}).items()), plain_optimizer(optimizer))
-    loop, params, consts = make_loop(model, filter_spec, objects, schedule, options)
+    loop, params, consts = make_loop(
+        model, filter_spec, objects, schedule, options, source.like, state
+    )
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
     placement = loop.placement

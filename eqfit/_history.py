@@ -33,6 +33,10 @@ class History:
     - `values`: per-epoch values by name: `"loss"`, each metric's name, and with
         validation `"val_loss"` and `"val_<metric>"`. Each has one entry per epoch that
         ran (a trailing member axis for ensembles). Also readable as `history["name"]`.
+        With `fit(..., norms=True)`, `"grad_norm"` and `"update_norm"` (means over the
+        steps whose update was applied); each aux value the loss returns, by its name;
+        with loss scaling, `"loss_scale"` (the epoch's last step's) and `"skipped_steps"`
+        (how many of its steps were skipped for a non-finite gradient).
     - `step_loss`: the loss of every step, shape `(epochs, steps_per_epoch)`: the loss of
         the parameters *before* that step's update; NaN for steps that did not run.
     - `batch_sizes`: the size of every step's batch, shape `(epochs, steps_per_epoch)`;
@@ -45,6 +49,11 @@ class History:
         checkpoint could not be written), or `"out_of_data"` (an iterator ran out before
         the last step).
     - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
+    - `step_values`: the values recorded at every step besides its loss, by name, each
+        shaped as `step_loss`: the metrics and the loss's aux values on the step's batch
+        (before its update), `"grad_norm"` and `"update_norm"` with `norms=True`, and with
+        loss scaling `"loss_scale"` (the scale the step used) and `"skipped_steps"` (1
+        where the step's gradient was not finite and its update was skipped).
 
     For an ensemble every per-epoch value has a last axis of members, `step_loss` and
     `batch_sizes` are `(epochs, steps, members)`, `best_epoch` and `stop_reason` are
@@ -62,6 +71,7 @@ class History:
     best_epoch: int | None | tuple[int | None, ...] = None
     stop_reason: StopReason | tuple[StopReason, ...] = None
     initial_epoch: int = 0
+    step_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def loss(self) -> np.ndarray:

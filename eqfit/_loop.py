@@ -22,16 +22,18 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
+from ._average import Average
 from ._checkpoint import as_plain
 from ._compile import PROGRAM_CACHE
 from ._data import describe, epoch_order, is_dtype, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches
 from ._labels import LabelError
-from ._options import Options
+from ._options import check_monitor, Options
 from ._parallel import OneDevice, param_specs, Placement
+from ._precision import LossScale, Precision
 from ._schedule import Schedule
-from ._step import Objective, Step, takes_key
+from ._step import find_aux_names, Objective, Step, step_value_names, takes_key
 
 
 OnNan = Literal["raise", "stop", "skip"]
@@ -124,17 +126,37 @@ class Loop:
     use_key: bool = False
     placement: Placement = OneDevice()
     stopping: EarlyStopping | None = None
+    aux_names: tuple[str, ...] = ()  # the aux values the loss returns
+    precision: Precision | None = None
+    average: Average | None = None  # `ema=`
+    validate_ema: bool = False  # validation and early stopping read the average
+    norms: bool = False
+    # With a precision policy: the dtype of each trained array as the model holds it, to
+    # give the result back in (the master copy may be wider).
+    trained_dtypes: tuple[np.dtype, ...] | None = None
+
+    @property
+    def step_names(self) -> tuple[str, ...]:
+        """The values each step records besides its loss, in the order of
+        `TrainState.step_values`' last axis.
+        """
+        scales = self.precision is not None and self.precision.scales
+        return step_value_names(self.aux_names, self.metric_names, self.norms, scales)
 
     @property
     def log_names(self) -> tuple[str, ...]:
         """The per-epoch values, in the order of `TrainState.epoch_values`' columns."""
-        names = ("loss", *self.metric_names)
-        return names + tuple(f"val_{n}" for n in names) if self.validate else names
+        names = ("loss", *self.step_names)
+        if not self.validate:
+            return names
+        return names + tuple(f"val_{n}" for n in ("loss", *self.aux_names, *self.metric_names))
 
     def parts(self, consts: "Consts") -> "Parts":
         """The run's objects, rebuilt inside the program from the static skeletons."""
         loss, metrics, optimizer = _unwrap(self.objects.fill(consts.objects))
-        objective = Objective(loss, metrics, self.stateful, self.use_key)
+        objective = Objective(
+            loss, metrics, self.stateful, self.use_key, self.aux_names, self.precision
+        )
         frozen = consts.frozen
 
         def combine(params: PyTree) -> PyTree:
@@ -146,7 +168,15 @@ class Loop:
         lay_out = None
         if self.param_shardings() is not None:
             lay_out = functools.partial(lay_out_state, self, optimizer)
-        step = Step(objective, optimizer, combine, self.placement.axis_name, lay_out)
+        step = Step(
+            objective,
+            optimizer,
+            combine,
+            self.placement.axis_name,
+            lay_out,
+            self.average,
+            self.norms,
+        )
         return Parts(objective, optimizer, combine, step)
 
     def param_shardings(self) -> PyTree | None:
@@ -204,6 +234,8 @@ class TrainState(NamedTuple):
     params: PyTree  # the arrays that train, in the model's structure (`Loop.params_tree`)
     opt_state: PyTree
     model_state: PyTree
+    average: PyTree  # their moving average, laid out as they are (`None` without `ema=`)
+    loss_scale: LossScale | None  # with a precision policy that scales the loss
     stopping: StoppingState | None
     step: Int[Array, ""]  # optimizer steps done since the first epoch ever: the position
     reason: Int[Array, ""]  # a `Stop`: why the run stopped, if it did
@@ -211,7 +243,7 @@ class TrainState(NamedTuple):
     label_error: LabelError  # the first label out of range met, if any
     # One row per epoch of this run:
     step_loss: Float[Array, "epochs steps"]  # NaN where no step ran
-    step_metrics: Float[Array, "epochs steps metrics"]
+    step_values: Float[Array, "epochs steps values"]  # `Loop.step_names`' values
     batch_sizes: Int[Array, "epochs steps"]  # 0 where no step ran
     epoch_values: Float[Array, "epochs logs"]  # `Loop.log_names` of each finished epoch
     # The epoch in progress: its finite steps' losses weighted by their batch sizes,
@@ -246,7 +278,7 @@ class Steps(NamedTuple):
     """
 
     loss: Float[ArrayLike, "*members steps"]
-    metrics: Float[ArrayLike, "*members steps metrics"]
+    values: Float[ArrayLike, "*members steps values"]
     batch_sizes: Int[ArrayLike, "*members steps"]
 
 
@@ -261,8 +293,8 @@ class Report(NamedTuple):
     # The mean loss of the epoch in progress so far (NaN at its start).
     epoch_loss: Float[Array, "*members"]
     epoch_values: Float[Array, "*members epochs logs"]  # NaN for epochs not finished
-    # With `restore_best`: the trained arrays and model state to return.
-    trained: tuple[PyTree, PyTree] | None
+    # With `restore_best`: the trained arrays, model state and average to return.
+    trained: tuple[PyTree, PyTree, PyTree] | None
     steps: Steps | None = None  # while the epoch's length is learned: this call's steps
 
 
@@ -288,6 +320,11 @@ def run_config(
         "loss": getattr(loss, "__qualname__", type(loss).__name__),
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "ensemble": loop.members is not None,
+        "precision": None if loop.precision is None else repr(loop.precision),
+        "ema": None if loop.average is None else loop.average.momentum,
+        "validate_ema": loop.validate_ema,
+        "norms": loop.norms,
+        "aux": list(loop.aux_names),
     }
 
 
@@ -309,6 +346,8 @@ def start(
 
     def start_one(params: list[Array], opt_state: PyTree, model_state: PyTree) -> TrainState:
         params = loop.params_tree([jnp.copy(p) for p in params])
+        if loop.precision is not None:  # the master copy
+            params = loop.precision.master(params)
         if opt_state is None:
             opt_state = parts.optimizer.init(params)
         else:
@@ -316,19 +355,26 @@ def start(
         if loop.param_shardings() is not None:  # laid out as `shard=` asks, from the start
             params, opt_state = lay_out_state(loop, parts.optimizer, params, opt_state)
         model_state = jax.tree.map(jnp.copy, model_state)
-        stopping = None if loop.stopping is None else loop.stopping.init(params, model_state)
+        average = None if loop.average is None else loop.average.init(params)
+        if average is not None and loop.param_shardings() is not None:
+            average, _ = lay_out_state(loop, parts.optimizer, average, None)
+        stopping = None
+        if loop.stopping is not None:
+            stopping = loop.stopping.init((params, average), model_state)
         nan = jnp.float32(jnp.nan)
         return TrainState(
             params=params,
             opt_state=opt_state,
             model_state=model_state,
+            average=average,
+            loss_scale=None if loop.precision is None else loop.precision.init(),
             stopping=stopping,
             step=jnp.asarray(schedule.begin, jnp.int32),
             reason=jnp.asarray(Stop.RUNNING, jnp.int32),
             nan_step=jnp.asarray(-1, jnp.int32),
             label_error=LabelError.none(),
             step_loss=jnp.full((rows, steps), nan),
-            step_metrics=jnp.full((rows, steps, len(loop.metric_names)), nan),
+            step_values=jnp.full((rows, steps, len(loop.step_names)), nan),
             batch_sizes=jnp.zeros((rows, steps), jnp.int32),
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
             running=jnp.zeros(2),
@@ -439,7 +485,7 @@ class _Run:
         if schedule.learning:  # each call's steps are recorded afresh, for the host
             state = state._replace(
                 step_loss=jnp.full_like(state.step_loss, jnp.nan),
-                step_metrics=jnp.full_like(state.step_metrics, jnp.nan),
+                step_values=jnp.full_like(state.step_values, jnp.nan),
                 batch_sizes=jnp.zeros_like(state.batch_sizes),
             )
         # One key per global step, so a step's key does not depend on how the run is cut
@@ -475,6 +521,9 @@ class _Run:
                 loop, self.parts.optimizer, state.params, state.opt_state
             )
             state = state._replace(params=params, opt_state=opt_state)
+            if state.average is not None:
+                average, _ = lay_out_state(loop, self.parts.optimizer, state.average, None)
+                state = state._replace(average=average)
         return state, self.report(state)
 
     def run_steps(
@@ -506,7 +555,15 @@ class _Run:
                 batch = placement.remainder_batch(data, index)
                 step = dataclasses.replace(self.parts.step, axis_name=None)
             key = None if step_key is None else jax.random.fold_in(step_key, t)
-            out = step(state.params, state.opt_state, state.model_state, batch, key)
+            out = step(
+                state.params,
+                state.opt_state,
+                state.model_state,
+                state.average,
+                state.loss_scale,
+                batch,
+                key,
+            )
             row, column = schedule.record_row(t), schedule.record_column(t)
             nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
             reason, label_error = state.reason, state.label_error
@@ -522,6 +579,8 @@ class _Run:
                 params=out.params,
                 opt_state=out.opt_state,
                 model_state=out.model_state,
+                average=out.average,
+                loss_scale=out.loss_scale,
                 step=t + 1,
                 reason=reason,
                 nan_step=nan_step,
@@ -531,9 +590,9 @@ class _Run:
                 + jnp.where(out.finite, jnp.stack([out.loss * size, size]), 0.0),
                 batch_sizes=_put(state.batch_sizes, size, row, column),
             )
-            if loop.metric_names:
-                metrics = _put(state.step_metrics, out.metrics, row, column)
-                state = state._replace(step_metrics=metrics)
+            if loop.step_names:
+                values = _put(state.step_values, out.values, row, column)
+                state = state._replace(step_values=values)
             return state
 
         def between_epoch_ends(state: TrainState) -> TrainState:
@@ -580,9 +639,9 @@ class _Run:
         """The end of the epoch just finished: its values, validation, early stopping."""
         loop, parts, schedule = self.loop, self.parts, self.loop.schedule
         row = schedule.record_row(state.step - 1)
-        values = epoch_means(state, row)
+        values = epoch_means(state, row, loop)
         if loop.validate:
-            model = parts.combine(state.params)
+            model = parts.combine(state.average if loop.validate_ema else state.params)
             val, labels = evaluate_batches(
                 parts.objective,
                 model,
@@ -602,7 +661,7 @@ class _Run:
         monitored = values[loop.log_names.index(loop.stopping.monitor)]
         epoch = schedule.epoch_of(state.step - 1)
         stopping, stop = loop.stopping.update(
-            state.stopping, monitored, epoch, state.params, state.model_state
+            state.stopping, monitored, epoch, (state.params, state.average), state.model_state
         )
         reason = jnp.where(stop, Stop.EARLY_STOPPING, state.reason)
         return state._replace(stopping=stopping, reason=reason)
@@ -612,7 +671,10 @@ class _Run:
         trained = None
         if stopping is not None and stopping.restore_best:
             assert state.stopping is not None
-            trained = stopping.trained(state.stopping, state.params, state.model_state)
+            (params, average), model_state = stopping.trained(
+                state.stopping, (state.params, state.average), state.model_state
+            )
+            trained = (params, model_state, average)
         best = -1 if state.stopping is None else state.stopping.best_epoch
         return Report(
             step=state.step,
@@ -623,7 +685,7 @@ class _Run:
             epoch_loss=state.running[0] / state.running[1],
             epoch_values=state.epoch_values,
             trained=trained,
-            steps=Steps(state.step_loss[0], state.step_metrics[0], state.batch_sizes[0])
+            steps=Steps(state.step_loss[0], state.step_values[0], state.batch_sizes[0])
             if self.loop.schedule.learning
             else None,
         )
@@ -650,8 +712,8 @@ def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainSt
     shape = (*members, schedule.rows, schedule.columns)
     if first is None:
         none = (*members, 0)
-        metrics = np.zeros((*none, len(loop.metric_names)), np.float32)
-        first = Steps(np.zeros(none, np.float32), metrics, np.zeros(none, np.int32))
+        values = np.zeros((*none, len(loop.step_names)), np.float32)
+        first = Steps(np.zeros(none, np.float32), values, np.zeros(none, np.int32))
 
     def record(steps: ArrayLike, fill: Any) -> np.ndarray:
         """A record of `steps` (`(*members, n, ...)`) as row 0 of `(*members, rows,
@@ -666,19 +728,22 @@ def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainSt
     logs = (*members, schedule.rows, len(loop.log_names))
     return state._replace(
         step_loss=record(first.loss, np.nan),
-        step_metrics=record(first.metrics, np.nan),
+        step_values=record(first.values, np.nan),
         batch_sizes=record(first.batch_sizes, 0),
         epoch_values=np.full(logs, np.nan, np.float32),
     )
 
 
-def epoch_means(state: TrainState, row: Int[Array, ""]) -> Float[Array, " values"]:
-    """The mean loss (and metrics) of the steps of record row `row` that ran.
+def epoch_means(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Array, " values"]:
+    """The epoch's values from the steps of record row `row` that ran: the loss and
+    `Loop.step_names`' values.
 
     Each step weighs as its share of the epoch's samples: the epoch's mean loss is then the
     mean over samples, as one full-batch pass would average a mean loss. Steps skipped for
     a non-finite loss (`on_nan="skip"`) trained nothing and are left out; NaN (0 / 0) if
-    no step counts.
+    no step counts. The norms are means over the steps whose update was applied (a step
+    skipped by the loss scale is not); `skipped_steps` is their count, and `loss_scale`
+    the scale of the epoch's last step.
     """
 
     def at_row(record: Array) -> Array:  # `row` is in range by construction
@@ -686,13 +751,37 @@ def epoch_means(state: TrainState, row: Int[Array, ""]) -> Float[Array, " values
 
     step_loss = at_row(state.step_loss)
     counts = jnp.isfinite(step_loss)  # NaN where no step ran, so this is false there too
-    sizes = jnp.where(counts, at_row(state.batch_sizes).astype(jnp.float32), 0.0)
+    all_sizes = at_row(state.batch_sizes).astype(jnp.float32)
+    sizes = jnp.where(counts, all_sizes, 0.0)
     weights = sizes / jnp.sum(sizes)
     # Full float32 precision: on GPUs a default-precision dot may round through TF32.
     precision = jax.lax.Precision.HIGHEST
     loss = jnp.dot(weights, jnp.where(counts, step_loss, 0.0), precision=precision)[None]
-    step_metrics = jnp.where(counts[:, None], at_row(state.step_metrics), 0.0)
-    return jnp.concatenate([loss, jnp.dot(weights, step_metrics, precision=precision)])
+    names = loop.step_names
+    if not names:
+        return loss
+    values = at_row(state.step_values)
+    means = len(loop.aux_names) + len(loop.metric_names)  # the first columns
+    out = [
+        loss,
+        jnp.dot(weights, jnp.where(counts[:, None], values[:, :means], 0.0), precision=precision),
+    ]
+    ran = all_sizes > 0
+    applied = counts
+    if "skipped_steps" in names:
+        applied = counts & (values[:, names.index("skipped_steps")] == 0)
+    for i, name in enumerate(names[means:], means):
+        column = values[:, i]
+        if name in ("grad_norm", "update_norm"):
+            w = jnp.where(applied, all_sizes, 0.0)
+            mean = jnp.dot(w / jnp.sum(w), jnp.where(applied, column, 0.0), precision=precision)
+            out.append(mean[None])
+        elif name == "skipped_steps":
+            out.append(jnp.sum(jnp.where(ran, column, 0.0))[None])
+        else:  # "loss_scale": the last step's
+            last = jnp.argmax(jnp.where(ran, jnp.arange(column.shape[0]), -1))
+            out.append(column[last][None])
+    return jnp.concatenate(out)
 
 
 def make_loop(
@@ -701,9 +790,13 @@ def make_loop(
     objects: Objects,
     schedule: Schedule,
     options: Options,
+    like: PyTree,
+    model_state: PyTree,
 ) -> tuple[Loop, list[Array], Consts]:
     """Splits the model into the arrays that train and the frozen rest, takes out the
-    arrays the other objects hold, and describes the run as a hashable `Loop`.
+    arrays the other objects hold, finds the aux values the loss returns (by tracing it
+    on a batch shaped as `like`'s, a batch of one), and describes the run as a hashable
+    `Loop`, whose values it checks against early stopping's monitor.
     """
     arrays, skeleton = split_arrays(model)
     trains = _trains(model, arrays, filter_spec)
@@ -715,11 +808,18 @@ def make_loop(
     params = [a for a, t in zip(arrays, trains) if t]
     frozen = [a for a, t in zip(arrays, trains) if not t]
     object_arrays, objects_skeleton = split_arrays(objects)
+    objective = Objective(
+        objects.loss,
+        objects.metrics,
+        options.stateful,
+        takes_key(objects.loss),
+        precision=options.precision,
+    )
     loop = Loop(
         model=skeleton,
         trains=trains,
         objects=objects_skeleton,
-        metric_names=tuple(name for name, _ in objects.metrics),
+        metric_names=objective.metric_names,
         schedule=schedule,
         batch_size=schedule.batch_size,
         shuffle=options.shuffle,
@@ -727,11 +827,68 @@ def make_loop(
         on_nan=options.on_nan,
         members=options.members,
         stateful=options.stateful,
-        use_key=takes_key(objects.loss),
+        use_key=objective.use_key,
         placement=options.placement,
         stopping=options.early_stopping,
+        aux_names=_aux_names(objective, model, model_state, like, schedule.batch_size, options),
+        precision=options.precision,
+        average=options.average,
+        validate_ema=options.validate_ema,
+        norms=options.norms,
+        trained_dtypes=None
+        if options.precision is None
+        else tuple(np.dtype(a.dtype) for a in params),
     )
+    check_names(loop, options)
     return loop, params, Consts(frozen, object_arrays)
+
+
+def _aux_names(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    like: PyTree,
+    batch_size: int,
+    options: Options,
+) -> tuple[str, ...]:
+    """The names of the aux values the loss returns, traced on abstract arrays: a batch
+    of `batch_size` samples like `like`'s, one member's model and state in an ensemble.
+    """
+
+    def abstract(x: Any, drop: int = 0, lead: tuple[int, ...] = ()) -> Any:
+        if not eqx.is_array(x) and not isinstance(x, np.ndarray):
+            return x
+        return jax.ShapeDtypeStruct((*lead, *x.shape[drop:]), x.dtype)
+
+    drop = 0 if options.members is None else 1
+    batch = jax.tree.map(lambda x: abstract(x, 1, (batch_size,)), like)
+    member = jax.tree.map(lambda x: abstract(x, drop), model)
+    state = jax.tree.map(lambda x: abstract(x, drop), model_state)
+    return find_aux_names(objective, member, state, batch)
+
+
+# What the history names itself, besides the loss's aux values and the metrics.
+BUILT_IN = ("loss", "grad_norm", "update_norm", "loss_scale", "skipped_steps")
+
+
+def check_names(loop: Loop, options: Options) -> None:
+    """Refuses an aux value named as a metric or a built-in history entry, and an early
+    stopping monitor that the run does not compute.
+    """
+    for name in loop.aux_names:
+        if name in loop.metric_names:
+            raise ValueError(
+                f"`loss` returns an aux value {name!r}, and `metrics` has a metric "
+                f"{name!r}: the history would hold both under one name; rename one."
+            )
+        if name in BUILT_IN or name.startswith("val_"):
+            what = f"validation's {name!r}" if name.startswith("val_") else f"the built-in {name!r}"
+            raise ValueError(
+                f"`loss` returns an aux value {name!r}, which collides with {what} entry "
+                "of the history; rename it."
+            )
+    if loop.stopping is not None:
+        check_monitor(loop.stopping.monitor, loop.log_names, options, final=True)
 
 
 def _trains(model: PyTree, arrays: list[Any], filter_spec: Any) -> tuple[bool, ...]:
@@ -751,7 +908,10 @@ def check_opt_state(loop: Loop, params: list[Array], opt_state: PyTree, consts: 
     """Refuses an `opt_state` that is not the optimizer's state for these parameters."""
     optimizer = loop.parts(consts).optimizer
     init = optimizer.init if loop.members is None else jax.vmap(optimizer.init)
-    expected = jax.eval_shape(init, loop.params_tree(params))
+    trained = loop.params_tree(params)
+    if loop.precision is not None:  # the optimizer keeps the master copy's dtypes
+        trained = jax.eval_shape(loop.precision.master, trained)
+    expected = jax.eval_shape(init, trained)
     given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), opt_state)
     if jax.tree.structure(expected) != jax.tree.structure(given) or jax.tree.leaves(
         expected

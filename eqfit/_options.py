@@ -15,10 +15,12 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
+from ._average import as_average, Average
 from ._data import as_key, ensemble_size
 from ._early_stopping import EarlyStopping
 from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
+from ._precision import as_precision, Precision
 from ._sharding import resolve
 
 
@@ -53,12 +55,46 @@ class Options:
     checkpoint: Any
     checkpoint_every: int
     placement: Placement
+    precision: Precision | None = None
+    average: Average | None = None
+    validate_ema: bool = False
+    norms: bool = False
 
     @property
-    def log_names(self) -> tuple[str, ...]:
-        """The values each epoch records, in order."""
-        names = ("loss", *self.metric_names)
-        return names + tuple(f"val_{n}" for n in names) if self.validates else names
+    def scales(self) -> bool:
+        return self.precision is not None and self.precision.scales
+
+    def log_names(self, aux_names: tuple[str, ...]) -> tuple[str, ...]:
+        """The values each epoch records, in order, for a loss with these aux values."""
+        names = ("loss", *aux_names, *self.metric_names)
+        if self.norms:
+            names += ("grad_norm", "update_norm")
+        if self.scales:
+            names += ("loss_scale", "skipped_steps")
+        if not self.validates:
+            return names
+        return names + tuple(f"val_{n}" for n in ("loss", *aux_names, *self.metric_names))
+
+
+def check_monitor(monitor: str, names: tuple[str, ...], options: Options, final: bool) -> None:
+    """Refuses an early-stopping `monitor` that the run does not compute (`names`). Not
+    `final` (the loss's aux values unknown yet), only what no aux value can be.
+    """
+    if monitor in names:
+        return
+    hint = ""
+    if monitor.startswith("val_") and not options.validates:
+        hint = " Give `validation_data` or `validation_split` to compute validation values."
+    elif monitor in ("grad_norm", "update_norm") and not options.norms:
+        hint = " Give `norms=True` to record the gradient and update norms."
+    elif monitor in ("loss_scale", "skipped_steps") and not options.scales:
+        hint = ' Only float16 (`precision="float16"`) scales the loss.'
+    elif not final:
+        return  # it may be an aux value of the loss's
+    raise ValueError(
+        f"`early_stopping.monitor` is {monitor!r}, which this run does not compute; it "
+        f"computes {list(names)}.{hint}"
+    )
 
 
 def check_options(
@@ -85,6 +121,11 @@ def check_options(
     ensemble: bool,
     checkpoint: Any,
     checkpoint_every: Any,
+    precision: Any = None,
+    ema: Any = None,
+    validate_ema: bool = False,
+    norms: bool = False,
+    loss: Any = None,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
 
@@ -147,6 +188,18 @@ def check_options(
                 f"`callbacks[{i}]` must have a method `on_epoch_end(epoch, logs)`, got a "
                 f"{type(callback).__name__}."
             )
+    average = as_average(ema)
+    if validate_ema and average is None:
+        raise ValueError(
+            "`validate_ema=True` validates the moving average, but there is none: give "
+            "`ema=` too (such as `ema=0.999`)."
+        )
+    if validate_ema and validation_data is None and validation_split is None:
+        raise ValueError(
+            "`validate_ema=True` runs validation (and early stopping on its values) on the "
+            "moving average, but this run validates nothing: give `validation_data` or "
+            "`validation_split`, or leave `validate_ema` out."
+        )
     options = Options(
         key=as_key(key),
         epochs=epochs,
@@ -169,17 +222,18 @@ def check_options(
         checkpoint_every=checkpoint_every,
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
+        precision=as_precision(precision),
+        average=average,
+        validate_ema=validate_ema,
+        norms=norms,
     )
+    if early_stopping is not None:
+        # The loss's aux values are known once it is traced on a batch (`make_loop`
+        # checks the monitor again then); eqfit's own losses return none.
+        own = getattr(loss, "__module__", "").startswith("eqfit.")
+        check_monitor(early_stopping.monitor, options.log_names(()), options, final=own)
     if shard is not None and checkpoint is not None:
         require_orbax()
-    if early_stopping is not None and early_stopping.monitor not in options.log_names:
-        hint = ""
-        if early_stopping.monitor.startswith("val_") and not options.validates:
-            hint = " Give `validation_data` or `validation_split` to compute validation values."
-        raise ValueError(
-            f"`early_stopping.monitor` is {early_stopping.monitor!r}, which this run does "
-            f"not compute; it computes {list(options.log_names)}.{hint}"
-        )
     return options
 
 

@@ -1,5 +1,6 @@
 """Batched inference: `predict` and `evaluate`, each one compiled scan over the data."""
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, overload, TypeVar
 
@@ -14,7 +15,8 @@ from ._data import as_data, check_batch_size, ensemble_size, num_samples
 from ._evaluate import evaluate_batches
 from ._jit import cached_jit
 from ._labels import raise_found
-from ._step import Objective, takes_key
+from ._precision import as_precision, Precision, PrecisionLike
+from ._step import find_aux_names, Objective, takes_key
 from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState
 from .losses import outputs
 
@@ -31,6 +33,7 @@ def predict(
     batch_size: int = 256,
     ensemble: bool = False,
     state: None = None,
+    precision: PrecisionLike = None,
 ) -> Output: ...
 @overload
 def predict(
@@ -40,6 +43,7 @@ def predict(
     batch_size: int = 256,
     ensemble: bool = False,
     state: ModelState,
+    precision: PrecisionLike = None,
 ) -> Output: ...
 @checked("predict")
 def predict(
@@ -49,6 +53,7 @@ def predict(
     batch_size: int = 256,
     ensemble: bool = False,
     state: ModelState | None = None,
+    precision: PrecisionLike = None,
 ) -> ArrayTree:
     """Runs `model` over every example of `x`, in batches, in inference mode.
 
@@ -66,6 +71,9 @@ def predict(
     - `state`: the model's `eqx.nn.State`, for a stateful model: called as `model(x[i],
         state)` under `jax.vmap` with `axis_name="batch"`, returning `(output, state)`,
         whose output is kept.
+    - `precision`: as `fit`'s: the model's floating arrays and the inputs' are cast to
+        its compute dtype inside the program, and floating outputs come back in its
+        `params` dtype (float32).
 
     **Returns:**
 
@@ -74,6 +82,7 @@ def predict(
     """
     x_ = as_data(x if not _is_array(x) else (x,), "x")
     check_batch_size(batch_size)
+    policy = as_precision(precision)
     members = ensemble_size(model) if ensemble else None
     with reported_as("predict", "x"):
         try:
@@ -83,6 +92,7 @@ def predict(
                 state,
                 batch_size,
                 ensemble,
+                policy,
             )
         except Exception as e:
             if members is not None:
@@ -102,13 +112,26 @@ def _is_array(x: Any) -> bool:
 
 
 @cached_jit  # not `eqx.filter_jit`: `eqfit.clear_cache()` frees its programs
-def _predict(model: PyTree, x: PyTree, state: PyTree, batch_size: int, ensemble: bool) -> Any:
+def _predict(
+    model: PyTree,
+    x: PyTree,
+    state: PyTree,
+    batch_size: int,
+    ensemble: bool,
+    policy: Precision | None,
+) -> Any:
     n = num_samples(x)
     num_full, remainder = divmod(n, batch_size)
 
     def run(model: PyTree, state: PyTree) -> Any:
+        if policy is not None:
+            model = policy.cast(model)
+
         def forward(x: PyTree) -> Any:
-            return outputs(model, x, state)[0]
+            if policy is None:
+                return outputs(model, x, state)[0]
+            out = outputs(model, policy.cast_batch(x), state)[0]
+            return policy.master(out)
 
         parts = []
         if num_full:
@@ -140,6 +163,7 @@ def evaluate(
     metrics: Metrics | None = None,
     batch_size: int = 256,
     state: ModelState | None = None,
+    precision: PrecisionLike = None,
 ) -> dict[str, float]:
     """The loss and metrics of `model` over all of `data`, in batches, in inference mode.
 
@@ -156,21 +180,35 @@ def evaluate(
         `fn(model, state, *batch)`).
     - `batch_size`: examples per batch.
     - `state`: the model's `eqx.nn.State`, for stateful models.
+    - `precision`: as `fit`'s: the loss and metrics compute under this policy.
 
     **Returns:**
 
-    `{"loss": ..., **{name: ...}}` as plain floats.
+    `{"loss": ..., **{name: ...}}` as plain floats: the loss, the aux values it returns
+    (see `fit`'s `loss`), and the metrics.
     """
     data_ = as_data(data)
     check_batch_size(batch_size)
-    objective = Objective(loss, tuple((metrics or {}).items()), state is not None, takes_key(loss))
+    objective = Objective(
+        loss,
+        tuple((metrics or {}).items()),
+        state is not None,
+        takes_key(loss),
+        precision=as_precision(precision),
+    )
     with reported_as("evaluate", "data"):
+        batch = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((min(batch_size, a.shape[0]), *a.shape[1:]), a.dtype),
+            data_,
+        )
+        objective = dataclasses.replace(
+            objective, aux_names=find_aux_names(objective, model, state, batch)
+        )
         values_, labels = _evaluate(objective, model, state, data_, batch_size)
         values = np.asarray(values_).tolist()
     if labels is not None:
         raise_found(labels)
-    names = ("loss", *(name for name, _ in objective.metrics))
-    return dict(zip(names, values))
+    return dict(zip(objective.value_names, values))
 
 
 _evaluate = cached_jit(evaluate_batches)

@@ -23,7 +23,7 @@ from ._typing import Model, ModelState, OptState, PathLike
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["model", "opt_state", "history", "state"],
+    data_fields=["model", "opt_state", "history", "state", "ema_model"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class FitResult(Generic[Model]):
     - `opt_state`: the optimizer state; pass it back as `fit(..., opt_state=)` to go on.
     - `history`: a [`eqfit.History`][] of per-epoch values and per-step losses.
     - `state`: the model state (`eqx.nn.State`) after training, if `state=` was given.
+    - `ema_model`: with `fit(..., ema=)`, the moving average of the trained arrays as a
+        model of the same type (its frozen arrays are the model's); else `None`.
     """
 
     # A registered dataclass rather than an `eqx.Module`: it is made once per `fit`
@@ -45,6 +47,7 @@ class FitResult(Generic[Model]):
     opt_state: OptState
     history: History
     state: ModelState | None = None
+    ema_model: Model | None = None
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -142,13 +145,18 @@ def _result(
         np.asarray(x).reshape(-1)
         for x in placement.host((report.step, report.reason, report.best_epoch))
     )
-    table, step_loss, sizes = placement.host(
-        (report.epoch_values, state.step_loss, state.batch_sizes)
+    table, step_loss, step_values, sizes = placement.host(
+        (report.epoch_values, state.step_loss, state.step_values, state.batch_sizes)
     )
     wall_time = time.perf_counter() - began  # `began`: when `fit` began
     ensemble = loop.members is not None
     if not ensemble:  # a single model is an ensemble of one here
-        table, step_loss, sizes = table[None], step_loss[None], sizes[None]
+        table, step_loss, step_values, sizes = (
+            table[None],
+            step_loss[None],
+            step_values[None],
+            sizes[None],
+        )
     reasons: list[StopReason] = []
     for step, code in zip(steps.tolist(), codes.tolist()):
         if code in (Stop.NON_FINITE_LOSS, Stop.BAD_LABEL):
@@ -182,17 +190,34 @@ def _result(
         tuple(best_epochs) if ensemble else best_epochs[0],
         tuple(reasons) if ensemble else reasons[0],
         schedule.first_epoch,
+        {
+            name: squeeze(step_values[:, :rows, :, i]).copy()
+            for i, name in enumerate(loop.step_names)
+        },
     )
     if report.trained is not None:
-        params, model_state = report.trained
+        params, model_state, average = report.trained
     else:
-        params, model_state = state.params, state.model_state
-    params, model_state, opt_state = placement.get((params, model_state, state.opt_state))
-    # Only the trained arrays come back: the frozen ones are the caller's, untouched.
-    trained, frozen = iter(jax.tree.leaves(params)), iter(consts.frozen)
-    arrays = [next(trained) if t else next(frozen) for t in loop.trains]
-    model = _unwrap(loop.model.fill(arrays))
-    return FitResult(model, opt_state, history, model_state), reasons
+        params, model_state, average = state.params, state.model_state, state.average
+    params, model_state, opt_state, average = placement.get(
+        (params, model_state, state.opt_state, average)
+    )
+    ema_model = None if average is None else _model(loop, average, consts)
+    return FitResult(
+        _model(loop, params, consts), opt_state, history, model_state, ema_model
+    ), reasons
+
+
+def _model(loop: Loop, params: Any, consts: Consts) -> Any:
+    """The model with `params` as its trained arrays, each in the model's own dtype. Only
+    the trained arrays come back: the frozen ones are the caller's, untouched.
+    """
+    trained = jax.tree.leaves(params)
+    if loop.trained_dtypes is not None:  # from the master copy's precision
+        trained = [x.astype(d) for x, d in zip(trained, loop.trained_dtypes)]
+    it, frozen = iter(trained), iter(consts.frozen)
+    arrays = [next(it) if t else next(frozen) for t in loop.trains]
+    return _unwrap(loop.model.fill(arrays))
 
 
 _MAGIC = b"eqfit-result\n"
@@ -225,11 +250,12 @@ def save(path: PathLike, result: FitResult[Any]) -> None:
             "wall_time": h.wall_time,
             "best_epoch": h.best_epoch,
             "stop_reason": h.stop_reason,
+            "step_values": {k: np.asarray(v).tolist() for k, v in h.step_values.items()},
         },
         "versions": versions(),
         "structure": {part: _structure(getattr(result, part)) for part, _ in _PARTS},
     }
-    leaves = serialise((result.model, result.opt_state, result.state))
+    leaves = serialise((result.model, result.opt_state, result.state, result.ema_model))
     write_atomically(Path(path), _MAGIC + json.dumps(header).encode() + b"\n" + leaves)
 
 
@@ -268,7 +294,9 @@ def load(path: PathLike, *, like: Any) -> Any:
         _check_like(path, header.get("structure"), like)  # older files have none
         try:
             target = (
-                (like.model, like.opt_state, like.state) if isinstance(like, FitResult) else like
+                (like.model, like.opt_state, like.state, like.ema_model)
+                if isinstance(like, FitResult)
+                else like
             )
             loaded = eqx.tree_deserialise_leaves(f, target)
         except Exception as e:  # a truncated file, or arrays of another structure
@@ -284,7 +312,7 @@ def load(path: PathLike, *, like: Any) -> Any:
         )
     if not isinstance(like, FitResult):
         return loaded
-    model, opt_state, state = loaded
+    model, opt_state, state, ema_model = loaded
     h = header["history"]
     history = History(
         {k: np.asarray(v, np.float32) for k, v in h["values"].items()},
@@ -294,12 +322,18 @@ def load(path: PathLike, *, like: Any) -> Any:
         tuple(h["best_epoch"]) if isinstance(h["best_epoch"], list) else h["best_epoch"],
         tuple(h["stop_reason"]) if isinstance(h["stop_reason"], list) else h["stop_reason"],
         h["initial_epoch"],
+        {k: np.asarray(v, np.float32) for k, v in h.get("step_values", {}).items()},
     )
-    return FitResult(model, opt_state, history, state)
+    return FitResult(model, opt_state, history, state, ema_model)
 
 
 # The parts of a result that `save` writes, in order, as `load`'s errors name them.
-_PARTS = (("model", "model"), ("opt_state", "optimizer state"), ("state", "model state"))
+_PARTS = (
+    ("model", "model"),
+    ("opt_state", "optimizer state"),
+    ("state", "model state"),
+    ("ema_model", "moving average"),
+)
 
 
 def _check_writable(path: Path) -> None:
@@ -359,15 +393,17 @@ def _check_like(path: PathLike, saved: dict[str, Any] | None, like: Any) -> None
     parts = _PARTS if isinstance(like, FitResult) else _PARTS[:1]
     for part, name in parts:
         given = _structure(getattr(like, part) if isinstance(like, FitResult) else like)
-        if given["leaves"] == saved[part]["leaves"]:
+        kept = saved.get(part, _structure(None))  # files from before `ema_model` have none
+        if given["leaves"] == kept["leaves"]:
             continue
         hint = {
             "model": "Pass a result (or model) of the saved model's structure.",
             "opt_state": "Was `like` made with another optimizer? Make it with the saved "
             "run's optimizer: `fit(model, data, optimizer=..., epochs=0)`.",
             "state": "Make it with the saved run's `state=`.",
+            "ema_model": "Make it with the saved run's `ema=` (or without, as it was saved).",
         }[part]
         raise ValueError(
             f"`like`'s {name} differs from the one saved in {path}: the file holds "
-            f"{_summary(saved[part])}, `like` holds {_summary(given)}. {hint}"
+            f"{_summary(kept)}, `like` holds {_summary(given)}. {hint}"
         )

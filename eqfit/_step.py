@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree, TypeCheckError
 
+from ._average import Average
 from ._labels import collecting, either, first_of, LabelError
+from ._precision import all_finite, LossScale, Precision
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -177,39 +179,94 @@ def _shape(x: Any) -> str:
 
 
 class Objective(eqx.Module):
-    """How to call the user's loss and metrics on a batch, with or without model state."""
+    """How to call the user's loss and metrics on a batch, with or without model state,
+    under a precision policy (or none).
+
+    A loss returns its value, or `(value, aux)` with `aux` a dict of scalars (or of
+    arrays, averaged) that the run records under their names; with state, `(value,
+    new_state)` or `((value, aux), new_state)`. `aux_names` are the names it returns,
+    found before the run (`find_aux_names`).
+    """
 
     loss: Callable[..., Any]
     metrics: tuple[tuple[str, Callable[..., Any]], ...] = ()
     stateful: bool = False
     use_key: bool = False
+    aux_names: tuple[str, ...] = ()
+    precision: Precision | None = None
 
     @property
     def metric_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.metrics)
 
-    def value(
-        self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
-    ) -> tuple[Float[Array, ""], PyTree, LabelError | None]:
-        """The loss, the model state after the batch (`None` without state), and the
-        first label out of range that the loss met (see `eqfit._labels`).
-        """
+    @property
+    def value_names(self) -> tuple[str, ...]:
+        """What `evaluate` reports, in order: the loss, the aux values, the metrics."""
+        return ("loss", *self.aux_names, *self.metric_names)
+
+    def _arguments(self, model: PyTree, model_state: PyTree, batch: PyTree) -> tuple[Any, ...]:
+        if self.precision is not None:  # cast here, inside the step, array by array
+            model, batch = self.precision.cast(model), self.precision.cast_batch(batch)
         args = batch_args(batch)
-        args = (model, model_state, *args) if self.stateful else (model, *args)
+        return (model, model_state, *args) if self.stateful else (model, *args)
+
+    def call(
+        self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
+    ) -> tuple[Any, list[LabelError]]:
+        """What the loss returns, as it returns it, and the label checks it made."""
+        args = self._arguments(model, model_state, batch)
         kwargs = {"key": key} if self.use_key and key is not None else {}
         _check_signature(self.loss, args, kwargs, "`loss`", self.stateful)
         with collecting() as checks, noting_call("loss", self.loss, args, self.stateful):
             out = self.loss(*args, **kwargs)
-        if self.stateful:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise ValueError(
-                    "With `state=`, `loss(model, state, *batch)` must return "
-                    f"`(value, new_state)`, got {type(out).__name__}."
+        return out, checks
+
+    def value(
+        self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
+    ) -> tuple[Float[Array, ""], Float[Array, " aux"], PyTree, LabelError | None]:
+        """The loss, its aux values in `aux_names`' order (float32), the model state
+        after the batch (`None` without state), and the first label out of range that the
+        loss met (see `eqfit._labels`).
+        """
+        # Read before the call: a stateful layer marks the state it is given as used up.
+        dtypes = []
+        if self.precision is not None:
+            dtypes = [getattr(x, "dtype", None) for x in jax.tree.leaves(model_state)]
+        out, checks = self.call(model, model_state, batch, key)
+        value, aux, new_state = split_output(out, self.stateful)
+        value = check_scalar(value, "`loss(model, *batch)`")
+        if self.precision is not None:
+            value = value.astype(jnp.float32)
+            # The state stays in its own dtypes, whatever the cast model computed it in.
+            leaves, treedef = jax.tree.flatten(new_state)
+            if len(leaves) == len(dtypes):
+                leaves = [
+                    x.astype(d) if d is not None and eqx.is_array(x) else x
+                    for x, d in zip(leaves, dtypes)
+                ]
+                new_state = jax.tree.unflatten(treedef, leaves)
+        return value, self._aux_values(aux), new_state, first_of(checks)
+
+    def _aux_values(self, aux: Mapping[str, Any] | None) -> Float[Array, " aux"]:
+        given = () if aux is None else tuple(aux)
+        if set(given) != set(self.aux_names):
+            raise ValueError(
+                f"`loss` returned aux values {list(given)}, but before the run it returned "
+                f"{list(self.aux_names)}: a loss must return the same aux names every call."
+            )
+        if not self.aux_names:
+            return jnp.zeros(0)
+        assert aux is not None
+        values = []
+        for name in self.aux_names:
+            value = aux[name]
+            if not isinstance(value, jax.Array) or not jnp.issubdtype(value.dtype, jnp.number):
+                raise TypeError(
+                    f"`loss`'s aux value {name!r} must be an array of numbers (a scalar, or "
+                    f"an array that is averaged), got {type(value).__name__}."
                 )
-            value, model_state = out
-        else:
-            value = out
-        return check_scalar(value, "`loss(model, *batch)`"), model_state, first_of(checks)
+            values.append(jnp.mean(value).astype(jnp.float32))
+        return jnp.stack(values)
 
     def metric_values(
         self, model: PyTree, model_state: PyTree, batch: PyTree
@@ -217,17 +274,98 @@ class Objective(eqx.Module):
         """Each metric on the batch, in order (an empty vector without metrics), and the
         first label out of range that they met.
         """
-        args = batch_args(batch)
-        args = (model, model_state, *args) if self.stateful else (model, *args)
+        if not self.metrics:
+            return jnp.zeros(0), None
+        args = self._arguments(model, model_state, batch)
         values = []
         with collecting() as checks:
             for name, fn in self.metrics:
                 _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
                 with noting_call(f"metrics[{name!r}]", fn, args, self.stateful):
                     value = fn(*args)
-                values.append(check_scalar(value, f"metric {name!r}"))
-        stacked = jnp.stack(values).astype(jnp.float32) if values else jnp.zeros(0)
-        return stacked, first_of(checks)
+                values.append(check_scalar(value, f"metric {name!r}").astype(jnp.float32))
+        return jnp.stack(values), first_of(checks)
+
+
+def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | None, PyTree]:
+    """A loss's output as `(value, aux, new_state)`: `aux` `None` where it returned
+    none, `new_state` `None` without state.
+    """
+    new_state = None
+    if stateful:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                "With `state=`, `loss(model, state, *batch)` must return `(value, new_state)` "
+                f"(or `((value, aux), new_state)`), got {type(out).__name__}."
+            )
+        out, new_state = out
+    if isinstance(out, tuple):
+        if len(out) == 2 and isinstance(out[1], Mapping):
+            return out[0], out[1], new_state
+        form = "`((value, aux), new_state)`" if stateful else "`(value, aux)`"
+        raise ValueError(
+            f"`loss` returned a tuple of {len(out)}, but a loss returns its value, or {form} "
+            "with `aux` a dict of named values to record (`{'acc': acc}`)."
+        )
+    return out, None, new_state
+
+
+def find_aux_names(
+    objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree
+) -> tuple[str, ...]:
+    """The names of the aux values that the loss returns, found by tracing it once on
+    abstract arrays (nothing runs or compiles), and remembered for the same loss on
+    arrays of the same shapes, so that a second `fit` traces nothing. eqfit's own losses
+    return none.
+    """
+    if getattr(objective.loss, "__module__", "").startswith("eqfit."):
+        return ()
+    try:
+        cache_key = (
+            objective.loss,
+            objective.stateful,
+            objective.use_key,
+            objective.precision,
+            *map(_abstract, (model, model_state, batch)),
+        )
+        hash(cache_key)
+    except TypeError:  # a loss or model that cannot be hashed: traced every time
+        cache_key = None
+    if cache_key is not None and cache_key in _AUX_NAMES:
+        return _AUX_NAMES[cache_key]
+    key = jax.random.key(0) if objective.use_key else None
+    found: list[tuple[str, ...]] = []
+
+    def names(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
+        out, _ = objective.call(model, model_state, batch, key)
+        _, aux, _ = split_output(out, objective.stateful)
+        found.append(() if aux is None else tuple(aux))
+
+    eqx.filter_eval_shape(names, model, model_state, batch)
+    for name in found[0]:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`loss`'s aux values must be named by strings, got {name!r}.")
+    if cache_key is not None:
+        if len(_AUX_NAMES) >= 64:
+            _AUX_NAMES.pop(next(iter(_AUX_NAMES)))
+        _AUX_NAMES[cache_key] = found[0]
+    return found[0]
+
+
+# The aux names found for a loss on arrays of given shapes (`find_aux_names`).
+_AUX_NAMES: dict[Any, tuple[str, ...]] = {}
+
+
+def _abstract(tree: PyTree) -> tuple[Any, ...]:
+    """`tree` as a hashable key: its structure, its arrays' shapes and dtypes, and its
+    other leaves.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") and hasattr(x, "dtype") else x
+        for x in leaves
+    ]
+    return (treedef, tuple(shapes))
 
 
 def clone(state: PyTree) -> PyTree:
@@ -237,12 +375,17 @@ def clone(state: PyTree) -> PyTree:
 
 
 class StepResult(NamedTuple):
+    """What a step gives back: the new training state's parts, and its report."""
+
     params: PyTree
     opt_state: PyTree
     model_state: PyTree
+    average: PyTree  # the moving average (`None` without one)
+    loss_scale: LossScale | None
     loss: Float[Array, ""]
-    metrics: Float[Array, " metrics"]
-    finite: Bool[Array, ""]
+    # `Step.value_names`' values: aux values, metrics, norms, the loss scale's.
+    values: Float[Array, " values"]
+    finite: Bool[Array, ""]  # the loss is finite
     labels: LabelError | None  # the first label out of range; `None`: nothing checked
 
 
@@ -252,6 +395,9 @@ class Step(eqx.Module):
     An update whose loss is not finite is not applied: one `lax.cond` per step, as
     `optax.apply_if_finite` does, so the parameters are always the last finite ones and
     every `on_nan` policy runs the same arithmetic. The caller decides whether to stop.
+    With a loss scale, an update whose gradient is not finite is skipped too, and the
+    scale moves. The options own their logic: the precision policy casts and scales, the
+    average updates itself; the step records what they report as named values.
     """
 
     objective: Objective
@@ -261,36 +407,61 @@ class Step(eqx.Module):
     # With `shard=`: lays out a params-shaped tree (the gradients, the new parameters) as
     # the parameters are, and the optimizer state as it follows them.
     lay_out: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
+    average: Average | None = None
+    norms: bool = False
+
+    @property
+    def precision(self) -> Precision | None:
+        return self.objective.precision
+
+    @property
+    def value_names(self) -> tuple[str, ...]:
+        """The names of `StepResult.values`, in order."""
+        return step_value_names(
+            self.objective.aux_names,
+            self.objective.metric_names,
+            self.norms,
+            self.precision is not None and self.precision.scales,
+        )
 
     def __call__(
         self,
         params: PyTree,
         opt_state: PyTree,
         model_state: PyTree,
+        average: PyTree,
+        loss_scale: LossScale | None,
         batch: PyTree,
         key: Key[Array, ""] | None,
     ) -> StepResult:
         if self.axis_name is not None and key is not None:
             # Each device's share of the batch gets its own key.
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
+        policy = self.precision
 
         # A stateful layer marks the state it was given as used up, so the loss, the
         # metrics and a skipped step each get their own copy.
         kept = clone(model_state)
 
-        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[PyTree, PyTree, LabelError | None]]:
+        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[Any, ...]]:
             model = self.combine(p)
-            loss, new_state, labels = self.objective.value(model, model_state, batch, key)
-            return loss, (model, new_state, labels)
+            loss, aux, new_state, labels = self.objective.value(model, model_state, batch, key)
+            scaled = loss if policy is None else policy.scale(loss, loss_scale)
+            return scaled, (loss, aux, model, new_state, labels)
 
-        (loss, (model, new_state, labels)), grads = jax.value_and_grad(value, has_aux=True)(params)
+        # One forward pass: the aux values ride out of it with the loss.
+        (_, (loss, aux, model, new_state, labels)), grads = jax.value_and_grad(value, has_aux=True)(
+            params
+        )
+        if policy is not None:
+            grads = policy.unscale(grads, loss_scale)
         # Metrics see the model before this step's update, as the loss does.
         metrics, metric_labels = self.objective.metric_values(model, clone(new_state), batch)
         labels = either(labels, metric_labels)
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
             # the per-device means is the mean over the whole batch.
-            loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), self.axis_name)
+            loss, aux, grads, metrics = jax.lax.pmean((loss, aux, grads, metrics), self.axis_name)
             if labels is not None:  # a bad label on any device's share is the batch's
                 every = jax.lax.all_gather(labels, self.axis_name)
                 first = jnp.argmax(every.found)
@@ -302,21 +473,62 @@ class Step(eqx.Module):
         # work unchanged; with_extra_args_support makes plain ones ignore it.
         optimizer = optax.with_extra_args_support(self.optimizer)
         finite = jnp.isfinite(loss)
+        applies = finite
+        reported = [aux, metrics]
+        if self.norms:
+            reported.append(optax.tree.norm(grads)[None])
+        if loss_scale is not None:
+            assert policy is not None
+            grads_finite = all_finite(grads)
+            applies = finite & grads_finite
+            new_scale = policy.adjust(loss_scale, grads_finite)
+        else:
+            new_scale = None
 
-        def apply(carry: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
-            params, opt_state, _ = carry
+        def apply(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            params, opt_state, _, average, *_ = carry
             updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
             params = eqx.apply_updates(params, updates)
             if self.lay_out is not None:
                 params, opt_state = self.lay_out(params, opt_state)
-            return params, opt_state, new_state
+            if self.average is not None:
+                average = self.average.update(average, params)
+                if self.lay_out is not None:
+                    average, _ = self.lay_out(average, None)
+            if not self.norms:
+                return params, opt_state, new_state, average
+            norm = optax.tree.norm(updates).astype(jnp.float32)
+            return params, opt_state, new_state, average, norm
 
-        def skip(carry: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree, PyTree]:
-            return carry
+        def skip(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            return carry  # nothing is applied: with norms, an update of norm 0
 
         # A `cond`, not a `where` over every leaf, which would compute and select the
         # whole update even for finite losses.
-        params, opt_state, model_state = jax.lax.cond(
-            finite, apply, skip, (params, opt_state, kept)
+        carry = (params, opt_state, kept, average)
+        if self.norms:
+            carry += (jnp.zeros((), jnp.float32),)
+        params, opt_state, model_state, average, *update_norm = jax.lax.cond(
+            applies, apply, skip, carry
         )
-        return StepResult(params, opt_state, model_state, loss, metrics, finite, labels)
+        if self.norms:
+            reported.append(update_norm[0][None])
+        if loss_scale is not None:
+            skipped = (finite & ~applies).astype(jnp.float32)
+            reported.append(jnp.stack([loss_scale.scale, skipped]))
+        values = jnp.concatenate([jnp.asarray(v, jnp.float32).reshape(-1) for v in reported])
+        return StepResult(
+            params, opt_state, model_state, average, new_scale, loss, values, finite, labels
+        )
+
+
+def step_value_names(
+    aux_names: tuple[str, ...], metric_names: tuple[str, ...], norms: bool, scales: bool
+) -> tuple[str, ...]:
+    """The values a step records besides its loss, in order."""
+    names = (*aux_names, *metric_names)
+    if norms:
+        names += ("grad_norm", "update_norm")
+    if scales:
+        names += ("loss_scale", "skipped_steps")
+    return names

@@ -9,6 +9,7 @@ from typing import Any, assert_type
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax  # type: ignore[import-untyped]  # optax ships neither stubs nor py.typed
 from jaxtyping import Array, Float
@@ -85,6 +86,23 @@ def train(directory: Path) -> None:
         progress=True,
     )
     assert_type(more, eqfit.FitResult[Affine])
+
+    # Real models: mixed precision, a moving average (of the model's own type), norms.
+    averaged = eqfit.fit(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=key,
+        precision=eqfit.Precision(jnp.bfloat16, keep=(r"norm",)),
+        ema=0.999,
+        norms=True,
+    )
+    assert_type(averaged.ema_model, Affine | None)
+    assert_type(averaged.history.step_values, dict[str, np.ndarray])
+    eqfit.fit(
+        model, (x, y), loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), key=key, precision="float16"
+    )
 
     # `predict` returns what the model returns (for every example).
     assert_type(eqfit.predict(more.model, x, batch_size=32), Float[Array, " 3"])

@@ -1,0 +1,202 @@
+"""Mixed precision: a policy that casts inside the step, and float16's dynamic loss scale.
+
+The policy is an option with state, as diffrax's step-size controllers are: `init` makes
+the loss scale that rides in the training state, `cast` casts a model or a batch for the
+loss's forward and backward passes, `unscale` and `adjust` undo the scale and move it.
+The master copy of the trained arrays, the optimizer state and the moving average stay in
+`params` precision: only what the loss sees is cast, per array, inside the step, so that
+under `shard=` each device casts its own shard and no device ever holds a whole
+low-precision copy of the model (levanter #426 describes the trap of casting the whole
+model up front).
+"""
+
+import re
+from typing import Any, Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from ._typing import ArrayTree
+
+
+class LossScale(NamedTuple):
+    """The dynamic loss scale, carried in the training state (and its checkpoints)."""
+
+    scale: Float[Array, ""]
+    good_steps: Int[Array, ""]  # finite steps in a row since the scale last moved
+
+
+def _dtype(value: Any, name: str) -> np.dtype:
+    try:
+        dtype = np.dtype(jnp.dtype(value))
+    except TypeError:
+        raise TypeError(f"`Precision.{name}` must be a floating dtype, got {value!r}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`Precision.{name}` must be a floating dtype (such as `jnp.bfloat16`), got {dtype}."
+        )
+    return dtype
+
+
+class Precision(eqx.Module):
+    """A mixed-precision policy: what the loss computes in, and what is kept.
+
+    `fit(..., precision="bfloat16")` is `Precision(jnp.bfloat16)`, and
+    `precision="float16"` is `Precision(jnp.float16)`, which scales the loss.
+
+    Inside each step the model's floating arrays (trained and frozen) and the batch's
+    floating arrays are cast to `compute` for the loss's forward and backward passes; the
+    loss, the aux values and the gradients come back in float32, and the update is made on
+    the master copy, in `params`. Integer arrays, PRNG keys and leaves that are not arrays
+    are never cast, nor is a stateful model's `state`. `result.model` comes back in the
+    model's own dtypes.
+
+    **Arguments:**
+
+    - `compute`: the dtype of the loss's computation: `jnp.bfloat16` or `jnp.float16`
+        (or `jnp.float32`, to keep only `params`).
+    - `params`: the dtype of the master copy of the trained arrays, their optimizer state
+        and their moving average.
+    - `keep`: regular expressions over the arrays' paths (`jax.tree_util.keystr`, as
+        [`eqfit.sharding.rules`][] match them, with `re.search`): the arrays they match stay
+        in `params` precision in the forward pass (norm layers, say: `(r"norm",)`).
+    - `loss_scaling`: dynamic loss scaling, as Keras's `LossScaleOptimizer`: the loss is
+        multiplied by a scale before the backward pass and the gradients divided by it, so
+        that float16's small gradients do not underflow to zero. A step whose gradient is
+        not finite is skipped (it counts as a step) and halves the scale;
+        `growth_steps` finite steps in a row double it. `None` (the default): on for
+        float16 only, whose exponent is narrow; bfloat16 has float32's range.
+    - `initial_scale`: the scale at the start (Keras's `2**15`).
+    - `growth_steps`: finite steps in a row that double the scale (Keras's 2,000).
+    """
+
+    compute: Any = jnp.bfloat16
+    params: Any = jnp.float32
+    keep: tuple[str, ...] = ()
+    loss_scaling: bool | None = None
+    initial_scale: float = 2.0**15
+    growth_steps: int = 2000
+
+    def __check_init__(self) -> None:
+        _dtype(self.compute, "compute")
+        _dtype(self.params, "params")
+        if isinstance(self.keep, str) or not isinstance(self.keep, tuple):
+            raise TypeError(
+                f"`Precision.keep` must be a tuple of regular expressions, got {self.keep!r}."
+            )
+        for pattern in self.keep:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(
+                    f"`Precision.keep`: {pattern!r} is not a regular expression ({e})."
+                ) from None
+        if self.loss_scaling not in (None, True, False):
+            raise TypeError(
+                f"`Precision.loss_scaling` must be None, True or False, got {self.loss_scaling!r}."
+            )
+        scale = self.initial_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"`Precision.initial_scale` must be above 0, got {scale!r}.")
+        steps = self.growth_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"`Precision.growth_steps` must be an integer of 1 or more, got {steps!r}."
+            )
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return _dtype(self.compute, "compute")
+
+    @property
+    def params_dtype(self) -> np.dtype:
+        return _dtype(self.params, "params")
+
+    @property
+    def scales(self) -> bool:
+        """Whether the loss is scaled: `loss_scaling`, or by default for float16."""
+        if self.loss_scaling is not None:
+            return self.loss_scaling
+        return self.compute_dtype == np.dtype(jnp.float16)
+
+    def init(self) -> LossScale | None:
+        """The loss scale at the start, or `None` where the loss is not scaled."""
+        if not self.scales:
+            return None
+        return LossScale(jnp.asarray(self.initial_scale, jnp.float32), jnp.asarray(0, jnp.int32))
+
+    def cast(self, model: ArrayTree) -> ArrayTree:
+        """`model` with each floating array in `compute`, but those `keep` matches."""
+        compute = self.compute_dtype
+        patterns = [re.compile(p) for p in self.keep]
+
+        def one(path: Any, x: Any) -> Any:
+            if not _is_floating(x) or x.dtype == compute:
+                return x
+            if patterns:
+                where = jax.tree_util.keystr(path)
+                if any(p.search(where) for p in patterns):
+                    return x.astype(self.params_dtype)
+            return x.astype(compute)
+
+        return jax.tree_util.tree_map_with_path(one, model)
+
+    def cast_batch(self, batch: ArrayTree) -> ArrayTree:
+        """`batch` with each floating array in `compute`."""
+        compute = self.compute_dtype
+        return jax.tree.map(lambda x: x.astype(compute) if _is_floating(x) else x, batch)
+
+    def master(self, params: ArrayTree) -> ArrayTree:
+        """The trained arrays as the master copy keeps them: floating ones in `params`."""
+        dtype = self.params_dtype
+        return jax.tree.map(lambda x: x.astype(dtype) if _is_floating(x) else x, params)
+
+    def scale(self, loss: Float[Array, ""], state: LossScale | None) -> Float[Array, ""]:
+        """The loss to differentiate: multiplied by the scale, if there is one."""
+        return loss if state is None else loss * state.scale
+
+    def unscale(self, grads: ArrayTree, state: LossScale | None) -> ArrayTree:
+        """The gradients of the unscaled loss, in float32."""
+        if state is None:
+            return grads
+        return jax.tree.map(lambda g: g / state.scale, grads)
+
+    def adjust(self, state: LossScale, finite: Bool[Array, ""]) -> LossScale:
+        """The scale after a step: halved if its gradient was not finite, doubled after
+        `growth_steps` finite steps in a row (Keras's `LossScaleOptimizer`).
+        """
+        good = jnp.where(finite, state.good_steps + 1, 0)
+        grows = good >= self.growth_steps
+        scale = jnp.where(
+            finite, jnp.where(grows, state.scale * 2.0, state.scale), state.scale / 2.0
+        )
+        return LossScale(scale, jnp.where(grows, 0, good))
+
+
+PrecisionLike = Precision | Literal["bfloat16", "float16"] | None
+
+
+def as_precision(precision: Any, name: str = "precision") -> Precision | None:
+    """`precision` as a policy: a name, a `Precision`, or `None`; anything else refused."""
+    if precision is None or isinstance(precision, Precision):
+        return precision
+    if precision == "bfloat16":
+        return Precision(jnp.bfloat16)
+    if precision == "float16":
+        return Precision(jnp.float16)
+    raise ValueError(
+        f'`{name}` must be None, "bfloat16", "float16" or an `eqfit.Precision`, got {precision!r}.'
+    )
+
+
+def all_finite(tree: ArrayTree) -> Bool[Array, ""]:
+    """Whether every element of every array of `tree` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _is_floating(x: Any) -> bool:
+    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
