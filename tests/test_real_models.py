@@ -552,3 +552,64 @@ def test_fsdp_lays_out_the_average_as_the_parameters(getkey):
     assert fullest <= total / 8 * 1.02
     assert result.ema_model.layers[1].weight.sharding == result.model.layers[1].weight.sharding
     assert np.isfinite(result.history["grad_norm"]).all()
+
+
+def test_bfloat16_trains_the_digits_mlp_as_well_as_float32():
+    from sklearn.datasets import load_digits
+
+    pixels, target = load_digits(return_X_y=True)
+    x = (np.asarray(pixels) / 16.0).astype(np.float32)
+    y = np.asarray(target).astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(y))
+    train, test = order[:1500], order[1500:]
+    model = eqfit.models.MLP(64, 10, 64, 2, key=jax.random.key(0))
+    kwargs = dict(
+        loss=eqfit.losses.softmax_cross_entropy,
+        optimizer=optax.adam(3e-3),
+        key=jax.random.key(1),
+        epochs=20,
+        batch_size=64,
+    )
+    accuracy = {"accuracy": eqfit.metrics.accuracy}
+    scores = {}
+    for precision in (None, "bfloat16"):
+        result = eqfit.fit(model, (x[train], y[train]), precision=precision, **kwargs)
+        scores[precision] = eqfit.evaluate(
+            result.model,
+            (x[test], y[test]),
+            loss=eqfit.losses.softmax_cross_entropy,
+            metrics=accuracy,
+            precision=precision,
+        )["accuracy"]
+    assert scores[None] > 0.9
+    assert abs(scores["bfloat16"] - scores[None]) <= 0.01, scores
+
+
+@pytest.mark.heavy
+def test_sharded_checkpoints_resume_the_average_and_the_scale_bit_for_bit(tmp_path, getkey):
+    model = eqfit.models.MLP(16, "scalar", 64, 2, key=getkey())
+    x, y = regression_data(getkey(), 96, features=16)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    kwargs = dict(
+        loss=mse_with_aux,
+        optimizer=ADAM,
+        key=getkey(),
+        batch_size=32,
+        mesh=mesh,
+        shard=eqfit.sharding.fsdp("data", min_bytes=0),
+        precision=eqfit.Precision(jnp.float16, growth_steps=2),
+        ema=0.9,
+        norms=True,
+    )
+
+    class StopAfterTwo:
+        def on_epoch_end(self, epoch, logs):
+            return epoch == 2
+
+    whole = eqfit.fit(model, (x, y), epochs=4, **kwargs)
+    eqfit.fit(model, (x, y), epochs=4, checkpoint=tmp_path, callbacks=[StopAfterTwo()], **kwargs)
+    resumed = eqfit.fit(model, (x, y), epochs=4, checkpoint=tmp_path, **kwargs)
+    assert_trees_equal(whole.model, resumed.model)
+    assert_trees_equal(whole.ema_model, resumed.ema_model)
+    for name, value in whole.history.values.items():
+        np.testing.assert_array_equal(value, resumed.history[name], err_msg=name)
