@@ -7,6 +7,7 @@ the checkpoints and the Ctrl-C handler each meet it through one small protocol,
 each chunk to the device while the one before trains, and that every way out stops.
 """
 
+import atexit
 import dataclasses
 import queue
 import threading
@@ -41,9 +42,10 @@ from ._sources import Chunk
 # dispatch and a sync, which is nothing next to either.
 SECONDS_PER_CALL = 0.5
 SECONDS_PER_BAR_CALL = 0.2
-# A run's first call, before its speed is known: this many steps, a few milliseconds of a
-# small model; the second is sized the same, then calls go by the measured speed.
-FIRST_CALL_STEPS = 8
+# Before a run's speed is known, calls grow from one step (1, 2, 4, ...) until a call's
+# report has been read: a step may take a second, and the bar must move soon after it is
+# drawn. Then calls go by the measured speed.
+FIRST_CALL_STEPS = 1
 
 
 @runtime_checkable
@@ -254,7 +256,9 @@ class Outcome(NamedTuple):
     report: Report
     stopped_by_callback: bool
     interrupted: bool
-    failure: CheckpointError | None  # a checkpoint that could not be written
+    # What ended the drive early, to raise with the result: a checkpoint that could not
+    # be written, or an error of the data's (a loader that raised).
+    failure: BaseException | None
 
 
 class _Reader:
@@ -501,6 +505,7 @@ def drive(
         steps_per_call = max(1, int(seconds_per_call / max(known, 1e-9)))
     else:
         steps_per_call = FIRST_CALL_STEPS
+    measured = known is not None
     interrupting = next((o for o in observers if isinstance(o, Interrupting)), None)
 
     def interrupted_at_epoch_end(position: int) -> bool:
@@ -509,7 +514,8 @@ def drive(
         return requested and schedule.is_epoch_end(position)
 
     position, report = begin, None
-    failure = None
+    failure: BaseException | None = None
+    second_ctrl_c = False
     starting = state if isinstance(state, Starting) else None
     current = None if isinstance(state, Starting) else state  # the state, once made
 
@@ -568,6 +574,9 @@ def drive(
                 if seconds is not None:
                     steps_per_call = max(1, int(seconds_per_call / max(seconds, 1e-9)))
                     PROGRAM_CACHE.set_speed(run_key(loop), seconds)
+                    measured = True
+                elif not measured:
+                    steps_per_call *= 2
                 if any(observer.waits(position) for observer in observers):
                     reader.read()
                 if position >= feed.end or reader.finished:
@@ -585,13 +594,22 @@ def drive(
             reader.read()  # the last reports, for those who read them (the bar, callbacks)
         else:  # nobody reads them: `finish` reads the last one
             WAITER.wait(report.step)
-    except BaseException:
-        # A second Ctrl-C, or an error: let the calls in flight (each about half a second)
-        # finish, so that the process does not exit with the device still running; but
-        # not for long, as the user asked to stop.
-        if report is not None:
-            WAITER.wait(report.step, timeout=1.0)
-        raise
+    except BaseException as error:
+        # A second Ctrl-C, or an error (a loader that raised, say): the calls in flight
+        # (after a Ctrl-C, one of about half a second, or one step) finish, so that the
+        # process never exits with the device still running, and the training up to
+        # there comes back with the error as its `.result`.
+        if report is None or current is None or not _wait_for(report.step):
+            raise
+        if any(x.is_deleted() for x in jax.tree.leaves(current) if isinstance(x, jax.Array)):
+            raise  # stopped between a call and taking its state: nothing to return
+        if isinstance(error, KeyboardInterrupt):
+            second_ctrl_c = True
+        else:
+            failure = error
+        if schedule.learning:  # stopped in the first epoch: it is as long as it went
+            reader.read()
+            learn(max(reader.done, 1))
     finally:
         for observer in observers:
             observer.close()
@@ -601,9 +619,36 @@ def drive(
         current,
         report,
         stopped_by_callback=reader.by_observer,
-        interrupted=interrupting is not None and interrupting.interrupt.requested,
+        interrupted=second_ctrl_c
+        or (interrupting is not None and interrupting.interrupt.requested),
         failure=failure,
     )
+
+
+def _wait_for(array: Any) -> bool:
+    """Waits for `array`, the last call's: whether it is ready. A further Ctrl-C stops the
+    wait; then Python waits for it at exit (`_PENDING`), so that the process never exits
+    with the device still running (XLA aborts it).
+    """
+    try:
+        return WAITER.wait(array)
+    except KeyboardInterrupt:
+        _PENDING.append(array)
+        raise
+
+
+# Arrays of calls still running when `fit` raised: waited for before Python exits. JAX is
+# imported first, so this runs before JAX's own exit handlers (they run last first).
+_PENDING: list[Any] = []
+
+
+@atexit.register
+def _wait_for_pending() -> None:
+    for array in _PENDING:
+        try:
+            array.block_until_ready()
+        except Exception:
+            pass
 
 
 def observers_for(

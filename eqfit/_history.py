@@ -15,6 +15,7 @@ StopReason = (
         "callback",
         "interrupted",
         "checkpoint_error",
+        "error",
         "out_of_data",
     ]
     | None
@@ -46,8 +47,9 @@ class History:
     - `stop_reason`: why training ended before its last epoch, or `None`:
         `"early_stopping"`, `"non_finite_loss"` (a label out of range makes the loss
         non-finite too), `"callback"`, `"interrupted"` (Ctrl-C), `"checkpoint_error"` (a
-        checkpoint could not be written), or `"out_of_data"` (an iterator ran out before
-        the last step).
+        checkpoint could not be written), `"error"` (the data raised an error, which
+        `fit` raises with this history in its `.result`), or `"out_of_data"` (an
+        iterator ran out before the last step).
     - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
     - `step_values`: the values recorded at every step besides its loss, by name, each
         shaped as `step_loss`: the metrics and the loss's aux values on the step's batch

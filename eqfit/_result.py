@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._checkpoint import serialise, versions, write_atomically
+from ._checkpoint import CheckpointError, serialise, versions, write_atomically
 from ._checks import checked
 from ._drive import Outcome
 from ._history import History, StopReason
@@ -81,12 +81,13 @@ def finish(
 ) -> FitResult[Any]:
     """The one place a run ends: makes the result from the final state and the last
     report, then raises what must be raised, each error holding the result as `.result`:
-    a checkpoint that could not be written, a Ctrl-C, a label out of range, a non-finite
-    loss with `on_nan="raise"`. It warns if the data ran out.
+    a checkpoint that could not be written or an error of the data's (raised as it is,
+    with `.result` set), a Ctrl-C, a label out of range, a non-finite loss with
+    `on_nan="raise"`. It warns if the data ran out.
     """
     result, reasons = _result(loop, outcome, consts, began)
     if outcome.failure is not None:
-        outcome.failure.result = result
+        outcome.failure.result = result  # type: ignore[attr-defined]
         raise outcome.failure
     if outcome.interrupted:
         raise TrainingInterrupted(result)
@@ -169,8 +170,10 @@ def _result(
             reasons.append("interrupted")
         elif outcome.stopped_by_callback:
             reasons.append("callback")
-        elif outcome.failure is not None:
+        elif isinstance(outcome.failure, CheckpointError):
             reasons.append("checkpoint_error")
+        elif outcome.failure is not None:
+            reasons.append("error")
         else:
             reasons.append("out_of_data")
     has_stopping = loop.stopping is not None

@@ -381,33 +381,41 @@ class Loader(_Streamed):
             return Chunk(data, order, first, first + len(batches), batch_size, learned)
 
         stream = itertools.chain([(self.first, True, self.first_ends)], self.stream)
-        step = 0
-        for step, (batch, starts_pass, ends_first) in enumerate(stream):
-            if smaller is not None and not starts_pass:
-                raise ValueError(
-                    f"The loader's batch {step} follows a batch of {smaller} samples in the "
-                    f"same pass: only the last batch of a pass may be smaller than the first "
-                    f"batch's {size}."
-                )
-            got = _check_batch(batch, step, structure, shapes, size)
-            smaller = got if got < size else None
-            if ends_first and schedule.learning:
-                learned = step + 1  # then the run is its epochs of this many steps
-                end = min(end, schedule.epochs * learned)
-            if step < begin:  # trained before a resume
-                continue
-            if got < size:
-                if held:
-                    yield chunk(held, size, step - len(held))
-                    held = []
-                yield chunk([batch], got, step)
-            else:
-                held.append(batch)
-                if len(held) == per_chunk or step + 1 >= end or ends_first:
-                    yield chunk(held, size, step - len(held) + 1)
-                    held = []
-            if step + 1 >= end:
-                return
+        step = last_held = 0
+        try:
+            for step, (batch, starts_pass, ends_first) in enumerate(stream):
+                if smaller is not None and not starts_pass:
+                    raise ValueError(
+                        f"The loader's batch {step} follows a batch of {smaller} samples in "
+                        "the same pass: only the last batch of a pass may be smaller than "
+                        f"the first batch's {size}."
+                    )
+                got = _check_batch(batch, step, structure, shapes, size)
+                smaller = got if got < size else None
+                if ends_first and schedule.learning:
+                    learned = step + 1  # then the run is its epochs of this many steps
+                    end = min(end, schedule.epochs * learned)
+                if step < begin:  # trained before a resume
+                    continue
+                if got < size:
+                    if held:
+                        yield chunk(held, size, step - len(held))
+                        held = []
+                    yield chunk([batch], got, step)
+                else:
+                    held.append(batch)
+                    last_held = step
+                    if len(held) == per_chunk or step + 1 >= end or ends_first:
+                        yield chunk(held, size, step - len(held) + 1)
+                        held = []
+                if step + 1 >= end:
+                    return
+        except Exception:
+            # The loader raised (or gave a bad batch): the batches read before it still
+            # train, and `fit` raises the error with that training as its `.result`.
+            if held:
+                yield chunk(held, size, last_held - len(held) + 1)
+            raise
         if held:
             yield chunk(held, size, step - len(held) + 1)
 
