@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import PyTree
+from jaxtyping import Array, Bool, PyTree
 
 
 class Average(eqx.Module):
@@ -28,9 +28,11 @@ class Average(eqx.Module):
         """The average before the first step: the initial weights (a copy)."""
         return jax.tree.map(jnp.copy, params)
 
-    def update(self, average: PyTree, params: PyTree) -> PyTree:
-        """The average after a step that made `params`."""
-        m = self.momentum
+    def update(self, average: PyTree, params: PyTree, applied: Bool[Array, ""]) -> PyTree:
+        """The average after a step that made `params`; unchanged if the step was not
+        `applied` (skipped for a non-finite loss or gradient).
+        """
+        m = jnp.where(applied, self.momentum, 1.0)  # 1 * a + 0 * w is `a`, bit for bit
         return jax.tree.map(lambda a, w: m * a + (1.0 - m) * w, average, params)
 
 

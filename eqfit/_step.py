@@ -486,31 +486,31 @@ class Step(eqx.Module):
             new_scale = None
 
         def apply(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            params, opt_state, _, average, *_ = carry
+            params, opt_state, *_ = carry
             updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
             params = eqx.apply_updates(params, updates)
             if self.lay_out is not None:
                 params, opt_state = self.lay_out(params, opt_state)
-            if self.average is not None:
-                average = self.average.update(average, params)
-                if self.lay_out is not None:
-                    average, _ = self.lay_out(average, None)
             if not self.norms:
-                return params, opt_state, new_state, average
+                return params, opt_state, new_state
             norm = optax.tree.norm(updates).astype(jnp.float32)
-            return params, opt_state, new_state, average, norm
+            return params, opt_state, new_state, norm
 
         def skip(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             return carry  # nothing is applied: with norms, an update of norm 0
 
         # A `cond`, not a `where` over every leaf, which would compute and select the
         # whole update even for finite losses.
-        carry = (params, opt_state, kept, average)
+        carry = (params, opt_state, kept)
         if self.norms:
             carry += (jnp.zeros((), jnp.float32),)
-        params, opt_state, model_state, average, *update_norm = jax.lax.cond(
-            applies, apply, skip, carry
-        )
+        params, opt_state, model_state, *update_norm = jax.lax.cond(applies, apply, skip, carry)
+        if self.average is not None:
+            # Outside the `cond`, which would carry a copy of it through both branches: a
+            # skipped step leaves it as it is (its weights are the last step's).
+            average = self.average.update(average, params, applies)
+            if self.lay_out is not None:
+                average, _ = self.lay_out(average, None)
         if self.norms:
             reported.append(update_norm[0][None])
         if loss_scale is not None:
