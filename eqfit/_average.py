@@ -25,8 +25,10 @@ class Average(eqx.Module):
             raise ValueError(f"`ema` must be a number in (0, 1), such as 0.999, got {m!r}.")
 
     def init(self, params: PyTree) -> PyTree:
-        """The average before the first step: the initial weights (a copy)."""
-        return jax.tree.map(jnp.copy, params)
+        """The average before the first step: the initial weights, in float32 at least (a
+        bfloat16 average would lose every step's share of the weights to rounding).
+        """
+        return jax.tree.map(lambda w: w.astype(jnp.promote_types(w.dtype, jnp.float32)), params)
 
     def update(self, average: PyTree, params: PyTree, applied: Bool[Array, ""]) -> PyTree:
         """The average after a step that made `params`; unchanged if the step was not

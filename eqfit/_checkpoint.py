@@ -484,6 +484,22 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.requested = False
+        self._holding = False  # inside `held()`
+        self._pending = False  # a second Ctrl-C came while held
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A second Ctrl-C inside the block is raised as it ends: a call of the program
+        is dispatched (its state donated) and its new state taken as one step.
+        """
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self._pending:
+            self._pending = False
+            raise KeyboardInterrupt
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator["Interrupt"]:
@@ -493,6 +509,9 @@ class Interrupt:
 
         def handler(signum: int, frame: Any) -> None:
             if self.requested:
+                if self._holding:
+                    self._pending = True
+                    return
                 raise KeyboardInterrupt
             self.requested = True
 

@@ -307,6 +307,21 @@ def _describe(x: Any) -> str:
     return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
+def not_a_stack(members: int, what: str, error: Exception) -> ValueError:
+    """The error for a model that `ensemble=True` took for a stack of `members` and that
+    failed when one member was called (`error`): most likely a single model whose arrays
+    happen to share their leading size (1, for a model of one output).
+    """
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return ValueError(
+        f"With `ensemble=True`, {what} took `model` for a stack of {members} members (each "
+        f"array's leading axis indexing them), and calling one member failed "
+        f"({type(error).__name__}: {first}). If `model` is a single model, leave out "
+        "`ensemble`; a stack is built with "
+        "`eqx.filter_vmap(make_model)(jax.random.split(key, members))`."
+    )
+
+
 def ensemble_size(model: PyTree) -> int:
     """The number of members of a stacked model, checked."""
     leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))

@@ -8,6 +8,8 @@ each chunk to the device while the one before trains, and that every way out sto
 """
 
 import atexit
+import collections
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -82,6 +84,7 @@ class Progress(NamedTuple):
     epoch: int  # the epoch (from 1) that the last step was in
     epoch_loss: float  # that epoch's mean loss so far (the epoch's own, once it ended)
     ended: tuple[tuple[int, dict[str, float]], ...]  # epochs that ended, with their values
+    samples_per_second: float | None = None  # over the last few calls read
 
 
 class Observer:
@@ -141,11 +144,14 @@ class Bar(Observer):
             from tqdm.auto import tqdm
 
             schedule = self.schedule
+            # No tqdm rate: a step's rate means little, and tqdm's is of the last
+            # redraw alone. The postfix shows samples per second over the last calls.
             self.made = tqdm(
                 total=None if schedule.learning else schedule.total - schedule.begin,
                 initial=self.begin - schedule.begin,
                 unit="step",
                 dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
             )
 
     def learned(self, schedule: Schedule) -> None:
@@ -160,8 +166,12 @@ class Bar(Observer):
         epoch = min(progress.epoch, self.schedule.epochs)
         self.made.set_description(f"epoch {epoch}/{self.schedule.epochs}", refresh=False)
         for _, logs in progress.ended[-1:]:
-            self.last = {k: f"{v:.4g}" for k, v in logs.items() if k != "loss"}
-        self.made.set_postfix({"loss": f"{progress.epoch_loss:.4g}", **self.last}, refresh=False)
+            shown = (k for k in logs if k != "loss" and k not in Throughput.NAMES)
+            self.last = {k: f"{logs[k]:.4g}" for k in shown}
+        values = {"loss": f"{progress.epoch_loss:.4g}", **self.last}
+        if progress.samples_per_second is not None:
+            values["samples/s"] = f"{progress.samples_per_second:.4g}"
+        self.made.set_postfix(values, refresh=False)
         self.made.update(progress.position - self.shown)
         self.shown = progress.position
         return False
@@ -259,6 +269,57 @@ class Outcome(NamedTuple):
     # What ended the drive early, to raise with the result: a checkpoint that could not
     # be written, or an error of the data's (a loader that raised).
     failure: BaseException | None
+    # Each epoch's wall seconds, steps and samples per second (`Throughput.epoch`).
+    epoch_figures: dict[int, dict[str, float]] = {}
+
+
+class Throughput:
+    """Wall seconds of the steps, from when the host read each call's report: a call's
+    seconds are shared evenly among its steps, and an epoch's are those of its steps.
+    Compilation is not counted: a call's clock starts once it is queued.
+    """
+
+    # Names of what it adds to each epoch's values.
+    NAMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.calls: list[tuple[int, int, float]] = []  # steps begin, end, and seconds
+        self.last: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=5)
+
+    def record(self, begin: int, end: int, seconds: float) -> None:
+        if end > begin:
+            self.calls.append((begin, end, seconds))
+            self.last.append((begin, end, seconds))
+
+    def recent(self) -> float | None:
+        """Samples per second over the last few calls."""
+        last = self.last
+        seconds = sum(s for _, _, s in last)
+        if not last or seconds <= 0:
+            return None
+        return sum(self.schedule.samples(b, e) for b, e, _ in last) / seconds
+
+    def epoch(self, epoch: int) -> dict[str, float]:
+        """The figures of epoch `epoch` (counted from 1), once its steps are all read;
+        none for an epoch trained partly before this run (a resume).
+        """
+        length = self.schedule.steps_per_epoch
+        start, stop = (epoch - 1) * length, epoch * length
+        seconds = covered = 0.0
+        for begin, end, took in self.calls:
+            overlap = min(end, stop) - max(begin, start)
+            if overlap > 0:
+                covered += overlap
+                seconds += took * overlap / (end - begin)
+        self.calls = [c for c in self.calls if c[1] > stop]  # what later epochs need
+        if covered < stop - start or seconds <= 0:
+            return {}
+        return {
+            "epoch_seconds": seconds,
+            "steps_per_second": (stop - start) / seconds,
+            "samples_per_second": self.schedule.samples(start, stop) / seconds,
+        }
 
 
 class _Reader:
@@ -276,11 +337,13 @@ class _Reader:
         # where a call was asked to begin: after an early stop, calls already queued report
         # the step the run stopped at, behind their begin.
         self.done = begin
-        self.clock = time.perf_counter()
+        self.clock = self.taken = time.perf_counter()
+        self.throughput = Throughput(loop.schedule)
+        self.epoch_figures: dict[int, dict[str, float]] = {}  # by epoch: `Throughput.epoch`
 
     def queued(self, report: Report, begin: int, stop: int) -> None:
         if not self.in_flight:  # the device starts on it now (its compilation is done)
-            self.clock = time.perf_counter()
+            self.clock = self.taken = time.perf_counter()
         self.in_flight.append((report, begin, stop))
 
     def read(self, keep: int = 0) -> float | None:
@@ -318,7 +381,10 @@ class _Reader:
 
     def _take(self, report: Report, call_begin: int, call_stop: int) -> None:
         WAITER.wait(report.step)
+        now = time.perf_counter()
+        took, self.taken = now - self.taken, now
         placement, schedule = self.loop.placement, self.loop.schedule
+        self.throughput.schedule = schedule  # learned, maybe, since
         if report.steps is not None:  # the first epoch, while it teaches its length
             axis = self._steps_axis
             columns = np.arange(call_begin, call_stop) % schedule.columns
@@ -329,12 +395,16 @@ class _Reader:
         stopped = bool((reason != Stop.RUNNING).all())
         position = max(int(step.max()), self.done)  # members stopped early are behind
         begin, self.done = self.done, position
+        self.throughput.record(begin, position, took)
         ended = []
         # An ensemble's values are its members' mean, leaving out members that stopped.
         rows = table.reshape(-1, *table.shape[-2:])
         for epoch in range(schedule.epochs_ended(begin) + 1, schedule.epochs_ended(position) + 1):
             row = rows[:, epoch - 1 - schedule.first_epoch]
-            ended.append((epoch, dict(zip(self.loop.log_names, _mean_of_finished(row).tolist()))))
+            logs = dict(zip(self.loop.log_names, _mean_of_finished(row).tolist()))
+            figures = self.throughput.epoch(epoch)
+            self.epoch_figures[epoch] = figures
+            ended.append((epoch, logs | figures))
         last = max(position - 1, schedule.begin)
         if ended and ended[-1][0] == schedule.epoch_of(last):
             loss = ended[-1][1]["loss"]  # at the epoch's end: its own value, as recorded
@@ -348,6 +418,7 @@ class _Reader:
             epoch=int(schedule.epoch_of(last)),
             epoch_loss=loss,
             ended=tuple(ended),
+            samples_per_second=self.throughput.recent(),
         )
         for observer in self.observers:
             if observer.on_progress(progress):
@@ -507,6 +578,7 @@ def drive(
         steps_per_call = FIRST_CALL_STEPS
     measured = known is not None
     interrupting = next((o for o in observers if isinstance(o, Interrupting)), None)
+    held = interrupting.interrupt.held if interrupting is not None else contextlib.nullcontext
 
     def interrupted_at_epoch_end(position: int) -> bool:
         """After a Ctrl-C, training stops at the first epoch's end."""
@@ -539,7 +611,7 @@ def drive(
             observer.learned(schedule)
 
     try:
-        for feed in feeds:
+        for feed in _from_data(feeds):
             if feed.epoch_length is not None and schedule.learning:
                 learn(feed.epoch_length)
             # A call per turn, at least one per feed: a call with nothing to do (a finished
@@ -558,9 +630,10 @@ def drive(
                 if current is None:  # traced while `start` compiles
                     assert starting is not None
                     current = starting.ready(call, feed.inputs, np.int32(stop))
-                current, report = call(current, feed.inputs, np.int32(stop))
-                reader.queued(report, position, stop)
-                position = stop
+                with held():
+                    current, report = call(current, feed.inputs, np.int32(stop))
+                    reader.queued(report, position, stop)
+                    position = stop
                 try:
                     for observer in observers:
                         observer.after_call(position, current)
@@ -590,23 +663,29 @@ def drive(
         if schedule.learning:  # stopped in the first epoch: it is as long as it went
             reader.read()
             learn(max(reader.done, 1))
-        elif any(type(o).on_progress is not Observer.on_progress for o in observers):
-            reader.read()  # the last reports, for those who read them (the bar, callbacks)
-        else:  # nobody reads them: `finish` reads the last one
-            WAITER.wait(report.step)
+        else:  # the last reports: for the bar and callbacks, and each epoch's figures
+            reader.read()
     except BaseException as error:
         # A second Ctrl-C, or an error (a loader that raised, say): the calls in flight
         # (after a Ctrl-C, one of about half a second, or one step) finish, so that the
         # process never exits with the device still running, and the training up to
         # there comes back with the error as its `.result`.
-        if report is None or current is None or not _wait_for(report.step):
+        if report is not None:
+            _wait_for(report.step)
+        returns = isinstance(error, (DataError, KeyboardInterrupt))  # else a bug's, say
+        donated = current is not None and any(
+            x.is_deleted() for x in jax.tree.leaves(current) if isinstance(x, jax.Array)
+        )
+        if not returns or report is None or current is None or donated:
+            if isinstance(error, DataError):
+                error.error.__suppress_context__ = True  # its own cause is kept
+                raise error.error
             raise
-        if any(x.is_deleted() for x in jax.tree.leaves(current) if isinstance(x, jax.Array)):
-            raise  # stopped between a call and taking its state: nothing to return
         if isinstance(error, KeyboardInterrupt):
             second_ctrl_c = True
         else:
-            failure = error
+            assert isinstance(error, DataError)
+            failure = error.error
         if schedule.learning:  # stopped in the first epoch: it is as long as it went
             reader.read()
             learn(max(reader.done, 1))
@@ -622,7 +701,28 @@ def drive(
         interrupted=second_ctrl_c
         or (interrupting is not None and interrupting.interrupt.requested),
         failure=failure,
+        epoch_figures=reader.epoch_figures,
     )
+
+
+class DataError(Exception):
+    """An error raised while the data was read (a loader that raised, a bad batch)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _from_data(feeds: Iterator[Feed]) -> Iterator[Feed]:
+    """`feeds`, with an error raised in reading them wrapped as a `DataError`."""
+    while True:
+        try:
+            feed = next(feeds)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise DataError(e) from e
+        yield feed
 
 
 def _wait_for(array: Any) -> bool:

@@ -167,15 +167,17 @@ def fit(
 
     - `precision`: mixed precision. `"bfloat16"`: the trained arrays, their optimizer
         state and their average stay in float32; inside each step the model's floating
-        arrays and the batch's are cast to bfloat16 for the loss's forward and backward
-        passes, and the loss and gradients come back in float32. `"float16"`: the same
+        arrays and the batch's inputs (`x`; targets stay as given) are cast to bfloat16
+        for the loss's forward and backward passes, and the loss and gradients come back
+        in float32 (eqfit's losses take the outputs in float32). `"float16"`: the same
         in float16, with dynamic loss scaling (`history["loss_scale"]`,
         `history["skipped_steps"]`). An [`eqfit.Precision`][] sets the dtypes, the arrays
         kept in float32 and the scaling. Validation and metrics run under it too;
         `result.model` comes back in its own dtypes.
     - `ema`: keep a moving average of the trained arrays, `average = ema * average + (1
         - ema) * weights` after every step (from the initial weights, no bias
-        correction), returned as `result.ema_model`.
+        correction), returned as `result.ema_model`, in float32 at least. With
+        `optax.MultiSteps` it steps with every microbatch.
     - `validate_ema`: validate the average instead of the weights (validation values,
         metrics and early stopping on them).
     - `norms`: record the global L2 norm of each step's gradient (unscaled, before the

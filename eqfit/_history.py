@@ -51,6 +51,11 @@ class History:
         `fit` raises with this history in its `.result`), or `"out_of_data"` (an
         iterator ran out before the last step).
     - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
+    - `throughput`: each epoch's `"epoch_seconds"` (wall seconds of its steps, timed on
+        the host between the program's calls; compilation not counted),
+        `"steps_per_second"` and `"samples_per_second"`; NaN for an epoch not timed
+        whole (cut short, or begun before a resume). Callbacks see them in each epoch's
+        `logs` too. They are not in `values`: they are not the same bits run to run.
     - `step_values`: the values recorded at every step besides its loss, by name, each
         shaped as `step_loss`: the metrics and the loss's aux values on the step's batch
         (before its update), `"grad_norm"` and `"update_norm"` with `norms=True`, and with
@@ -74,6 +79,7 @@ class History:
     stop_reason: StopReason | tuple[StopReason, ...] = None
     initial_epoch: int = 0
     step_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    throughput: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def loss(self) -> np.ndarray:

@@ -25,7 +25,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 from ._average import Average
 from ._checkpoint import as_plain
 from ._compile import PROGRAM_CACHE
-from ._data import describe, epoch_order, is_dtype, shuffle_seed
+from ._data import describe, epoch_order, is_dtype, not_a_stack, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches
 from ._labels import LabelError
@@ -131,8 +131,8 @@ class Loop:
     average: Average | None = None  # `ema=`
     validate_ema: bool = False  # validation and early stopping read the average
     norms: bool = False
-    # With a precision policy: the dtype of each trained array as the model holds it, to
-    # give the result back in (the master copy may be wider).
+    # With a precision policy or an average: the dtype of each trained array as the model
+    # holds it, to give the result back in (the master copy and the average may be wider).
     trained_dtypes: tuple[np.dtype, ...] | None = None
 
     @property
@@ -320,12 +320,33 @@ def run_config(
         "loss": getattr(loss, "__qualname__", type(loss).__name__),
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "ensemble": loop.members is not None,
-        "precision": None if loop.precision is None else repr(loop.precision),
-        "ema": None if loop.average is None else loop.average.momentum,
-        "validate_ema": loop.validate_ema,
-        "norms": loop.norms,
-        "aux": list(loop.aux_names),
-    }
+    } | _real_model_config(loop)
+
+
+def _real_model_config(loop: Loop) -> dict[str, Any]:
+    """The options of real models, where given: a run without them has the config it had
+    before they were, so that its checkpoints still resume.
+    """
+    config: dict[str, Any] = {}
+    policy = loop.precision
+    if policy is not None:  # by its dtypes' names: one policy, however spelled
+        config["precision"] = {
+            "compute": str(policy.compute_dtype),
+            "params": str(policy.params_dtype),
+            "keep": list(policy.keep),
+            "loss_scaling": policy.scales,
+            "initial_scale": policy.initial_scale,
+            "growth_steps": policy.growth_steps,
+        }
+    if loop.average is not None:
+        config["ema"] = loop.average.momentum
+    if loop.validate_ema:
+        config["validate_ema"] = True
+    if loop.norms:
+        config["norms"] = True
+    if loop.aux_names:
+        config["aux"] = list(loop.aux_names)
+    return config
 
 
 def start(
@@ -836,7 +857,7 @@ def make_loop(
         validate_ema=options.validate_ema,
         norms=options.norms,
         trained_dtypes=None
-        if options.precision is None
+        if options.precision is None and options.average is None
         else tuple(np.dtype(a.dtype) for a in params),
     )
     check_names(loop, options)
@@ -864,7 +885,14 @@ def _aux_names(
     batch = jax.tree.map(lambda x: abstract(x, 1, (batch_size,)), like)
     member = jax.tree.map(lambda x: abstract(x, drop), model)
     state = jax.tree.map(lambda x: abstract(x, drop), model_state)
-    return find_aux_names(objective, member, state, batch)
+    if options.members is None:
+        return find_aux_names(objective, member, state, batch)
+    # An ensemble: one member is traced whatever the loss, so that a single model taken
+    # for a stack is refused here, saying so, not deep inside the run's trace.
+    try:
+        return find_aux_names(objective, member, state, batch, always=True)
+    except Exception as e:
+        raise not_a_stack(options.members, "`fit`", e) from e
 
 
 # What the history names itself, besides the loss's aux values and the metrics.

@@ -47,12 +47,15 @@ class Precision(eqx.Module):
     `fit(..., precision="bfloat16")` is `Precision(jnp.bfloat16)`, and
     `precision="float16"` is `Precision(jnp.float16)`, which scales the loss.
 
-    Inside each step the model's floating arrays (trained and frozen) and the batch's
-    floating arrays are cast to `compute` for the loss's forward and backward passes; the
-    loss, the aux values and the gradients come back in float32, and the update is made on
-    the master copy, in `params`. Integer arrays, PRNG keys and leaves that are not arrays
-    are never cast, nor is a stateful model's `state`. `result.model` comes back in the
-    model's own dtypes.
+    Inside each step the model's floating arrays (trained and frozen) and the floating
+    arrays of the batch's inputs (`x` of a batch `(x, y, ...)`; every array of a batch
+    passed whole, such as a dict) are cast to `compute` for the loss's forward and
+    backward passes. Targets and sample weights stay as given, and `eqfit.losses` and
+    `eqfit.metrics` take the model's outputs in float32. The loss, the aux values and the
+    gradients come back in float32, and the update is made on the master copy, in
+    `params`. Integer arrays, PRNG keys and leaves that are not arrays are never cast,
+    nor is a stateful model's `state`. `result.model` comes back in the model's own
+    dtypes.
 
     **Arguments:**
 

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checks import checked, reported_as
-from ._data import as_data, check_batch_size, ensemble_size, num_samples
+from ._data import as_data, check_batch_size, ensemble_size, not_a_stack, num_samples
 from ._evaluate import evaluate_batches
 from ._jit import cached_jit
 from ._labels import raise_found
@@ -98,12 +98,7 @@ def predict(
             if members is not None:
                 # A single model whose arrays happen to share their leading size passes
                 # for a stack; this is where it shows.
-                e.add_note(
-                    f"With `ensemble=True`, `predict` took `model` for a stack of {members} "
-                    "members (each array's leading axis indexing them) and called each "
-                    "member on one example. If `model` is a single model, leave out "
-                    "`ensemble`."
-                )
+                raise not_a_stack(members, "`predict`", e) from e
             raise
 
 

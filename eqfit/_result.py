@@ -14,7 +14,7 @@ import numpy as np
 
 from ._checkpoint import CheckpointError, serialise, versions, write_atomically
 from ._checks import checked
-from ._drive import Outcome
+from ._drive import Outcome, Throughput
 from ._history import History, StopReason
 from ._labels import raise_found
 from ._loop import _unwrap, Consts, Loop, Stop
@@ -197,6 +197,7 @@ def _result(
             name: squeeze(step_values[:, :rows, :, i]).copy()
             for i, name in enumerate(loop.step_names)
         },
+        _throughput(outcome.epoch_figures, schedule.first_epoch, rows),
     )
     if report.trained is not None:
         params, model_state, average = report.trained
@@ -209,6 +210,19 @@ def _result(
     return FitResult(
         _model(loop, params, consts), opt_state, history, model_state, ema_model
     ), reasons
+
+
+def _throughput(
+    figures: dict[int, dict[str, float]], first_epoch: int, rows: int
+) -> dict[str, np.ndarray]:
+    """Each epoch's wall seconds, steps and samples per second, as the driver timed them
+    (NaN for an epoch it did not time whole: cut short, or begun before a resume).
+    """
+    epochs = range(first_epoch + 1, first_epoch + rows + 1)
+    return {
+        name: np.array([figures.get(e, {}).get(name, np.nan) for e in epochs])
+        for name in Throughput.NAMES
+    }
 
 
 def _model(loop: Loop, params: Any, consts: Consts) -> Any:

@@ -185,6 +185,23 @@ class Schedule:
             return None
         return self.pass_start(index) + self.passes.num_full
 
+    def samples(self, start: int, stop: int) -> int:
+        """The samples of global steps `start` to `stop` (not included): each pass's
+        batches, its smaller last one too; for a loader, `batch_size` a step.
+        """
+        passes = self.passes
+        if passes is None:
+            return (stop - start) * self.batch_size
+
+        def before(step: int) -> int:  # the samples of the steps before `step`
+            whole, part = divmod(step, passes.steps_per_pass)
+            full = min(part, passes.num_full)
+            last = passes.remainder if part > passes.num_full else 0
+            per_pass = passes.num_full * passes.batch_size + passes.remainder
+            return whole * per_pass + full * passes.batch_size + last
+
+        return before(stop) - before(start)
+
     # -- Where the driver's calls may end.
 
     def call_stop(self, position: int, steps: int, *, at_epoch_ends: bool) -> int:

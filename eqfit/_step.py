@@ -205,9 +205,12 @@ class Objective(eqx.Module):
         return ("loss", *self.aux_names, *self.metric_names)
 
     def _arguments(self, model: PyTree, model_state: PyTree, batch: PyTree) -> tuple[Any, ...]:
-        if self.precision is not None:  # cast here, inside the step, array by array
-            model, batch = self.precision.cast(model), self.precision.cast_batch(batch)
         args = batch_args(batch)
+        if self.precision is not None:  # cast here, inside the step, array by array
+            model = self.precision.cast(model)
+            # The inputs: `x` of `(x, y, ...)`; the targets and weights stay as they are.
+            # A batch passed whole (a dict) is cast whole.
+            args = (self.precision.cast_batch(args[0]), *args[1:])
         return (model, model_state, *args) if self.stateful else (model, *args)
 
     def call(
@@ -311,14 +314,18 @@ def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | Non
 
 
 def find_aux_names(
-    objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    always: bool = False,
 ) -> tuple[str, ...]:
     """The names of the aux values that the loss returns, found by tracing it once on
     abstract arrays (nothing runs or compiles), and remembered for the same loss on
     arrays of the same shapes, so that a second `fit` traces nothing. eqfit's own losses
-    return none.
+    return none, and are not traced unless `always`.
     """
-    if getattr(objective.loss, "__module__", "").startswith("eqfit."):
+    if not always and getattr(objective.loss, "__module__", "").startswith("eqfit."):
         return ()
     try:
         cache_key = (

@@ -12,6 +12,7 @@ loss also takes:
     state=)` calls its loss.
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -41,13 +42,40 @@ def outputs(
     if key is not None and takes_key(model):
         keys = jax.random.split(key, jax.tree.leaves(x)[0].shape[0])
 
+    if state is not None:
+        _check_takes_state(model)
+
     def one(x: PyTree, key: PRNGKey | None) -> Any:
         kwargs = {} if key is None else {"key": key}
         return model(x, **kwargs) if state is None else model(x, state, **kwargs)
 
     if state is None:
-        return jax.vmap(one)(x, keys), None
-    return jax.vmap(one, axis_name="batch", out_axes=(0, None))(x, keys)
+        out, state = jax.vmap(one)(x, keys), None
+    else:
+        out, state = jax.vmap(one, axis_name="batch", out_axes=(0, None))(x, keys)
+    # A model that computes in a low precision (`fit(..., precision=)`): the loss and
+    # metrics are taken in float32, as Keras and PyTorch's autocast take them.
+    low = lambda o: eqx.is_array(o) and o.dtype in (jnp.bfloat16, jnp.float16)  # noqa: E731
+    return jax.tree.map(lambda o: o.astype(jnp.float32) if low(o) else o, out), state
+
+
+def _check_takes_state(model: Any) -> None:
+    """Refuses, naming the cause, a model that cannot be called as `model(x, state)`: a
+    model state was given (`fit(..., state=)`), but the model is not a stateful one.
+    """
+    try:
+        signature = inspect.signature(model)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"With a model state (`state=`), eqfit's losses and metrics call the model as "
+            f"`model(x, state)`, but `{type(model).__name__}{signature}` takes no state: is "
+            "it a stateful model (one with `eqx.nn.BatchNorm`, say, made by "
+            "`eqx.nn.make_with_state`)? If not, leave out `state=`."
+        ) from None
 
 
 def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, Any]:

@@ -227,6 +227,20 @@ def test_unclear_inputs_get_clear_errors(setup, getkey):
         eqfit.fit(model, (x, y), filter_spec=False, **kwargs)
 
 
+def test_an_unstacked_model_or_a_stateless_one_is_named_as_the_cause(setup):
+    model, x, y, kwargs = setup  # LinearRegression(3): weight (1, 3), bias (1,)
+    x4 = jnp.ones((10, 4))
+    single = eqfit.models.LinearRegression(4, key=jax.random.key(0))
+    # Every array starts with 1, so it passes for a stack of one member.
+    with pytest.raises(ValueError, match=r"`fit` took `model` for a stack of 1 members.*leave out"):
+        eqfit.fit(single, (x4, y), ensemble=True, **kwargs)
+    with pytest.raises(ValueError, match=r"`predict` took `model` for a stack of 1 members"):
+        eqfit.predict(single, x4, ensemble=True)
+    state = eqx.nn.State(eqx.nn.BatchNorm(3, axis_name="batch", mode="batch"))
+    with pytest.raises(TypeError, match=r"`model\(x, state\)`.*takes no state.*leave out"):
+        eqfit.fit(model, (x, y), state=state, **kwargs)
+
+
 def _short(info: pytest.ExceptionInfo[BaseException]) -> str:
     message = str(info.value)
     assert len(message) < 800, message

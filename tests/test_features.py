@@ -470,3 +470,31 @@ def test_callbacks_see_each_epoch_and_can_stop(getkey, problem, progress):
     # Stopped after epoch 3: the model is what three epochs give.
     three = eqfit.fit(model, data, epochs=3, **kwargs)
     assert_trees_equal(result.model, three.model)
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_each_epoch_is_timed_and_its_throughput_given(getkey, problem, progress):
+    model, data, _ = problem
+    callback = StopAt(10**6)
+    result = eqfit.fit(
+        model,
+        data,
+        loss=eqfit.losses.mse,
+        optimizer=ADAM,
+        key=getkey(),
+        epochs=3,
+        batch_size=16,  # a smaller last batch: samples are not steps times 16
+        progress=progress,
+        callbacks=[callback],
+    )
+    figures = result.history.throughput
+    seconds = figures["epoch_seconds"]
+    assert seconds.shape == (3,) and (seconds > 0).all()
+    assert seconds.sum() <= result.history.wall_time
+    samples = result.history.batch_sizes.sum(axis=1)
+    np.testing.assert_allclose(figures["samples_per_second"] * seconds, samples, rtol=1e-9)
+    steps = (result.history.batch_sizes > 0).sum(axis=1)
+    np.testing.assert_allclose(figures["steps_per_second"] * seconds, steps, rtol=1e-9)
+    # Callbacks see each epoch's figures as it ends.
+    for (epoch, logs), value in zip(callback.seen, seconds):
+        assert logs["epoch_seconds"] == value

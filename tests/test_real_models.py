@@ -295,9 +295,9 @@ def _tiny_loss_problem(getkey):
     x, y = regression_data(getkey(), 64)
 
     def loss(model, x, y):
-        # The mean in the compute dtype; the tiny factor in float32, as a loss that sums
-        # many small terms would be: unscaled, its gradient underflows in float16.
-        return eqfit.losses.mse(model, x, y).astype(jnp.float32) * 1e-8
+        # eqfit's losses take the outputs in float32; the gradient that reaches the
+        # float16 model is about 1e-9 of the errors: zero in float16, unscaled.
+        return eqfit.losses.mse(model, x, y) * 1e-9
 
     return eqfit.models.LinearRegression(4, key=getkey()), (x, y), loss
 
@@ -613,3 +613,27 @@ def test_sharded_checkpoints_resume_the_average_and_the_scale_bit_for_bit(tmp_pa
     assert_trees_equal(whole.ema_model, resumed.ema_model)
     for name, value in whole.history.values.items():
         np.testing.assert_array_equal(value, resumed.history[name], err_msg=name)
+
+
+def test_targets_stay_as_given_and_a_bfloat16_model_averages_in_float32(getkey):
+    x, y = regression_data(getkey(), 32)
+    big = 1e5 + y  # beyond float16's 65504: cast, it would be inf
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    result = eqfit.fit(
+        model, (x, big), loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), precision="float16"
+    )
+    assert np.isfinite(result.history.loss).all()
+    # A bfloat16 model and an average of momentum 0.999: the average moves (in bfloat16,
+    # 0.999 rounds to 1 and it never would), and comes back in bfloat16.
+    low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model)
+    averaged = eqfit.fit(
+        low,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.1),
+        key=getkey(),
+        epochs=5,
+        ema=0.999,
+    )
+    assert averaged.ema_model.weight.dtype == jnp.bfloat16
+    assert not np.array_equal(averaged.ema_model.weight, low.weight)
