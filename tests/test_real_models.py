@@ -438,6 +438,7 @@ def test_all_four_resume_from_a_checkpoint_bit_for_bit(everything, tmp_path):
         eqfit.fit(model, data, key=jax.random.key(1), epochs=4, checkpoint=tmp_path, **other)
 
 
+@pytest.mark.heavy  # the suite's slowest; CI runs it
 def test_all_four_on_several_devices_agree_with_one(everything):
     model, data, kwargs = everything
     kwargs = {**kwargs, "precision": "bfloat16"}  # float16 sums differ by device order
@@ -452,6 +453,7 @@ def test_all_four_on_several_devices_agree_with_one(everything):
             np.testing.assert_allclose(a, b, atol=2e-2)
 
 
+@pytest.mark.heavy  # the suite's slowest; CI runs it
 def test_an_ensemble_with_all_four_trains_as_its_members(everything):
     model, data, kwargs = everything
     keys = jax.random.split(jax.random.key(2), 2)
@@ -554,6 +556,7 @@ def test_fsdp_lays_out_the_average_as_the_parameters(getkey):
     assert np.isfinite(result.history["grad_norm"]).all()
 
 
+@pytest.mark.heavy  # the suite's slowest; CI runs it
 def test_bfloat16_trains_the_digits_mlp_as_well_as_float32():
     from sklearn.datasets import load_digits
 
