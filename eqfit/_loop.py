@@ -33,7 +33,15 @@ from ._options import check_monitor, Options
 from ._parallel import OneDevice, param_specs, Placement
 from ._precision import LossScale, Precision
 from ._schedule import Schedule
-from ._step import find_aux_names, Objective, Step, step_value_names, takes_key
+from ._step import (
+    BUILT_IN,
+    find_aux_names,
+    log_names,
+    Objective,
+    Step,
+    step_value_names,
+    takes_key,
+)
 
 
 OnNan = Literal["raise", "stop", "skip"]
@@ -140,16 +148,17 @@ class Loop:
         """The values each step records besides its loss, in the order of
         `TrainState.step_values`' last axis.
         """
-        scales = self.precision is not None and self.precision.scales
-        return step_value_names(self.aux_names, self.metric_names, self.norms, scales)
+        return step_value_names(self.aux_names, self.metric_names, self.norms, self.scales)
 
     @property
     def log_names(self) -> tuple[str, ...]:
         """The per-epoch values, in the order of `TrainState.epoch_values`' columns."""
-        names = ("loss", *self.step_names)
-        if not self.validate:
-            return names
-        return names + tuple(f"val_{n}" for n in ("loss", *self.aux_names, *self.metric_names))
+        return log_names(self.aux_names, self.metric_names, self.norms, self.scales, self.validate)
+
+    @property
+    def scales(self) -> bool:
+        """Whether the loss is scaled (float16), so the run records the loss scale."""
+        return self.precision is not None and self.precision.scales
 
     def parts(self, consts: "Consts") -> "Parts":
         """The run's objects, rebuilt inside the program from the static skeletons."""
@@ -893,10 +902,6 @@ def _aux_names(
         return find_aux_names(objective, member, state, batch, always=True)
     except Exception as e:
         raise not_a_stack(options.members, "`fit`", e) from e
-
-
-# What the history names itself, besides the loss's aux values and the metrics.
-BUILT_IN = ("loss", "grad_norm", "update_norm", "loss_scale", "skipped_steps")
 
 
 def check_names(loop: Loop, options: Options) -> None:

@@ -22,6 +22,7 @@ from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
 from ._precision import as_precision, Precision
 from ._sharding import resolve
+from ._step import log_names
 
 
 DEFAULT_BATCH_SIZE = 32
@@ -66,14 +67,7 @@ class Options:
 
     def log_names(self, aux_names: tuple[str, ...]) -> tuple[str, ...]:
         """The values each epoch records, in order, for a loss with these aux values."""
-        names = ("loss", *aux_names, *self.metric_names)
-        if self.norms:
-            names += ("grad_norm", "update_norm")
-        if self.scales:
-            names += ("loss_scale", "skipped_steps")
-        if not self.validates:
-            return names
-        return names + tuple(f"val_{n}" for n in ("loss", *aux_names, *self.metric_names))
+        return log_names(aux_names, self.metric_names, self.norms, self.scales, self.validates)
 
 
 def check_monitor(monitor: str, names: tuple[str, ...], options: Options, final: bool) -> None:

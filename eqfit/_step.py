@@ -390,7 +390,7 @@ class StepResult(NamedTuple):
     average: PyTree  # the moving average (`None` without one)
     loss_scale: LossScale | None
     loss: Float[Array, ""]
-    # `Step.value_names`' values: aux values, metrics, norms, the loss scale's.
+    # `step_value_names`' values: aux values, metrics, norms, the loss scale's.
     values: Float[Array, " values"]
     finite: Bool[Array, ""]  # the loss is finite
     labels: LabelError | None  # the first label out of range; `None`: nothing checked
@@ -417,20 +417,6 @@ class Step(eqx.Module):
     average: Average | None = None
     norms: bool = False
 
-    @property
-    def precision(self) -> Precision | None:
-        return self.objective.precision
-
-    @property
-    def value_names(self) -> tuple[str, ...]:
-        """The names of `StepResult.values`, in order."""
-        return step_value_names(
-            self.objective.aux_names,
-            self.objective.metric_names,
-            self.norms,
-            self.precision is not None and self.precision.scales,
-        )
-
     def __call__(
         self,
         params: PyTree,
@@ -444,7 +430,7 @@ class Step(eqx.Module):
         if self.axis_name is not None and key is not None:
             # Each device's share of the batch gets its own key.
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
-        policy = self.precision
+        policy = self.objective.precision
 
         # A stateful layer marks the state it was given as used up, so the loss, the
         # metrics and a skipped step each get their own copy.
@@ -539,3 +525,23 @@ def step_value_names(
     if scales:
         names += ("loss_scale", "skipped_steps")
     return names
+
+
+def log_names(
+    aux_names: tuple[str, ...],
+    metric_names: tuple[str, ...],
+    norms: bool,
+    scales: bool,
+    validates: bool,
+) -> tuple[str, ...]:
+    """The values each epoch records, in order: the loss and the steps' values, then
+    with validation `val_` and the loss, the aux values and the metrics.
+    """
+    names = ("loss", *step_value_names(aux_names, metric_names, norms, scales))
+    if not validates:
+        return names
+    return names + tuple(f"val_{n}" for n in ("loss", *aux_names, *metric_names))
+
+
+# What the history names itself, besides the loss's aux values and the metrics.
+BUILT_IN = log_names((), (), norms=True, scales=True, validates=False)
