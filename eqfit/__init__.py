@@ -14,8 +14,9 @@ from ._compile import (
 )
 from ._drive import Callback as Callback
 from ._early_stopping import EarlyStopping as EarlyStopping
-from ._fit import fit as fit
+from ._fit import fit as fit, plan as plan
 from ._history import History as History
+from ._plan import ArrayPlan as ArrayPlan, Memory as Memory, Plan as Plan
 from ._precision import Precision as Precision
 from ._predict import evaluate as evaluate, predict as predict
 from ._result import (

@@ -24,7 +24,8 @@ PROGRAMS = 32
 
 class Programs:
     """A least-recently-used cache of compiled programs, `PROGRAMS` configurations big,
-    with the seconds per step last measured for each (which sizes a later run's calls).
+    with what was measured of each: the seconds per step last measured (which sizes a
+    later run's calls), a step's FLOPs.
     """
 
     def __init__(self, size: int = PROGRAMS):
@@ -32,7 +33,7 @@ class Programs:
         self.entries: collections.OrderedDict[Hashable, Callable[..., Any]] = (
             collections.OrderedDict()
         )
-        self.speeds: dict[Hashable, float] = {}
+        self.facts: dict[Hashable, dict[str, float]] = {}
         self.lock = threading.Lock()  # fits may run in several threads at once
 
     def get(self, key: Hashable, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -47,23 +48,26 @@ class Programs:
             self.entries[key] = program
             while len(self.entries) > self.size:
                 evicted, _ = self.entries.popitem(last=False)
-                self.speeds.pop(evicted, None)
+                self.facts.pop(evicted, None)
         return program
 
-    def speed(self, key: Hashable) -> float | None:
-        """The seconds per step last measured for the program cached under `key`."""
+    def fact(self, key: Hashable, name: str) -> float | None:
+        """What was measured as `name` of the program cached under `key`, if anything:
+        `"seconds_per_step"`, `"flops_per_step"`.
+        """
         with self.lock:
-            return self.speeds.get(key)
+            return self.facts.get(key, {}).get(name)
 
-    def set_speed(self, key: Hashable, seconds: float) -> None:
+    def set_fact(self, key: Hashable, name: str, value: float) -> None:
+        """Keeps `value` as `name` of the program cached under `key`, while it is."""
         with self.lock:
             if key in self.entries:
-                self.speeds[key] = seconds
+                self.facts.setdefault(key, {})[name] = value
 
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
-            self.speeds.clear()
+            self.facts.clear()
 
 
 PROGRAM_CACHE = Programs()

@@ -51,11 +51,16 @@ class History:
         `fit` raises with this history in its `.result`), or `"out_of_data"` (an
         iterator ran out before the last step).
     - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
-    - `throughput`: each epoch's `"epoch_seconds"` (wall seconds of its steps, timed on
-        the host between the program's calls; compilation not counted),
-        `"steps_per_second"` and `"samples_per_second"`; NaN for an epoch not timed
-        whole (cut short, or begun before a resume). Callbacks see them in each epoch's
-        `logs` too. They are not in `values`: they are not the same bits run to run.
+    - `throughput`: each epoch's `"epoch_seconds"` (its wall seconds, timed on the host
+        as the program's calls finish, from the first call on: the compilation before it
+        is not counted, the host's work between calls is), `"steps_per_second"` and
+        `"samples_per_second"`; NaN for an epoch not timed whole (cut short, or begun
+        before a resume). Where the step's FLOPs are known (after [`eqfit.plan`][], with
+        `progress=True`, or where the MFU can be told: a GPU or TPU in eqfit's table, or
+        `fit(..., peak_flops=)`), also `"flops_per_second"` (achieved, every device
+        together) and, with a peak, `"mfu"` (that over the devices' peak FLOP/s).
+        Callbacks see them in each epoch's `logs` too. They are not in `values`: they are
+        not the same bits run to run.
     - `step_values`: the values recorded at every step besides its loss, by name, each
         shaped as `step_loss`: the metrics and the loss's aux values on the step's batch
         (before its update), `"grad_norm"` and `"update_norm"` with `norms=True`, and with

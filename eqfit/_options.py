@@ -60,6 +60,7 @@ class Options:
     average: Average | None = None
     validate_ema: bool = False
     norms: bool = False
+    peak_flops: float | None = None  # of one device, given
 
     @property
     def scales(self) -> bool:
@@ -119,6 +120,7 @@ def check_options(
     ema: Any = None,
     validate_ema: bool = False,
     norms: bool = False,
+    peak_flops: Any = None,
     loss: Any = None,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
@@ -194,6 +196,13 @@ def check_options(
             "moving average, but this run validates nothing: give `validation_data` or "
             "`validation_split`, or leave `validate_ema` out."
         )
+    if peak_flops is not None and not (
+        isinstance(peak_flops, (int, float)) and not isinstance(peak_flops, bool) and peak_flops > 0
+    ):
+        raise ValueError(
+            "`peak_flops` must be one device's peak FLOP/s, a number above 0 (such as "
+            f"`989e12` for an H100 in bfloat16), got {peak_flops!r}."
+        )
     options = Options(
         key=as_key(key),
         epochs=epochs,
@@ -220,6 +229,7 @@ def check_options(
         average=average,
         validate_ema=validate_ema,
         norms=norms,
+        peak_flops=None if peak_flops is None else float(peak_flops),
     )
     if early_stopping is not None:
         # The loss's aux values are known once it is traced on a batch (`make_loop`

@@ -219,10 +219,15 @@ def _throughput(
     (NaN for an epoch it did not time whole: cut short, or begun before a resume).
     """
     epochs = range(first_epoch + 1, first_epoch + rows + 1)
+    # FLOP/s and MFU only where the run knew its step's cost.
+    names = [*Throughput.TIMES, *(n for n in Throughput.COSTS if _any(figures, n))]
     return {
-        name: np.array([figures.get(e, {}).get(name, np.nan) for e in epochs])
-        for name in Throughput.NAMES
+        name: np.array([figures.get(e, {}).get(name, np.nan) for e in epochs]) for name in names
     }
+
+
+def _any(figures: dict[int, dict[str, float]], name: str) -> bool:
+    return any(name in f for f in figures.values())
 
 
 def _model(loop: Loop, params: Any, consts: Consts) -> Any:

@@ -1,0 +1,219 @@
+"""`eqfit.plan`: the run's own programs, what they need, and throughput and MFU."""
+
+import contextlib
+import logging
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import regression_data
+
+import eqfit
+
+
+@contextlib.contextmanager
+def counted_compiles():
+    """Counts the XLA compilations JAX logs (`jax_log_compiles`) inside the block."""
+    names: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation"):
+                names.append(message)
+
+    handler, logger = Count(), logging.getLogger("jax")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        with jax.log_compiles(True):
+            yield names
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def weights(model):
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
+def test_plan_is_the_runs_program_and_fit_compiles_nothing_more(getkey):
+    x, y = regression_data(getkey(), n=256, features=8)
+    model = eqfit.models.MLP(8, "scalar", 32, 2, key=getkey())
+    arguments = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=getkey(),
+        epochs=2,
+        batch_size=32,
+        validation_data=(x[:64], y[:64]),
+    )
+    with counted_compiles() as planned:
+        plan = eqfit.plan(model, (x, y), **arguments)
+    assert planned, "the plan compiles the run"
+    stats = plan.compiled.memory_analysis()
+    assert plan.memory.temporary == stats.temp_size_in_bytes
+    assert plan.memory.argument == stats.argument_size_in_bytes
+    assert plan.memory.output == stats.output_size_in_bytes
+    assert plan.memory.alias == stats.alias_size_in_bytes
+    total = stats.argument_size_in_bytes + stats.output_size_in_bytes
+    total += stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    assert plan.memory.total == total + stats.generated_code_size_in_bytes
+    # The arguments hold at least the data, the weights and Adam's two moments.
+    assert plan.memory.argument >= x.nbytes + y.nbytes + 3 * 4 * weights(model)
+    with counted_compiles() as compiled:
+        result = eqfit.fit(model, (x, y), **arguments)
+    assert compiled == [], "fit after plan compiled again"
+    assert plan.steps == 2 * 8
+    assert result.history.epochs == 2
+
+
+def test_plan_flops_are_six_per_weight_and_sample(getkey):
+    x, y = regression_data(getkey(), n=512, features=64)
+    model = eqfit.models.MLP(64, "scalar", 256, 3, key=getkey())
+    plan = eqfit.plan(
+        model, (x, y), loss=eqfit.losses.mse, optimizer=optax.sgd(1e-3), key=getkey(), batch_size=128
+    )
+    expected = 6 * weights(model) * 128  # forward 2, backward 4 per weight and sample
+    assert abs(plan.flops_per_step / expected - 1) < 0.10
+    assert plan.flops == plan.flops_per_step * plan.steps == plan.flops_per_step * 4
+    assert plan.parameters == weights(model)
+    assert plan.devices == 1 and plan.memory_limit is None and plan.fits is None
+
+
+def test_plan_shows_what_precision_and_accumulation_save(getkey):
+    """The issue's MLP of 12 layers of 256 at batch 8192: bfloat16 needs fewer temporary
+    bytes than float32, and the same update as 8 microbatches of 1024
+    (`optax.MultiSteps`) at most 0.35x of them.
+    """
+    model = eqx.nn.MLP(256, 256, 256, 11, key=getkey())
+    x = np.zeros((8192, 256), np.float32)
+
+    def loss(model, x, y):
+        return ((jax.vmap(model)(x) - y) ** 2).mean()
+
+    def temporary(batch_size, optimizer, precision=None):
+        plan = eqfit.plan(
+            model,
+            (x, x),
+            loss=loss,
+            optimizer=optimizer,
+            key=getkey(),
+            batch_size=batch_size,
+            shuffle=False,
+            precision=precision,
+        )
+        return plan.memory.temporary
+
+    float32 = temporary(8192, optax.sgd(1e-3))
+    bfloat16 = temporary(8192, optax.sgd(1e-3), "bfloat16")
+    accumulated = temporary(1024, optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=8))
+    assert bfloat16 < float32
+    assert accumulated <= 0.35 * float32
+
+
+def test_plan_table_under_fsdp_names_each_arrays_layout(getkey):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    x, y = regression_data(getkey(), n=256, features=16)
+    model = eqfit.models.MLP(16, "scalar", 32, 2, key=getkey())
+    arguments = dict(
+        loss=eqfit.losses.mse, optimizer=optax.adam(1e-3), key=getkey(), batch_size=64, mesh=mesh
+    )
+    split = eqfit.plan(model, (x, y), shard=eqfit.sharding.fsdp("data", min_bytes=0), **arguments)
+    whole = eqfit.plan(model, (x, y), shard=eqfit.sharding.fsdp("data"), **arguments)
+    assert split.devices == 8 and split.sharded
+    rows = {a.path: a for a in split.arrays}
+    first = rows[".layers[0].weight"]
+    assert first.shape == (32, 16) and first.dtype == "float32"
+    assert first.spec == jax.sharding.PartitionSpec("data")
+    assert first.bytes == 32 * 16 * 4 // 8  # the fullest device holds an eighth
+    assert split.split == sum(a.spec is not None and "data" in tuple(a.spec) for a in split.arrays)
+    assert split.split >= 4
+    # The default `min_bytes` splits none of this small model's arrays, and says so.
+    assert whole.split == 0 and f"0 of {len(whole.arrays)} arrays split" in whole.summary()
+    assert split.memory.argument < whole.memory.argument
+    text = str(split)
+    assert ".layers[0].weight" in text and "('data',)" in text
+    assert "memory per device" in text and "FLOPs" in text
+
+
+def test_progress_prints_the_plan_above_the_bar(getkey, capsys):
+    x, y = regression_data(getkey(), n=64)
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    arguments = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(1e-2), key=getkey(), epochs=2)
+    plan = eqfit.plan(model, (x, y), **arguments)
+    eqfit.fit(model, (x, y), progress=True, **arguments)
+    err = capsys.readouterr().err
+    assert plan.summary() in err
+    assert err.index(plan.summary()) < err.index("epoch 2/2")
+    assert "5 parameters" in plan.summary()
+
+
+def test_throughput_has_flops_and_mfu_from_the_plan(getkey):
+    x, y = regression_data(getkey(), n=512, features=16)
+    model = eqfit.models.MLP(16, "scalar", 64, 2, key=getkey())
+    arguments = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=getkey(),
+        epochs=3,
+        batch_size=100,  # a smaller last batch: it costs its share of a step
+        peak_flops=1e12,
+    )
+    plan = eqfit.plan(model, (x, y), **arguments)
+    assert plan.peak_flops == 1e12
+    history = eqfit.fit(model, (x, y), **arguments).history
+    figures = history.throughput
+    samples = history.batch_sizes.sum(axis=1)
+    flops = plan.flops_per_step * samples / 100
+    np.testing.assert_allclose(figures["flops_per_second"] * figures["epoch_seconds"], flops)
+    np.testing.assert_allclose(figures["mfu"], figures["flops_per_second"] / 1e12)
+
+
+def test_a_plain_fit_on_an_unknown_device_does_not_count_flops(getkey):
+    x, y = regression_data(getkey(), n=64)
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    history = eqfit.fit(
+        model, (x, y), loss=eqfit.losses.mse, optimizer=optax.sgd(1e-2), key=getkey()
+    ).history
+    assert set(history.throughput) == {"epoch_seconds", "steps_per_second", "samples_per_second"}
+
+
+def test_samples_per_second_agree_with_the_epochs_wall_time(getkey):
+    """Each epoch's samples per second within 10% of its samples over its wall time, as
+    a callback that holds training at each epoch's end sees it on the host.
+    """
+    x, y = regression_data(getkey(), n=4096, features=256)
+    model = eqfit.models.MLP(256, "scalar", 512, 2, key=getkey())
+    ends: list[float] = []
+
+    class Clock:
+        stops_training = True  # the driver waits for it at every epoch's end
+
+        def on_epoch_end(self, epoch, logs):
+            ends.append(time.perf_counter())
+
+    arguments = dict(
+        loss=eqfit.losses.mse, optimizer=optax.adam(1e-3), key=getkey(), batch_size=256
+    )
+    eqfit.fit(model, (x, y), epochs=1, **arguments)  # compiled, and its speed measured
+    history = eqfit.fit(model, (x, y), epochs=4, callbacks=[Clock()], **arguments).history
+    walls = np.diff(ends)
+    measured = history.throughput["samples_per_second"][1:]
+    np.testing.assert_allclose(measured, 4096 / walls, rtol=0.10)
+
+
+def test_bad_peak_flops_is_named():
+    with pytest.raises(ValueError, match="`peak_flops`"):
+        eqfit.plan(
+            eqfit.models.LinearRegression(2, key=jax.random.key(0)),
+            (np.zeros((4, 2), np.float32), np.zeros(4, np.float32)),
+            loss=eqfit.losses.mse,
+            optimizer=optax.sgd(0.1),
+            key=jax.random.key(0),
+            peak_flops=-1.0,
+        )
