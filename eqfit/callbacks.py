@@ -1,14 +1,19 @@
 """Ready callbacks for experiment logs: `fit(..., callbacks=[...])`.
 
 A callback is any object with `on_epoch_end(epoch, logs) -> bool | None` (epochs counted
-from 1), called on the host after each epoch; it may also have `on_train_end(logs)`,
-called once training ends, with the last epoch's values. One whose class says
-`stops_training = False` (these do) never stops training, so the device need not wait
-for it: the next epoch is queued before it sees the last.
+from 1), called on the host after each epoch; it may also have `on_train_begin(config)`,
+called once as training starts with the run's arguments, and `on_train_end(logs)`,
+called once training ends (however it ends), with the last epoch's values. One whose
+class says `stops_training = False` (these do) never stops training, so the device need
+not wait for it: the next epoch is queued before it sees the last.
 """
 
 import csv
+import importlib
+import importlib.util
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +95,225 @@ class TensorBoard:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+class WandbLogger:
+    """Logs each epoch's values to a Weights & Biases run, at the epoch's number as the
+    run's step, and the run's arguments (`fit`'s epochs, batch size, precision, ...) to
+    its config. Needs wandb: `pip install "eqfit[wandb]"` (imported once training starts).
+
+    The run is `run` if given, else the active one (`wandb.run`) if no argument asks for a
+    new one: either is left open. Else the logger starts one with `wandb.init` as training
+    starts, and finishes it however training ends: with exit code 1 if an error ended it.
+
+    **Arguments:**
+
+    - `run`: a run to log into (what `wandb.init` returned), left open.
+    - `project`, `name`, `mode` (`"online"`, `"offline"` or `"disabled"`), `dir`: for
+        `wandb.init`.
+    - `config`: your own values for the run's config; `fit`'s arguments join them.
+    - `init_kwargs`: the rest of `wandb.init`'s (`entity`, `group`, `tags`, and `id` with
+        `resume="allow"` to continue a run, ...).
+    """
+
+    stops_training: bool = False
+
+    def __init__(
+        self,
+        run: Any = None,
+        *,
+        project: str | None = None,
+        name: str | None = None,
+        mode: str | None = None,
+        dir: str | os.PathLike[str] | None = None,
+        config: dict[str, Any] | None = None,
+        **init_kwargs: Any,
+    ):
+        _require("wandb", "WandbLogger", "wandb")
+        self.run: Any = run
+        given = dict(project=project, name=name, mode=mode, dir=dir, config=config)
+        self.init_kwargs: dict[str, Any] = {
+            **{k: v for k, v in given.items() if v is not None},
+            **init_kwargs,
+        }
+        self._run: Any = None
+        self._started = False  # the run is the logger's own, to finish
+        self._error: BaseException | None = None  # being handled when training began
+
+    def on_train_begin(self, config: dict[str, Any]) -> None:
+        """Starts the run, or takes the given or active one, and adds `config` to its
+        config.
+        """
+        wandb: Any = importlib.import_module("wandb")
+        self._error = sys.exc_info()[1]
+        run = self.run
+        if run is None and not self.init_kwargs:
+            run = wandb.run
+        self._started = run is None
+        if run is None:
+            run = wandb.init(**self.init_kwargs)
+        self._run = run
+        run.config.update(config, allow_val_change=True)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        """Logs epoch `epoch`'s values at step `epoch`."""
+        if self._run is None:  # called outside `fit`
+            self.on_train_begin({})
+        run: Any = self._run
+        run.log(dict(logs), step=epoch)
+
+    def on_train_end(self, logs: dict[str, float] | None = None) -> None:
+        """Finishes the run if the logger started it."""
+        del logs
+        run, self._run = self._run, None
+        if run is not None and self._started:
+            run.finish(exit_code=1 if _failed(self._error) else 0)
+
+
+class MLflowLogger:
+    """Logs each epoch's values to an MLflow run as metrics, at the epoch's number as
+    their step, and the run's arguments (`fit`'s epochs, batch size, precision, ...) as
+    its params (nested ones by dotted names). Needs MLflow: `pip install "eqfit[mlflow]"`
+    (imported once training starts).
+
+    The run is `run` if given, else the active one (`mlflow.start_run()`'s) if no argument
+    asks for another: either is left open. Else the logger starts one (or continues
+    `run_id`'s) as training starts, and ends it however training ends: `FINISHED`, or
+    `FAILED` if an error ended training (`KILLED` for a `KeyboardInterrupt`). Params the
+    run has already (a continued run's) keep their values: MLflow does not change them.
+    `run_id` is the run's id once training starts.
+
+    **Arguments:**
+
+    - `run`: a run to log into (an `mlflow.entities.Run`, such as `mlflow.active_run()`),
+        left open.
+    - `experiment_name`: the experiment of a new run, made if there is none of this name;
+        by default, `MLFLOW_EXPERIMENT_NAME`'s, else MLflow's default experiment.
+    - `run_name`: the new run's name.
+    - `run_id`: a run to continue.
+    - `tracking_uri`: where runs are kept (`"sqlite:///mlflow.db"`, a server's URL); by
+        default MLflow's (`MLFLOW_TRACKING_URI`, `mlflow.set_tracking_uri`).
+    - `tags`: the new run's tags.
+    """
+
+    stops_training: bool = False
+
+    def __init__(
+        self,
+        run: Any = None,
+        *,
+        experiment_name: str | None = None,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        tags: dict[str, str] | None = None,
+    ):
+        _require("mlflow", "MLflowLogger", "mlflow")
+        self.run: Any = run
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self.run_id: str | None = run_id
+        self.tracking_uri = tracking_uri
+        self._continues = run_id  # the run to continue, of the arguments
+        self.tags: dict[str, str] = dict(tags or {})
+        self._client: Any = None  # while a run is logged to
+        self._started = False  # the run is the logger's own, to end
+        self._error: BaseException | None = None  # being handled when training began
+
+    def on_train_begin(self, config: dict[str, Any]) -> None:
+        """Starts or continues the run, or takes the given or active one, and logs
+        `config` as its params.
+        """
+        mlflow: Any = importlib.import_module("mlflow")
+        from mlflow.entities import Param
+        from mlflow.tracking.context.registry import resolve_tags
+
+        self._error = sys.exc_info()[1]
+        client = mlflow.MlflowClient(self.tracking_uri)
+        run, asks = (
+            self.run,
+            (self.experiment_name, self.run_name, self._continues, self.tracking_uri),
+        )
+        if run is None and all(a is None for a in asks):
+            run = mlflow.active_run()
+        self._started = run is None
+        if run is not None:
+            self.run_id = run.info.run_id
+        elif self._continues is not None:
+            self.run_id = self._continues
+            client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = self._experiment_id(client)
+            made = client.create_run(
+                experiment, tags=resolve_tags(self.tags), run_name=self.run_name
+            )
+            self.run_id = made.info.run_id
+        self._client = client
+        kept = client.get_run(self.run_id).data.params
+        params = [Param(k, str(v)) for k, v in _flat(config).items() if k not in kept]
+        if params:
+            client.log_batch(self.run_id, params=params)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        """Logs epoch `epoch`'s values at step `epoch`."""
+        from mlflow.entities import Metric
+
+        if self._client is None:  # called outside `fit`
+            self.on_train_begin({})
+        client: Any = self._client
+        stamp = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), stamp, epoch) for k, v in logs.items()]
+        client.log_batch(self.run_id, metrics=metrics)
+
+    def on_train_end(self, logs: dict[str, float] | None = None) -> None:
+        """Ends the run if the logger started or continued it."""
+        del logs
+        client, self._client = self._client, None
+        if client is None or not self._started:
+            return
+        error = sys.exc_info()[1]
+        if not _failed(self._error):
+            status = "FINISHED"
+        elif isinstance(error, KeyboardInterrupt):
+            status = "KILLED"
+        else:
+            status = "FAILED"
+        client.set_terminated(self.run_id, status)
+
+    def _experiment_id(self, client: Any) -> str:
+        name = self.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        if name is None:
+            return os.environ.get("MLFLOW_EXPERIMENT_ID", "0")
+        experiment = client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        return client.create_experiment(name)
+
+
+def _require(module: str, logger: str, extra: str) -> None:
+    """Refuses, with what to install, when `module` is not there (found, not imported:
+    the logger imports it once training starts).
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:  # none, or a folder (wandb's `./wandb` runs)
+        hint = f'pip install "eqfit[{extra}]"'
+        raise ImportError(f"eqfit.callbacks.{logger} needs {module}: {hint}")
+
+
+def _failed(before: BaseException | None) -> bool:
+    """Whether training is ending by an error: one being raised now, other than the one
+    that was being handled as it began (`fit` called in an `except` block).
+    """
+    error = sys.exc_info()[1]
+    return error is not None and error is not before
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`config` with nested dicts' values by dotted names."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
