@@ -159,6 +159,14 @@ class Checkpoints:
             self.close()
             raise
 
+    def learned(self, config: dict[str, Any], steps_per_epoch: int) -> None:
+        """The run learned its epoch's length (a loader without `len`) before its first
+        checkpoint: they are named by it and carry `config`, which holds it, as a resumed
+        run's configuration does.
+        """
+        self.config = json.loads(json.dumps(config))
+        self.steps_per_epoch = steps_per_epoch
+
     def close(self) -> None:
         """Releases the directory's lock."""
         if self._lock is not None:
@@ -376,6 +384,23 @@ class NotLike(ValueError):
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def newest_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The configuration of the newest checkpoint in `directory` whose manifest reads;
+    `None` if there is none. Read before the run is planned (a loader's epoch length is
+    kept in it); its state is checked when the run restores it.
+    """
+    found = []
+    path = Path(directory)
+    for folder in path.iterdir() if path.is_dir() else ():
+        if _NAME.match(folder.name) and folder.is_dir():
+            try:
+                manifest = _read_manifest(folder)
+            except ValueError:
+                continue  # skipped, with a warning, when the run restores
+            found.append((manifest["sequence"], manifest["config"]))
+    return max(found, key=lambda entry: entry[0])[1] if found else None
 
 
 def _read_manifest(folder: Path) -> dict[str, Any]:

@@ -320,7 +320,7 @@ def run_config(
         "validation_data": describe(val_data),
         "batch_size": schedule.batch_size,
         "passes": None if schedule.passes is None else [as_plain(v) for v in schedule.passes],
-        "steps_per_epoch": schedule.steps_per_epoch,
+        "steps_per_epoch": None if schedule.learning else schedule.steps_per_epoch,
         "epochs": [schedule.first_epoch, schedule.epochs],
         "shuffle": loop.shuffle,
         "on_nan": loop.on_nan,
@@ -330,6 +330,14 @@ def run_config(
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "ensemble": loop.members is not None,
     } | _real_model_config(loop)
+
+
+def learned_config(config: dict[str, Any], schedule: Schedule, state: PyTree) -> dict[str, Any]:
+    """`run_config`'s `config` once the run has learned its epoch's length (`schedule`'s)
+    and `state` keeps its record by it: what a resumed run, knowing the length from its
+    checkpoint, makes.
+    """
+    return config | {"state": describe(state), "steps_per_epoch": schedule.steps_per_epoch}
 
 
 def _real_model_config(loop: Loop) -> dict[str, Any]:

@@ -241,7 +241,9 @@ def make_schedule(shape: SourceShape, options: Options) -> Schedule:
 
 def check_learnable(one_shot: bool, options: Options) -> None:
     """Refuses, before any batch is read, a run that needs an epoch's length before the
-    first epoch can show it (a loader without `len` or `steps_per_epoch`).
+    first epoch can show it (a loader without `len` or `steps_per_epoch`). `initial_epoch`
+    and checkpoints need not: the passes before `initial_epoch` are read, the first
+    teaching the length, and checkpoints are written once it is learned, and keep it.
     """
     need = None
     if one_shot and options.epochs > 1:
@@ -249,10 +251,6 @@ def check_learnable(one_shot: bool, options: Options) -> None:
             f"trains for `epochs`={options.epochs}, but it is an iterator (or generator): "
             "one pass, which eqfit cannot cut into epochs without knowing their length"
         )
-    elif options.initial_epoch:
-        need = f"continues from `initial_epoch`={options.initial_epoch}"
-    elif options.checkpoint is not None:
-        need = "writes checkpoints, which are named by their epoch and step"
     elif jax.process_count() > 1:
         need = "runs over several processes, which must agree on every epoch's end"
     if need is not None:

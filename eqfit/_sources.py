@@ -13,6 +13,7 @@ data's size.
 
 import collections.abc
 import itertools
+import json
 import mmap
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Key, PyTree
 
+from ._checkpoint import newest_config
 from ._data import as_data, check_data, num_samples, sample_shapes
 from ._options import Options
 from ._schedule import check_learnable, Schedule, SourceShape
@@ -290,7 +292,10 @@ class Loader(_Streamed):
     Opening it starts the first pass, whose first batch says the batch's shape; training
     goes on from that same iterator. A loader that does not say its length (no `len`,
     no `steps_per_epoch`) is never counted ahead: its first pass trains as it is read, a
-    batch read ahead to see where it ends, and that pass's length is every epoch's.
+    batch read ahead to see where it ends, and that pass's length is every epoch's. Its
+    checkpoints keep that length: a run resuming from them takes it, and checks the
+    loader's first pass against it. From `initial_epoch`, the first pass, read and not
+    trained (as every pass before it is, with `len` too), is counted on opening.
     """
 
     def __init__(self, loader: Iterable[Any], options: Options):
@@ -305,23 +310,55 @@ class Loader(_Streamed):
                 "epoch takes."
             )
         self.length = length  # batches in a pass, if known
-        self.learns = options.steps_per_epoch is None and length is None
+        # Neither `len` nor `steps_per_epoch`: an epoch is as long as the first pass.
+        self.unsaid = self.learns = options.steps_per_epoch is None and length is None
+        self.stored: int | None = None  # that length, as the checkpoints resumed keep it
+        self.directory = options.checkpoint
         if self.learns:
             check_learnable(self.one_shot, options)
         self.stream = self._batches()
         try:
-            self.first, _, self.first_ends = next(self.stream)
+            first = next(self.stream)
         except StopIteration:
             raise ValueError("`data` yielded no batches.") from None
+        self.first = first[0]
         self.like = jax.tree.map(lambda a: a[:1], self.first)
         self.batch_size = num_samples(self.first)
+        # Every batch, checked, with its global step: the first pass's first is step 0.
+        self.read = self._checked(itertools.chain([first], self.stream))
+        if self.unsaid:
+            self.length = self.stored = self._stored_length()
+            if self.length is None and options.initial_epoch:
+                self.length = self._count_first_pass()
+            self.learns = self.length is None
+
+    def _stored_length(self) -> int | None:
+        """The epoch's length kept by the newest checkpoint, if it is of this data."""
+        config = None if self.directory is None else newest_config(self.directory)
+        if config is None or config.get("data") != json.loads(json.dumps(self.describe())):
+            return None  # none, or another run's: refused when the run restores it
+        length = config.get("steps_per_epoch")
+        return length if isinstance(length, int) and length > 0 else None
+
+    def _count_first_pass(self) -> int:
+        """Reads the first pass to its end (its last batch is known as such: it is read
+        ahead), and returns its length.
+        """
+        count = 0
+        for step, _, _, ends_first, _ in self.read:
+            count = step + 1
+            if ends_first:
+                break
+        return count
 
     def shape(self) -> SourceShape:
         chunk = min(self.per_chunk(self.batch_size), LOADER_CHUNK_BATCHES)
         return SourceShape(None, self.batch_size, self.length, chunk)
 
     def describe(self) -> list[list[Any]]:
-        return [["loader", type(self.loader).__qualname__], *sample_shapes(self.first)]
+        # The epoch's length, stored with the run's checkpoints, is then the first pass's.
+        epochs = [["epochs", "as long as its first pass"]] if self.unsaid else []
+        return [["loader", type(self.loader).__qualname__], *epochs, *sample_shapes(self.first)]
 
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Loader", PyTree]:
         raise ValueError(
@@ -362,17 +399,47 @@ class Loader(_Streamed):
             if self.one_shot or starts:  # used up, or a pass yielded nothing
                 return
 
-    def raw_chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
-        """Chunks of consecutive full batches; a smaller batch makes a chunk of its own.
-        Steps before `begin` (a resume) are skipped: the loader is read up to there; and
-        none is read past `end`.
+    def _checked(self, stream: Iterator[tuple[PyTree, bool, bool]]) -> Iterator[Any]:
+        """`(step, batch, starts a pass, ends the first, size)` of every batch of `stream`,
+        each checked to be like the first, and the first pass against a stored length.
         """
         structure = jax.tree.structure(self.first)
         shapes = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(self.first)]
+        size, stored = self.batch_size, self.stored
+        smaller = None  # the size of the last batch, if smaller: its pass must end there
+        step = 0
+        for step, (batch, starts_pass, ends_first) in enumerate(stream):
+            if smaller is not None and not starts_pass:
+                raise ValueError(
+                    f"The loader's batch {step} follows a batch of {smaller} samples in "
+                    "the same pass: only the last batch of a pass may be smaller than "
+                    f"the first batch's {size}."
+                )
+            got = _check_batch(batch, step, structure, shapes, size)
+            smaller = got if got < size else None
+            if stored is not None and 0 < step < stored and starts_pass:
+                raise self._changed(f"{step} batches")
+            if stored is not None and step == stored and not starts_pass:
+                raise self._changed(f"more than {stored} batches")
+            yield step, batch, starts_pass, ends_first, got
+        if stored is not None and step + 1 < stored:  # the loader ran out in its first pass
+            raise self._changed(f"{step + 1} batches")
+
+    def _changed(self, now: str) -> ValueError:
+        return ValueError(
+            "`data` is a loader without `len`, whose epochs were as long as its first pass, "
+            f"{self.stored} batches, when the checkpoints in {self.directory} were written "
+            f"(they keep that length); now its first pass yields {now}. Resume with the "
+            "data that wrote them, or use another `checkpoint` directory."
+        )
+
+    def raw_chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
+        """Chunks of consecutive full batches; a smaller batch makes a chunk of its own.
+        Steps before `begin` (a resume, `initial_epoch`) are skipped: the loader is read
+        up to there; and none is read past `end`.
+        """
         size, per_chunk = self.batch_size, self.chunk_size(schedule)
         held: list[PyTree] = []
-        smaller = None  # the size of the last batch, if smaller: its pass must end there
-
         learned = None  # the first epoch's length, once its last batch is read
 
         def chunk(batches: list[PyTree], batch_size: int, first: int) -> Chunk:
@@ -380,18 +447,9 @@ class Loader(_Streamed):
             order = np.arange(len(batches) * batch_size)
             return Chunk(data, order, first, first + len(batches), batch_size, learned)
 
-        stream = itertools.chain([(self.first, True, self.first_ends)], self.stream)
         step = last_held = 0
         try:
-            for step, (batch, starts_pass, ends_first) in enumerate(stream):
-                if smaller is not None and not starts_pass:
-                    raise ValueError(
-                        f"The loader's batch {step} follows a batch of {smaller} samples in "
-                        "the same pass: only the last batch of a pass may be smaller than "
-                        f"the first batch's {size}."
-                    )
-                got = _check_batch(batch, step, structure, shapes, size)
-                smaller = got if got < size else None
+            for step, batch, _, ends_first, got in self.read:
                 if ends_first and schedule.learning:
                     learned = step + 1  # then the run is its epochs of this many steps
                     end = min(end, schedule.epochs * learned)

@@ -2,6 +2,8 @@
 metrics with keys and state.
 """
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -166,17 +168,85 @@ def test_what_needs_the_epochs_length_first_names_steps_per_epoch(arrays, model,
     """Refused before a batch is read: the generator loses none."""
     x, y = arrays
     once = iter(Batches(x, y, with_len=False))
-    cases = [
-        (once, dict(epochs=2), r"`epochs`=2, but it is an iterator \(or generator\)"),
-        (Batches(x, y, with_len=False), dict(epochs=2, initial_epoch=1), "`initial_epoch`=1"),
-        (Batches(x, y, with_len=False), dict(checkpoint=tmp_path / "run"), "checkpoints"),
-    ]
-    for data, options, message in cases:
-        with pytest.raises(ValueError, match=f"{message}.*Pass `steps_per_epoch=`"):
-            eqfit.fit(model, data, **options, **KWARGS)
+    message = r"`epochs`=2, but it is an iterator \(or generator\).*Pass `steps_per_epoch=`"
+    with pytest.raises(ValueError, match=message):
+        eqfit.fit(model, once, epochs=2, checkpoint=tmp_path / "run", **KWARGS)
     assert not (tmp_path / "run").exists()
     result = eqfit.fit(model, once, epochs=1, **KWARGS)
     np.testing.assert_array_equal(result.history.batch_sizes, [[BATCH] * (N // BATCH)])
+
+
+class _StopAfter:
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs):
+        return epoch == self.epoch
+
+
+@pytest.fixture(scope="module")
+def learned_whole(model):
+    """4 epochs of 151 steps (more than a chunk's 128) over a loader without `len`."""
+    x, y, kwargs = _learned_problem()
+    return eqfit.fit(model, Many(x, y, with_len=False), epochs=4, **kwargs)
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_loader_without_len_resumes_from_its_checkpoint_bit_for_bit(
+    model, learned_whole, progress, tmp_path
+):
+    """The checkpoints keep the learned length: the resumed run starts from it (the bar
+    knows its total) and reads the 2 passes trained before to find its place.
+    """
+    x, y, kwargs = _learned_problem()
+    kwargs |= dict(epochs=4, checkpoint=tmp_path, progress=progress)
+    cut = eqfit.fit(model, Many(x, y, with_len=False), callbacks=[_StopAfter(2)], **kwargs)
+    assert cut.history.epochs == 2
+    newest = tmp_path / "ckpt-000002-000000"  # named by the epochs of the learned length
+    assert json.loads((newest / "manifest.json").read_text())["config"]["steps_per_epoch"] == 151
+    loader = Many(x, y, with_len=False)
+    resumed = eqfit.fit(model, loader, **kwargs)
+    assert loader.passes == 4
+    _same_run(resumed, learned_whole)
+    assert_trees_equal(resumed.opt_state, learned_whole.opt_state)
+
+
+def test_a_resumed_loader_whose_first_pass_differs_is_refused(model, tmp_path):
+    """Before any step trains: the passes read to find the place are the check."""
+    x, y, kwargs = _learned_problem()
+    kwargs |= dict(epochs=4, checkpoint=tmp_path)
+    eqfit.fit(model, Many(x, y, with_len=False), callbacks=[_StopAfter(1)], **kwargs)
+    written = sorted(p.name for p in tmp_path.glob("ckpt-*"))
+    stored = r"epochs were as long as its first pass, 151 batches, when the checkpoints in .*"
+    for rows, now in [(299, "150 batches"), (303, "more than 151 batches")]:
+        other = Many(np.resize(x, (rows, 4)), np.resize(y, rows), with_len=False)
+        with pytest.raises(ValueError, match=f"`data` .*{stored}now its first pass yields {now}"):
+            eqfit.fit(model, other, **kwargs)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == written  # nothing trained
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_initial_epoch_with_a_loader_without_len_reads_the_passes_before(
+    model, learned_whole, progress, tmp_path
+):
+    """As with `len`: the passes before `initial_epoch` are read, not trained, the first
+    giving the length; then epochs 3 and 4 train as in the 4 epochs' run. Its checkpoints
+    keep the length too.
+    """
+    x, y, kwargs = _learned_problem()
+    first = eqfit.fit(model, Many(x, y, with_len=False), epochs=2, **kwargs)
+    kwargs |= dict(opt_state=first.opt_state, initial_epoch=2, epochs=4, progress=progress)
+    loader = Many(x, y, with_len=False)
+    more = eqfit.fit(first.model, loader, **kwargs)
+    assert loader.passes == 4
+    np.testing.assert_array_equal(more.history.epoch, [3, 4])
+    assert_trees_equal(more.model, learned_whole.model)
+    assert_trees_equal(more.opt_state, learned_whole.opt_state)
+    np.testing.assert_array_equal(more.history.step_loss, learned_whole.history.step_loss[2:])
+    _same_run(more, eqfit.fit(first.model, Many(x, y, with_len=True), **kwargs))
+    cut = eqfit.fit(first.model, loader, checkpoint=tmp_path, callbacks=[_StopAfter(3)], **kwargs)
+    assert cut.history.epochs == 1 and (tmp_path / "ckpt-000003-000000").is_dir()
+    _same_run(eqfit.fit(first.model, loader, checkpoint=tmp_path, **kwargs), more)
 
 
 @pytest.mark.parametrize("progress", [False, True])
