@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,7 @@ from ._checkpoint import CheckpointError, Checkpoints, Interrupt
 from ._compile import PROGRAM_CACHE
 from ._loop import (
     Inputs,
+    learned_config,
     learned_state,
     Loop,
     Piece,
@@ -54,10 +56,15 @@ FIRST_CALL_STEPS = 1
 class Callback(Protocol):
     """Called on the host after each epoch: any object with this method.
 
-    It may also have `on_train_end(logs)`, called once when training ends (however it
-    ends) with the last epoch's values, and a class attribute `stops_training = False`
-    if it never returns `True`: then the device is not held up for it, and it sees each
-    epoch once the next one is queued.
+    It may also have `on_train_begin(config)`, called once before the first step with
+    the run's arguments as plain JSON-able values (`train_config`'s: epochs,
+    initial_epoch, batch_size, steps_per_epoch, shuffle, drop_remainder, on_nan, metrics,
+    validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
+    ensemble_members, devices, checkpoint, checkpoint_every); `on_train_end(logs)`,
+    called once when training ends (however it ends, `on_train_begin` called or not) with
+    the last epoch's values; and a class attribute `stops_training = False` if it never
+    returns `True`: then the device is not held up for it, and it sees each epoch once the
+    next one is queued.
     """
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
@@ -91,6 +98,8 @@ class Observer:
     """What watches the run from the host. Each method has a default that does nothing.
 
     - `seconds_per_call`: calls last at most about this long while it watches.
+    - `open()`: the run starts (before its first call); `close()` follows, however the
+        run ends.
     - `boundary(position)`: a position the next call must not pass (`None`: any).
     - `waits(position)`: whether the reports up to `position` must be read before
         training goes past it (a callback that may stop training there).
@@ -104,6 +113,9 @@ class Observer:
 
     seconds_per_call: float | None = None
     schedule: Schedule
+
+    def open(self) -> None:
+        pass
 
     def learned(self, schedule: Schedule) -> None:
         self.schedule = schedule
@@ -133,8 +145,9 @@ class Bar(Observer):
 
     seconds_per_call = SECONDS_PER_BAR_CALL
 
-    def __init__(self, schedule: Schedule, begin: int):
+    def __init__(self, schedule: Schedule, begin: int, summary: str | None = None):
         self.schedule, self.begin = schedule, begin
+        self.summary = summary  # the plan's line, printed above the bar
         self.made: Any = None
         self.shown = begin
         self.last: dict[str, str] = {}  # the last ended epoch's values, but its loss
@@ -144,6 +157,8 @@ class Bar(Observer):
             from tqdm.auto import tqdm
 
             schedule = self.schedule
+            if self.summary is not None:
+                tqdm.write(self.summary, file=sys.stderr)
             # No tqdm rate: a step's rate means little, and tqdm's is of the last
             # redraw alone. The postfix shows samples per second over the last calls.
             self.made = tqdm(
@@ -184,8 +199,8 @@ class Bar(Observer):
 class Callbacks(Observer):
     """The user's callbacks: each sees every epoch's values, and may stop training."""
 
-    def __init__(self, callbacks: Sequence[Callback], schedule: Schedule):
-        self.callbacks, self.schedule = callbacks, schedule
+    def __init__(self, callbacks: Sequence[Callback], schedule: Schedule, config: dict[str, Any]):
+        self.callbacks, self.schedule, self.config = callbacks, schedule, config
         # Unless every callback says it never stops training, the driver waits at each
         # epoch's end for them before training on.
         self.may_stop = any(getattr(c, "stops_training", True) for c in callbacks)
@@ -197,6 +212,12 @@ class Callbacks(Observer):
 
     def waits(self, position: int) -> bool:
         return self.may_stop and self.schedule.is_epoch_end(position)
+
+    def open(self) -> None:
+        for callback in self.callbacks:
+            begin = getattr(callback, "on_train_begin", None)
+            if callable(begin):
+                begin(dict(self.config))
 
     def on_progress(self, progress: Progress) -> bool:
         for epoch, logs in progress.ended:
@@ -231,6 +252,10 @@ class Checkpointing(Observer):
         self.store, self.save, self.schedule = store, save, schedule
         self.every = every  # epochs between checkpoints
         self.interrupt = interrupt
+        self.relearned = False  # the epoch's length learned, the store not yet told
+
+    def learned(self, schedule: Schedule) -> None:
+        self.schedule, self.relearned = schedule, True
 
     def boundary(self, position: int) -> int:
         return self.schedule.next_epoch_end(position, self.every)
@@ -238,6 +263,10 @@ class Checkpointing(Observer):
     def after_call(self, position: int, state: TrainState) -> None:
         # Also where a Ctrl-C stops the run: at an epoch's end.
         schedule = self.schedule
+        if self.relearned:  # before the first checkpoint: none is written while learning
+            config = learned_config(self.store.config, schedule, state)
+            self.store.learned(config, schedule.steps_per_epoch)
+            self.relearned = False
         stops = self.interrupt.requested and schedule.is_epoch_end(position)
         due = schedule.is_epoch_end(position, self.every) or position >= schedule.total
         if due or stops:
@@ -273,17 +302,28 @@ class Outcome(NamedTuple):
     epoch_figures: dict[int, dict[str, float]] = {}
 
 
+class Costs(NamedTuple):
+    """What a step costs, where it is known (the run's plan): for FLOP/s and MFU."""
+
+    flops_per_step: float  # over the whole batch, every device's share together
+    peak_flops: float | None  # of every device together; `None` if unknown
+
+
 class Throughput:
     """Wall seconds of the steps, from when the host read each call's report: a call's
     seconds are shared evenly among its steps, and an epoch's are those of its steps.
-    Compilation is not counted: a call's clock starts once it is queued.
+    The clock starts when the first call is queued (its compilation is not counted) and
+    runs on from there. With the step's
+    `Costs`, the FLOP/s achieved, and their fraction of the devices' peak (MFU).
     """
 
-    # Names of what it adds to each epoch's values.
-    NAMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
+    # Names of what it adds to each epoch's values: always, and with `Costs`.
+    TIMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
+    COSTS = ("flops_per_second", "mfu")
+    NAMES = TIMES + COSTS
 
-    def __init__(self, schedule: Schedule):
-        self.schedule = schedule
+    def __init__(self, schedule: Schedule, costs: Costs | None = None):
+        self.schedule, self.costs = schedule, costs
         self.calls: list[tuple[int, int, float]] = []  # steps begin, end, and seconds
         self.last: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=5)
 
@@ -315,11 +355,21 @@ class Throughput:
         self.calls = [c for c in self.calls if c[1] > stop]  # what later epochs need
         if covered < stop - start or seconds <= 0:
             return {}
-        return {
+        figures = {
             "epoch_seconds": seconds,
             "steps_per_second": (stop - start) / seconds,
             "samples_per_second": self.schedule.samples(start, stop) / seconds,
         }
+        costs = self.costs
+        if costs is not None:
+            # A smaller last batch costs less: each step's FLOPs go by its samples.
+            samples = self.schedule.samples(start, stop)
+            full = (stop - start) * self.schedule.batch_size
+            flops = costs.flops_per_step * (stop - start) * samples / full
+            figures["flops_per_second"] = flops / seconds
+            if costs.peak_flops is not None:
+                figures["mfu"] = figures["flops_per_second"] / costs.peak_flops
+        return figures
 
 
 class _Reader:
@@ -327,7 +377,7 @@ class _Reader:
     the host never waits with the device idle), and hands what they say to the observers.
     """
 
-    def __init__(self, loop: Loop, begin: int, observers: Sequence[Observer]):
+    def __init__(self, loop: Loop, begin: int, observers: Sequence[Observer], costs: Costs | None):
         self.loop, self.observers = loop, observers
         self.in_flight: list[tuple[Report, int, int]] = []  # each call's report, begin, stop
         self.first_epoch: list[Steps] = []  # while it teaches the epoch's length: its steps
@@ -338,12 +388,17 @@ class _Reader:
         # the step the run stopped at, behind their begin.
         self.done = begin
         self.clock = self.taken = time.perf_counter()
-        self.throughput = Throughput(loop.schedule)
+        self.started = False  # whether a call was queued
+        self.throughput = Throughput(loop.schedule, costs)
         self.epoch_figures: dict[int, dict[str, float]] = {}  # by epoch: `Throughput.epoch`
 
-    def queued(self, report: Report, begin: int, stop: int) -> None:
-        if not self.in_flight:  # the device starts on it now (its compilation is done)
-            self.clock = self.taken = time.perf_counter()
+    def queued(self, report: Report, begin: int, stop: int, since: float | None = None) -> None:
+        """`since`: when the call began, for one that ran before it returned (`drive`)."""
+        if not self.started:  # the device starts on it now (its compilation is done)
+            # From then on the clock runs on: an epoch's seconds are its wall time, the
+            # host's work between calls (callbacks, checkpoints) included.
+            self.clock = self.taken = time.perf_counter() if since is None else since
+            self.started = True
         self.in_flight.append((report, begin, stop))
 
     def read(self, keep: int = 0) -> float | None:
@@ -554,6 +609,7 @@ def drive(
     feeds: Iterator[Feed],
     begin: int,
     observers: Sequence[Observer],
+    costs: Costs | None = None,
 ) -> Outcome:
     """Runs the compiled `program(loop)` over the feeds from `begin` until the run's end,
     a stop, or an interrupt.
@@ -568,10 +624,10 @@ def drive(
     An `Outcome` with the final state and the last call's report.
     """
     schedule = loop.schedule
-    reader = _Reader(loop, begin, observers)
+    reader = _Reader(loop, begin, observers, costs)
     programs = {loop.batch_size: program(loop)}  # and for pieces of a smaller last batch
     seconds_per_call = min([SECONDS_PER_CALL] + [o.seconds_per_call or 1e9 for o in observers])
-    known = PROGRAM_CACHE.speed(run_key(loop))
+    known = PROGRAM_CACHE.fact(run_key(loop), "seconds_per_step")
     if known is not None:  # measured by an earlier run of this configuration
         steps_per_call = max(1, int(seconds_per_call / max(known, 1e-9)))
     else:
@@ -586,6 +642,7 @@ def drive(
         return requested and schedule.is_epoch_end(position)
 
     position, report = begin, None
+    called: set[int] = set()  # the programs called so far (by `id`): a first call compiles
     failure: BaseException | None = None
     second_ctrl_c = False
     starting = state if isinstance(state, Starting) else None
@@ -611,6 +668,8 @@ def drive(
             observer.learned(schedule)
 
     try:
+        for observer in observers:  # in the `try`: every way out closes them
+            observer.open()
         for feed in _from_data(feeds):
             if feed.epoch_length is not None and schedule.learning:
                 learn(feed.epoch_length)
@@ -630,9 +689,19 @@ def drive(
                 if current is None:  # traced while `start` compiles
                     assert starting is not None
                     current = starting.ready(call, feed.inputs, np.int32(stop))
+                # XLA's CPU client runs a program that calls the host (`jax.debug.print`,
+                # `jax.debug.callback`) in the calling thread: such a call returns done, its
+                # time spent inside it, and a Ctrl-C is answered once it returns. So a call
+                # that returns done is timed from its dispatch (unless it compiled there, a
+                # program's first) and read at once: calls keep to their half second.
+                compiles = id(call) not in called
+                called.add(id(call))
+                dispatched = time.perf_counter()
                 with held():
                     current, report = call(current, feed.inputs, np.int32(stop))
-                    reader.queued(report, position, stop)
+                    ran = report.step.is_ready()
+                    since = dispatched if ran and not compiles else None
+                    reader.queued(report, position, stop, since)
                     position = stop
                 try:
                     for observer in observers:
@@ -643,10 +712,12 @@ def drive(
                 # After a Ctrl-C, no call is queued ahead: a second one then waits for
                 # one call at most.
                 asked = interrupting is not None and interrupting.interrupt.requested
-                seconds = reader.read(keep=0 if asked else 1)
+                seconds = reader.read(keep=0 if asked or ran else 1)
+                if ran and compiles:  # its time was the compilation's: it measures nothing
+                    seconds = None
                 if seconds is not None:
                     steps_per_call = max(1, int(seconds_per_call / max(seconds, 1e-9)))
-                    PROGRAM_CACHE.set_speed(run_key(loop), seconds)
+                    PROGRAM_CACHE.set_fact(run_key(loop), "seconds_per_step", seconds)
                     measured = True
                 elif not measured:
                     steps_per_call *= 2
@@ -758,15 +829,17 @@ def observers_for(
     store: Checkpoints | None,
     interrupt: Interrupt,
     placement: Any,
+    summary: str | None = None,
 ) -> list[Observer]:
-    """The run's observers, as its options ask: the bar, the callbacks, the checkpoints
-    (which take the state off the devices to write it), and Ctrl-C.
+    """The run's observers, as its options ask: the bar (with the plan's `summary` above
+    it), the callbacks, the checkpoints (which take the state off the devices to write
+    it), and Ctrl-C.
     """
     observers: list[Observer] = []
     if options.progress:
-        observers.append(Bar(schedule, begin))
+        observers.append(Bar(schedule, begin, summary))
     if options.callbacks:
-        observers.append(Callbacks(options.callbacks, schedule))
+        observers.append(Callbacks(options.callbacks, schedule, train_config(options, schedule)))
     if store is not None:
 
         def save(state: TrainState) -> PyTree:
@@ -778,3 +851,40 @@ def observers_for(
         observers.append(Checkpointing(store, every, schedule, save, interrupt))
     observers.append(Interrupting(interrupt, schedule))
     return observers
+
+
+def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
+    """The run's arguments as plain JSON-able values, for the callbacks' `on_train_begin`
+    (the loggers' run config): what `fit` was asked, not the model or the data.
+    """
+    policy, average, placement = options.precision, options.average, options.placement
+    mesh = getattr(placement, "mesh", None)
+    if mesh is not None:
+        devices = int(mesh.devices.size)
+    else:
+        devices = len(getattr(placement, "devices", ())) or 1
+    checkpoint, precision = options.checkpoint, None
+    if policy is not None:  # by its dtypes' names
+        compute, params = np.dtype(policy.compute_dtype), np.dtype(policy.params_dtype)
+        precision = {"compute": compute.name, "params": params.name}
+    return {
+        "epochs": schedule.epochs,
+        "initial_epoch": options.initial_epoch,
+        "batch_size": schedule.batch_size,
+        "steps_per_epoch": None if schedule.learning else schedule.steps_per_epoch,
+        "shuffle": options.shuffle,
+        "drop_remainder": options.drop_remainder,
+        "on_nan": options.on_nan,
+        "metrics": list(options.metric_names),
+        "validation": options.validates,
+        "validation_split": options.validation_split,
+        "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
+        "precision": precision,
+        "ema": None if average is None else average.momentum,
+        "validate_ema": options.validate_ema,
+        "norms": options.norms,
+        "ensemble_members": options.members,
+        "devices": devices,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
+        "checkpoint_every": options.checkpoint_every,
+    }

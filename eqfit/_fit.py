@@ -4,9 +4,11 @@ Each phase is a module of its own (see `eqfit/_*.py`); data flows one way throug
 """
 
 import contextlib
+import contextvars
+import inspect
 import time
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, cast, Literal, ParamSpec
 
 import equinox as eqx
 import jax
@@ -32,6 +34,7 @@ from ._loop import (
 )
 from ._options import check_options, Options, plain_optimizer
 from ._parallel import check_batch_split, Device, global_rows, OneDevice, param_specs
+from ._plan import make_plan, Plan, run_costs
 from ._precision import PrecisionLike
 from ._result import finish, FitResult
 from ._schedule import make_schedule, Schedule
@@ -91,6 +94,7 @@ def fit(
     ema: float | None = None,
     validate_ema: bool = False,
     norms: bool = False,
+    peak_flops: float | None = None,
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -110,7 +114,8 @@ def fit(
             (an endless one needs `steps_per_epoch`). A loader without `len` trains its
             first pass as it is read, and that pass's length is every epoch's (an
             iterator without `len` trains one epoch, to its end, unless given
-            `steps_per_epoch`).
+            `steps_per_epoch`); its checkpoints keep that length, and a resumed run
+            takes it and refuses a loader whose first pass is not that long.
     - `loss`: called as `loss(model, *batch)` (or `loss(model, state, *batch)` returning
         `(value, new_state)` with `state=`), returning a scalar. If it takes a keyword
         `key`, it gets a fresh key every step (for dropout and the like). It may also
@@ -136,7 +141,9 @@ def fit(
         metrics, early stopping, checkpoints, callbacks and the bar all go by it.
     - `initial_epoch`: epochs already trained, when continuing a run with its `opt_state`:
         the shuffles, per-step keys and epoch numbers go on from there, so that 5 epochs
-        and then epochs 6 to 10 train as 10 epochs would.
+        and then epochs 6 to 10 train as 10 epochs would. A loader's passes before
+        `initial_epoch` are read and not trained on, so that it goes on where it was;
+        without `len`, the first of them gives the epoch's length.
     - `shuffle`: visit the samples in a new random order each pass.
     - `drop_remainder`: skip the last, smaller batch of each pass instead of taking it
         as one more step.
@@ -187,7 +194,10 @@ def fit(
 
     - `progress`: `False` runs the training in a few long calls of the compiled program.
         `True` shows a tqdm bar and calls the same program in shorter pieces; the result
-        is the same, bit for bit.
+        is the same, bit for bit. Above the bar it prints the run's plan in one line
+        (parameters, memory per device, FLOPs per step; see [`eqfit.plan`][]).
+    - `peak_flops`: one device's peak FLOP/s, for the model FLOPs utilisation
+        (`history.throughput["mfu"]`) on a device that eqfit's table does not know.
     - `callbacks`: objects with `on_epoch_end(epoch, logs)` (epochs counted from 1), called
         on the host after each epoch; returning `True` stops training.
         [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard).
@@ -265,6 +275,7 @@ def fit(
         ema=ema,
         validate_ema=validate_ema,
         norms=norms,
+        peak_flops=peak_flops,
         loss=loss,
     )
     # Open the data, and plan the run's shape from it.
@@ -278,7 +289,15 @@ def fit(
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
     placement = loop.placement
-    starting, keys = _start(loop, (params, opt_state, state, options.key, consts), options)
+    start_args = (params, opt_state, state, options.key, consts)
+    plan = None
+    if options.progress or _PLANNING.get():
+        # Compiles the run's programs into eqfit's cache, where the drive then finds them.
+        plan = make_plan(loop, model, source, val_data, start_args, options)
+        if _PLANNING.get():
+            raise _Planned(plan)
+    costs = run_costs(loop, model, source, start_args, options, plan)
+    starting, keys = _start(loop, start_args, options)
     # Drive it, from the newest checkpoint if there is one; then finish.
     with contextlib.ExitStack() as stack:
         store, begin = None, schedule.begin
@@ -294,12 +313,84 @@ def fit(
         train_feeds, stop_feeds = feeds(chunks, template, placement.put, source.streamed)
         stack.callback(stop_feeds)
         interrupt = stack.enter_context(Interrupt().deferred())
-        observers = observers_for(options, schedule, begin, store, interrupt, placement)
+        summary = None if plan is None else plan.summary()
+        observers = observers_for(options, schedule, begin, store, interrupt, placement, summary)
         with reported_as("fit", "data"):
             outcome = drive(
-                loop, run_program, placement.put(starting), train_feeds, begin, observers
+                loop, run_program, placement.put(starting), train_feeds, begin, observers, costs
             )
     return finish(outcome.loop, outcome, consts, began)
+
+
+_P = ParamSpec("_P")
+
+# Set while `plan` runs `fit`: `fit` then stops once its programs are compiled, and
+# raises `_Planned` with what they need, instead of training.
+_PLANNING: contextvars.ContextVar[bool] = contextvars.ContextVar("eqfit_planning", default=False)
+
+
+class _Planned(BaseException):
+    """How `fit` hands `plan` its plan: raised past `fit`'s own checks and handlers."""
+
+    def __init__(self, plan: Plan):
+        super().__init__()
+        self.plan = plan
+
+
+def _takes_arguments_of(
+    fn: Callable[_P, Any],
+) -> Callable[[Callable[..., Plan]], Callable[_P, Plan]]:
+    """Gives the decorated function `fn`'s signature (for type checkers and the docs),
+    returning a `Plan`.
+    """
+
+    def decorate(planner: Callable[..., Plan]) -> Callable[_P, Plan]:
+        shown = inspect.signature(fn).replace(return_annotation=Plan)
+        cast(Any, planner).__signature__ = shown
+        return cast(Any, planner)
+
+    return decorate
+
+
+@_takes_arguments_of(fit)
+def plan(*args: Any, **kwargs: Any) -> Plan:
+    """Compiles the run that `fit` with these arguments would make, trains nothing, and
+    tells what it will need: memory per device, FLOPs, the model's arrays and their
+    layout.
+
+    It takes exactly `fit`'s arguments, checks them as `fit` does, and compiles the very
+    programs `fit` calls, into eqfit's cache: a `fit` with the same arguments (the same
+    optimizer and loss objects) afterwards compiles nothing more. Nothing is read from a
+    loader but what opening it reads (its first batch); nothing trains.
+
+    !!! example
+
+        ```python
+        plan = eqfit.plan(model, (x, y), loss=eqfit.losses.mse, optimizer=opt, key=key)
+        print(plan)                # the arrays, memory per device, FLOPs
+        plan.memory.temporary      # XLA's temporary bytes, per device
+        result = eqfit.fit(model, (x, y), loss=eqfit.losses.mse, optimizer=opt, key=key)
+        ```
+
+    **Arguments:**
+
+    As [`eqfit.fit`][]'s.
+
+    **Returns:**
+
+    A [`eqfit.Plan`][]. Its memory is XLA's `memory_analysis()` of the compiled run, per
+    device; its FLOPs per step are XLA's `cost_analysis()` of one step, lowered alone.
+    A loader without `len` learns its epoch's length as it trains, and a loader's smaller
+    last batch has a program of its own: these compile when `fit` meets them.
+    """
+    token = _PLANNING.set(True)
+    try:
+        fit(*args, **kwargs)
+    except _Planned as planned:
+        return planned.plan
+    finally:
+        _PLANNING.reset(token)
+    raise AssertionError("`fit` trained while planning")
 
 
 def _start(

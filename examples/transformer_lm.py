@@ -20,8 +20,11 @@ next-character accuracy, read from the same forward pass. `--no-bf16`, `--no-ema
 the weights and of their average, on the last tenth of the text, held out.
 
 On a machine with several GPUs, drop the config line below.
+Before it trains it prints its plan (`eqfit.plan`): each array's layout, the memory per
+device and the FLOPs per step; `--plan` prints it and trains nothing.
+
 Run: `python examples/transformer_lm.py [--layout fsdp|tp] [--epochs N] [--quick]
-[--no-bf16] [--no-ema] [--no-norms] [--no-aux]`
+[--no-bf16] [--no-ema] [--no-norms] [--no-aux] [--plan]`
 """
 
 import argparse
@@ -32,6 +35,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts: 8 simulated CPU devices
 
 import re  # noqa: E402
+from typing import Any  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -229,6 +233,7 @@ def main() -> None:
     parser.add_argument("--no-ema", action="store_true", help="keep no moving average")
     parser.add_argument("--no-norms", action="store_true", help="record no norms")
     parser.add_argument("--no-aux", action="store_true", help="a loss without its accuracy")
+    parser.add_argument("--plan", action="store_true", help="print the plan, train nothing")
     args = parser.parse_args()
     epochs, steps_per_epoch = (2, 10) if args.quick else (args.epochs, STEPS_PER_EPOCH)
 
@@ -254,9 +259,7 @@ def main() -> None:
     # are short to keep the run quick: the gain is on GPUs and TPUs, whose matrix units
     # take bfloat16 natively.
     precision = None if args.no_bf16 else "bfloat16"
-    result = eqfit.fit(
-        model,
-        (x, y),
+    arguments: dict[str, Any] = dict(
         loss=loss if args.no_aux else loss_and_accuracy,
         optimizer=optax.adamw(1e-2),
         key=fit_key,
@@ -269,6 +272,12 @@ def main() -> None:
         ema=None if args.no_ema else EMA,
         norms=not args.no_norms,
     )
+    # What the run will need, from its compiled programs, before it trains: each array's
+    # layout, the memory per device, the FLOPs. `fit` then compiles nothing more.
+    print(eqfit.plan(model, (x, y), **arguments))
+    if args.plan:
+        return
+    result = eqfit.fit(model, (x, y), **arguments)
     history = result.history
     for i, epoch in enumerate(history.epoch):
         line = f"epoch {epoch}: loss {history.loss[i]:.3f} nats per character"

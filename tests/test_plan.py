@@ -76,7 +76,12 @@ def test_plan_flops_are_six_per_weight_and_sample(getkey):
     x, y = regression_data(getkey(), n=512, features=64)
     model = eqfit.models.MLP(64, "scalar", 256, 3, key=getkey())
     plan = eqfit.plan(
-        model, (x, y), loss=eqfit.losses.mse, optimizer=optax.sgd(1e-3), key=getkey(), batch_size=128
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(1e-3),
+        key=getkey(),
+        batch_size=128,
     )
     expected = 6 * weights(model) * 128  # forward 2, backward 4 per weight and sample
     assert abs(plan.flops_per_step / expected - 1) < 0.10
@@ -217,3 +222,34 @@ def test_bad_peak_flops_is_named():
             key=jax.random.key(0),
             peak_flops=-1.0,
         )
+
+
+@pytest.mark.heavy
+def test_plan_flops_of_the_transformer_example(getkey):
+    """The example's transformer: within 15% of the usual 6 x parameters x tokens, plus
+    attention's 12 x layers x width x context per token (its scores and their mix,
+    forward and backward).
+    """
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "transformer_lm.py"
+    spec = importlib.util.spec_from_file_location("transformer_lm", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.TransformerLM(getkey())
+    batch, context = 64, example.CONTEXT
+    tokens = np.zeros((batch * 2, context), np.int32)
+    plan = eqfit.plan(
+        model,
+        (tokens, tokens),
+        loss=example.loss,
+        optimizer=optax.adamw(1e-2),
+        key=getkey(),
+        batch_size=batch,
+    )
+    parameters = weights(model)
+    attention = 12 * example.LAYERS * example.WIDTH * context
+    expected = (6 * parameters + attention) * batch * context
+    assert abs(plan.flops_per_step / expected - 1) < 0.15
