@@ -361,7 +361,8 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     It takes exactly `fit`'s arguments, checks them as `fit` does, and compiles the very
     programs `fit` calls, into eqfit's cache: a `fit` with the same arguments (the same
     optimizer and loss objects) afterwards compiles nothing more. Nothing is read from a
-    loader but what opening it reads (its first batch); nothing trains.
+    loader but what opening it reads (its first batch or two), so a generator or one-shot
+    iterator given to `plan` is not the one to give `fit` then; nothing trains.
 
     !!! example
 

@@ -84,7 +84,8 @@ class Plan:
         before the first step.
     - `flops_per_step`: the floating-point operations of one optimizer step over a whole
         batch (every device's share together), forward, backward and update.
-    - `steps`: the optimizer steps this run takes (from its first epoch to `epochs`).
+    - `steps`: the optimizer steps this run takes (from its first epoch to `epochs`);
+        `None` for a loader without `len`, whose epochs are as long as its first pass.
     - `arrays`: a tuple of [`eqfit.ArrayPlan`][], one for each array of the model.
     - `devices`: how many devices train.
     - `device_kind`: what they are (`jax.Device.device_kind`).
@@ -99,7 +100,7 @@ class Plan:
     memory: Memory
     start_memory: Memory
     flops_per_step: float
-    steps: int
+    steps: int | None
     arrays: tuple[ArrayPlan, ...]
     devices: int
     device_kind: str
@@ -108,9 +109,9 @@ class Plan:
     compiled: Any = dataclasses.field(repr=False, compare=False)
 
     @property
-    def flops(self) -> float:
-        """The whole run's FLOPs: the step's times the steps."""
-        return self.flops_per_step * self.steps
+    def flops(self) -> float | None:
+        """The whole run's FLOPs: the step's times the steps (`None` if not known)."""
+        return None if self.steps is None else self.flops_per_step * self.steps
 
     @property
     def parameters(self) -> int:
@@ -184,10 +185,10 @@ class Plan:
                 f"device memory: {_bytes(self.memory_limit)}: {verdict}, "
                 f"{_bytes(abs(room))} {'to spare' if room >= 0 else 'short'}"
             )
-        lines.append(
-            f"FLOPs: {_flops(self.flops_per_step)} per step, {_flops(self.flops)} "
-            f"for the run's {self.steps:,} steps"
-        )
+        run = "the run's steps are known once the loader's first pass is read"
+        if self.flops is not None:
+            run = f"{_flops(self.flops)} for the run's {self.steps:,} steps"
+        lines.append(f"FLOPs: {_flops(self.flops_per_step)} per step, {run}")
         if self.peak_flops is not None:
             lines.append(f"peak: {_flops(self.peak_flops)}/s per device")
         return "\n".join(lines)
@@ -368,7 +369,7 @@ def make_plan(
         memory=memory_of(compiled),
         start_memory=memory_of(start),
         flops_per_step=flops,
-        steps=schedule.total - schedule.begin,
+        steps=None if schedule.learning else schedule.total - schedule.begin,
         arrays=array_plans(loop, model),
         devices=len(devices),
         device_kind=str(devices[0].device_kind),

@@ -212,6 +212,26 @@ def test_samples_per_second_agree_with_the_epochs_wall_time(getkey):
     np.testing.assert_allclose(measured, 4096 / walls, rtol=0.10)
 
 
+def test_plan_of_a_loader_without_len_reads_one_batch(getkey):
+    x, y = regression_data(getkey(), n=64)
+    read = []
+
+    class Loader:  # re-iterable, without `len`: its epoch is as long as its first pass
+        def __iter__(self):
+            for i in range(0, 64, 16):
+                read.append(i)
+                yield x[i : i + 16], y[i : i + 16]
+
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    arguments = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(1e-2), key=getkey(), epochs=3)
+    plan = eqfit.plan(model, Loader(), **arguments)
+    assert read == [0, 16]  # opening a loader without `len` reads a batch ahead
+    assert plan.steps is None and plan.flops is None and plan.flops_per_step > 0
+    assert "known once the loader's first pass is read" in str(plan)
+    result = eqfit.fit(model, Loader(), **arguments)
+    assert result.history.step_loss.shape == (3, 4)
+
+
 def test_bad_peak_flops_is_named():
     with pytest.raises(ValueError, match="`peak_flops`"):
         eqfit.plan(
