@@ -9,6 +9,7 @@ comes from XLA's `memory_analysis()` of the compiled run, per device; FLOPs from
 whatever its trip count.
 """
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ from jaxtyping import PyTree
 from ._compile import PROGRAM_CACHE
 from ._drive import Costs
 from ._loop import Consts, Inputs, Loop, Piece, run_key, run_program, start_program, TrainState
-from ._parallel import param_specs, Pmap, Sharded
+from ._parallel import OneDevice, param_specs, Pmap, Sharded
 from ._sources import Source
 
 
@@ -344,8 +345,14 @@ def make_plan(
     """
     placement, schedule = loop.placement, loop.schedule
     start_inputs = placement.start_inputs(start_args, loop.trains)
-    start = _lower(start_program(loop), *start_inputs).compile()
-    state = _state_like(placement, start, start_inputs)
+    lowered = _lower(start_program(loop), *start_inputs)
+    compiling = _compile(lowered, in_thread=isinstance(placement, OneDevice))
+    if isinstance(placement, OneDevice):
+        # Its shapes are known from the lowering: XLA compiles it in a thread while the
+        # run's program is traced and compiled, as `fit` does.
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lowered.out_info[0])
+    else:  # the state's layout, or the state itself (`pmap`), from the compiled program
+        state = _state_like(placement, compiling.result(), start_inputs)
     key = options.key
     if loop.members is not None:  # as `start` splits it
         key = jax.random.split(key, loop.members)
@@ -360,11 +367,12 @@ def make_plan(
         piece = Piece(np.zeros(_chunk_rows(source, loop), np.uint32), np.int32(0), np.int32(0))
         inputs = inputs._replace(piece=placement.put(piece))
     compiled = _lower(run_program(loop), state, inputs, np.int32(schedule.begin)).compile()
+    flops = step_flops(loop, lowered.out_info[0], source.like, consts)
     devices = devices_of(loop)
-    flops = step_flops(loop, start.out_info[0], source.like, consts)
     peak = options.peak_flops
     if peak is None:
         peak = peak_flops(str(devices[0].device_kind), compute_dtype(loop, model))
+    start = compiling.result()
     return Plan(
         memory=memory_of(compiled),
         start_memory=memory_of(start),
@@ -424,25 +432,33 @@ def compute_dtype(loop: Loop, model: PyTree) -> Any:
 
 
 def _state_like(placement: Any, start: Any, start_inputs: tuple[Any, ...]) -> PyTree:
-    """The training state as the run's first call takes it, from the compiled program that
-    makes it: shapes and layouts, or under `pmap` the state itself, on every device.
+    """The training state as the run's first call takes it on several devices, from the
+    compiled program that makes it: shapes and layouts, or under `pmap` the state itself.
     """
     if isinstance(placement, Pmap):  # `filter_pmap` maps arrays, not shapes
         return placement.put(start(*start_inputs)[0])
-    state = start.out_info[0]
-    if isinstance(placement, Sharded):
-        # Laid out by `shard=` already, or replicated over the mesh as `put` does.
-        replicated = NamedSharding(placement.mesh, PartitionSpec())
+    # Under a mesh: laid out by `shard=` already, or replicated over it as `put` does.
+    assert isinstance(placement, Sharded)
+    replicated = NamedSharding(placement.mesh, PartitionSpec())
 
-        def laid_out(x: Any) -> Any:
-            on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == placement.mesh
-            sharding = x.sharding if on_mesh else replicated
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    def laid_out(x: Any) -> Any:
+        on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == placement.mesh
+        sharding = x.sharding if on_mesh else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-        return jax.tree.map(laid_out, state)
-    # As the state arrives on one device: with no layout of its own, so that the call
-    # finds this program.
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    return jax.tree.map(laid_out, start.out_info[0])
+
+
+def _compile(lowered: Any, in_thread: bool) -> "concurrent.futures.Future[Any]":
+    """`lowered` compiled, now or in a thread of its own."""
+    if not in_thread:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result(lowered.compile())
+        return done
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    compiling = pool.submit(lowered.compile)
+    pool.shutdown(wait=False)  # the thread ends with the compilation
+    return compiling
 
 
 def _lower(program: Any, *args: Any) -> Any:
