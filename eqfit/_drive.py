@@ -699,7 +699,7 @@ def drive(
                 dispatched = time.perf_counter()
                 with held():
                     current, report = call(current, feed.inputs, np.int32(stop))
-                    ran = report.step.is_ready()
+                    ran = _is_done(report.step)
                     since = dispatched if ran and not compiles else None
                     reader.queued(report, position, stop, since)
                     position = stop
@@ -794,6 +794,11 @@ def _from_data(feeds: Iterator[Feed]) -> Iterator[Feed]:
         except Exception as e:
             raise DataError(e) from e
         yield feed
+
+
+def _is_done(array: Any) -> bool:
+    """Whether the call that makes `array` has finished (`jax.Array.is_ready`)."""
+    return array.is_ready()
 
 
 def _wait_for(array: Any) -> bool:

@@ -1,10 +1,20 @@
 """Runs that end early, for test_early_ends.py, each in a process of its own.
 
-Usage: python early_end_worker.py (raising-loader | slow) [progress]
+Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow) [progress]
+       python early_end_worker.py interrupted (memory | stream) EPOCHS STEPS [progress]
+           [host-callback]
 
 - `raising-loader`: a generator that raises after 25 batches. Prints "raised <type>
   after <epochs> epochs, <steps> steps" and exits 0 when `fit` raises the loader's error
-  with the training so far.
+  with the training so far. `raising-len-loader`: the same from a loader with `len` (a
+  re-iterable, as PyTorch's `DataLoader`) whose second pass raises after 5 of its 8.
+- `interrupted`: a tiny MLP trained on arrays in memory or a loader with `len` (streamed),
+  EPOCHS epochs of STEPS steps, until Ctrl-C. With `host-callback` its loss prints every
+  step (`jax.debug.print`, to stdout). `eqfit.plan` compiles the run first; stderr then
+  gets "fitting" as `fit` begins and, stamped with
+  `@<time.monotonic()>` where the bar wrote, every write of the bar. Prints "raised <type>
+  <stop_reason> steps=<steps trained> count=<Adam's step count> changed=<bool>" when `fit`
+  raises: the history's steps, the optimizer state's and the model's changes must agree.
 - `slow`: an MLP 512-2048x4-512 at batch 256, a real model whose steps take about a
   second here (no host callback), trained with the bar. Every write to stderr is stamped
   `@<time.monotonic()>`; it prints "@<time> raised <type> <steps> steps" when `fit` raises.
@@ -46,6 +56,98 @@ def raising_loader(progress: bool) -> None:
         history = e.result.history  # type: ignore[attr-defined]
         steps = int((history.batch_sizes > 0).sum())
         print(f"raised {type(e).__name__} after {history.epochs} epochs, {steps} steps")
+
+
+def raising_len_loader(progress: bool) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = x.sum(axis=1)
+
+    class Batches:
+        """Eight batches a pass; the second pass raises after five."""
+
+        def __init__(self):
+            self.passes = 0
+
+        def __len__(self) -> int:
+            return 8
+
+        def __iter__(self):
+            self.passes += 1
+            for i in range(8):
+                if self.passes == 2 and i == 5:
+                    raise RuntimeError("the loader broke")
+                yield x[(i % 4) * 16 : (i % 4 + 1) * 16], y[(i % 4) * 16 : (i % 4 + 1) * 16]
+
+    model = eqfit.models.LinearRegression(4, key=jax.random.key(0))
+    try:
+        eqfit.fit(
+            model,
+            Batches(),
+            loss=eqfit.losses.mse,
+            optimizer=optax.sgd(0.01),
+            key=jax.random.key(1),
+            epochs=10,
+            progress=progress,
+        )
+    except RuntimeError as e:
+        history = e.result.history  # type: ignore[attr-defined]
+        steps = int((history.batch_sizes > 0).sum())
+        print(f"raised {type(e).__name__} after {history.epochs} epochs, {steps} steps")
+
+
+def interrupted(data: str, epochs: int, steps: int, progress: bool, host_callback: bool) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+
+    class Batches:
+        """A loader with `len`: sixteen batches of 32 a pass."""
+
+        def __len__(self) -> int:
+            return 16
+
+        def __iter__(self):
+            for i in range(16):
+                yield x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32]
+
+    def loss(model, x, y, *, key=None):
+        value = eqfit.losses.mse(model, x, y, key=key)
+        if host_callback:  # a host callback in every step, as users debug with
+            jax.debug.print("step loss {}", value)
+        return value
+
+    model = eqfit.models.MLP(8, 1, 32, 2, key=jax.random.key(0))
+    arguments = dict(
+        loss=loss,
+        optimizer=optax.adam(1e-3),
+        key=jax.random.key(1),
+        epochs=epochs,
+        steps_per_epoch=steps,
+        batch_size=32,
+        progress=progress,
+    )
+    # The run's programs are compiled first: `fit` then compiles nothing, and a Ctrl-C
+    # sent soon after it begins lands in training, not in XLA's compiler.
+    eqfit.plan(model, (x, y) if data == "memory" else Batches(), **arguments)
+    stderr = sys.stderr
+    print("fitting", file=stderr, flush=True)
+    if progress:
+        sys.stderr = Stamped(stderr)
+    try:
+        eqfit.fit(model, (x, y) if data == "memory" else Batches(), **arguments)
+    except KeyboardInterrupt as e:
+        sys.stderr = stderr
+        result = e.result  # type: ignore[attr-defined]
+        trained = int((result.history.batch_sizes > 0).sum())
+        count = int(result.opt_state[0].count)  # Adam's: the steps its state has seen
+        changed = not np.array_equal(result.model.layers[0].weight, model.layers[0].weight)
+        reason = result.history.stop_reason
+        print(
+            f"raised {type(e).__name__} {reason} steps={trained} count={count} changed={changed}",
+            file=stderr,
+            flush=True,
+        )
 
 
 class Stamped:
@@ -91,5 +193,10 @@ def slow() -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "raising-loader":
         raising_loader(progress="progress" in sys.argv[2:])
+    elif sys.argv[1] == "raising-len-loader":
+        raising_len_loader(progress="progress" in sys.argv[2:])
+    elif sys.argv[1] == "interrupted":
+        data, epochs, steps, *flags = sys.argv[2:]
+        interrupted(data, int(epochs), int(steps), "progress" in flags, "host-callback" in flags)
     else:
         slow()

@@ -1,8 +1,11 @@
-"""Every early end keeps the process alive and the work: a loader that raises, a second
-Ctrl-C on a real model's slow steps. Each run is a process of its own, which must exit
-cleanly (an abort at exit, rc -6, is a crash to the user).
+"""Every early end keeps the process alive and the work: a generator or a loader that
+raises, a first and a second Ctrl-C (on arrays in memory and on a loader, with the bar and
+without, with a loss that calls the host every step and without), a second Ctrl-C on a real
+model's slow steps. Each run is a process of its own, which must exit cleanly (an abort at
+exit, rc -6, is a crash to the user).
 """
 
+import re
 import signal
 import subprocess
 import sys
@@ -51,14 +54,21 @@ def test_a_loader_that_raises_raises_with_the_training_so_far():
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("progress", [False, True])
-def test_a_raising_loader_leaves_the_process_alive(progress):
-    args = [sys.executable, str(WORKER), "raising-loader"] + (["progress"] if progress else [])
+@pytest.mark.parametrize(
+    "kind, trained",
+    [
+        ("raising-loader", "7 epochs, 25 steps"),  # a generator
+        ("raising-len-loader", "2 epochs, 13 steps"),  # a loader with `len`, re-iterated
+    ],
+)
+def test_a_raising_loader_leaves_the_process_alive(kind, trained, progress):
+    args = [sys.executable, str(WORKER), kind] + (["progress"] if progress else [])
     for _ in range(4):  # it aborted at exit in 7 runs of 8
         run = subprocess.run(
             args, capture_output=True, text=True, env=worker_env(HERE), timeout=120
         )
         assert run.returncode == 0, run.stderr[-2000:]
-        assert "raised RuntimeError after 7 epochs, 25 steps" in run.stdout
+        assert f"raised RuntimeError after {trained}" in run.stdout
 
 
 @pytest.mark.heavy
@@ -104,3 +114,87 @@ def test_slow_steps_move_the_bar_soon_and_two_ctrl_cs_end_cleanly():
         assert moved - drawn < 1.0 + step_time
         assert float(stamp) - second < step_time + 1.5
         assert process.returncode == 0
+
+
+# The bar's count of steps, in a write of the worker's stamped stderr.
+_BAR_STEPS = re.compile(r"\| (\d+)/\d+")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("signals", [1, 2])
+@pytest.mark.parametrize("host_callback", [False, True])
+@pytest.mark.parametrize("progress", [False, True])
+@pytest.mark.parametrize("data", ["memory", "stream"])
+def test_ctrl_c_answers_soon_and_ends_cleanly(data, progress, host_callback, signals):
+    # One Ctrl-C stops training at the epoch's end (epochs of 200 steps here); a second,
+    # sent during an epoch of a million, stops it once the call in flight is done. A loss
+    # that calls the host every step runs on the CPU in the thread that calls the program;
+    # it must be answered as soon as one that does not.
+    epochs, steps = (10_000, 200) if signals == 1 else (1, 1_000_000)
+    flags = (["progress"] if progress else []) + (["host-callback"] if host_callback else [])
+    args = [sys.executable, str(WORKER), "interrupted", data, str(epochs), str(steps), *flags]
+    for _ in range(2):
+        process = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(HERE)
+        )
+        lines: list[tuple[float, str]] = []  # from stdout and stderr, as they arrived
+
+        def read(stream):
+            for line in stream:
+                lines.append((time.monotonic(), line))
+
+        readers = [
+            threading.Thread(target=read, args=(stream,), daemon=True)
+            for stream in (process.stdout, process.stderr)
+        ]
+        for reader in readers:
+            reader.start()
+
+        def training() -> bool:
+            """Whether the worker has been seen training for 2 s, its calls sized by then
+            to the speed measured: since its loss printed, or its bar moved, or with
+            neither, since it called `fit` (which compiles nothing: the worker planned
+            the run first).
+            """
+            for arrived, line in list(lines):
+                bar = _BAR_STEPS.search(line) if line.startswith("@") else None
+                if (
+                    (host_callback and line.startswith("step loss"))
+                    or (bar is not None and int(bar.group(1)) > 0)
+                    or (not (progress or host_callback) and line.startswith("fitting"))
+                ):
+                    return time.monotonic() - arrived > 2.0
+            return False
+
+        began = time.monotonic()
+        while not training() and time.monotonic() - began < 180 and process.poll() is None:
+            time.sleep(0.02)
+        assert process.poll() is None, "".join(line for _, line in lines)[-2000:]
+        process.send_signal(signal.SIGINT)
+        if signals == 2:
+            time.sleep(0.3)
+            assert process.poll() is None  # the first Ctrl-C waits for the epoch's end
+            process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # never answered: the worker goes with the test
+            process.kill()
+            raise
+        for reader in readers:
+            reader.join(timeout=10)  # the pipes end with the process
+        for stream in (process.stdout, process.stderr):
+            stream.close()
+        output = "".join(line for _, line in lines if not line.startswith("step loss"))
+        raised = [(arrived, line.split()) for arrived, line in lines if line.startswith("raised ")]
+        assert process.returncode == 0, output[-2000:]
+        assert raised, output[-2000:]
+        arrived, (_, kind, reason, *figures) = raised[-1]
+        trained, count, changed = (figure.split("=")[1] for figure in figures)
+        assert kind == "TrainingInterrupted" and reason == "interrupted", raised[-1]
+        assert int(trained) >= 1 and changed == "True"
+        assert int(count) == int(trained)  # the state is that of the last call finished
+        if signals == 1:
+            assert int(trained) % steps == 0  # at an epoch's end
+        # Answered within a call or two (about half a second each) and the epoch's end.
+        assert arrived - sent < (2.5 if signals == 1 else 1.5), output[-2000:]
