@@ -200,7 +200,7 @@ def fit(
         (`history.throughput["mfu"]`) on a device that eqfit's table does not know.
     - `callbacks`: objects with `on_epoch_end(epoch, logs)` (epochs counted from 1), called
         on the host after each epoch; returning `True` stops training.
-        [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard).
+        [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard, W&B, MLflow).
 
     *Where it runs:*
 
@@ -290,16 +290,23 @@ def fit(
         check_opt_state(loop, params, opt_state, consts)
     placement = loop.placement
     start_args = (params, opt_state, state, options.key, consts)
-    plan = None
-    if options.progress or _PLANNING.get():
-        # Compiles the run's programs into eqfit's cache, where the drive then finds them.
-        plan = make_plan(loop, model, source, val_data, start_args, options)
-        if _PLANNING.get():
-            raise _Planned(plan)
-    costs = run_costs(loop, model, source, start_args, options, plan)
-    starting, keys = _start(loop, start_args, options)
-    # Drive it, from the newest checkpoint if there is one; then finish.
+    # Compile and drive, with Ctrl-C deferred from here on: one while XLA compiles stops
+    # the run at its first epoch's end, a second one is raised once the compilation
+    # returns, and every way out waits for the thread that compiles `start`: the process
+    # must not exit with XLA still at work in it.
     with contextlib.ExitStack() as stack:
+        interrupt = stack.enter_context(Interrupt().deferred())
+        plan = None
+        if options.progress or _PLANNING.get():
+            # Compiles the run's programs into eqfit's cache, where the drive finds them.
+            plan = make_plan(loop, model, source, val_data, start_args, options)
+            if _PLANNING.get():
+                raise _Planned(plan)
+        costs = run_costs(loop, model, source, start_args, options, plan)
+        starting, keys = _start(loop, start_args, options)
+        if isinstance(starting, Starting):
+            stack.callback(starting.join)
+        # Drive it, from the newest checkpoint if there is one; then finish.
         store, begin = None, schedule.begin
         if not isinstance(starting, Starting) and options.checkpoint is not None:
             config = run_config(loop, starting, source.describe(), val_data, loss, options.key)
@@ -312,7 +319,6 @@ def fit(
         chunks = source.chunks(schedule, begin, schedule.total)
         train_feeds, stop_feeds = feeds(chunks, template, placement.put, source.streamed)
         stack.callback(stop_feeds)
-        interrupt = stack.enter_context(Interrupt().deferred())
         summary = None if plan is None else plan.summary()
         observers = observers_for(options, schedule, begin, store, interrupt, placement, summary)
         with reported_as("fit", "data"):

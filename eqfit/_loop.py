@@ -467,6 +467,10 @@ class Starting:
                 pass
         return self.result()
 
+    def join(self) -> None:
+        """Waits for the thread that makes the state (its compilation included)."""
+        self.thread.join()
+
     def result(self) -> TrainState:
         """The state, once made."""
         self.thread.join()
