@@ -11,7 +11,7 @@ whatever its trip count.
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -346,10 +346,10 @@ def make_plan(
     placement, schedule = loop.placement, loop.schedule
     start_inputs = placement.start_inputs(start_args, loop.trains)
     lowered = _lower(start_program(loop), *start_inputs)
-    compiling = _compile(lowered, in_thread=isinstance(placement, OneDevice))
+    compiling = _in_thread(lowered.compile)
     if isinstance(placement, OneDevice):
-        # Its shapes are known from the lowering: XLA compiles it in a thread while the
-        # run's program is traced and compiled, as `fit` does.
+        # Its shapes are known from the lowering: the run's program is traced and
+        # compiled while XLA compiles this one, as `fit` does.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lowered.out_info[0])
     else:  # the state's layout, or the state itself (`pmap`), from the compiled program
         state = _state_like(placement, compiling.result(), start_inputs)
@@ -366,8 +366,11 @@ def make_plan(
     if source.streamed:
         piece = Piece(np.zeros(_chunk_rows(source, loop), np.uint32), np.int32(0), np.int32(0))
         inputs = inputs._replace(piece=placement.put(piece))
-    compiled = _lower(run_program(loop), state, inputs, np.int32(schedule.begin)).compile()
-    flops = step_flops(loop, lowered.out_info[0], source.like, consts)
+    run = _lower(run_program(loop), state, inputs, np.int32(schedule.begin))
+    # The step is traced to count its FLOPs while XLA compiles the run.
+    counting = _in_thread(step_flops, loop, lowered.out_info[0], source.like, consts)
+    compiled = run.compile()
+    flops = counting.result()
     devices = devices_of(loop)
     peak = options.peak_flops
     if peak is None:
@@ -449,16 +452,14 @@ def _state_like(placement: Any, start: Any, start_inputs: tuple[Any, ...]) -> Py
     return jax.tree.map(laid_out, start.out_info[0])
 
 
-def _compile(lowered: Any, in_thread: bool) -> "concurrent.futures.Future[Any]":
-    """`lowered` compiled, now or in a thread of its own."""
-    if not in_thread:
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        done.set_result(lowered.compile())
-        return done
+def _in_thread(fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
+    """`fn(*args)` called in a thread of its own: XLA compiles without Python's lock, so
+    the host traces on meanwhile.
+    """
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    compiling = pool.submit(lowered.compile)
-    pool.shutdown(wait=False)  # the thread ends with the compilation
-    return compiling
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)  # the thread ends with the call
+    return future
 
 
 def _lower(program: Any, *args: Any) -> Any:
