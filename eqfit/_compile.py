@@ -25,7 +25,7 @@ PROGRAMS = 32
 class Programs:
     """A least-recently-used cache of compiled programs, `PROGRAMS` configurations big,
     with what was measured of each: the seconds per step last measured (which sizes a
-    later run's calls), a step's FLOPs.
+    later run's calls), a step's FLOPs, the run's plan.
     """
 
     def __init__(self, size: int = PROGRAMS):
@@ -33,7 +33,7 @@ class Programs:
         self.entries: collections.OrderedDict[Hashable, Callable[..., Any]] = (
             collections.OrderedDict()
         )
-        self.facts: dict[Hashable, dict[str, float]] = {}
+        self.facts: dict[Hashable, dict[Hashable, Any]] = {}
         self.lock = threading.Lock()  # fits may run in several threads at once
 
     def get(self, key: Hashable, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -51,14 +51,14 @@ class Programs:
                 self.facts.pop(evicted, None)
         return program
 
-    def fact(self, key: Hashable, name: str) -> float | None:
+    def fact(self, key: Hashable, name: Hashable) -> Any:
         """What was measured as `name` of the program cached under `key`, if anything:
-        `"seconds_per_step"`, `"flops_per_step"`.
+        `"seconds_per_step"`, `"flops_per_step"`, a plan for given inputs.
         """
         with self.lock:
             return self.facts.get(key, {}).get(name)
 
-    def set_fact(self, key: Hashable, name: str, value: float) -> None:
+    def set_fact(self, key: Hashable, name: Hashable, value: Any) -> None:
         """Keeps `value` as `name` of the program cached under `key`, while it is."""
         with self.lock:
             if key in self.entries:

@@ -343,6 +343,35 @@ def make_plan(
 
     The `Plan`.
     """
+    # A second plan of the same run (a second `fit` with the bar, say) is the first: its
+    # programs are compiled, and lowering them again would trace the whole run anew.
+    inputs_like = _shapes((start_args, source.like, val_data))
+    known = PROGRAM_CACHE.fact(run_key(loop), ("plan", inputs_like, options.peak_flops))
+    if known is not None:
+        return known
+    plan = _make_plan(loop, model, source, val_data, start_args, options)
+    PROGRAM_CACHE.set_fact(run_key(loop), ("plan", inputs_like, options.peak_flops), plan)
+    return plan
+
+
+def _shapes(tree: PyTree) -> tuple[Any, ...]:
+    """The structure, shapes, dtypes and layouts of `tree`'s arrays, hashable."""
+    leaves, structure = jax.tree.flatten(tree)
+    described = tuple(
+        (x.shape, str(x.dtype), getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+        for x in leaves
+    )
+    return structure, described
+
+
+def _make_plan(
+    loop: Loop,
+    model: PyTree,
+    source: Source,
+    val_data: PyTree | None,
+    start_args: tuple[Any, ...],
+    options: Any,
+) -> Plan:
     placement, schedule = loop.placement, loop.schedule
     start_inputs = placement.start_inputs(start_args, loop.trains)
     lowered = _lower(start_program(loop), *start_inputs)
