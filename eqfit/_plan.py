@@ -345,12 +345,11 @@ def make_plan(
     """
     # A second plan of the same run (a second `fit` with the bar, say) is the first: its
     # programs are compiled, and lowering them again would trace the whole run anew.
-    inputs_like = _shapes((start_args, source.like, val_data))
-    known = PROGRAM_CACHE.fact(run_key(loop), ("plan", inputs_like, options.peak_flops))
-    if known is not None:
-        return known
-    plan = _make_plan(loop, model, source, val_data, start_args, options)
-    PROGRAM_CACHE.set_fact(run_key(loop), ("plan", inputs_like, options.peak_flops), plan)
+    name = ("plan", _shapes((start_args, source.like, val_data)), options.peak_flops)
+    plan = PROGRAM_CACHE.fact(run_key(loop), name)
+    if plan is None:
+        plan = _compile_plan(loop, model, source, val_data, start_args, options)
+        PROGRAM_CACHE.set_fact(run_key(loop), name, plan)
     return plan
 
 
@@ -364,7 +363,7 @@ def _shapes(tree: PyTree) -> tuple[Any, ...]:
     return structure, described
 
 
-def _make_plan(
+def _compile_plan(
     loop: Loop,
     model: PyTree,
     source: Source,
