@@ -313,8 +313,8 @@ class Throughput:
     """Wall seconds of the steps, from when the host read each call's report: a call's
     seconds are shared evenly among its steps, and an epoch's are those of its steps.
     The clock starts when the first call is queued (its compilation is not counted) and
-    runs on from there. With the step's
-    `Costs`, the FLOP/s achieved, and their fraction of the devices' peak (MFU).
+    runs on from there. With the step's `Costs`, the FLOP/s achieved, and their fraction
+    of the devices' peak (MFU).
     """
 
     # Names of what it adds to each epoch's values: always, and with `Costs`.
@@ -355,15 +355,15 @@ class Throughput:
         self.calls = [c for c in self.calls if c[1] > stop]  # what later epochs need
         if covered < stop - start or seconds <= 0:
             return {}
+        samples = self.schedule.samples(start, stop)
         figures = {
             "epoch_seconds": seconds,
             "steps_per_second": (stop - start) / seconds,
-            "samples_per_second": self.schedule.samples(start, stop) / seconds,
+            "samples_per_second": samples / seconds,
         }
         costs = self.costs
         if costs is not None:
             # A smaller last batch costs less: each step's FLOPs go by its samples.
-            samples = self.schedule.samples(start, stop)
             full = (stop - start) * self.schedule.batch_size
             flops = costs.flops_per_step * (stop - start) * samples / full
             figures["flops_per_second"] = flops / seconds

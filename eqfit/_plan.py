@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,7 +255,7 @@ def memory_limit(devices: Sequence[Any]) -> int | None:
 def array_plans(loop: Loop, model: PyTree) -> tuple[ArrayPlan, ...]:
     """The model's arrays as the run lays them out."""
     with_paths, _ = jax.tree_util.tree_flatten_with_path(model)
-    arrays = [(path, x) for path, x in with_paths if _is_array(x)]
+    arrays = [(path, x) for path, x in with_paths if eqx.is_array(x)]  # as `split_arrays`
     specs = param_specs(loop.placement)
     mesh = getattr(loop.placement, "mesh", None)
     plans = []
@@ -276,10 +277,6 @@ def array_plans(loop: Loop, model: PyTree) -> tuple[ArrayPlan, ...]:
             )
         )
     return tuple(plans)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts) -> float:
@@ -400,9 +397,7 @@ def _compile_plan(
     compiled = run.compile()
     flops = counting.result()
     devices = devices_of(loop)
-    peak = options.peak_flops
-    if peak is None:
-        peak = peak_flops(str(devices[0].device_kind), compute_dtype(loop, model))
+    peak = _device_peak(loop, model, options, devices)
     start = compiling.result()
     return Plan(
         memory=memory_of(compiled),
@@ -435,9 +430,7 @@ def run_costs(
         peak = None if plan.peak_flops is None else plan.peak_flops * plan.devices
         return Costs(plan.flops_per_step, peak)
     devices = devices_of(loop)
-    peak = options.peak_flops
-    if peak is None:
-        peak = peak_flops(str(devices[0].device_kind), compute_dtype(loop, model))
+    peak = _device_peak(loop, model, options, devices)
     flops = PROGRAM_CACHE.fact(run_key(loop), "flops_per_step")
     if flops is None and peak is None:
         return None
@@ -448,15 +441,21 @@ def run_costs(
     return Costs(flops, None if peak is None else peak * len(devices))
 
 
+def _device_peak(loop: Loop, model: PyTree, options: Any, devices: Sequence[Any]) -> float | None:
+    """One device's peak FLOP/s: `fit(..., peak_flops=)`, else eqfit's table's."""
+    if options.peak_flops is not None:
+        return options.peak_flops
+    return peak_flops(str(devices[0].device_kind), compute_dtype(loop, model))
+
+
 def compute_dtype(loop: Loop, model: PyTree) -> Any:
     """The dtype the step computes in: the precision policy's, else that of the model's
     largest floating array.
     """
     if loop.precision is not None:
         return loop.precision.compute_dtype
-    floating = [
-        x for x in jax.tree.leaves(model) if _is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
-    ]
+    arrays = [x for x in jax.tree.leaves(model) if eqx.is_array(x)]
+    floating = [x for x in arrays if jnp.issubdtype(x.dtype, jnp.floating)]
     if not floating:
         return np.float32
     return max(floating, key=lambda x: x.size).dtype
