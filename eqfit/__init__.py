@@ -12,10 +12,10 @@ from ._compile import (
     clear_cache as clear_cache,
     enable_compilation_cache as enable_compilation_cache,
 )
-from ._drive import Callback as Callback
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._fit import fit as fit, plan as plan
 from ._history import History as History
+from ._observers import Callback as Callback
 from ._plan import ArrayPlan as ArrayPlan, Memory as Memory, Plan as Plan
 from ._precision import Precision as Precision
 from ._predict import evaluate as evaluate, predict as predict

@@ -18,7 +18,7 @@ from jaxtyping import PyTree
 from ._checkpoint import Checkpoints, Interrupt, position
 from ._checks import checked, reported_as
 from ._data import as_data, sample_shapes
-from ._drive import Callback, drive, feeds, observers_for
+from ._drive import drive, feeds
 from ._early_stopping import EarlyStopping
 from ._loop import (
     check_opt_state,
@@ -32,6 +32,7 @@ from ._loop import (
     Starting,
     TrainState,
 )
+from ._observers import Callback, observers_for
 from ._options import check_options, Options, plain_optimizer
 from ._parallel import check_batch_split, Device, global_rows, OneDevice, param_specs
 from ._plan import make_plan, Plan, run_costs

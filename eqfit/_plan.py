@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._compile import PROGRAM_CACHE
-from ._drive import Costs
 from ._loop import Consts, Inputs, Loop, Piece, run_key, run_program, start_program, TrainState
+from ._observers import Costs
 from ._parallel import OneDevice, param_specs, Pmap, Sharded
 from ._sources import Source
 

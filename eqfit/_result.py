@@ -14,10 +14,11 @@ import numpy as np
 
 from ._checkpoint import CheckpointError, serialise, versions, write_atomically
 from ._checks import checked
-from ._drive import Outcome, Throughput
+from ._drive import Outcome
 from ._history import History, StopReason
 from ._labels import raise_found
 from ._loop import _unwrap, Consts, Loop, Stop
+from ._observers import Throughput
 from ._typing import Model, ModelState, OptState, PathLike
 
 
