@@ -5,6 +5,7 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -14,7 +15,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,12 +24,12 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._policy import KEEP
 from ._schedule import epochs_and_steps
 from ._version import __version__
 
 
 FORMAT = 2  # 2: a sequence number orders checkpoints
-KEEP = 2
 _NAME = re.compile(r"^ckpt-(\d{6})-(\d{6})$")
 
 
@@ -104,7 +105,7 @@ class Checkpoints:
 
     Checkpoints are ordered by their sequence number, the order they were completed in,
     never by folder name. A folder whose manifest cannot be read, or whose files do not
-    match it, is skipped with a warning and never counted among the `KEEP` kept.
+    match it, is skipped with a warning and never counted among the `keep` kept.
 
     While a run uses the directory it holds a lock on it (`fcntl`), and on opening it
     removes the temporary folders of writes that were cut short. With several processes
@@ -122,6 +123,10 @@ class Checkpoints:
         configuration is refused, not loaded.
     - `steps_per_epoch`: to name checkpoints by epoch.
     - `writer`: whether this process writes (process 0 of a `jax.distributed` run).
+    - `keep`: how many of the newest checkpoints are kept.
+    - `best`: `(name, mode)`: also keep the checkpoint whose manifest's monitored value
+        (`save(..., value=)`) of that name is the best, the lowest (`"min"`) or highest
+        (`"max"`), never rotated out.
     """
 
     # The manifest's "storage": how the state is kept. `None` (no such key): `state.eqx`.
@@ -136,8 +141,11 @@ class Checkpoints:
         steps_per_epoch: int,
         *,
         writer: bool = True,
+        keep: int = KEEP,
+        best: tuple[str, str] | None = None,
     ):
         self.steps_per_epoch, self.writer = steps_per_epoch, writer
+        self.keep, self.best = keep, best
         self.directory = Path(directory)
         self.config = json.loads(json.dumps(config))  # normalised, as it will read back
         self.warned: set[str] = set()
@@ -208,33 +216,63 @@ class Checkpoints:
             self.warned.add(folder.name)
             warnings.warn(f"Skipping checkpoint {folder}: {why}.", stacklevel=4)
 
-    def save(self, state: PyTree) -> Path | None:
+    def save(self, state: PyTree, value: float | None = None) -> Path | None:
         """Writes the training state `state` (on the host) as a checkpoint at its position,
         and prunes old ones. If the disk is full, removes the oldest kept checkpoint and
         tries once more. Other processes of a `jax.distributed` run wait for the write.
+        `value`: the epoch's monitored value (`best`'s name), kept in the manifest.
         """
         final = None
         if self.writer or self.collective:
-            final = self._write(state)
+            final = self._write(state, value)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("eqfit checkpoint written")
         return final if self.writer else None
 
-    def _write(self, state: PyTree) -> Path:
+    def best_value(self) -> float | None:
+        """The best monitored value among the checkpoints kept (`best`), if any."""
+        best = self._best()
+        return None if best is None else best[2]["monitor"]["value"]
+
+    def _best(self) -> tuple[int, Path, dict[str, Any]] | None:
+        """The kept checkpoint with the best monitored value (the newest among equals)."""
+        if self.best is None:
+            return None
+        name, mode = self.best
+        scored = [
+            entry
+            for entry in self._checkpoints()
+            if entry[2].get("monitor", {}).get("name") == name
+            and isinstance(entry[2]["monitor"].get("value"), float)
+            and math.isfinite(entry[2]["monitor"]["value"])
+        ]
+        if not scored:
+            return None
+        sign = 1.0 if mode == "min" else -1.0
+        return min(scored, key=lambda entry: (sign * entry[2]["monitor"]["value"], -entry[0]))
+
+    def _prunable(self) -> list[Path]:
+        """The checkpoints past the newest `keep`, but the best: to remove, oldest last."""
+        best = self._best()
+        return [f for _, f, _ in self._checkpoints()[self.keep :] if best is None or f != best[1]]
+
+    def _write(self, state: PyTree, value: float | None = None) -> Path:
         """Writes a checkpoint (the writer; with `collective`, every process, where only the
         writer lists, names, commits and prunes).
         """
         epoch, step = epochs_and_steps(self._position(state), self.steps_per_epoch)
         payload = self._encode(state)
         existing = self._checkpoints() if self.writer else []
-        head = {
+        head: dict[str, Any] = {
             "format": FORMAT,
             "sequence": existing[0][0] + 1 if existing else 1,
             "epoch": epoch,
             "step": step,
         }
+        if value is not None and self.best is not None:
+            head["monitor"] = {"name": self.best[0], "value": float(value)}
         final = self.directory / f"ckpt-{epoch:06d}-{step:06d}"
         try:
             manifest = self._put(final, head, payload)
@@ -245,8 +283,9 @@ class Checkpoints:
             # several processes write it: the others could not know to write again.
             if self.collective and jax.process_count() > 1:
                 raise CheckpointError(self._no_room(payload, head, e)) from None
-            if len(existing) >= KEEP:
-                self._remove(existing[-1][1])
+            prunable = self._prunable() if self.writer else []
+            if len(existing) >= self.keep and prunable:
+                self._remove(prunable[-1])
             try:
                 manifest = self._put(final, head, payload)
             except OSError as again:
@@ -258,7 +297,7 @@ class Checkpoints:
         if self.writer:
             assert self.good is not None
             self.good[final.name] = (manifest["sequence"], final, manifest)
-            for _, folder, _ in self._checkpoints()[KEEP:]:
+            for folder in self._prunable():
                 self._remove(folder)
         return final
 
@@ -499,22 +538,32 @@ def _short(value: Any) -> str:
 
 
 class Interrupt:
-    """Defers Ctrl-C (SIGINT) to the next epoch boundary, where `fit` can checkpoint.
+    """Defers Ctrl-C (SIGINT) and the preemption signals (`signals`) to the end of the
+    call of the program in flight, where `fit` checkpoints and stops.
 
-    Use as a context manager around training; `requested` turns true when Ctrl-C came.
-    A second Ctrl-C raises `KeyboardInterrupt` at once (the driver waits for the device
-    on a lock, which a signal interrupts, so Python's handler runs). Outside the main
-    thread it does nothing.
+    Use `deferred()` as a context manager around training; `requested` turns true when a
+    signal came, and `signal` names the first. A second one raises `KeyboardInterrupt`
+    at once (the driver waits for the device on a lock, which a signal interrupts, so
+    Python's handler runs). A handler only sets flags: nothing is written inside it.
+    Outside the main thread it does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] = ()) -> None:
+        self.signals = (signal.SIGINT, *(s for s in signals if s != signal.SIGINT))
         self.requested = False
+        self.signal: str | None = None  # the name of the first signal that came
         self._holding = False  # inside `held()`
-        self._pending = False  # a second Ctrl-C came while held
+        self._pending = False  # a second signal came while held
+        self.ended = False  # training is over: further signals are let be
+
+    def request(self, name: str) -> None:
+        """Asks training to stop as if signal `name` had come (another process's, say)."""
+        if not self.requested:
+            self.requested, self.signal = True, name
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """A second Ctrl-C inside the block is raised as it ends: a call of the program
+        """A second signal inside the block is raised as it ends: a call of the program
         is dispatched (its state donated) and its new state taken as one step.
         """
         self._holding = True
@@ -533,18 +582,21 @@ class Interrupt:
             return
 
         def handler(signum: int, frame: Any) -> None:
+            if self.ended:  # the result is being made: it is on its way out already
+                return
             if self.requested:
                 if self._holding:
                     self._pending = True
                     return
                 raise KeyboardInterrupt
-            self.requested = True
+            self.request(signal.Signals(signum).name)
 
-        previous = signal.signal(signal.SIGINT, handler)
+        previous = {s: signal.signal(s, handler) for s in self.signals}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, handler_before in previous.items():
+                signal.signal(s, handler_before)
 
 
 def as_plain(value: Any) -> Any:
@@ -554,3 +606,42 @@ def as_plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+class Writer:
+    """Writes checkpoints in a background thread, one at a time: `submit` waits for the
+    write before it, and `wait` for the last. An error of a write is raised by the next
+    `check`, `submit` or `wait`, in the training thread. A process killed during a write leaves
+    the newest committed checkpoint whole: a checkpoint is renamed into place only once
+    written and fsynced.
+    """
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, write: Callable[[], Any]) -> None:
+        """Starts `write()` in the background, once the write before it is done."""
+        self.wait()
+        self.thread = threading.Thread(target=self._run, args=(write,), daemon=True)
+        self.thread.start()
+
+    def _run(self, write: Callable[[], Any]) -> None:
+        try:
+            write()
+        except BaseException as e:  # raised in the training thread by `wait`
+            self.error = e
+
+    def check(self) -> None:
+        """Raises the error of the write in flight if it has failed already."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Waits for the write in flight; raises its error, if it had one."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error

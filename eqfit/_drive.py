@@ -8,7 +8,6 @@ while the one before trains, and that every way out stops.
 """
 
 import atexit
-import contextlib
 import dataclasses
 import queue
 import threading
@@ -19,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._checkpoint import CheckpointError
+from ._checkpoint import CheckpointError, Interrupt
 from ._compile import PROGRAM_CACHE
 from ._loop import (
     Inputs,
@@ -33,7 +32,7 @@ from ._loop import (
     Stop,
     TrainState,
 )
-from ._observers import Costs, Interrupting, Observer, Progress, Throughput
+from ._observers import Costs, Observer, Progress, Throughput
 from ._sources import Chunk
 
 
@@ -66,6 +65,8 @@ class Outcome(NamedTuple):
     report: Report
     stopped_by_callback: bool
     interrupted: bool
+    # The signal that stopped training ("SIGINT" for Ctrl-C, "SIGTERM", ...), if one did.
+    signal: str | None
     # What ended the drive early, to raise with the result: a checkpoint that could not
     # be written, or an error of the data's (a loader that raised).
     failure: BaseException | None
@@ -310,10 +311,12 @@ def drive(
     feeds: Iterator[Feed],
     begin: int,
     observers: Sequence[Observer],
+    interrupt: Interrupt,
     costs: Costs | None = None,
 ) -> Outcome:
     """Runs the compiled `program(loop)` over the feeds from `begin` until the run's end,
-    a stop, or an interrupt.
+    a stop, or an interrupt: a signal (`interrupt`) ends training once the call in flight
+    is done, at the step it reached.
 
     Each call is queued before the previous one's report is read: the host updates the
     observers while the device works. A call lasts about `SECONDS_PER_CALL` (or less, as
@@ -334,13 +337,16 @@ def drive(
     else:
         steps_per_call = FIRST_CALL_STEPS
     measured = known is not None
-    interrupting = next((o for o in observers if isinstance(o, Interrupting)), None)
-    held = interrupting.interrupt.held if interrupting is not None else contextlib.nullcontext
 
-    def interrupted_at_epoch_end(position: int) -> bool:
-        """After a Ctrl-C, training stops at the first epoch's end."""
-        requested = interrupting is not None and interrupting.interrupt.requested
-        return requested and schedule.is_epoch_end(position)
+    def interrupted() -> bool:
+        """Whether a signal asks training to stop, in any process: with several, each asks
+        the others at every call's end, so that all stop at the same step.
+        """
+        if jax.process_count() > 1:
+            name = _first_signal(interrupt.signal)
+            if name is not None:
+                interrupt.request(name)
+        return interrupt.requested
 
     position, report = begin, None
     called: set[int] = set()  # the programs called so far (by `id`): a first call compiles
@@ -376,13 +382,14 @@ def drive(
                 learn(feed.epoch_length)
             # A call per turn, at least one per feed: a call with nothing to do (a finished
             # run resumed) still reports where the run stands.
-            while not (report is not None and interrupted_at_epoch_end(position)):
+            while not (report is not None and interrupted()):
                 stop = schedule.call_stop(position, steps_per_call, at_epoch_ends=True)
                 for observer in observers:
                     boundary = observer.boundary(position)
                     if boundary is not None:
                         stop = min(stop, boundary)
                 stop = max(min(stop, feed.end), position)
+                stop = _agreed_stop(stop)
                 if feed.batch_size not in programs:
                     piece_loop = dataclasses.replace(loop, batch_size=feed.batch_size)
                     programs[feed.batch_size] = program(piece_loop)
@@ -398,7 +405,7 @@ def drive(
                 compiles = id(call) not in called
                 called.add(id(call))
                 dispatched = time.perf_counter()
-                with held():
+                with interrupt.held():
                     current, report = call(current, feed.inputs, np.int32(stop))
                     ran = _is_done(report.step)
                     since = dispatched if ran and not compiles else None
@@ -410,9 +417,9 @@ def drive(
                 except CheckpointError as e:  # the result goes with the error
                     failure = e
                     break
-                # After a Ctrl-C, no call is queued ahead: a second one then waits for
+                # After a signal, no call is queued ahead: a second one then waits for
                 # one call at most.
-                asked = interrupting is not None and interrupting.interrupt.requested
+                asked = interrupt.requested
                 seconds = reader.read(keep=0 if asked or ran else 1)
                 if ran and compiles:  # its time was the compilation's: it measures nothing
                     seconds = None
@@ -428,7 +435,7 @@ def drive(
                     break
             if failure is not None or reader.finished or position >= schedule.total:
                 break
-            if interrupted_at_epoch_end(position):
+            if interrupt.requested:
                 break
         if report is None:  # no feed at all: nothing to train on from here
             raise ValueError("The data yielded no batches to train on.")
@@ -437,6 +444,13 @@ def drive(
             learn(max(reader.done, 1))
         else:  # the last reports: for the bar and callbacks, and each epoch's figures
             reader.read()
+        if failure is None:
+            assert current is not None
+            try:
+                for observer in observers:
+                    observer.end(position, current)
+            except CheckpointError as e:  # the result goes with the error
+                failure = e
     except BaseException as error:
         # A second Ctrl-C, or an error (a loader that raised, say): the calls in flight
         # (after a Ctrl-C, one of about half a second, or one step) finish, so that the
@@ -470,11 +484,37 @@ def drive(
         current,
         report,
         stopped_by_callback=reader.by_observer,
-        interrupted=second_ctrl_c
-        or (interrupting is not None and interrupting.interrupt.requested),
+        interrupted=second_ctrl_c or interrupt.requested,
+        signal=interrupt.signal or ("SIGINT" if second_ctrl_c else None),
         failure=failure,
         epoch_figures=reader.epoch_figures,
     )
+
+
+def _agreed_stop(stop: int) -> int:
+    """The stop of the next call, process 0's in every process of a `jax.distributed`
+    run: each sizes its calls by its own clock, and every process must make the same
+    calls of a program that spans them.
+    """
+    if jax.process_count() == 1:
+        return stop
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(stop)))
+
+
+def _first_signal(name: str | None) -> str | None:
+    """The signal that came to the process of lowest index that had one, by name; every
+    process takes part, each giving the name of its own (`None`: none).
+    """
+    import signal
+
+    from jax.experimental import multihost_utils
+
+    number = 0 if name is None else int(signal.Signals[name])
+    numbers = np.asarray(multihost_utils.process_allgather(np.int32(number))).reshape(-1)
+    came = numbers[numbers > 0]
+    return signal.Signals(int(came[0])).name if came.size else None
 
 
 class DataError(Exception):

@@ -36,6 +36,7 @@ from ._observers import Callback, observers_for
 from ._options import check_options, Options, plain_optimizer
 from ._parallel import check_batch_split, Device, global_rows, OneDevice, param_specs
 from ._plan import make_plan, Plan, run_costs
+from ._policy import Checkpoint, PREEMPTION_SIGNALS
 from ._precision import PrecisionLike
 from ._result import finish, FitResult
 from ._schedule import make_schedule, Schedule
@@ -89,8 +90,9 @@ def fit(
     mesh: Mesh | None = None,
     shard: Shard | None = None,
     ensemble: bool = False,
-    checkpoint: PathLike | None = None,
+    checkpoint: PathLike | Checkpoint | None = None,
     checkpoint_every: int = 1,
+    signals: Sequence[str | int] | None = PREEMPTION_SIGNALS,
     precision: PrecisionLike = None,
     ema: float | None = None,
     validate_ema: bool = False,
@@ -277,6 +279,7 @@ def fit(
         validate_ema=validate_ema,
         norms=norms,
         peak_flops=peak_flops,
+        signals=signals,
         loss=loss,
     )
     # Open the data, and plan the run's shape from it.
@@ -296,7 +299,7 @@ def fit(
     # returns, and every way out waits for the thread that compiles `start`: the process
     # must not exit with XLA still at work in it.
     with contextlib.ExitStack() as stack:
-        interrupt = stack.enter_context(Interrupt().deferred())
+        interrupt = stack.enter_context(Interrupt(options.signals).deferred())
         plan = None
         if options.progress or _PLANNING.get():
             # Compiles the run's programs into eqfit's cache, where the drive finds them.
@@ -321,12 +324,23 @@ def fit(
         train_feeds, stop_feeds = feeds(chunks, template, placement.put, source.streamed)
         stack.callback(stop_feeds)
         summary = None if plan is None else plan.summary()
-        observers = observers_for(options, schedule, begin, store, interrupt, placement, summary)
+        observers = observers_for(
+            options, schedule, begin, store, interrupt, placement, loop.log_names, summary
+        )
         with reported_as("fit", "data"):
             outcome = drive(
-                loop, run_program, placement.put(starting), train_feeds, begin, observers, costs
+                loop,
+                run_program,
+                placement.put(starting),
+                train_feeds,
+                begin,
+                observers,
+                interrupt,
+                costs,
             )
-    return finish(outcome.loop, outcome, consts, began)
+        # Still deferred: a signal now, with training over, must not lose its result.
+        interrupt.ended = True
+        return finish(outcome.loop, outcome, consts, began)
 
 
 _P = ParamSpec("_P")
@@ -461,12 +475,24 @@ def _checkpoints(options: Options, config: dict[str, Any], schedule: Schedule) -
     """The checkpoint directory: under `shard=`, Orbax's format, which every process writes
     its shards of; else one file, which process 0 writes and every process reads.
     """
+    policy = options.checkpoint
+    assert policy is not None
+    best = None if policy.keep_best is None else (policy.keep_best, policy.mode)
     if param_specs(options.placement) is not None:
         from ._orbax import ShardedCheckpoints
 
-        return ShardedCheckpoints(options.checkpoint, config, schedule.steps_per_epoch)
+        return ShardedCheckpoints(
+            policy.directory, config, schedule.steps_per_epoch, keep=policy.keep, best=best
+        )
     writer = jax.process_index() == 0
-    return Checkpoints(options.checkpoint, config, schedule.steps_per_epoch, writer=writer)
+    return Checkpoints(
+        policy.directory,
+        config,
+        schedule.steps_per_epoch,
+        writer=writer,
+        keep=policy.keep,
+        best=best,
+    )
 
 
 def _resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[TrainState, int]:

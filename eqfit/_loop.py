@@ -934,6 +934,10 @@ def check_names(loop: Loop, options: Options) -> None:
             )
     if loop.stopping is not None:
         check_monitor(loop.stopping.monitor, loop.log_names, options, final=True)
+    policy = options.checkpoint
+    if policy is not None and policy.keep_best is not None:
+        what = "`checkpoint`'s `keep_best`"
+        check_monitor(policy.keep_best, loop.log_names, options, final=True, what=what)
 
 
 def _trains(model: PyTree, arrays: list[Any], filter_spec: Any) -> tuple[bool, ...]:

@@ -8,16 +8,22 @@ are the throughput figures each epoch's values carry.
 """
 
 import collections
+import contextlib
+import math
 import sys
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import Checkpoints, Interrupt
+from ._checkpoint import Checkpoints, Interrupt, Writer
 from ._loop import learned_config, TrainState
+from ._policy import Checkpoint
 from ._schedule import Schedule
 
 
@@ -33,7 +39,8 @@ class Callback(Protocol):
     the run's arguments as plain JSON-able values (`train_config`'s: epochs,
     initial_epoch, batch_size, steps_per_epoch, shuffle, drop_remainder, on_nan, metrics,
     validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
-    ensemble_members, devices, checkpoint, checkpoint_every); `on_train_end(logs)`,
+    ensemble_members, devices, checkpoint, checkpoint_every, checkpoint_every_steps,
+    checkpoint_every_seconds, signals); `on_train_end(logs)`,
     called once when training ends (however it ends, `on_train_begin` called or not) with
     the last epoch's values; and a class attribute `stops_training = False` if it never
     returns `True`: then the device is not held up for it, and it sees each epoch once the
@@ -70,6 +77,8 @@ class Observer:
     - `after_call(position, state)`: the call to `position` is queued; `state` is its
         (future) training state.
     - `on_progress(progress)`: reports were read; returns `True` to stop training.
+    - `end(position, state)`: the drive is over, not by an error, at `position` with
+        `state`; what it raises (a `CheckpointError`) is the run's failure.
     - `learned(schedule)`: the first epoch showed the epoch's length (a loader without
         `len`); `schedule` is the run's from now on.
     - `close()`: the run is over, however it ended.
@@ -95,6 +104,9 @@ class Observer:
 
     def on_progress(self, progress: Progress) -> bool:
         return False
+
+    def end(self, position: int, state: TrainState) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -201,52 +213,145 @@ class Callbacks(Observer):
 
 
 class Checkpointing(Observer):
-    """Writes a checkpoint every `every` epochs, at the run's end, and where a Ctrl-C
-    stops it.
+    """Writes checkpoints as its `Checkpoint` policy asks, at the run's end, and at the
+    step where a signal stopped the run.
+
+    At a checkpoint the state is copied on the device (`snapshot`: a new buffer, which
+    the next call's donation leaves alone) and a background `Writer` takes it to the host
+    and writes it while training goes on; the next checkpoint waits for it, and `end`
+    for the last. Where every process writes a part (`shard=`) or several processes
+    take part, the write is made in the training thread instead, all processes together.
     """
 
     def __init__(
         self,
         store: Checkpoints,
-        every: int,
+        policy: Checkpoint,
         schedule: Schedule,
-        save: Callable[[TrainState], PyTree],
         interrupt: Interrupt,
+        snapshot: Callable[[TrainState], PyTree],
+        host: Callable[[PyTree], PyTree],
+        monitor: int | None,
     ):
-        self.store, self.save, self.schedule = store, save, schedule
-        self.every = every  # epochs between checkpoints
+        self.store, self.policy, self.schedule = store, policy, schedule
         self.interrupt = interrupt
+        self.snapshot, self.host = snapshot, host
+        self.monitor = monitor  # `keep_best`'s column in `TrainState.epoch_values`
+        self.background = not store.collective and jax.process_count() == 1
+        self.writer = Writer()
         self.relearned = False  # the epoch's length learned, the store not yet told
+        self.saved_at: int | None = None  # the position of the last checkpoint
+        self.since = time.monotonic()  # when the last checkpoint fell
+
+    def open(self) -> None:
+        self.since = time.monotonic()
 
     def learned(self, schedule: Schedule) -> None:
         self.schedule, self.relearned = schedule, True
 
-    def boundary(self, position: int) -> int:
-        return self.schedule.next_epoch_end(position, self.every)
+    def boundary(self, position: int) -> int | None:
+        schedule = self.schedule
+        if schedule.learning:  # no checkpoint is written while the length is learned
+            return None
+        due = self.policy.next_due(position, schedule.steps_per_epoch)
+        if self.monitor is not None:  # every epoch's end: it may be the best
+            end = schedule.next_epoch_end(position)
+            due = end if due is None else min(due, end)
+        return due
 
     def after_call(self, position: int, state: TrainState) -> None:
-        # Also where a Ctrl-C stops the run: at an epoch's end.
         schedule = self.schedule
         if self.relearned:  # before the first checkpoint: none is written while learning
             config = learned_config(self.store.config, schedule, state)
             self.store.learned(config, schedule.steps_per_epoch)
             self.relearned = False
-        stops = self.interrupt.requested and schedule.is_epoch_end(position)
-        due = schedule.is_epoch_end(position, self.every) or position >= schedule.total
-        if due or stops:
-            self.store.save(self.save(state))
+        self.writer.check()  # a write that failed stops training at the next call's end
+        if schedule.learning:
+            return
+        seconds = self.policy.every_seconds
+        due = (
+            self.policy.is_due(position, schedule.steps_per_epoch)
+            or position >= schedule.total
+            or self.interrupt.requested
+            or (seconds is not None and agreed(time.monotonic() - self.since >= seconds))
+        )
+        may_be_best = self.monitor is not None and schedule.is_epoch_end(position)
+        if due or may_be_best:
+            self._save(position, state, due)
+
+    def end(self, position: int, state: TrainState) -> None:
+        """The drive is over: a checkpoint where a signal stopped it, if it has none yet,
+        and every write committed.
+        """
+        stopped = self.interrupt.requested and not self.schedule.learning
+        if stopped and position != self.saved_at:
+            self._save(position, state, True)
+        self.writer.wait()
+
+    def close(self) -> None:
+        # On every way out the write in flight ends, so that it is committed (or not) before
+        # `fit` returns; an error of its is raised by `end`, not over another's.
+        with contextlib.suppress(BaseException):
+            self.writer.wait()
+
+    def _save(self, position: int, state: TrainState, due: bool) -> None:
+        if due:
+            self.saved_at, self.since = position, time.monotonic()
+        schedule = self.schedule
+        row = schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
+        if self.background:
+            snapshot = self.snapshot(state)  # queued behind the call: the device copies it
+            self.writer.submit(lambda: self._write(snapshot, due, row))
+        else:
+            self.writer.wait()
+            self._write(state, due, row)
+
+    def _write(self, state: PyTree, due: bool, row: int | None) -> None:
+        """Writes `state` (a snapshot, or the state) if `due`, or if its epoch (record
+        row `row`) is the best yet by `keep_best`'s value.
+        """
+        host = self.host(state)
+        value = None
+        if self.monitor is not None and row is not None:
+            rows = _local(host.epoch_values)  # (*members, rows, logs)
+            with warnings.catch_warnings():  # an ensemble whose members all stopped
+                warnings.simplefilter("ignore", RuntimeWarning)
+                value = float(np.nanmean(rows[..., row, self.monitor]))
+            if not math.isfinite(value):
+                value = None
+        if not due and (value is None or not self._better(value)):
+            return
+        self.store.save(host, value)
+
+    def _better(self, value: float) -> bool:
+        best = self.store.best_value()
+        if best is None:
+            return True
+        return value < best if self.policy.mode == "min" else value > best
 
 
-class Interrupting(Observer):
-    """Ctrl-C: once asked, calls end at the epoch's end, and training stops there."""
+def _local(x: Any) -> np.ndarray:
+    """`x` (replicated) as numpy, from this process's copy where it is global."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
 
-    def __init__(self, interrupt: Interrupt, schedule: Schedule):
-        self.interrupt, self.schedule = interrupt, schedule
 
-    def boundary(self, position: int) -> int | None:
-        if not self.interrupt.requested:
-            return None
-        return self.schedule.next_epoch_end(position)
+def agreed(flag: bool) -> bool:
+    """`flag` as process 0 has it, in every process of a `jax.distributed` run (a
+    decision by the clock, say, must be one decision); `flag` itself in one process.
+    """
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
+@jax.jit
+def _copy(tree: PyTree) -> PyTree:
+    """New buffers holding `tree`'s arrays, laid out as they are."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 class Costs(NamedTuple):
@@ -326,11 +431,12 @@ def observers_for(
     store: Checkpoints | None,
     interrupt: Interrupt,
     placement: Any,
+    log_names: tuple[str, ...],
     summary: str | None = None,
 ) -> list[Observer]:
     """The run's observers, as its options ask: the bar (with the plan's `summary` above
-    it), the callbacks, the checkpoints (which take the state off the devices to write
-    it), and Ctrl-C.
+    it), the callbacks, and the checkpoints (which take the state off the devices to
+    write it; `log_names` says where `keep_best`'s value is).
     """
     observers: list[Observer] = []
     if options.progress:
@@ -338,15 +444,17 @@ def observers_for(
     if options.callbacks:
         observers.append(Callbacks(options.callbacks, schedule, train_config(options, schedule)))
     if store is not None:
+        assert options.checkpoint is not None
 
-        def save(state: TrainState) -> PyTree:
+        def host(state: PyTree) -> PyTree:
             if store.collective:  # every process writes its own shards
                 return state
             return jax.device_get(placement.get(state))
 
-        every = options.checkpoint_every
-        observers.append(Checkpointing(store, every, schedule, save, interrupt))
-    observers.append(Interrupting(interrupt, schedule))
+        policy = options.checkpoint
+        monitor = None if policy.keep_best is None else log_names.index(policy.keep_best)
+        snapshot = lambda state: _copy(placement.get(state))  # noqa: E731
+        observers.append(Checkpointing(store, policy, schedule, interrupt, snapshot, host, monitor))
     return observers
 
 
@@ -382,6 +490,9 @@ def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
         "norms": options.norms,
         "ensemble_members": options.members,
         "devices": devices,
-        "checkpoint": None if checkpoint is None else str(checkpoint),
-        "checkpoint_every": options.checkpoint_every,
+        "checkpoint": None if checkpoint is None else str(checkpoint.directory),
+        "checkpoint_every": None if checkpoint is None else checkpoint.every_epochs,
+        "checkpoint_every_steps": None if checkpoint is None else checkpoint.every_steps,
+        "checkpoint_every_seconds": None if checkpoint is None else checkpoint.every_seconds,
+        "signals": [s.name for s in options.signals],
     }

@@ -7,6 +7,8 @@ checked `Options`, which every later phase reads instead of the raw arguments.
 
 import dataclasses
 import math
+import os
+import signal
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -20,6 +22,7 @@ from ._data import as_key, ensemble_size
 from ._early_stopping import EarlyStopping
 from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
+from ._policy import as_signals, Checkpoint
 from ._precision import as_precision, Precision
 from ._sharding import resolve
 from ._step import log_names
@@ -53,14 +56,14 @@ class Options:
     metric_names: tuple[str, ...]
     early_stopping: EarlyStopping | None
     callbacks: tuple[Any, ...]
-    checkpoint: Any
-    checkpoint_every: int
+    checkpoint: Checkpoint | None  # the policy, with its directory
     placement: Placement
     precision: Precision | None = None
     average: Average | None = None
     validate_ema: bool = False
     norms: bool = False
     peak_flops: float | None = None  # of one device, given
+    signals: tuple[signal.Signals, ...] = ()  # besides SIGINT, those that stop training
 
     @property
     def scales(self) -> bool:
@@ -71,9 +74,16 @@ class Options:
         return log_names(aux_names, self.metric_names, self.norms, self.scales, self.validates)
 
 
-def check_monitor(monitor: str, names: tuple[str, ...], options: Options, final: bool) -> None:
-    """Refuses an early-stopping `monitor` that the run does not compute (`names`). Not
-    `final` (the loss's aux values unknown yet), only what no aux value can be.
+def check_monitor(
+    monitor: str,
+    names: tuple[str, ...],
+    options: Options,
+    final: bool,
+    what: str = "`early_stopping.monitor`",
+) -> None:
+    """Refuses a monitored value (early stopping's, or `what`'s) that the run does not
+    compute (`names`). Not `final` (the loss's aux values unknown yet), only what no aux
+    value can be.
     """
     if monitor in names:
         return
@@ -87,8 +97,7 @@ def check_monitor(monitor: str, names: tuple[str, ...], options: Options, final:
     elif not final:
         return  # it may be an aux value of the loss's
     raise ValueError(
-        f"`early_stopping.monitor` is {monitor!r}, which this run does not compute; it "
-        f"computes {list(names)}.{hint}"
+        f"{what} is {monitor!r}, which this run does not compute; it computes {list(names)}.{hint}"
     )
 
 
@@ -121,6 +130,7 @@ def check_options(
     validate_ema: bool = False,
     norms: bool = False,
     peak_flops: Any = None,
+    signals: Any = (),
     loss: Any = None,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
@@ -157,6 +167,7 @@ def check_options(
                 f"the device), got {batch_size}."
             )
     _whole("checkpoint_every", checkpoint_every, 1)
+    policy = as_checkpoint(checkpoint, checkpoint_every)
     if on_nan not in ("raise", "stop", "skip"):
         raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {on_nan!r}.")
     if validation_data is not None and validation_split is not None:
@@ -221,8 +232,7 @@ def check_options(
         metric_names=metric_names,
         early_stopping=early_stopping,
         callbacks=callbacks,
-        checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every,
+        checkpoint=policy,
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
         precision=as_precision(precision),
@@ -230,15 +240,40 @@ def check_options(
         validate_ema=validate_ema,
         norms=norms,
         peak_flops=None if peak_flops is None else float(peak_flops),
+        signals=as_signals(signals),
     )
     if early_stopping is not None:
         # The loss's aux values are known once it is traced on a batch (`make_loop`
         # checks the monitor again then); eqfit's own losses return none.
         own = getattr(loss, "__module__", "").startswith("eqfit.")
         check_monitor(early_stopping.monitor, options.log_names(()), options, final=own)
+    if policy is not None and policy.keep_best is not None:
+        check_monitor(policy.keep_best, options.log_names(()), options, final=False, what=_BEST)
     if shard is not None and checkpoint is not None:
         require_orbax()
     return options
+
+
+_BEST = "`checkpoint`'s `keep_best`"
+
+
+def as_checkpoint(checkpoint: Any, checkpoint_every: int) -> Checkpoint | None:
+    """`fit`'s `checkpoint` as a policy: a directory is `Checkpoint(directory,
+    every_epochs=checkpoint_every)`.
+    """
+    if checkpoint is None or isinstance(checkpoint, Checkpoint):
+        if isinstance(checkpoint, Checkpoint) and checkpoint_every != 1:
+            raise ValueError(
+                "`checkpoint_every` with a `Checkpoint`: its policy says when to write; give "
+                f"`Checkpoint(..., every_epochs={checkpoint_every})` instead."
+            )
+        return checkpoint
+    if not isinstance(checkpoint, str | os.PathLike):
+        raise TypeError(
+            "`checkpoint` must be a directory (a string or `pathlib.Path`) or an "
+            f"`eqfit.Checkpoint`, got {type(checkpoint).__name__}."
+        )
+    return Checkpoint(checkpoint, every_epochs=checkpoint_every)
 
 
 def _layout(model: Any, mesh: Mesh | None, shard: Any, ensemble: bool) -> tuple[Any, ...] | None:

@@ -13,6 +13,7 @@ from jaxtyping import PyTree
 
 from ._checkpoint import _fsync_dir, Checkpoints, NotLike, position
 from ._extras import require_orbax
+from ._policy import KEEP
 
 
 class ShardedCheckpoints(Checkpoints):
@@ -20,12 +21,12 @@ class ShardedCheckpoints(Checkpoints):
     over processes, so that no process holds all of it.
 
     The directory works as `Checkpoints`' does (folders `ckpt-<epoch>-<step>`, a manifest,
-    an atomic rename, the last `KEEP` kept, a lock, damaged checkpoints skipped with a
-    warning, another configuration's refused), but a checkpoint's state is an Orbax
-    PyTree checkpoint in its subfolder `state/`: the flat dict `{"0": leaf, "1": ...}` of
-    the state's arrays, in the order of `jax.tree.leaves`. The manifest lists each
-    array's path, shape and dtype under `"arrays"`, and its `sha256` covers every file of
-    `state/`.
+    an atomic rename, the newest `keep` kept and the best with `best`, a lock, damaged
+    checkpoints skipped with a warning, another configuration's refused), but a
+    checkpoint's state is an Orbax PyTree checkpoint in its subfolder `state/`: the flat
+    dict `{"0": leaf, "1": ...}` of the state's arrays, in the order of `jax.tree.leaves`.
+    The manifest lists each array's path, shape and dtype under `"arrays"`, and its
+    `sha256` covers every file of `state/`.
 
     Every process must call `save` and `restore`. Each writes its own shards into one
     temporary folder, `.tmp-ckpt-<epoch>-<step>-<n>`; process 0 then writes the manifest and
@@ -74,6 +75,8 @@ class ShardedCheckpoints(Checkpoints):
         steps_per_epoch: int,
         *,
         writer: bool | None = None,
+        keep: int = KEEP,
+        best: tuple[str, str] | None = None,
     ):
         require_orbax()
         primary = jax.process_index() == 0
@@ -83,10 +86,10 @@ class ShardedCheckpoints(Checkpoints):
                 "checkpoints must be process 0, which commits what Orbax writes. Leave "
                 "`writer` out."
             )
-        super().__init__(directory, config, steps_per_epoch, writer=primary)
+        super().__init__(directory, config, steps_per_epoch, writer=primary, keep=keep, best=best)
         self.attempts = 0  # writes begun, which name their temporary folders
 
-    def save(self, state: PyTree) -> Path | None:
+    def save(self, state: PyTree, value: float | None = None) -> Path | None:
         """Writes the training state as a checkpoint at its position, and prunes old ones.
         Every process calls it; each writes the shards it holds.
 
@@ -100,7 +103,7 @@ class ShardedCheckpoints(Checkpoints):
 
         The checkpoint's folder in process 0; `None` in the others.
         """
-        return super().save(state)
+        return super().save(state, value)
 
     def restore(self, like: PyTree) -> PyTree | None:
         """The newest good checkpoint's state, laid out as `like` asks; `None` if there is

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -52,17 +53,30 @@ class FitResult(Generic[Model]):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Training was interrupted (Ctrl-C). It stopped at an epoch's end, wrote a checkpoint
-    if it had a directory, and `result` holds what it had trained.
+    """Training was interrupted by a signal: Ctrl-C (SIGINT), or one of `fit`'s
+    `signals` (SIGTERM, SIGUSR1: a scheduler's preemption). It stopped at the step the
+    program had reached, wrote a checkpoint there if it had a directory, and `result`
+    holds what it had trained.
+
+    **Attributes:**
+
+    - `result`: the [`eqfit.FitResult`][] so far.
+    - `signal`: the signal's name, `"SIGINT"`, `"SIGTERM"`, `"SIGUSR1"`, ...
+    - `exit_code`: `128 + ` the signal's number (130, 143, 138), the status a shell gives
+        a process that the signal ended: `sys.exit(e.exit_code)` tells a batch script
+        how the run ended (see the long-runs guide for SLURM's requeue).
     """
 
-    def __init__(self, result: FitResult[Any]):
+    def __init__(self, result: FitResult[Any], signal_name: str = "SIGINT"):
         last = result.history.initial_epoch + result.history.epochs
+        steps = int(np.sum(result.history.batch_sizes > 0))
         super().__init__(
-            f"Training interrupted after epoch {last}; the result so far is in this "
-            "exception's `.result`."
+            f"Training stopped by {signal_name} in epoch {last}, after {steps} steps of this "
+            "run; the result so far is in this exception's `.result`."
         )
         self.result: FitResult[Any] = result
+        self.signal: str = signal_name
+        self.exit_code: int = 128 + int(signal.Signals[signal_name])
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -91,7 +105,7 @@ def finish(
         outcome.failure.result = result  # type: ignore[attr-defined]
         raise outcome.failure
     if outcome.interrupted:
-        raise TrainingInterrupted(result)
+        raise TrainingInterrupted(result, outcome.signal or "SIGINT")
     try:
         raise_found(outcome.report.label_error, loop.members is not None)
     except ValueError as e:

@@ -313,7 +313,7 @@ class Loader(_Streamed):
         # Neither `len` nor `steps_per_epoch`: an epoch is as long as the first pass.
         self.unsaid = self.learns = options.steps_per_epoch is None and length is None
         self.stored: int | None = None  # that length, as the checkpoints resumed keep it
-        self.directory = options.checkpoint
+        self.directory = None if options.checkpoint is None else options.checkpoint.directory
         if self.learns:
             check_learnable(self.one_shot, options)
         self.stream = self._batches()

@@ -3,10 +3,11 @@
 Usage: python checkpoint_worker.py DIRECTORY|- (compiled | progress)
     [limit BYTES | nobody | long]
 
-It prints "epoch N" after each epoch, and how it ended: "finished", "interrupted after N"
-(exit code 3) or "checkpoint error: ..." (exit code 4). With `limit`, files over BYTES
-cannot be written (RLIMIT_FSIZE); with `nobody`, it drops root's privileges first; with
-`long`, its epochs are a million steps (minutes), not one pass of the test problem.
+It prints "epoch N" after each epoch, and how it ended: "finished", "interrupted after N
+epochs, S steps, by SIGNAL" (exit code 3) or "checkpoint error: ..." (exit code 4). With
+`limit`, files over BYTES cannot be written (RLIMIT_FSIZE); with `nobody`, it drops root's
+privileges first; with `long`, its epochs are a million steps (minutes), not one pass of
+the test problem.
 """
 
 import os
@@ -51,7 +52,9 @@ try:
         **kwargs,
     )
 except eqfit.TrainingInterrupted as e:
-    print(f"interrupted after {e.result.history.epochs}", flush=True)
+    history = e.result.history
+    steps = int((history.batch_sizes > 0).sum())
+    print(f"interrupted after {history.epochs} epochs, {steps} steps, by {e.signal}", flush=True)
     sys.exit(3)
 except eqfit.CheckpointError as e:
     epochs = "none" if e.result is None else e.result.history.epochs

@@ -20,6 +20,7 @@ Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow) [
   `@<time.monotonic()>`; it prints "@<time> raised <type> <steps> steps" when `fit` raises.
 """
 
+import signal
 import sys
 import time
 
@@ -137,6 +138,9 @@ def interrupted(data: str, epochs: int, steps: int, progress: bool, host_callbac
     try:
         eqfit.fit(model, (x, y) if data == "memory" else Batches(), **arguments)
     except KeyboardInterrupt as e:
+        # As a script that handles it would: a second Ctrl-C that comes once `fit` has
+        # answered the first (within a call) finds the run over, and is let be.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.stderr = stderr
         result = e.result  # type: ignore[attr-defined]
         trained = int((result.history.batch_sizes > 0).sum())

@@ -1,0 +1,161 @@
+"""What a long run is asked to do: when to checkpoint and what to keep (`Checkpoint`),
+and which signals stop it (`signals=`). Plain values, checked as they are made.
+"""
+
+import dataclasses
+import math
+import os
+import signal
+from typing import Any, Literal
+
+
+# Checkpoints kept by default: the newest, and one before it in case the newest is damaged.
+KEEP = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """When `fit` writes checkpoints, and which it keeps: `fit(..., checkpoint=
+    eqfit.Checkpoint(directory, ...))`. `checkpoint=directory` is `Checkpoint(directory)`.
+
+    A checkpoint falls at every step that any of the periods given reaches (an epoch's
+    end, a multiple of `every_steps` steps, `every_seconds` of wall time since the last
+    one), at the run's end, and at the step where a signal stopped it (Ctrl-C, SIGTERM,
+    SIGUSR1). It may fall inside an epoch: a run resumed from it goes on bit for bit.
+    Each is written in a background thread while training goes on; `fit` returns once the
+    last is committed.
+
+    **Arguments:**
+
+    - `directory`: where the checkpoints live; created if missing.
+    - `every_epochs`: epochs between checkpoints at epochs' ends (`None`: none there).
+    - `every_steps`: optimizer steps between checkpoints, counted from the run's first
+        step ever (so step multiples of it), inside epochs too.
+    - `every_seconds`: wall seconds between checkpoints: one is written at the first
+        end of a call (about half a second apart) once this long has passed since the
+        last. With several processes (`jax.distributed`), process 0's clock decides.
+    - `keep`: how many of the newest checkpoints to keep (the newest is the one a run
+        resumes from).
+    - `keep_best`: a per-epoch value the run records, such as `"val_loss"`: also keep
+        the checkpoint of the best epoch by it, never rotated out. Each epoch whose value
+        is the best so far is written at its end, due or not.
+    - `mode`: `"min"` or `"max"`: whether `keep_best`'s best is its lowest or highest.
+    """
+
+    directory: Any
+    every_epochs: int | None = 1
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep: int = KEEP
+    keep_best: str | None = None
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, str | os.PathLike):
+            raise TypeError(
+                "`Checkpoint`'s `directory` must be a path (a string or `pathlib.Path`), got "
+                f"{type(self.directory).__name__}."
+            )
+        for name in ("every_epochs", "every_steps"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"`Checkpoint`'s `{name}` must be a whole number of 1 or more, or "
+                    f"`None`; got {value!r}."
+                )
+        seconds = self.every_seconds
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or seconds <= 0
+        ):
+            raise ValueError(
+                "`Checkpoint`'s `every_seconds` must be a number of seconds above 0, or "
+                f"`None`; got {seconds!r}."
+            )
+        if self.every_epochs is None and self.every_steps is None and seconds is None:
+            raise ValueError(
+                "`Checkpoint` has no policy: `every_epochs`, `every_steps` and "
+                "`every_seconds` are all `None`, so no checkpoint would be written but at "
+                "the run's end. Give one of them (`every_epochs=1`, say)."
+            )
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(
+                f"`Checkpoint`'s `keep` must be a whole number of 1 or more, got {self.keep!r}."
+            )
+        if self.keep_best is not None and not (isinstance(self.keep_best, str) and self.keep_best):
+            raise TypeError(
+                "`Checkpoint`'s `keep_best` must name a per-epoch value such as 'val_loss', "
+                f"got {self.keep_best!r}."
+            )
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"`Checkpoint`'s `mode` must be 'min' or 'max', got {self.mode!r}.")
+
+    def next_due(self, position: int, steps_per_epoch: int) -> int | None:
+        """The first position after `position` where a period falls due (not counting
+        `every_seconds`, which no position foretells); `None` if none does.
+        """
+        due = []
+        if self.every_epochs is not None:
+            every = self.every_epochs * steps_per_epoch
+            due.append((position // every + 1) * every)
+        if self.every_steps is not None:
+            due.append((position // self.every_steps + 1) * self.every_steps)
+        return min(due) if due else None
+
+    def is_due(self, position: int, steps_per_epoch: int) -> bool:
+        """Whether a period (of epochs or steps) falls due at `position`."""
+        by_epochs = self.every_epochs is not None and (
+            position % (self.every_epochs * steps_per_epoch) == 0
+        )
+        by_steps = self.every_steps is not None and position % self.every_steps == 0
+        return by_epochs or by_steps
+
+
+# The signals a cluster's scheduler stops a job with (SLURM: SIGTERM, then SIGKILL after a
+# grace period; SIGUSR1 ahead of it where asked, `--signal=USR1@90`; Kubernetes: SIGTERM).
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def as_signals(signals: Any) -> tuple[signal.Signals, ...]:
+    """`fit`'s `signals`, checked: names (`"SIGTERM"`) or numbers of signals that Python
+    can catch.
+    """
+    if signals is None:
+        return ()
+    if isinstance(signals, str | int):
+        signals = (signals,)
+    try:
+        given = tuple(signals)
+    except TypeError:
+        raise TypeError(
+            f"`signals` must be a sequence of signal names such as `('SIGTERM', 'SIGUSR1')`, "
+            f"or `()` for none; got {signals!r}."
+        ) from None
+    out = []
+    for item in given:
+        try:
+            if isinstance(item, str):
+                name = item.upper()
+                number = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+            elif isinstance(item, int) and not isinstance(item, bool):
+                number = signal.Signals(item)
+            else:
+                raise KeyError(item)
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"`signals` holds {item!r}, which is not a signal here; give names such as "
+                "'SIGTERM', 'SIGUSR1' or 'SIGUSR2'."
+            ) from None
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(
+                f"`signals` holds {number.name}, which no process can catch; it stops the "
+                "process at once. Ask the scheduler for a signal ahead of it (SLURM: "
+                "`--signal=USR1@90`)."
+            )
+        if number not in out:
+            out.append(number)
+    return tuple(out)
