@@ -98,9 +98,7 @@ def step_count(opt_state: PyTree) -> Any:
     return None
 
 
-def check_schedules(
-    schedules: Mapping[str, Callable[[Any], Any]], opt_state: PyTree
-) -> Any:
+def check_schedules(schedules: Mapping[str, Callable[[Any], Any]], opt_state: PyTree) -> Any:
     """Refuses `schedules` where the optimizer's state (`opt_state`, its shapes) counts
     no updates, or a schedule that does not give a scalar number for the count.
 
