@@ -53,6 +53,7 @@ from ._typing import (
     OptState,
     PathLike,
     PRNGKey,
+    Schedules,
 )
 
 
@@ -97,6 +98,7 @@ def fit(
     ema: float | None = None,
     validate_ema: bool = False,
     norms: bool = False,
+    schedules: Schedules | None = None,
     peak_flops: float | None = None,
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
@@ -192,6 +194,14 @@ def fit(
         metrics and early stopping on them).
     - `norms`: record the global L2 norm of each step's gradient (unscaled, before the
         optimizer) and of its update as `"grad_norm"` and `"update_norm"`.
+    - `schedules`: `{name: schedule}`, such as `{"learning_rate": schedule}` for
+        `optax.adam(schedule)`: each step records `schedule(count)` under `name`, the
+        count being the one the step's update uses (the optimizer state's first `count`
+        before the update; with `optax.MultiSteps`, its `gradient_step`, the inner
+        optimizer's updates so far). The hyperparameters that `optax.inject_hyperparams`
+        keeps in the optimizer's state are recorded without it, by their names
+        (`"learning_rate"`, `"b1"`, ...), each the value the step's update used. Per
+        epoch, both are the epoch's last step's.
 
     *What the host sees:*
 
@@ -281,12 +291,15 @@ def fit(
         peak_flops=peak_flops,
         signals=signals,
         loss=loss,
+        schedules=schedules,
     )
     # Open the data, and plan the run's shape from it.
     source, val_data = _open(data, validation_data, options)
     schedule = _plan(source, options)
     # The program: the run's static description, its arrays, its starting state.
-    objects = Objects(loss, tuple((metrics or {}).items()), plain_optimizer(optimizer))
+    objects = Objects(
+        loss, tuple((metrics or {}).items()), plain_optimizer(optimizer), options.schedules
+    )
     loop, params, consts = make_loop(
         model, filter_spec, objects, schedule, options, source.like, state
     )

@@ -37,7 +37,8 @@ class History:
         With `fit(..., norms=True)`, `"grad_norm"` and `"update_norm"` (means over the
         steps whose update was applied); each aux value the loss returns, by its name;
         with loss scaling, `"loss_scale"` (the epoch's last step's) and `"skipped_steps"`
-        (how many of its steps were skipped for a non-finite gradient).
+        (how many of its steps were skipped for a non-finite gradient); the optimizer's
+        hyperparameters (the epoch's last step's, see `step_values`).
     - `step_loss`: the loss of every step, shape `(epochs, steps_per_epoch)`: the loss of
         the parameters *before* that step's update; NaN for steps that did not run.
     - `batch_sizes`: the size of every step's batch, shape `(epochs, steps_per_epoch)`;
@@ -65,7 +66,12 @@ class History:
         shaped as `step_loss`: the metrics and the loss's aux values on the step's batch
         (before its update), `"grad_norm"` and `"update_norm"` with `norms=True`, and with
         loss scaling `"loss_scale"` (the scale the step used) and `"skipped_steps"` (1
-        where the step's gradient was not finite and its update was skipped).
+        where the step's gradient was not finite and its update was skipped). And the
+        optimizer's hyperparameters: each numeric one of an `optax.inject_hyperparams`
+        state in its state, by its name (`"learning_rate"`), the value the step's update
+        used (where two states hold one name, the second is named by its path in the
+        optimizer's state, `"inner_states/b/inner_state/learning_rate"`); and each of
+        `fit(..., schedules=)` at the count the update used.
 
     For an ensemble every per-epoch value has a last axis of members, `step_loss` and
     `batch_sizes` are `(epochs, steps, members)`, `best_epoch` and `stop_reason` are

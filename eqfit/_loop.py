@@ -28,6 +28,7 @@ from ._compile import PROGRAM_CACHE
 from ._data import describe, epoch_order, is_dtype, not_a_stack, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches
+from ._hyperparams import check_schedules, injected_names
 from ._labels import LabelError
 from ._options import check_monitor, Options
 from ._parallel import OneDevice, param_specs, Placement
@@ -122,7 +123,7 @@ class Loop:
 
     model: Skeleton
     trains: tuple[bool, ...]  # for each array of the model, in order: does it train
-    objects: Skeleton  # (loss, metrics, optimizer)
+    objects: Skeleton  # (loss, metrics, optimizer, schedules)
     metric_names: tuple[str, ...]
     schedule: Schedule
     batch_size: int  # of each step here (for streamed data: of this program's pieces)
@@ -139,6 +140,10 @@ class Loop:
     average: Average | None = None  # `ema=`
     validate_ema: bool = False  # validation and early stopping read the average
     norms: bool = False
+    # The hyperparameters recorded each step: the names of those that the optimizer's
+    # `inject_hyperparams` states hold, and of `schedules=`' (`eqfit._hyperparams`).
+    hyperparams: tuple[str, ...] = ()
+    schedule_names: tuple[str, ...] = ()
     # With a precision policy or an average: the dtype of each trained array as the model
     # holds it, to give the result back in (the master copy and the average may be wider).
     trained_dtypes: tuple[np.dtype, ...] | None = None
@@ -148,12 +153,28 @@ class Loop:
         """The values each step records besides its loss, in the order of
         `TrainState.step_values`' last axis.
         """
-        return step_value_names(self.aux_names, self.metric_names, self.norms, self.scales)
+        return step_value_names(
+            self.aux_names, self.metric_names, self.norms, self.scales, self.recorded
+        )
 
     @property
     def log_names(self) -> tuple[str, ...]:
         """The per-epoch values, in the order of `TrainState.epoch_values`' columns."""
-        return log_names(self.aux_names, self.metric_names, self.norms, self.scales, self.validate)
+        return log_names(
+            self.aux_names,
+            self.metric_names,
+            self.norms,
+            self.scales,
+            self.validate,
+            self.recorded,
+        )
+
+    @property
+    def recorded(self) -> tuple[str, ...]:
+        """The hyperparameters' names, as the run records them: the injected, then the
+        schedules'.
+        """
+        return (*self.hyperparams, *self.schedule_names)
 
     @property
     def scales(self) -> bool:
@@ -162,7 +183,7 @@ class Loop:
 
     def parts(self, consts: "Consts") -> "Parts":
         """The run's objects, rebuilt inside the program from the static skeletons."""
-        loss, metrics, optimizer = _unwrap(self.objects.fill(consts.objects))
+        loss, metrics, optimizer, schedules = _unwrap(self.objects.fill(consts.objects))
         objective = Objective(
             loss, metrics, self.stateful, self.use_key, self.aux_names, self.precision
         )
@@ -185,6 +206,8 @@ class Loop:
             lay_out,
             self.average,
             self.norms,
+            bool(self.hyperparams),
+            tuple(schedule for _, schedule in schedules),
         )
         return Parts(objective, optimizer, combine, step)
 
@@ -211,11 +234,14 @@ class Loop:
 
 
 class Objects(NamedTuple):
-    """What the run calls: the loss, the metrics and the optimizer (a plain one)."""
+    """What the run calls: the loss, the metrics, the optimizer (a plain one) and the
+    schedules whose values it records.
+    """
 
     loss: Callable[..., Any]
     metrics: tuple[tuple[str, Callable[..., Any]], ...]
     optimizer: optax.GradientTransformation
+    schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
 
 
 class Parts(NamedTuple):
@@ -363,6 +389,10 @@ def _real_model_config(loop: Loop) -> dict[str, Any]:
         config["norms"] = True
     if loop.aux_names:
         config["aux"] = list(loop.aux_names)
+    if loop.hyperparams:
+        config["hyperparams"] = list(loop.hyperparams)
+    if loop.schedule_names:
+        config["schedules"] = list(loop.schedule_names)
     return config
 
 
@@ -784,8 +814,8 @@ def epoch_means(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Arr
     mean over samples, as one full-batch pass would average a mean loss. Steps skipped for
     a non-finite loss (`on_nan="skip"`) trained nothing and are left out; NaN (0 / 0) if
     no step counts. The norms are means over the steps whose update was applied (a step
-    skipped by the loss scale is not); `skipped_steps` is their count, and `loss_scale`
-    the scale of the epoch's last step.
+    skipped by the loss scale is not); `skipped_steps` is their count; `loss_scale` and
+    the hyperparameters are those of the epoch's last step.
     """
 
     def at_row(record: Array) -> Array:  # `row` is in range by construction
@@ -820,7 +850,7 @@ def epoch_means(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Arr
             out.append(mean[None])
         elif name == "skipped_steps":
             out.append(jnp.sum(jnp.where(ran, column, 0.0))[None])
-        else:  # "loss_scale": the last step's
+        else:  # "loss_scale" and the hyperparameters: the last step's
             last = jnp.argmax(jnp.where(ran, jnp.arange(column.shape[0]), -1))
             out.append(column[last][None])
     return jnp.concatenate(out)
@@ -838,7 +868,8 @@ def make_loop(
     """Splits the model into the arrays that train and the frozen rest, takes out the
     arrays the other objects hold, finds the aux values the loss returns (by tracing it
     on a batch shaped as `like`'s, a batch of one), and describes the run as a hashable
-    `Loop`, whose values it checks against early stopping's monitor.
+    `Loop`, whose values it checks against early stopping's monitor. It finds the
+    hyperparameters to record in the optimizer's state, made on abstract arrays.
     """
     arrays, skeleton = split_arrays(model)
     trains = _trains(model, arrays, filter_spec)
@@ -881,8 +912,28 @@ def make_loop(
         if options.precision is None and options.average is None
         else tuple(np.dtype(a.dtype) for a in params),
     )
+    opt_state = _opt_state_shape(loop, objects.optimizer, params)
+    schedules = dict(objects.schedules)
+    if schedules:
+        check_schedules(schedules, opt_state)
+    loop = dataclasses.replace(
+        loop, hyperparams=injected_names(opt_state), schedule_names=tuple(schedules)
+    )
     check_names(loop, options)
     return loop, params, Consts(frozen, object_arrays)
+
+
+def _opt_state_shape(
+    loop: Loop, optimizer: optax.GradientTransformation, params: list[Array]
+) -> PyTree:
+    """The shapes of the optimizer's state for `params` (one member's in an ensemble),
+    as the step sees it.
+    """
+    drop = 0 if loop.members is None else 1
+    trained = loop.params_tree([jax.ShapeDtypeStruct(p.shape[drop:], p.dtype) for p in params])
+    if loop.precision is not None:  # the optimizer keeps the master copy's dtypes
+        trained = jax.eval_shape(loop.precision.master, trained)
+    return jax.eval_shape(optimizer.init, trained)
 
 
 def _aux_names(
@@ -917,7 +968,8 @@ def _aux_names(
 
 
 def check_names(loop: Loop, options: Options) -> None:
-    """Refuses an aux value named as a metric or a built-in history entry, and an early
+    """Refuses an aux value named as a metric or a built-in history entry, a schedule or
+    an injected hyperparameter named as any of these or as each other, and an early
     stopping monitor that the run does not compute.
     """
     for name in loop.aux_names:
@@ -931,6 +983,23 @@ def check_names(loop: Loop, options: Options) -> None:
             raise ValueError(
                 f"`loss` returns an aux value {name!r}, which collides with {what} entry "
                 "of the history; rename it."
+            )
+    taken = {name: f"the built-in {name!r} entry" for name in BUILT_IN}
+    taken |= {name: f"`loss`'s aux value {name!r}" for name in loop.aux_names}
+    taken |= {name: f"the metric {name!r}" for name in loop.metric_names}
+    for name in loop.hyperparams:  # the optimizer's names cannot be changed; the others can
+        if name in taken or name.startswith("val_"):
+            raise ValueError(
+                f"The optimizer's `inject_hyperparams` state holds a hyperparameter {name!r}, "
+                f"which the run records under that name, and so is {taken[name]}: rename it."
+            )
+        taken[name] = f"the optimizer's injected hyperparameter {name!r} (`inject_hyperparams`)"
+    for name in loop.schedule_names:  # built-in names were refused with the options
+        if name in taken:
+            raise ValueError(
+                f"`schedules` has a schedule {name!r}, which collides with {taken[name]} in "
+                "the history; rename the schedule (or leave it out: an injected "
+                "hyperparameter is recorded by itself)."
             )
     if loop.stopping is not None:
         check_monitor(loop.stopping.monitor, loop.log_names, options, final=True)

@@ -40,7 +40,7 @@ class Callback(Protocol):
     initial_epoch, batch_size, steps_per_epoch, shuffle, drop_remainder, on_nan, metrics,
     validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
     ensemble_members, devices, checkpoint, checkpoint_every, checkpoint_every_steps,
-    checkpoint_every_seconds, signals); `on_train_end(logs)`,
+    checkpoint_every_seconds, signals, schedules); `on_train_end(logs)`,
     called once when training ends (however it ends, `on_train_begin` called or not) with
     the last epoch's values; and a class attribute `stops_training = False` if it never
     returns `True`: then the device is not held up for it, and it sees each epoch once the
@@ -495,4 +495,5 @@ def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
         "checkpoint_every_steps": None if checkpoint is None else checkpoint.every_steps,
         "checkpoint_every_seconds": None if checkpoint is None else checkpoint.every_seconds,
         "signals": [s.name for s in options.signals],
+        "schedules": [name for name, _ in options.schedules],
     }

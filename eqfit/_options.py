@@ -9,7 +9,7 @@ import dataclasses
 import math
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -25,7 +25,7 @@ from ._parallel import choose_placement, Device, Placement
 from ._policy import as_signals, Checkpoint
 from ._precision import as_precision, Precision
 from ._sharding import resolve
-from ._step import log_names
+from ._step import BUILT_IN, log_names
 
 
 DEFAULT_BATCH_SIZE = 32
@@ -64,14 +64,20 @@ class Options:
     norms: bool = False
     peak_flops: float | None = None  # of one device, given
     signals: tuple[signal.Signals, ...] = ()  # besides SIGINT, those that stop training
+    schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
 
     @property
     def scales(self) -> bool:
         return self.precision is not None and self.precision.scales
 
     def log_names(self, aux_names: tuple[str, ...]) -> tuple[str, ...]:
-        """The values each epoch records, in order, for a loss with these aux values."""
-        return log_names(aux_names, self.metric_names, self.norms, self.scales, self.validates)
+        """The values each epoch records, in order, for a loss with these aux values (and
+        an optimizer that injects no hyperparameters).
+        """
+        scheduled = tuple(name for name, _ in self.schedules)
+        return log_names(
+            aux_names, self.metric_names, self.norms, self.scales, self.validates, scheduled
+        )
 
 
 def check_monitor(
@@ -132,6 +138,7 @@ def check_options(
     peak_flops: Any = None,
     signals: Any = (),
     loss: Any = None,
+    schedules: Any = None,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
 
@@ -214,6 +221,7 @@ def check_options(
             "`peak_flops` must be one device's peak FLOP/s, a number above 0 (such as "
             f"`989e12` for an H100 in bfloat16), got {peak_flops!r}."
         )
+    scheduled = _schedules(schedules, metric_names)
     options = Options(
         key=as_key(key),
         epochs=epochs,
@@ -241,6 +249,7 @@ def check_options(
         norms=norms,
         peak_flops=None if peak_flops is None else float(peak_flops),
         signals=as_signals(signals),
+        schedules=scheduled,
     )
     if early_stopping is not None:
         # The loss's aux values are known once it is traced on a batch (`make_loop`
@@ -295,6 +304,43 @@ def _layout(model: Any, mesh: Mesh | None, shard: Any, ensemble: bool) -> tuple[
         )
     specs = resolve(model, mesh, shard)
     return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+
+
+def _schedules(
+    schedules: Any, metric_names: tuple[str, ...]
+) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+    """`schedules` as `(name, schedule)` pairs, refusing what is not a mapping of names
+    to functions and a name that the history gives to something else. (The loss's aux
+    values and the optimizer's injected hyperparameters are known later: `make_loop`.)
+    """
+    if schedules is None:
+        return ()
+    if not isinstance(schedules, Mapping):
+        raise TypeError(
+            "`schedules` must map names to schedules, functions of the optimizer's step "
+            f"count (`{{'learning_rate': optax.cosine_decay_schedule(1e-3, 1000)}}`), got a "
+            f"{type(schedules).__name__}."
+        )
+    for name, schedule in schedules.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`schedules` must be keyed by names (strings), got {name!r}.")
+        if not callable(schedule):
+            raise TypeError(
+                f"`schedules[{name!r}]` must be a schedule, a function of the step count "
+                f"(such as `optax.linear_schedule(...)`), got a {type(schedule).__name__}."
+            )
+        if name in BUILT_IN or name.startswith("val_"):
+            what = "validation's" if name.startswith("val_") else "the built-in"
+            raise ValueError(
+                f"`schedules` has a schedule {name!r}, which collides with {what} {name!r} "
+                "entry of the history; rename it."
+            )
+        if name in metric_names:
+            raise ValueError(
+                f"`schedules` has a schedule {name!r}, and `metrics` has a metric {name!r}: "
+                "the history would hold both under one name; rename one."
+            )
+    return tuple(schedules.items())
 
 
 def plain_optimizer(optimizer: Any) -> optax.GradientTransformation:

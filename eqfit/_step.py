@@ -14,6 +14,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree, TypeCheckError
 
 from ._average import Average
+from ._hyperparams import injected_values, schedule_values
 from ._labels import collecting, either, first_of, LabelError
 from ._precision import all_finite, LossScale, Precision
 
@@ -390,7 +391,8 @@ class StepResult(NamedTuple):
     average: PyTree  # the moving average (`None` without one)
     loss_scale: LossScale | None
     loss: Float[Array, ""]
-    # `step_value_names`' values: aux values, metrics, norms, the loss scale's.
+    # `step_value_names`' values: aux values, metrics, norms, the loss scale's, the
+    # hyperparameters.
     values: Float[Array, " values"]
     finite: Bool[Array, ""]  # the loss is finite
     labels: LabelError | None  # the first label out of range; `None`: nothing checked
@@ -416,6 +418,9 @@ class Step(eqx.Module):
     lay_out: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
     average: Average | None = None
     norms: bool = False
+    # Record the hyperparameters of `inject_hyperparams` states (`eqfit._hyperparams`).
+    hyperparams: bool = False
+    schedules: tuple[Callable[[Any], Any], ...] = ()  # each evaluated at the step's count
 
     def __call__(
         self,
@@ -468,6 +473,8 @@ class Step(eqx.Module):
         finite = jnp.isfinite(loss)
         applies = finite
         reported = [aux, metrics]
+        # At the count this step's update uses: the state's before the update.
+        scheduled = schedule_values(self.schedules, opt_state)
         if self.norms:
             reported.append(optax.tree.norm(grads)[None])
         if loss_scale is not None:
@@ -509,6 +516,9 @@ class Step(eqx.Module):
         if loss_scale is not None:
             skipped = (finite & ~applies).astype(jnp.float32)
             reported.append(jnp.stack([loss_scale.scale, skipped]))
+        if self.hyperparams:  # after the update: `inject_hyperparams` keeps those it used
+            reported.extend(injected_values(opt_state))
+        reported.extend(scheduled)
         values = jnp.concatenate([jnp.asarray(v, jnp.float32).reshape(-1) for v in reported])
         return StepResult(
             params, opt_state, model_state, average, new_scale, loss, values, finite, labels
@@ -516,15 +526,21 @@ class Step(eqx.Module):
 
 
 def step_value_names(
-    aux_names: tuple[str, ...], metric_names: tuple[str, ...], norms: bool, scales: bool
+    aux_names: tuple[str, ...],
+    metric_names: tuple[str, ...],
+    norms: bool,
+    scales: bool,
+    hyperparams: tuple[str, ...] = (),
 ) -> tuple[str, ...]:
-    """The values a step records besides its loss, in order."""
+    """The values a step records besides its loss, in order; `hyperparams` last, those
+    of `inject_hyperparams` states and then the schedules'.
+    """
     names = (*aux_names, *metric_names)
     if norms:
         names += ("grad_norm", "update_norm")
     if scales:
         names += ("loss_scale", "skipped_steps")
-    return names
+    return names + hyperparams
 
 
 def log_names(
@@ -533,11 +549,13 @@ def log_names(
     norms: bool,
     scales: bool,
     validates: bool,
+    hyperparams: tuple[str, ...] = (),
 ) -> tuple[str, ...]:
     """The values each epoch records, in order: the loss and the steps' values, then
     with validation `val_` and the loss, the aux values and the metrics.
     """
-    names = ("loss", *step_value_names(aux_names, metric_names, norms, scales))
+    steps = step_value_names(aux_names, metric_names, norms, scales, hyperparams)
+    names = ("loss", *steps)
     if not validates:
         return names
     return names + tuple(f"val_{n}" for n in ("loss", *aux_names, *metric_names))

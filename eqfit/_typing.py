@@ -25,6 +25,8 @@ PathLike: TypeAlias = str | os.PathLike[str]
 # `loss(model, *batch)`, a metric `fn(model, *batch)`: see `fit`'s docstring.
 Loss: TypeAlias = Callable[..., Any]
 Metrics: TypeAlias = Mapping[str, Callable[..., Any]]
+# `{name: schedule}`, each a function of the optimizer's step count.
+Schedules: TypeAlias = Mapping[str, Callable[..., Any]]
 Optimizer: TypeAlias = optax.GradientTransformation | optax.MultiSteps
 # `jax.random.key(seed)`, or a raw `jax.random.PRNGKey(seed)`.
 PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"]

@@ -135,6 +135,9 @@ def test_learning_rate_sweep_through_inject_hyperparams(getkey):
         alone = eqfit.fit(member(models, i), data, key=k, optimizer=alone_sgd, **kwargs)
         assert_trees_close(member(result.model, i), alone.model)
     np.testing.assert_array_equal(result.opt_state.hyperparams["learning_rate"], rates)
+    # The history records each member's rate, every step.
+    np.testing.assert_array_equal(result.history["learning_rate"], np.stack([rates] * 2))
+    assert result.history.step_values["learning_rate"].shape == (2, 4, 3)
 
 
 def test_ensemble_needs_a_stacked_model(getkey):
