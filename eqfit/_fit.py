@@ -318,6 +318,8 @@ def fit(
             # Compiles the run's programs into eqfit's cache, where the drive finds them.
             plan = make_plan(loop, model, source, val_data, start_args, options)
             if _PLANNING.get():
+                if interrupt.requested:  # answered once the compilation is done
+                    raise KeyboardInterrupt(f"`eqfit.plan` stopped by {interrupt.signal}.")
                 raise _Planned(plan)
         costs = run_costs(loop, model, source, start_args, options, plan)
         starting, keys = _start(loop, start_args, options)
@@ -340,20 +342,29 @@ def fit(
         observers = observers_for(
             options, schedule, begin, store, interrupt, placement, loop.log_names, summary
         )
-        with reported_as("fit", "data"):
-            outcome = drive(
-                loop,
-                run_program,
-                placement.put(starting),
-                train_feeds,
-                begin,
-                observers,
-                interrupt,
-                costs,
-            )
-        # Still deferred: a signal now, with training over, must not lose its result.
-        interrupt.ended = True
-        return finish(outcome.loop, outcome, consts, began)
+        try:
+            with reported_as("fit", "data"):
+                outcome = drive(
+                    loop,
+                    run_program,
+                    placement.put(starting),
+                    train_feeds,
+                    begin,
+                    observers,
+                    interrupt,
+                    costs,
+                )
+            # Still deferred: a signal now, with training over, must not lose its result.
+            interrupt.ended = True
+            result = finish(outcome.loop, outcome, consts, began)
+        except BaseException:
+            interrupt.ended = True
+            for observer in observers:  # how the run ended is `sys.exc_info()`'s now
+                observer.finished()
+            raise
+        for observer in observers:
+            observer.finished()
+        return result
 
 
 _P = ParamSpec("_P")

@@ -79,6 +79,9 @@ class Observer:
     - `on_progress(progress)`: reports were read; returns `True` to stop training.
     - `end(position, state)`: the drive is over, not by an error, at `position` with
         `state`; what it raises (a `CheckpointError`) is the run's failure.
+    - `finished()`: `fit` has made its result, or is raising its error: called inside
+        the `except` clause then, so that `sys.exc_info()` tells how the run ended (a
+        logger marks its run FINISHED, FAILED or KILLED by it).
     - `learned(schedule)`: the first epoch showed the epoch's length (a loader without
         `len`); `schedule` is the run's from now on.
     - `close()`: the run is over, however it ended.
@@ -109,6 +112,9 @@ class Observer:
         pass
 
     def close(self) -> None:
+        pass
+
+    def finished(self) -> None:
         pass
 
 
@@ -205,7 +211,7 @@ class Callbacks(Observer):
                 break
         return self.stopped
 
-    def close(self) -> None:
+    def finished(self) -> None:
         for callback in self.callbacks:
             end = getattr(callback, "on_train_end", None)
             if callable(end):

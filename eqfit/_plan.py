@@ -368,10 +368,27 @@ def _compile_plan(
     start_args: tuple[Any, ...],
     options: Any,
 ) -> Plan:
+    threads: list[concurrent.futures.Future[Any]] = []
+    try:
+        return _compile_plan_in(loop, model, source, val_data, start_args, options, threads)
+    finally:
+        _join(threads)
+
+
+def _compile_plan_in(
+    loop: Loop,
+    model: PyTree,
+    source: Source,
+    val_data: PyTree | None,
+    start_args: tuple[Any, ...],
+    options: Any,
+    threads: list["concurrent.futures.Future[Any]"],
+) -> Plan:
     placement, schedule = loop.placement, loop.schedule
     start_inputs = placement.start_inputs(start_args, loop.trains)
     lowered = _lower(start_program(loop), *start_inputs)
     compiling = _in_thread(lowered.compile)
+    threads.append(compiling)
     if isinstance(placement, OneDevice):
         # Its shapes are known from the lowering: the run's program is traced and
         # compiled while XLA compiles this one, as `fit` does.
@@ -394,6 +411,7 @@ def _compile_plan(
     run = _lower(run_program(loop), state, inputs, np.int32(schedule.begin))
     # The step is traced to count its FLOPs while XLA compiles the run.
     counting = _in_thread(step_flops, loop, lowered.out_info[0], source.like, consts)
+    threads.append(counting)
     compiled = run.compile()
     flops = counting.result()
     devices = devices_of(loop)
@@ -487,6 +505,20 @@ def _in_thread(fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future
     future = pool.submit(fn, *args)
     pool.shutdown(wait=False)  # the thread ends with the call
     return future
+
+
+def _join(threads: list["concurrent.futures.Future[Any]"]) -> None:
+    """Waits for the threads that compile or trace, on every way out: a process must not
+    exit with XLA at work in one (it crashes). A further Ctrl-C does not cut the wait
+    short; the one that ends the plan is already on its way.
+    """
+    for future in threads:
+        while True:
+            try:
+                concurrent.futures.wait([future])
+                break
+            except KeyboardInterrupt:
+                continue
 
 
 def _lower(program: Any, *args: Any) -> Any:

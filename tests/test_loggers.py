@@ -32,12 +32,11 @@ def problem():
             (x, x @ w),
             validation_data=(x_val, x_val @ w),
             loss=eqfit.losses.mse,
-            optimizer=SGD,
             metrics={"mae": eqfit.metrics.mae},
             key=keys[3],
             batch_size=16,
             callbacks=callbacks,
-            **({"epochs": 3} | kwargs),
+            **({"epochs": 3, "optimizer": SGD} | kwargs),
         )
 
     return fit
@@ -148,13 +147,19 @@ def test_mlflow_run_ends_however_training_ends(problem, mlflow_store):
     assert problem([logger, Stop()]).history.stop_reason == "callback"
     assert client.get_run(logger.run_id).info.status == "FINISHED"
     assert len(metric_history(client, logger.run_id, "val_mae")) == 2
-    # Ctrl-C: `fit` stops, with the result so far; the run has its 2 epochs, and ended.
+    # Ctrl-C: `fit` stops, with the result so far; the run has its 2 epochs, and was
+    # killed.
     logger = eqfit.callbacks.MLflowLogger(tracking_uri=mlflow_store)
     with pytest.raises(eqfit.TrainingInterrupted) as interrupted:
         problem([logger, Stop(KeyboardInterrupt())])
     assert interrupted.value.result.history.epochs == 2
-    assert client.get_run(logger.run_id).info.status == "FINISHED"
+    assert client.get_run(logger.run_id).info.status == "KILLED"
     assert len(metric_history(client, logger.run_id, "val_loss")) == 2
+    # A non-finite loss (raised once the result is made): FAILED.
+    logger = eqfit.callbacks.MLflowLogger(tracking_uri=mlflow_store)
+    with pytest.raises(eqfit.NonFiniteLossError):
+        problem([logger], optimizer=optax.sgd(1e30))
+    assert client.get_run(logger.run_id).info.status == "FAILED"
     # An error: the run is marked FAILED.
     logger = eqfit.callbacks.MLflowLogger(tracking_uri=mlflow_store)
     with pytest.raises(RuntimeError, match="the user's"):
