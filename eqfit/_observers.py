@@ -222,11 +222,12 @@ class Checkpointing(Observer):
     """Writes checkpoints as its `Checkpoint` policy asks, at the run's end, and at the
     step where a signal stopped the run.
 
-    At a checkpoint the state is copied on the device (`snapshot`: a new buffer, which
-    the next call's donation leaves alone) and a background `Writer` takes it to the host
-    and writes it while training goes on; the next checkpoint waits for it, and `end`
-    for the last. Where every process writes a part (`shard=`) or several processes
-    take part, the write is made in the training thread instead, all processes together.
+    At a checkpoint the state (`take`n off the placement: one replica of `devices=`) is
+    copied on the device (new buffers, which the next call's donation leaves alone) and a
+    background `Writer` takes it to the host (`host`) and writes it while training goes
+    on; the next checkpoint waits for it, and `end` for the last. Where every process
+    writes a part (`shard=`) or several processes take part, the write is made in the
+    training thread instead, all processes together.
     """
 
     def __init__(
@@ -235,13 +236,13 @@ class Checkpointing(Observer):
         policy: Checkpoint,
         schedule: Schedule,
         interrupt: Interrupt,
-        snapshot: Callable[[TrainState], PyTree],
+        take: Callable[[TrainState], PyTree],
         host: Callable[[PyTree], PyTree],
         monitor: int | None,
     ):
         self.store, self.policy, self.schedule = store, policy, schedule
         self.interrupt = interrupt
-        self.snapshot, self.host = snapshot, host
+        self.take, self.host = take, host
         self.monitor = monitor  # `keep_best`'s column in `TrainState.epoch_values`
         self.background = not store.collective and jax.process_count() == 1
         self.writer = Writer()
@@ -305,12 +306,13 @@ class Checkpointing(Observer):
             self.saved_at, self.since = position, time.monotonic()
         schedule = self.schedule
         row = schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
+        taken = self.take(state)
         if self.background:
-            snapshot = self.snapshot(state)  # queued behind the call: the device copies it
+            snapshot = _copy(taken)  # queued behind the call: the device copies it
             self.writer.submit(lambda: self._write(snapshot, due, row))
         else:
             self.writer.wait()
-            self._write(state, due, row)
+            self._write(taken, due, row)
 
     def _write(self, state: PyTree, due: bool, row: int | None) -> None:
         """Writes `state` (a snapshot, or the state) if `due`, or if its epoch (record
@@ -455,12 +457,12 @@ def observers_for(
         def host(state: PyTree) -> PyTree:
             if store.collective:  # every process writes its own shards
                 return state
-            return jax.device_get(placement.get(state))
+            return jax.device_get(state)
 
         policy = options.checkpoint
         monitor = None if policy.keep_best is None else log_names.index(policy.keep_best)
-        snapshot = lambda state: _copy(placement.get(state))  # noqa: E731
-        observers.append(Checkpointing(store, policy, schedule, interrupt, snapshot, host, monitor))
+        take = placement.get
+        observers.append(Checkpointing(store, policy, schedule, interrupt, take, host, monitor))
     return observers
 
 

@@ -1,13 +1,14 @@
 """A training run for test_checkpoint.py to kill, interrupt or starve.
 
 Usage: python checkpoint_worker.py DIRECTORY|- (compiled | progress)
-    [limit BYTES | nobody | long]
+    [limit BYTES | nobody | long | nosignals | steps N | epochs E]...
 
 It prints "epoch N" after each epoch, and how it ended: "finished", "interrupted after N
 epochs, S steps, by SIGNAL" (exit code 3) or "checkpoint error: ..." (exit code 4). With
 `limit`, files over BYTES cannot be written (RLIMIT_FSIZE); with `nobody`, it drops root's
 privileges first; with `long`, its epochs are a million steps (minutes), not one pass of
-the test problem.
+the test problem; with `nosignals`, `fit` handles no signal but Ctrl-C; with `steps N`, a
+checkpoint falls every N steps too; `epochs E` trains E epochs (200).
 """
 
 import os
@@ -31,22 +32,29 @@ class Announce:
         print(f"epoch {epoch}", flush=True)
 
 
-directory, mode = sys.argv[1], sys.argv[2]
-if len(sys.argv) > 3 and sys.argv[3] == "limit":
-    limit = int(sys.argv[4])
+directory, mode, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+if "limit" in flags:
+    limit = int(flags[flags.index("limit") + 1])
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-if len(sys.argv) > 3 and sys.argv[3] == "nobody" and os.geteuid() == 0:
+if "nobody" in flags and os.geteuid() == 0:
     os.setgid(65534)
     os.setuid(65534)
-model, data, kwargs = checkpoint_problem()
-if len(sys.argv) > 3 and sys.argv[3] == "long":
+epochs = int(flags[flags.index("epochs") + 1]) if "epochs" in flags else 200
+model, data, kwargs = checkpoint_problem(epochs)
+if "long" in flags:
     kwargs.update(epochs=2, steps_per_epoch=10**6)
+if "nosignals" in flags:
+    kwargs.update(signals=())
+checkpoint = None if directory == "-" else directory
+if "steps" in flags:
+    every = int(flags[flags.index("steps") + 1])
+    checkpoint = eqfit.Checkpoint(directory, every_steps=every)
 print("starting", flush=True)
 try:
     eqfit.fit(
         model,
         data,
-        checkpoint=None if directory == "-" else directory,
+        checkpoint=checkpoint,
         progress=mode == "progress",
         callbacks=[Announce()],
         **kwargs,

@@ -1,12 +1,16 @@
 """One process of the two-process `jax.distributed` tests (run by test_parallel.py).
 
-Usage: python distributed_worker.py PROCESS_ID PORT OUT.npz [CHECKPOINT_DIRECTORY [shard]]
+Usage: python distributed_worker.py PROCESS_ID PORT OUT.npz [CHECKPOINT_DIRECTORY [shard |
+    signal]]
 
 Without a directory it trains the shared problem on both paths and saves the results;
 with one, it trains a longer run with checkpoints there (printing "epoch N" as it goes),
 resuming from them if there are any, and saves the result. With `shard`, each process
 has 4 devices, and the model and optimizer state are split over all 8 (FSDP), with
-sharded (Orbax) checkpoints that each process writes its part of.
+sharded (Orbax) checkpoints that each process writes its part of. With `signal`, it trains
+an epoch of a million steps with checkpoints every 50 steps, printing "training" once
+begun, until a signal (to either process) stops it: it saves the steps trained and the
+signal's name, and exits 3.
 """
 
 import sys
@@ -17,6 +21,7 @@ import jax
 process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 directory = sys.argv[4] if len(sys.argv) > 4 else None
 sharded = len(sys.argv) > 5 and sys.argv[5] == "shard"
+signalled = len(sys.argv) > 5 and sys.argv[5] == "signal"
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 4 if sharded else 2)
 jax.distributed.initialize(
@@ -52,6 +57,34 @@ if directory is None:
         leaves = jax.tree.leaves(eqx.filter(result.model, eqx.is_array))
         arrays[f"loss_{progress}"] = result.history.loss
         arrays.update({f"leaf{i}_{progress}": np.asarray(a) for i, a in enumerate(leaves)})
+elif signalled:
+
+    class Training:
+        stops_training = False
+
+        def on_train_begin(self, config):
+            print("training", flush=True)
+
+        def on_epoch_end(self, epoch, logs):
+            pass
+
+    kwargs.update(epochs=1, steps_per_epoch=10**6)
+    policy = eqfit.Checkpoint(directory, every_epochs=None, every_steps=50)
+    try:
+        eqfit.fit(
+            model,
+            (x[rows], y[rows]),
+            mesh=mesh,
+            checkpoint=policy,
+            callbacks=[Training()],
+            **kwargs,
+        )
+    except eqfit.TrainingInterrupted as e:
+        steps = int((e.result.history.batch_sizes > 0).sum())
+        np.savez(out, steps=steps, signal=e.signal)
+        jax.distributed.shutdown()
+        sys.exit(3)
+    sys.exit(1)
 else:
     kwargs["epochs"] = 120
     if sharded:  # every array split over the 8 devices where a dimension divides

@@ -1,8 +1,12 @@
 """Several devices: `devices=` (filter_pmap) and `mesh=` (sharding) give the one-device answer."""
 
+import hashlib
+import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -247,3 +251,36 @@ def test_two_processes_share_a_checkpoint_directory_through_a_kill(tmp_path, mod
         np.testing.assert_allclose(got["loss"], reference.history.loss, rtol=1e-4, atol=1e-6)
         for i, leaf in enumerate(expected_leaves(reference)):
             np.testing.assert_allclose(got[f"leaf{i}"], leaf, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.heavy
+def test_a_signal_to_one_of_two_processes_stops_both_at_one_step(tmp_path):
+    """SIGTERM to process 1 alone, during an epoch of a million steps: both processes stop
+    at the same step, with a checkpoint there that a single process restores whole.
+    """
+    directory = tmp_path / "shared"
+    outs = [tmp_path / f"process{i}.npz" for i in range(2)]
+    workers = start_two_processes(outs, directory, "signal")
+    try:
+        for worker in workers:
+            for line in worker.stdout:
+                if line.startswith("training"):
+                    break
+            else:
+                pytest.fail(worker.communicate()[0][-3000:])
+        time.sleep(3)
+        workers[1].send_signal(signal.SIGTERM)
+        logs = [w.communicate(timeout=120)[0] for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    assert [w.returncode for w in workers] == [3, 3], logs[0][-2000:] + logs[1][-2000:]
+    got = [np.load(out) for out in outs]
+    steps = [int(g["steps"]) for g in got]
+    assert steps[0] == steps[1] and 0 < steps[0] < 10**6
+    assert [str(g["signal"]) for g in got] == ["SIGTERM", "SIGTERM"]
+    newest = sorted(p.name for p in directory.glob("ckpt-*"))[-1]
+    assert newest == f"ckpt-000000-{steps[0]:06d}"
+    manifest = json.loads((directory / newest / "manifest.json").read_text())
+    state = (directory / newest / "state.eqx").read_bytes()
+    assert hashlib.sha256(state).hexdigest() == manifest["sha256"]  # whole
