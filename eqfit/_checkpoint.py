@@ -555,6 +555,9 @@ class Interrupt:
         self._holding = False  # inside `held()`
         self._pending = False  # a second signal came while held
         self.ended = False  # training is over: further signals are let be
+        # Set by the driver where every process has agreed to stop (at a call's end):
+        # what the observers go by, so that all processes checkpoint at one step.
+        self.stopping = False
 
     def request(self, name: str) -> None:
         """Asks training to stop as if signal `name` had come (another process's, say)."""

@@ -342,11 +342,14 @@ def drive(
         """Whether a signal asks training to stop, in any process: with several, each asks
         the others at every call's end, so that all stop at the same step.
         """
-        if jax.process_count() > 1:
+        if jax.process_count() == 1:
+            interrupt.stopping = interrupt.requested
+        else:  # by what was gathered: a signal may come in this very line, in one process
             name = _first_signal(interrupt.signal)
             if name is not None:
                 interrupt.request(name)
-        return interrupt.requested
+                interrupt.stopping = True
+        return interrupt.stopping
 
     position, report = begin, None
     called: set[int] = set()  # the programs called so far (by `id`): a first call compiles
@@ -435,7 +438,7 @@ def drive(
                     break
             if failure is not None or reader.finished or position >= schedule.total:
                 break
-            if interrupt.requested:
+            if interrupt.stopping:
                 break
         if report is None:  # no feed at all: nothing to train on from here
             raise ValueError("The data yielded no batches to train on.")

@@ -279,7 +279,7 @@ class Checkpointing(Observer):
         due = (
             self.policy.is_due(position, schedule.steps_per_epoch)
             or position >= schedule.total
-            or self.interrupt.requested
+            or self.interrupt.stopping
             or (seconds is not None and agreed(time.monotonic() - self.since >= seconds))
         )
         may_be_best = self.monitor is not None and schedule.is_epoch_end(position)
@@ -290,7 +290,7 @@ class Checkpointing(Observer):
         """The drive is over: a checkpoint where a signal stopped it, if it has none yet,
         and every write committed.
         """
-        stopped = self.interrupt.requested and not self.schedule.learning
+        stopped = self.interrupt.stopping and not self.schedule.learning
         if stopped and position != self.saved_at:
             self._save(position, state, True)
         self.writer.wait()
