@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable, TypeVar
+from typing import Any, cast, NamedTuple, Protocol, runtime_checkable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -270,7 +270,7 @@ class Callbacks(Observer):
                 if watches and taken is not None:
                     assert self.models is not None
                     models = self.models.make(taken) if models is None else models
-                    callback.on_epoch_model(epoch, *models)  # pyright: ignore[reportAttributeAccessIssue]
+                    cast(ModelCallback[Any], callback).on_epoch_model(epoch, *models)
             if self.stopped:
                 break
         return self.stopped
