@@ -36,10 +36,10 @@ from ._observers import Callback, observers_for
 from ._options import check_options, Options, plain_optimizer
 from ._parallel import check_batch_split, Device, global_rows, OneDevice, param_specs
 from ._plan import make_plan, Plan, run_costs
-from ._policy import Checkpoint, PREEMPTION_SIGNALS
+from ._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._precision import PrecisionLike
-from ._result import finish, FitResult
-from ._schedule import make_schedule, Schedule
+from ._result import finish, FitResult, model_from
+from ._schedule import check_profile, make_schedule, Schedule
 from ._sharding import Shard
 from ._sources import open_source, Source
 from ._typing import (
@@ -63,7 +63,13 @@ from ._typing import (
 Data = object
 
 
-@checked("fit", {"key": "a single PRNG key such as `jax.random.key(0)`"})
+@checked(
+    "fit",
+    {
+        "key": "a single PRNG key such as `jax.random.key(0)`",
+        "profile": "an `eqfit.Profile(directory, start_step, steps)`",
+    },
+)
 def fit(
     model: Model,
     data: Data,
@@ -100,6 +106,7 @@ def fit(
     norms: bool = False,
     schedules: Schedules | None = None,
     peak_flops: float | None = None,
+    profile: Profile | None = None,
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -212,8 +219,15 @@ def fit(
     - `peak_flops`: one device's peak FLOP/s, for the model FLOPs utilisation
         (`history.throughput["mfu"]`) on a device that eqfit's table does not know.
     - `callbacks`: objects with `on_epoch_end(epoch, logs)` (epochs counted from 1), called
-        on the host after each epoch; returning `True` stops training.
-        [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard, W&B, MLflow).
+        on the host after each epoch; returning `True` stops training. One that also has
+        `on_epoch_model(epoch, model, ema_model)` ([`eqfit.ModelCallback`][]) gets the
+        model at each epoch's end, of `model`'s class, as `fit(..., epochs=epoch)` would
+        return it. [`eqfit.callbacks`][] has ready ones for logs (CSV, TensorBoard, W&B,
+        MLflow).
+    - `profile`: an [`eqfit.Profile`][]`(directory, start_step, steps)`: those steps
+        (counted from the run's first step ever) are traced with `jax.profiler` into
+        `directory`, the device waited for at both ends; the results are the same, bit
+        for bit.
 
     *Where it runs:*
 
@@ -292,6 +306,7 @@ def fit(
         signals=signals,
         loss=loss,
         schedules=schedules,
+        profile=profile,
     )
     # Open the data, and plan the run's shape from it.
     source, val_data = _open(data, validation_data, options)
@@ -339,8 +354,9 @@ def fit(
         train_feeds, stop_feeds = feeds(chunks, template, placement.put, source.streamed)
         stack.callback(stop_feeds)
         summary = None if plan is None else plan.summary()
+        model_of = lambda params: model_from(loop, params, consts)  # noqa: E731
         observers = observers_for(
-            options, schedule, begin, store, interrupt, placement, loop.log_names, summary
+            options, schedule, begin, store, interrupt, placement, loop.log_names, model_of, summary
         )
         try:
             with reported_as("fit", "data"):
@@ -492,6 +508,7 @@ def _plan(source: Source, options: Options) -> Schedule:
     shape = shape._replace(num_samples=global_rows(options.placement, shape.num_samples))
     schedule = make_schedule(shape, options)
     check_batch_split(options.placement, schedule.batch_size)
+    check_profile(options, schedule)
     return schedule
 
 

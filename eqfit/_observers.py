@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, cast, NamedTuple, Protocol, runtime_checkable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jaxtyping import PyTree
 
 from ._checkpoint import Checkpoints, Interrupt, Writer
 from ._loop import learned_config, TrainState
-from ._policy import Checkpoint
+from ._policy import Checkpoint, Profile
 from ._schedule import Schedule
 
 
@@ -40,16 +40,52 @@ class Callback(Protocol):
     initial_epoch, batch_size, steps_per_epoch, shuffle, drop_remainder, on_nan, metrics,
     validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
     ensemble_members, devices, checkpoint, checkpoint_every, checkpoint_every_steps,
-    checkpoint_every_seconds, signals, schedules); `on_train_end(logs)`,
+    checkpoint_every_seconds, signals, schedules, profile); `on_train_end(logs)`,
     called once when training ends (however it ends, `on_train_begin` called or not) with
     the last epoch's values; and a class attribute `stops_training = False` if it never
     returns `True`: then the device is not held up for it, and it sees each epoch once the
-    next one is queued.
+    next one is queued. One with `on_epoch_model(epoch, model, ema_model)` also sees the
+    model at each epoch's end ([`eqfit.ModelCallback`][]).
     """
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
         """`epoch` is counted from 1 and `logs` holds its values by name. Return `True` to
         stop training.
+        """
+        ...
+
+
+_Model_contra = TypeVar("_Model_contra", contravariant=True)
+
+
+class ModelCallback(Callback, Protocol[_Model_contra]):
+    """A callback that also sees the model at each epoch's end: one with this method
+    besides `on_epoch_end` (to generate a sample, say, or to evaluate it its own way).
+
+    The model is the one `fit` would return after that epoch, of the caller's class and
+    dtypes (`fit(..., epochs=epoch)`'s `result.model`, bit for bit): an ensemble's
+    stacked members, one replica under `devices=`, laid out as trained under `shard=`.
+    It is taken on the device when the epoch ends, a copy that later steps leave alone,
+    so the device does not wait for the callback (with `stops_training = False`, it
+    trains on meanwhile).
+
+    !!! example
+
+        ```python
+        class Sample(eqfit.ModelCallback[MyModel]):
+            def on_epoch_end(self, epoch, logs):
+                pass
+
+            def on_epoch_model(self, epoch, model, ema_model):
+                print(epoch, generate(model, prompt))
+        ```
+    """
+
+    def on_epoch_model(
+        self, epoch: int, model: _Model_contra, ema_model: _Model_contra | None
+    ) -> None:
+        """Called after `on_epoch_end(epoch, logs)`, with the model at epoch `epoch`'s
+        end, and with `fit(..., ema=)` the moving average as a model too (else `None`).
         """
         ...
 
@@ -179,15 +215,30 @@ class Bar(Observer):
 
 
 class Callbacks(Observer):
-    """The user's callbacks: each sees every epoch's values, and may stop training."""
+    """The user's callbacks: each sees every epoch's values, and may stop training.
+    Those with `on_epoch_model` see the model too: at each epoch's end its trained arrays
+    (and their average) are copied on the device (`take`), queued behind the call, and
+    made into models (`make`) once the epoch's report is read.
+    """
 
-    def __init__(self, callbacks: Sequence[Callback], schedule: Schedule, config: dict[str, Any]):
+    def __init__(
+        self,
+        callbacks: Sequence[Callback],
+        schedule: Schedule,
+        config: dict[str, Any],
+        models: "EpochModels | None" = None,
+    ):
         self.callbacks, self.schedule, self.config = callbacks, schedule, config
         # Unless every callback says it never stops training, the driver waits at each
         # epoch's end for them before training on.
         self.may_stop = any(getattr(c, "stops_training", True) for c in callbacks)
         self.last_logs: dict[str, float] = {}
         self.stopped = False
+        self.watch = [callable(getattr(c, "on_epoch_model", None)) for c in callbacks]
+        self.models = models if any(self.watch) else None
+        # Copies of the trained arrays at epoch ends, by position, until their epoch's
+        # report is read; while the epoch's length is learned, the last call's.
+        self.taken: dict[int, PyTree] = {}
 
     def boundary(self, position: int) -> int:
         return self.schedule.next_epoch_end(position)  # calls end at each epoch's end
@@ -201,21 +252,53 @@ class Callbacks(Observer):
             if callable(begin):
                 begin(dict(self.config))
 
+    def after_call(self, position: int, state: TrainState) -> None:
+        if self.models is None:
+            return
+        if self.schedule.learning:  # this call may end the first epoch: none knows yet
+            self.taken = {position: self.models.take(state)}
+        elif self.schedule.is_epoch_end(position):  # before the next call donates it
+            self.taken[position] = self.models.take(state)
+
+    def learned(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        # The first epoch ended where the last call before this ended.
+        self.taken = {p: x for p, x in self.taken.items() if p == schedule.steps_per_epoch}
+
     def on_progress(self, progress: Progress) -> bool:
         for epoch, logs in progress.ended:
             self.last_logs = logs
-            for callback in self.callbacks:
+            taken = self.taken.pop(epoch * self.schedule.steps_per_epoch, None)
+            models = None
+            for callback, watches in zip(self.callbacks, self.watch):
                 if callback.on_epoch_end(epoch, dict(logs)):
                     self.stopped = True
+                if watches and taken is not None:
+                    assert self.models is not None
+                    models = self.models.make(taken) if models is None else models
+                    cast(ModelCallback[Any], callback).on_epoch_model(epoch, *models)
             if self.stopped:
                 break
         return self.stopped
+
+    def close(self) -> None:
+        self.taken.clear()
 
     def finished(self) -> None:
         for callback in self.callbacks:
             end = getattr(callback, "on_train_end", None)
             if callable(end):
                 end(dict(self.last_logs))
+
+
+class EpochModels(NamedTuple):
+    """How `Callbacks` gets the model at an epoch's end: `take(state)` copies its trained
+    arrays and their average on the device (one replica of each, with several), and
+    `make(taken)` turns the copies into the caller's models, `(model, ema_model)`.
+    """
+
+    take: Callable[[TrainState], PyTree]
+    make: Callable[[PyTree], tuple[Any, Any]]
 
 
 class Checkpointing(Observer):
@@ -338,6 +421,71 @@ class Checkpointing(Observer):
         return value < best if self.policy.mode == "min" else value > best
 
 
+class Profiling(Observer):
+    """Traces a `Profile`'s steps with `jax.profiler`, as MaxText's `profile_cleanly`
+    does: calls end at the stretch's two edges, and at each the host waits for the
+    device before it starts or stops the trace, so that the trace holds the work of
+    those steps and of no others. The calls between go on as usual.
+    """
+
+    def __init__(self, profile: Profile, begin: int):
+        # Resumed inside the stretch: what is left of it.
+        self.start, self.stop = max(profile.start_step, begin), profile.stop_step
+        self.profile, self.begin = profile, begin
+        self.tracing = self.traced = False
+
+    def open(self) -> None:
+        if self.start == self.begin < self.stop:  # no call ends at the first edge
+            self._start()
+
+    def boundary(self, position: int) -> int | None:
+        if self.traced or position >= self.stop:
+            return None
+        return self.stop if self.tracing else self.start
+
+    def after_call(self, position: int, state: TrainState) -> None:
+        if not self.traced and not self.tracing and self.start <= position < self.stop:
+            jax.block_until_ready(state)  # the steps before the stretch are done
+            self._start()
+        elif self.tracing and position >= self.stop:
+            jax.block_until_ready(state)  # the stretch's steps are all in the trace
+            self._stop()
+
+    def end(self, position: int, state: TrainState) -> None:
+        if self.tracing:  # the run ended inside the stretch
+            jax.block_until_ready(state)
+            self._stop()
+        elif not self.traced:
+            profile = self.profile
+            warnings.warn(
+                f"`profile` asked for steps {profile.start_step} to {profile.stop_step - 1}, "
+                f"but this run trained steps {self.begin} to {position - 1} only: no trace "
+                "was written.",
+                stacklevel=2,
+            )
+
+    def close(self) -> None:
+        # On every way out (an error, a second Ctrl-C) the trace stops, so that the next
+        # one can start; an error of its own must not hide the run's.
+        if self.tracing:
+            with contextlib.suppress(Exception):
+                self._stop()
+
+    def _start(self) -> None:
+        try:
+            jax.profiler.start_trace(str(self.profile.directory))
+        except RuntimeError as e:  # one process traces one thing at a time
+            raise RuntimeError(
+                f"`profile` could not start its trace: {e}. Is another trace running in "
+                "this process (`jax.profiler.start_trace`, `jax.profiler.trace`)?"
+            ) from e
+        self.tracing = True
+
+    def _stop(self) -> None:
+        self.tracing, self.traced = False, True
+        jax.profiler.stop_trace()
+
+
 def _local(x: Any) -> np.ndarray:
     """`x` (replicated) as numpy, from this process's copy where it is global."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -440,17 +588,27 @@ def observers_for(
     interrupt: Interrupt,
     placement: Any,
     log_names: tuple[str, ...],
+    model_of: Callable[[PyTree], Any],
     summary: str | None = None,
 ) -> list[Observer]:
     """The run's observers, as its options ask: the bar (with the plan's `summary` above
-    it), the callbacks, and the checkpoints (which take the state off the devices to
-    write it; `log_names` says where `keep_best`'s value is).
+    it), the callbacks (which see the models that `model_of` makes of trained arrays),
+    the checkpoints (which take the state off the devices to write it; `log_names` says
+    where `keep_best`'s value is), and the profile.
     """
     observers: list[Observer] = []
     if options.progress:
         observers.append(Bar(schedule, begin, summary))
     if options.callbacks:
-        observers.append(Callbacks(options.callbacks, schedule, train_config(options, schedule)))
+
+        def make(taken: PyTree) -> tuple[Any, Any]:
+            params, average = taken
+            return model_of(params), None if average is None else model_of(average)
+
+        take = lambda state: _copy(placement.get((state.params, state.average)))  # noqa: E731
+        config = train_config(options, schedule)
+        models = EpochModels(take, make)
+        observers.append(Callbacks(options.callbacks, schedule, config, models))
     if store is not None:
         assert options.checkpoint is not None
 
@@ -463,6 +621,8 @@ def observers_for(
         monitor = None if policy.keep_best is None else log_names.index(policy.keep_best)
         take = placement.get
         observers.append(Checkpointing(store, policy, schedule, interrupt, take, host, monitor))
+    if options.profile is not None:
+        observers.append(Profiling(options.profile, begin))
     return observers
 
 
@@ -476,7 +636,7 @@ def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
         devices = int(mesh.devices.size)
     else:
         devices = len(getattr(placement, "devices", ())) or 1
-    checkpoint, precision = options.checkpoint, None
+    checkpoint, precision, profile = options.checkpoint, None, options.profile
     if policy is not None:  # by its dtypes' names
         compute, params = np.dtype(policy.compute_dtype), np.dtype(policy.params_dtype)
         precision = {"compute": compute.name, "params": params.name}
@@ -504,4 +664,11 @@ def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
         "checkpoint_every_seconds": None if checkpoint is None else checkpoint.every_seconds,
         "signals": [s.name for s in options.signals],
         "schedules": [name for name, _ in options.schedules],
+        "profile": None
+        if profile is None
+        else {
+            "directory": str(profile.directory),
+            "start_step": profile.start_step,
+            "steps": profile.steps,
+        },
     }

@@ -22,7 +22,7 @@ from ._data import as_key, ensemble_size
 from ._early_stopping import EarlyStopping
 from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
-from ._policy import as_signals, Checkpoint
+from ._policy import as_signals, Checkpoint, Profile
 from ._precision import as_precision, Precision
 from ._sharding import resolve
 from ._step import BUILT_IN, log_names
@@ -65,6 +65,7 @@ class Options:
     peak_flops: float | None = None  # of one device, given
     signals: tuple[signal.Signals, ...] = ()  # besides SIGINT, those that stop training
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
+    profile: Profile | None = None  # checked against the run's steps by `check_profile`
 
     @property
     def scales(self) -> bool:
@@ -139,6 +140,7 @@ def check_options(
     signals: Any = (),
     loss: Any = None,
     schedules: Any = None,
+    profile: Any = None,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
 
@@ -222,6 +224,11 @@ def check_options(
             f"`989e12` for an H100 in bfloat16), got {peak_flops!r}."
         )
     scheduled = _schedules(schedules, metric_names)
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(
+            "`profile` must be an `eqfit.Profile(directory, start_step, steps)`, got a "
+            f"{type(profile).__name__}."
+        )
     options = Options(
         key=as_key(key),
         epochs=epochs,
@@ -250,6 +257,7 @@ def check_options(
         peak_flops=None if peak_flops is None else float(peak_flops),
         signals=as_signals(signals),
         schedules=scheduled,
+        profile=profile,
     )
     if early_stopping is not None:
         # The loss's aux values are known once it is traced on a batch (`make_loop`

@@ -1,5 +1,6 @@
 """What a long run is asked to do: when to checkpoint and what to keep (`Checkpoint`),
-and which signals stop it (`signals=`). Plain values, checked as they are made.
+which steps to trace (`Profile`), and which signals stop it (`signals=`). Plain values,
+checked as they are made.
 """
 
 import dataclasses
@@ -113,6 +114,63 @@ class Checkpoint:
         )
         by_steps = self.every_steps is not None and position % self.every_steps == 0
         return by_epochs or by_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A stretch of steps to trace with `jax.profiler`: `fit(..., profile=
+    eqfit.Profile(directory, start_step, steps))`.
+
+    The calls of the run end at the stretch's two edges, and the host waits there for
+    the device, so that the trace (`jax.profiler.start_trace(directory)` before the
+    first step, `stop_trace()` after the last) holds those steps' work and none of the
+    steps around them; the calls in between go on as usual, and the run's results are
+    the same, bit for bit. Read the trace with TensorBoard's profile plugin or XProf
+    (`plugins/profile/<run>/*.xplane.pb` under `directory`) or Perfetto
+    (`*.trace.json.gz`). The whole run is one compiled loop, so the trace shows XLA's
+    operations (fusions, the loop's `while`), not Python steps.
+
+    **Arguments:**
+
+    - `directory`: where the trace is written; created if missing.
+    - `start_step`: the first step traced, counted from 0 from the run's first step
+        ever (`initial_epoch`'s steps included), as `Checkpoint.every_steps` counts: a
+        continued or resumed run traces the same steps of the training. Step `t` is in
+        epoch `t // steps_per_epoch + 1`.
+    - `steps`: how many steps to trace.
+
+    `fit` refuses a `start_step` outside the run's steps before anything compiles (a
+    loader without `len` has no known end until its first pass is read: only a start
+    before the run's first step is refused there). A stretch that reaches past the run's
+    end, or one that the run stops inside (early stopping, a callback, a signal), is
+    traced to where the run ended. A run resumed from a checkpoint past `start_step`
+    traces what is left of the stretch, and warns if nothing is.
+    A stretch from the run's first step also holds the run's compilation, unless it was
+    compiled before (`progress=True` compiles it before the first step).
+    """
+
+    directory: Any
+    start_step: int
+    steps: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, str | os.PathLike):
+            raise TypeError(
+                "`Profile`'s `directory` must be a path (a string or `pathlib.Path`), got "
+                f"{type(self.directory).__name__}."
+            )
+        for name, least in (("start_step", 0), ("steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(
+                    f"`Profile`'s `{name}` must be a whole number of {least} or more, got "
+                    f"{value!r}."
+                )
+
+    @property
+    def stop_step(self) -> int:
+        """The position after the last step traced."""
+        return self.start_step + self.steps
 
 
 # The signals a cluster's scheduler stops a job with (SLURM: SIGTERM, then SIGKILL after a

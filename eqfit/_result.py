@@ -221,9 +221,9 @@ def _result(
     params, model_state, opt_state, average = placement.get(
         (params, model_state, state.opt_state, average)
     )
-    ema_model = None if average is None else _model(loop, average, consts)
+    ema_model = None if average is None else model_from(loop, average, consts)
     return FitResult(
-        _model(loop, params, consts), opt_state, history, model_state, ema_model
+        model_from(loop, params, consts), opt_state, history, model_state, ema_model
     ), reasons
 
 
@@ -245,9 +245,10 @@ def _any(figures: dict[int, dict[str, float]], name: str) -> bool:
     return any(name in f for f in figures.values())
 
 
-def _model(loop: Loop, params: Any, consts: Consts) -> Any:
+def model_from(loop: Loop, params: Any, consts: Consts) -> Any:
     """The model with `params` as its trained arrays, each in the model's own dtype. Only
-    the trained arrays come back: the frozen ones are the caller's, untouched.
+    the trained arrays come back: the frozen ones are the caller's, untouched. (The
+    result's model, and the one a callback sees at an epoch's end.)
     """
     trained = jax.tree.leaves(params)
     if loop.trained_dtypes is not None:  # from the master copy's precision

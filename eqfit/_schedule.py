@@ -239,6 +239,28 @@ def make_schedule(shape: SourceShape, options: Options) -> Schedule:
     return Schedule(batch_size, per_epoch, options.initial_epoch, options.epochs, passes)
 
 
+def check_profile(options: Options, schedule: Schedule) -> None:
+    """Refuses a `profile` that starts outside the run's steps, before anything compiles.
+    A run whose epoch's length is still to be learned has no known end: only a start
+    before its first step is refused then.
+    """
+    profile = options.profile
+    if profile is None:
+        return
+    begin, start = schedule.begin, profile.start_step
+    if schedule.learning:
+        outside, steps = start < begin, f"from {begin}, to an end not known yet"
+    else:
+        outside = not begin <= start < schedule.total
+        steps = f"{begin} to {schedule.total - 1}, {schedule.steps_per_epoch} per epoch"
+    if outside:
+        raise ValueError(
+            f"`profile` starts at step {start}, outside this run's steps: {steps} (steps "
+            "are counted from 0 from the first epoch ever, `initial_epoch`'s included). "
+            "Give a `start_step` among them."
+        )
+
+
 def check_learnable(one_shot: bool, options: Options) -> None:
     """Refuses, before any batch is read, a run that needs an epoch's length before the
     first epoch can show it (a loader without `len` or `steps_per_epoch`). `initial_epoch`

@@ -4,7 +4,8 @@ A decoder-only transformer written here from `eqx.nn` layers learns to write lik
 Python Language Reference, the text that ships with Python itself (`pydoc_data.topics`,
 what `help("assert")` prints: about 460 KB of English prose and grammar). It trains over
 a mesh of 8 simulated CPU devices with `fit(..., mesh=, shard=)`, so that no device holds
-the whole model and optimizer state, then writes a sample.
+the whole model and optimizer state, printing a line of the model's at each epoch's end
+(a callback that sees the model), then writes a sample.
 
 - `--layout fsdp` (the default): a `(8,)` mesh, axis "data": each batch split over the
   8 devices, and each large array split along its largest dimension (FSDP, ZeRO-3).
@@ -52,6 +53,7 @@ import eqfit  # noqa: E402
 ALPHABET = "\n" + "".join(chr(i) for i in range(32, 127))
 CONTEXT, WIDTH, HEADS, LAYERS = 64, 64, 4, 2
 TEMPERATURE = 0.8  # below 1, the sample keeps to likelier characters
+PROMPT = "The "
 STEPS_PER_EPOCH = 25
 # The average covers about the last 1 / (1 - m) = 50 steps. The 0.999 usual for runs of
 # many thousand steps would, over the 150 steps here, leave 0.999**150 = 86% of the
@@ -188,6 +190,30 @@ def generate(
     return jax.lax.fori_loop(prompt.shape[0], text.shape[0], step, text)
 
 
+class PrintSample(eqfit.ModelCallback[TransformerLM]):
+    """Prints a line that the model writes at each epoch's end, as it stands then: `fit`
+    hands it the model (of this class, laid out as trained) at the epoch's end.
+    """
+
+    # It never stops training: the device trains on while it writes.
+    stops_training = False
+
+    def __init__(self, key: PRNGKeyArray):
+        self.key = key
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        pass
+
+    def on_epoch_model(
+        self, epoch: int, model: TransformerLM, ema_model: TransformerLM | None
+    ) -> None:
+        # The same key each epoch: the lines differ by what the model learned. As few
+        # characters as `generate`'s window takes, to keep it quick.
+        length = CONTEXT - len(PROMPT)
+        text = generate(model, jnp.asarray(encode(PROMPT)), length, self.key)
+        print(f"epoch {epoch} writes: {decode(np.asarray(text))!r}")
+
+
 def layouts(model: TransformerLM) -> list[str]:
     """Each array's layout, the blocks (all laid out alike) shown once as `blocks[*]`."""
     rows = {}
@@ -277,7 +303,8 @@ def main() -> None:
     print(eqfit.plan(model, (x, y), **arguments))
     if args.plan:
         return
-    result = eqfit.fit(model, (x, y), **arguments)
+    # A line of the model's at each epoch's end, as training goes.
+    result = eqfit.fit(model, (x, y), callbacks=[PrintSample(sample_key)], **arguments)
     history = result.history
     for i, epoch in enumerate(history.epoch):
         line = f"epoch {epoch}: loss {history.loss[i]:.3f} nats per character"
@@ -310,8 +337,7 @@ def main() -> None:
     fullest = max(eqfit.sharding.bytes_per_device(trained).values())
     print(f"{held}: {whole:,} bytes, the fullest device holds {fullest:,}")
 
-    prompt = "The "
-    sample = generate(result.model, jnp.asarray(encode(prompt)), 200, sample_key)
+    sample = generate(result.model, jnp.asarray(encode(PROMPT)), 200, sample_key)
     print("sample:")
     print(decode(np.asarray(sample)))
 
