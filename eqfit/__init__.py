@@ -17,6 +17,7 @@ from ._fit import fit as fit, plan as plan
 from ._history import History as History
 from ._observers import Callback as Callback
 from ._plan import ArrayPlan as ArrayPlan, Memory as Memory, Plan as Plan
+from ._policy import Checkpoint as Checkpoint
 from ._precision import Precision as Precision
 from ._predict import evaluate as evaluate, predict as predict
 from ._result import (
@@ -27,4 +28,5 @@ from ._result import (
     TrainingInterrupted as TrainingInterrupted,
 )
 from ._typing import ModelState as ModelState, OptState as OptState
+from ._validation import ValidationSets as ValidationSets
 from ._version import __version__ as __version__
