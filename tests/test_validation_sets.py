@@ -407,3 +407,25 @@ def test_predict_with_a_key(getkey):
     # Each batch has its own key, and each example its own share of it.
     assert not np.array_equal(noisy[:4], noisy[4:8])
     assert len({tuple(row) for row in np.asarray(noisy).tolist()}) == 10
+
+
+def test_plot_draws_each_set_on_its_validated_epochs():
+    pytest.importorskip("matplotlib")
+    nan = np.nan
+    values = {
+        "loss": np.array([3.0, 2.0, 1.5, 1.0]),
+        "val_a_loss": np.array([nan, 2.5, nan, 1.2]),
+        "val_b_loss": np.array([nan, 2.7, nan, 1.4]),
+    }
+    history = eqfit.History(values, np.zeros((4, 1)), np.ones((4, 1), int), 0.0)
+    figure = history.plot()
+    lines = figure.axes[0].lines
+    assert [line.get_label() for line in lines] == [
+        "train loss",
+        "validation a loss",
+        "validation b loss",
+    ]
+    assert list(lines[1].get_xdata()) == [2, 4] and list(lines[2].get_ydata()) == [2.7, 1.4]
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
