@@ -43,27 +43,44 @@ def problem(getkey):
 MAE = {"mae": eqfit.metrics.mae}
 
 
+def mse_and_half(model, x, y):
+    """The mean squared error, with an aux value."""
+    value = eqfit.losses.mse(model, x, y)
+    return value, {"half": value / 2}
+
+
 def test_each_named_set_is_evaluated_and_recorded_by_its_name(getkey, problem):
     model, data, sets = problem
     result = both_paths(
         model,
         data,
-        loss=eqfit.losses.mse,
+        loss=mse_and_half,
         optimizer=ADAM,
         key=getkey(),
         epochs=2,
         batch_size=8,
         metrics=MAE,
         validation_data=eqfit.ValidationSets(**sets),
+        # A set's aux value is a monitor (known once the loss is traced).
+        early_stopping=eqfit.EarlyStopping(monitor="val_b_half", patience=5, restore_best=False),
     )
     h = result.history
-    assert list(h.values) == ["loss", "mae", "val_a_loss", "val_a_mae", "val_b_loss", "val_b_mae"]
+    assert list(h.values) == [
+        "loss",
+        "half",
+        "mae",
+        "val_a_loss",
+        "val_a_half",
+        "val_a_mae",
+        "val_b_loss",
+        "val_b_half",
+        "val_b_mae",
+    ]
     for name, val in sets.items():
-        expected = eqfit.evaluate(
-            result.model, val, loss=eqfit.losses.mse, metrics=MAE, batch_size=8
-        )
-        np.testing.assert_allclose(h[f"val_{name}_loss"][-1], expected["loss"], rtol=1e-6)
-        np.testing.assert_allclose(h[f"val_{name}_mae"][-1], expected["mae"], rtol=1e-6)
+        expected = eqfit.evaluate(result.model, val, loss=mse_and_half, metrics=MAE, batch_size=8)
+        for value in ("loss", "half", "mae"):
+            got = h[f"val_{name}_{value}"][-1]
+            np.testing.assert_allclose(got, expected[value], rtol=1e-6)
     assert h.val_loss is None  # named sets have no plain `val_loss`
 
 
