@@ -28,4 +28,5 @@ from ._result import (
     TrainingInterrupted as TrainingInterrupted,
 )
 from ._typing import ModelState as ModelState, OptState as OptState
+from ._validation import ValidationSets as ValidationSets
 from ._version import __version__ as __version__

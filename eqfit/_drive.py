@@ -184,10 +184,13 @@ class _Reader:
 
 
 def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
-    """The mean over members of each value, leaving out members that had stopped (NaN)."""
+    """The mean over members of each value, leaving out members that had stopped (NaN);
+    NaN where every member has NaN (a value of an epoch not validated, say).
+    """
     finished = ~np.isnan(rows)
     total = np.where(finished, rows, 0.0).sum(axis=0)
-    return total / np.maximum(finished.sum(axis=0), 1)
+    count = finished.sum(axis=0)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
 class _Waiter:

@@ -43,7 +43,9 @@ class EarlyStopping(eqx.Module):
     - `patience`: epochs without improvement before stopping (0: stop at the first).
     - `min_delta`: the smallest change that counts as an improvement.
     - `monitor`: `"loss"`, `"val_loss"`, or a metric's name, with `"val_"` in front for
-        its value on the validation data.
+        its value on the validation data (`"val_<set>_"` on a named set's,
+        [`eqfit.ValidationSets`][]). With `fit(..., validation_freq=)`, a validation
+        value is taken only from the epochs validated: the others do not count.
     - `restore_best`: return the parameters (and state) of the best epoch rather than
         the last. It defaults to `True`, unlike Keras's `restore_best_weights=False`: the
         best model is what you asked for by stopping early.

@@ -3,10 +3,18 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, Key, PyTree
 
 from ._labels import either, LabelError
 from ._step import clone, needs_key, Objective
+
+
+def evaluation_needs_key(objective: Objective, model: PyTree) -> bool:
+    """Whether evaluating passes the loss a key: only if it or the model requires one.
+    Inference needs no randomness (in inference mode the model ignores a key), and keys
+    cost compile time.
+    """
+    return needs_key(objective.loss) or needs_key(eqx.nn.inference_mode(model))
 
 
 def evaluate_batches(
@@ -15,6 +23,7 @@ def evaluate_batches(
     model_state: PyTree,
     data: PyTree,
     batch_size: int,
+    key: Key[Array, ""] | None = None,
 ) -> tuple[Float[Array, " values"], LabelError | None]:
     """The mean loss, aux values and metrics over `data`, as `[loss, *aux, *metrics]`
     (`objective.value_names`), and the first label out of range met, if any (`None` where
@@ -23,15 +32,23 @@ def evaluate_batches(
     It runs a scan over full batches and one smaller last batch, weighting each batch's
     value by its size, so for a loss that is a mean over the batch this is the mean over
     the whole data: what one full-batch call would give, without its memory.
+
+    Where the loss gets a key (`evaluation_needs_key`), batch `b` (counted from 0) gets
+    `jax.random.fold_in(key, b)`; without `key`, every batch gets `jax.random.key(0)`.
     """
+    uses_key = evaluation_needs_key(objective, model)
     model = eqx.nn.inference_mode(model)
-    # Inference needs no randomness: the loss gets a key only if it or the model
-    # requires one (in inference mode the model ignores it). Keys cost compile time.
-    key = jax.random.key(0) if needs_key(objective.loss) or needs_key(model) else None
     num = jax.tree.leaves(data)[0].shape[0]
     num_full, remainder = divmod(num, batch_size)
 
-    def values(batch: PyTree) -> tuple[Float[Array, " values"], LabelError | None]:
+    def batch_key(b: int | Array) -> Key[Array, ""] | None:
+        if not uses_key:
+            return None
+        return jax.random.key(0) if key is None else jax.random.fold_in(key, b)
+
+    def values(
+        batch: PyTree, key: Key[Array, ""] | None
+    ) -> tuple[Float[Array, " values"], LabelError | None]:
         loss, aux, _, labels = objective.value(model, clone(model_state), batch, key)
         metrics, metric_labels = objective.metric_values(model, clone(model_state), batch)
         values = jnp.concatenate([loss[None].astype(jnp.float32), aux, metrics])
@@ -44,18 +61,19 @@ def evaluate_batches(
             data,
         )
 
-        def add(total: Float[Array, " values"], batch: PyTree):
-            batch_values, batch_labels = values(batch)
+        def add(total: Float[Array, " values"], batch: tuple[Array, PyTree]):
+            b, batch_ = batch
+            batch_values, batch_labels = values(batch_, batch_key(b))
             return total + batch_values * batch_size, batch_labels
 
         # Each batch's label check is an output of the scan (none where nothing checks
         # labels), the first found picked after it.
-        total, every = jax.lax.scan(add, total, full)
+        total, every = jax.lax.scan(add, total, (jnp.arange(num_full), full))
         if every is not None:
             first = jnp.argmax(every.found)
             labels = jax.tree.map(lambda x: x[first], every)
     if remainder:
         last = jax.tree.map(lambda a: a[num_full * batch_size :], data)
-        last_values, last_labels = values(last)
+        last_values, last_labels = values(last, batch_key(num_full))
         total, labels = total + last_values * remainder, either(labels, last_labels)
     return total / num, labels

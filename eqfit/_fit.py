@@ -55,6 +55,7 @@ from ._typing import (
     PRNGKey,
     Schedules,
 )
+from ._validation import ValidationSets
 
 
 # `data` takes arrays, PyTrees of them, memmaps, loaders and generators: too many kinds for
@@ -87,8 +88,9 @@ def fit(
     filter_spec: FilterSpec = eqx.is_inexact_array,
     opt_state: OptState | None = None,
     state: ModelState | None = None,
-    validation_data: Arrays | None = None,
+    validation_data: Arrays | ValidationSets | None = None,
     validation_split: float | None = None,
+    validation_freq: int = 1,
     metrics: Metrics | None = None,
     early_stopping: EarlyStopping | None = None,
     on_nan: Literal["raise", "stop", "skip"] = "raise",
@@ -170,9 +172,15 @@ def fit(
     *What is measured, and when to stop:*
 
     - `validation_data`: data like `data`'s (arrays in memory), evaluated after each epoch
-        in inference mode.
+        in inference mode, recorded as `val_loss`, `val_<metric>`; or several sets, each
+        named, [`eqfit.ValidationSets`][]`(clean=(x, y), noisy=(xn, yn))`, recorded as
+        `val_clean_loss`, `val_noisy_<metric>`. A loss that requires a `key` gets a new
+        one for each batch of each epoch, derived from `key`.
     - `validation_split`: instead, hold out this fraction of `data`'s samples (arrays or
         memmaps), chosen from `key`.
+    - `validation_freq`: validate every this many epochs: the epochs whose number
+        (counted from 1) is a multiple of it. The others have NaN for their validation
+        values, and early stopping on one of these waits for the next validated epoch.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
         `fn(model, state, *batch)`), recorded per epoch on the training batches and on
         the validation data.
@@ -289,6 +297,7 @@ def fit(
         state=state,
         validation_data=validation_data,
         validation_split=validation_split,
+        validation_freq=validation_freq,
         metrics=metrics,
         early_stopping=early_stopping,
         callbacks=callbacks,
@@ -472,21 +481,57 @@ def _start(
 
 def _open(data: Any, validation_data: Any, options: Options) -> tuple[Source, PyTree | None]:
     """The training data's source, less the rows held out for validation (if asked), and
-    the validation data, checked to be like the training data.
+    the validation data (with named sets, `{name: set}`), each set checked to be like the
+    training data.
     """
     source = open_source(data, options)
+    like = sample_shapes(source.like)
+    if isinstance(validation_data, ValidationSets):
+        sets = {}
+        for name, given in validation_data.items():
+            what = f"validation_data[{name!r}]"
+            sets[name] = as_data(given, what)
+            if sample_shapes(sets[name]) != like:
+                raise ValueError(
+                    f"`validation_data`'s set {name!r} must hold arrays like `data`'s, one "
+                    f"sample apart: `data`'s samples have {like}, `{what}`'s "
+                    f"{sample_shapes(sets[name])} (path, shape of one sample, dtype)."
+                )
+        return source, sets
+    if _several_datasets(validation_data, like):
+        raise ValueError(
+            "`validation_data` must hold arrays like `data`'s, but it is a tuple of "
+            f"{len(validation_data)} datasets, each like `data`: a tuple is one dataset, of "
+            "nested arrays. Name each set, `validation_data=eqfit.ValidationSets("
+            "a=validation_data[0], b=validation_data[1], ...)`."
+        )
     val = None
     if validation_data is not None:
         val = as_data(validation_data, "validation_data")
     elif options.validation_split is not None:
         source, val = source.hold_out(options.validation_split, options.key)
-    if val is not None and sample_shapes(val) != sample_shapes(source.like):
+    if val is not None and sample_shapes(val) != like:
         raise ValueError(
             "`validation_data` must hold arrays like `data`'s, one sample apart: "
-            f"`data`'s samples have {sample_shapes(source.like)}, `validation_data`'s "
+            f"`data`'s samples have {like}, `validation_data`'s "
             f"{sample_shapes(val)} (path, shape of one sample, dtype)."
         )
     return source, val
+
+
+def _several_datasets(validation_data: Any, like: list[list[Any]]) -> bool:
+    """Whether `validation_data` is a tuple of datasets each like `data` (whose samples
+    are `like`), rather than one dataset like it.
+    """
+    if not isinstance(validation_data, tuple) or len(validation_data) < 2:
+        return False
+    if not all(isinstance(part, tuple | dict) for part in validation_data):
+        return False
+    try:
+        shapes = [sample_shapes(part) for part in validation_data]
+    except AttributeError:  # leaves that are not arrays: the data's own check says so
+        return False
+    return all(s == like for s in shapes) and sample_shapes(validation_data) != like
 
 
 def _plan(source: Source, options: Options) -> Schedule:

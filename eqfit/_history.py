@@ -32,8 +32,10 @@ class History:
     **Attributes:**
 
     - `values`: per-epoch values by name: `"loss"`, each metric's name, and with
-        validation `"val_loss"` and `"val_<metric>"`. Each has one entry per epoch that
-        ran (a trailing member axis for ensembles). Also readable as `history["name"]`.
+        validation `"val_loss"` and `"val_<metric>"` (with named sets,
+        [`eqfit.ValidationSets`][], `"val_<set>_loss"` and `"val_<set>_<metric>"`; NaN
+        for an epoch not validated, `fit(..., validation_freq=)`). Each has one entry per
+        epoch that ran (a trailing member axis for ensembles). Also readable as `history["name"]`.
         With `fit(..., norms=True)`, `"grad_norm"` and `"update_norm"` (means over the
         steps whose update was applied); each aux value the loss returns, by its name;
         with loss scaling, `"loss_scale"` (the epoch's last step's) and `"skipped_steps"`
@@ -99,7 +101,9 @@ class History:
 
     @property
     def val_loss(self) -> np.ndarray | None:
-        """The validation loss after each epoch, or `None` without validation."""
+        """The validation loss after each epoch, or `None` without validation (or with
+        named sets: `history["val_<set>_loss"]`).
+        """
         return self.values.get("val_loss")
 
     @property
@@ -156,11 +160,20 @@ class History:
         except ImportError as e:
             raise ImportError('History.plot needs matplotlib: pip install "eqfit[plot]"') from e
         groups = ["loss"] + [m for m in self.metrics if not m.startswith("val_")]
+        # Named validation sets each have a `val_<set>_loss`.
+        sets = [k[4:-5] for k in self.values if k.startswith("val_") and k.endswith("_loss")]
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.5), squeeze=False)
         for ax, name in zip(axes[0], groups):
             ax.plot(self.epoch, self.values[name], label=f"train {name}")
-            if f"val_{name}" in self.values:
-                ax.plot(self.epoch, self.values[f"val_{name}"], label=f"validation {name}")
+            shown = [(f"val_{name}", "validation")]
+            shown += [(f"val_{s}_{name}", f"validation {s}") for s in sets if s]
+            for key, label in shown:
+                if key not in self.values:
+                    continue
+                # Only the validated epochs (`validation_freq`): a line breaks at NaN.
+                values = self.values[key]
+                validated = ~np.isnan(values.reshape(len(values), -1)).all(axis=1)
+                ax.plot(self.epoch[validated], values[validated], label=f"{label} {name}")
             if isinstance(self.best_epoch, int):
                 ax.axvline(self.best_epoch, color="grey", linestyle=":", label="best")
             ax.set_xlabel("epoch")

@@ -27,7 +27,7 @@ from ._checkpoint import as_plain
 from ._compile import PROGRAM_CACHE
 from ._data import describe, epoch_order, is_dtype, not_a_stack, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
-from ._evaluate import evaluate_batches
+from ._evaluate import evaluate_batches, evaluation_needs_key
 from ._hyperparams import check_schedules, injected_names
 from ._labels import LabelError
 from ._options import check_monitor, Options
@@ -43,6 +43,7 @@ from ._step import (
     step_value_names,
     takes_key,
 )
+from ._validation import check_unique, validation_names
 
 
 OnNan = Literal["raise", "stop", "skip"]
@@ -147,6 +148,9 @@ class Loop:
     # With a precision policy or an average: the dtype of each trained array as the model
     # holds it, to give the result back in (the master copy and the average may be wider).
     trained_dtypes: tuple[np.dtype, ...] | None = None
+    # The validation sets' names (`ValidationSets`), in order; empty: one unnamed set.
+    val_sets: tuple[str, ...] = ()
+    validation_freq: int = 1  # the epochs validated: those whose number is a multiple
 
     @property
     def step_names(self) -> tuple[str, ...]:
@@ -167,7 +171,17 @@ class Loop:
             self.scales,
             self.validate,
             self.recorded,
+            self.val_sets,
         )
+
+    @property
+    def val_names(self) -> tuple[str, ...]:
+        """The validation values among `log_names`, the last of them (none without
+        validation).
+        """
+        if not self.validate:
+            return ()
+        return validation_names(self.val_sets, self.aux_names, self.metric_names)
 
     @property
     def recorded(self) -> tuple[str, ...]:
@@ -340,7 +354,7 @@ def run_config(
     that a run may resume on others.
     """
     schedule = loop.schedule
-    return {
+    config = {
         "state": describe(state),
         "data": data,
         "validation_data": describe(val_data),
@@ -356,6 +370,20 @@ def run_config(
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "ensemble": loop.members is not None,
     } | _real_model_config(loop)
+    return config | _validation_config(loop)
+
+
+def _validation_config(loop: Loop) -> dict[str, Any]:
+    """Named sets and a `validation_freq`, where given: a run with one unnamed set,
+    validated every epoch, has the config it had before they were, so that its
+    checkpoints still resume.
+    """
+    config: dict[str, Any] = {}
+    if loop.val_sets:  # their order is that of the record's columns
+        config["validation_sets"] = list(loop.val_sets)
+    if loop.validation_freq != 1:
+        config["validation_freq"] = loop.validation_freq
+    return config
 
 
 def learned_config(config: dict[str, Any], schedule: Schedule, state: PyTree) -> dict[str, Any]:
@@ -709,34 +737,77 @@ class _Run:
 
     def close_epoch(self, state: TrainState) -> TrainState:
         """The end of the epoch just finished: its values, validation, early stopping."""
-        loop, parts, schedule = self.loop, self.parts, self.loop.schedule
+        loop, schedule = self.loop, self.loop.schedule
         row = schedule.record_row(state.step - 1)
+        epoch = schedule.epoch_of(state.step - 1)
         values = epoch_means(state, row, loop)
+        validated = None  # every epoch, or not at all
         if loop.validate:
-            model = parts.combine(state.average if loop.validate_ema else state.params)
-            val, labels = evaluate_batches(
-                parts.objective,
-                model,
-                state.model_state,
-                self.inputs.val_data,
-                schedule.batch_size,
-            )
+            if loop.validation_freq == 1:  # no branch: the program it always was
+                val, label_error = self.validate(state, epoch)
+            else:
+                validated = epoch % loop.validation_freq == 0
+
+                def not_due(state: TrainState) -> tuple[Array, LabelError]:
+                    return jnp.full(len(loop.val_names), jnp.nan), state.label_error
+
+                val, label_error = jax.lax.cond(
+                    validated, lambda s: self.validate(s, epoch), not_due, state
+                )
             values = jnp.concatenate([values, val])
-            if labels is not None:
-                state = state._replace(label_error=state.label_error.or_else(labels))
+            state = state._replace(label_error=label_error)
         state = state._replace(
             epoch_values=_put(state.epoch_values, values, row), running=jnp.zeros(2)
         )
         if loop.stopping is None:
             return state
         assert state.stopping is not None
-        monitored = values[loop.log_names.index(loop.stopping.monitor)]
-        epoch = schedule.epoch_of(state.step - 1)
-        stopping, stop = loop.stopping.update(
-            state.stopping, monitored, epoch, (state.params, state.average), state.model_state
-        )
+        stopping_rule = loop.stopping
+        monitored = values[loop.log_names.index(stopping_rule.monitor)]
+        trained = (state.params, state.average)
+
+        def update(stopping: StoppingState) -> tuple[StoppingState, Bool[Array, ""]]:
+            return stopping_rule.update(stopping, monitored, epoch, trained, state.model_state)
+
+        if validated is not None and stopping_rule.monitor in loop.val_names:
+            # As Keras, which checks the monitor only where it is in the epoch's logs: an
+            # epoch not validated neither improves nor counts towards the patience.
+            def wait(stopping: StoppingState) -> tuple[StoppingState, Bool[Array, ""]]:
+                return stopping, jnp.asarray(False)
+
+            stopping, stop = jax.lax.cond(validated, update, wait, state.stopping)
+        else:
+            stopping, stop = update(state.stopping)
         reason = jnp.where(stop, Stop.EARLY_STOPPING, state.reason)
         return state._replace(stopping=stopping, reason=reason)
+
+    def validate(self, state: TrainState, epoch: Int[Array, ""]) -> tuple[Array, LabelError]:
+        """The validation values of epoch `epoch`'s model (`Loop.val_names`'), and the
+        label error with the first label out of range that they met, if any.
+
+        A loss that takes a key (and requires one, `evaluation_needs_key`) gets a new one
+        for each batch of each set at each epoch, from the run's key: the noise of a
+        variational loss differs from batch to batch and epoch to epoch, and is the same
+        for the same run, however it is cut into calls. Its own fold of the run's key
+        (the steps' is 1) leaves the training's keys as they were.
+        """
+        loop, parts = self.loop, self.parts
+        model = parts.combine(state.average if loop.validate_ema else state.params)
+        val_data = self.inputs.val_data
+        sets = [val_data[name] for name in loop.val_sets] if loop.val_sets else [val_data]
+        epoch_key = None
+        if evaluation_needs_key(parts.objective, model):
+            epoch_key = jax.random.fold_in(jax.random.fold_in(self.key, 2), epoch)
+        values, label_error = [], state.label_error
+        for i, data in enumerate(sets):
+            key = None if epoch_key is None else jax.random.fold_in(epoch_key, i)
+            val, labels = evaluate_batches(
+                parts.objective, model, state.model_state, data, loop.schedule.batch_size, key
+            )
+            values.append(val)
+            if labels is not None:
+                label_error = label_error.or_else(labels)
+        return jnp.concatenate(values), label_error
 
     def report(self, state: TrainState) -> Report:
         stopping = self.loop.stopping
@@ -911,6 +982,8 @@ def make_loop(
         trained_dtypes=None
         if options.precision is None and options.average is None
         else tuple(np.dtype(a.dtype) for a in params),
+        val_sets=options.validation_sets,
+        validation_freq=options.validation_freq,
     )
     opt_state = _opt_state_shape(loop, objects.optimizer, params)
     schedules = dict(objects.schedules)
@@ -1001,6 +1074,9 @@ def check_names(loop: Loop, options: Options) -> None:
                 "the history; rename the schedule (or leave it out: an injected "
                 "hyperparameter is recorded by itself)."
             )
+    if loop.validate:
+        train_names = loop.log_names[: len(loop.log_names) - len(loop.val_names)]
+        check_unique(train_names, loop.val_sets, loop.aux_names, loop.metric_names)
     if loop.stopping is not None:
         check_monitor(loop.stopping.monitor, loop.log_names, options, final=True)
     policy = options.checkpoint

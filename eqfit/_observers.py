@@ -651,6 +651,8 @@ def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
         "metrics": list(options.metric_names),
         "validation": options.validates,
         "validation_split": options.validation_split,
+        "validation_sets": list(options.validation_sets) or None,
+        "validation_freq": options.validation_freq,
         "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
         "precision": precision,
         "ema": None if average is None else average.momentum,

@@ -26,6 +26,7 @@ from ._policy import as_signals, Checkpoint, Profile
 from ._precision import as_precision, Precision
 from ._sharding import resolve
 from ._step import BUILT_IN, log_names
+from ._validation import check_unique, ValidationSets
 
 
 DEFAULT_BATCH_SIZE = 32
@@ -66,6 +67,9 @@ class Options:
     signals: tuple[signal.Signals, ...] = ()  # besides SIGINT, those that stop training
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
     profile: Profile | None = None  # checked against the run's steps by `check_profile`
+    # `validation_data`'s sets' names, if named (`ValidationSets`); else one unnamed set.
+    validation_sets: tuple[str, ...] = ()
+    validation_freq: int = 1  # validate the epochs whose number is a multiple of it
 
     @property
     def scales(self) -> bool:
@@ -77,7 +81,13 @@ class Options:
         """
         scheduled = tuple(name for name, _ in self.schedules)
         return log_names(
-            aux_names, self.metric_names, self.norms, self.scales, self.validates, scheduled
+            aux_names,
+            self.metric_names,
+            self.norms,
+            self.scales,
+            self.validates,
+            scheduled,
+            self.validation_sets,
         )
 
 
@@ -95,17 +105,27 @@ def check_monitor(
     if monitor in names:
         return
     hint = ""
+    sets = options.validation_sets
     if monitor.startswith("val_") and not options.validates:
         hint = " Give `validation_data` or `validation_split` to compute validation values."
+    elif sets and monitor.startswith("val_") and not monitor.startswith(_set_prefixes(sets)):
+        hint = (
+            " With named validation sets each set's values are `val_<set>_...` (such as "
+            f"{f'val_{sets[0]}_loss'!r}), and there is no plain `val_loss`."
+        )
     elif monitor in ("grad_norm", "update_norm") and not options.norms:
         hint = " Give `norms=True` to record the gradient and update norms."
     elif monitor in ("loss_scale", "skipped_steps") and not options.scales:
         hint = ' Only float16 (`precision="float16"`) scales the loss.'
     elif not final:
-        return  # it may be an aux value of the loss's
+        return  # it may be an aux value of the loss's (or its value on a set)
     raise ValueError(
         f"{what} is {monitor!r}, which this run does not compute; it computes {list(names)}.{hint}"
     )
+
+
+def _set_prefixes(sets: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"val_{s}_" for s in sets)
 
 
 def check_options(
@@ -141,6 +161,7 @@ def check_options(
     loss: Any = None,
     schedules: Any = None,
     profile: Any = None,
+    validation_freq: Any = 1,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
 
@@ -181,6 +202,24 @@ def check_options(
         raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {on_nan!r}.")
     if validation_data is not None and validation_split is not None:
         raise ValueError("Give `validation_data` or `validation_split`, not both.")
+    _refuse_list_of_sets(validation_data)
+    validates = validation_data is not None or validation_split is not None
+    if isinstance(validation_freq, bool) or not isinstance(validation_freq, int):
+        raise TypeError(
+            "`validation_freq` must be a whole number of epochs (validate every n-th), got "
+            f"{validation_freq!r}."
+        )
+    if validation_freq < 1:
+        raise ValueError(
+            "`validation_freq` must be 1 or more (validate every n-th epoch), got "
+            f"{validation_freq}."
+        )
+    if validation_freq != 1 and not validates:
+        raise ValueError(
+            f"`validation_freq={validation_freq}` says how often to validate, but this run "
+            "validates nothing: give `validation_data` or `validation_split` too."
+        )
+    sets = tuple(validation_data) if isinstance(validation_data, ValidationSets) else ()
     if validation_split is not None:
         fraction = validation_split
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
@@ -243,7 +282,7 @@ def check_options(
         members=members,
         stateful=state is not None,
         validation_split=validation_split,
-        validates=validation_data is not None or validation_split is not None,
+        validates=validates,
         metric_names=metric_names,
         early_stopping=early_stopping,
         callbacks=callbacks,
@@ -258,7 +297,12 @@ def check_options(
         signals=as_signals(signals),
         schedules=scheduled,
         profile=profile,
+        validation_sets=sets,
+        validation_freq=validation_freq,
     )
+    if validates:  # the loss's aux values are checked with them once known (`make_loop`)
+        train_names = dataclasses.replace(options, validates=False).log_names(())
+        check_unique(train_names, sets, (), metric_names)
     if early_stopping is not None:
         # The loss's aux values are known once it is traced on a batch (`make_loop`
         # checks the monitor again then); eqfit's own losses return none.
@@ -272,6 +316,27 @@ def check_options(
 
 
 _BEST = "`checkpoint`'s `keep_best`"
+
+
+def _refuse_list_of_sets(validation_data: Any) -> None:
+    """Refuses a list of datasets for `validation_data`, showing the named form. (A list
+    of arrays is refused by the data's own check, with the advice to pass a tuple.)
+    """
+    if not isinstance(validation_data, list) or not validation_data:
+        return
+    if not all(isinstance(d, tuple | dict | list) for d in validation_data):
+        return
+    n = len(validation_data)
+    names = [chr(ord("a") + i) if n <= 26 else f"set{i + 1}" for i in range(n)]
+    shown = [f"{name}=sets[{i}]" for i, name in enumerate(names)]
+    if n > 3:
+        shown = [*shown[:2], "...", shown[-1]]
+    raise TypeError(
+        f"`validation_data` is a list of {n} datasets: a list (or tuple) of them would be "
+        "taken for one dataset's arrays. Name each set, with `sets` the list you passed: "
+        f"`validation_data=eqfit.ValidationSets({', '.join(shown)})`, recorded as "
+        f"{', '.join(f'`val_{name}_loss`' for name in names[:2])}, and so on."
+    )
 
 
 def as_checkpoint(checkpoint: Any, checkpoint_every: int) -> Checkpoint | None:

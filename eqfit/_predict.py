@@ -11,13 +11,13 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checks import checked, reported_as
-from ._data import as_data, check_batch_size, ensemble_size, not_a_stack, num_samples
+from ._data import as_data, as_key, check_batch_size, ensemble_size, not_a_stack, num_samples
 from ._evaluate import evaluate_batches
 from ._jit import cached_jit
 from ._labels import raise_found
 from ._precision import as_precision, Precision, PrecisionLike
 from ._step import find_aux_names, Objective, takes_key
-from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState
+from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState, PRNGKey
 from .losses import outputs
 
 
@@ -34,6 +34,7 @@ def predict(
     ensemble: bool = False,
     state: None = None,
     precision: PrecisionLike = None,
+    key: PRNGKey | None = None,
 ) -> Output: ...
 @overload
 def predict(
@@ -44,6 +45,7 @@ def predict(
     ensemble: bool = False,
     state: ModelState,
     precision: PrecisionLike = None,
+    key: PRNGKey | None = None,
 ) -> Output: ...
 @checked("predict")
 def predict(
@@ -54,6 +56,7 @@ def predict(
     ensemble: bool = False,
     state: ModelState | None = None,
     precision: PrecisionLike = None,
+    key: PRNGKey | None = None,
 ) -> ArrayTree:
     """Runs `model` over every example of `x`, in batches, in inference mode.
 
@@ -74,6 +77,9 @@ def predict(
     - `precision`: as `fit`'s: the model's floating arrays and the inputs' are cast to
         its compute dtype inside the program, and floating outputs come back in its
         `params` dtype (float32).
+    - `key`: for a model that takes a keyword `key`: batch `b` (counted from 0) gets
+        `jax.random.fold_in(key, b)`, split over its examples. By default the model gets
+        no key.
 
     **Returns:**
 
@@ -84,6 +90,7 @@ def predict(
     check_batch_size(batch_size)
     policy = as_precision(precision)
     members = ensemble_size(model) if ensemble else None
+    key_ = None if key is None else as_key(key)
     with reported_as("predict", "x"):
         try:
             return _predict(
@@ -93,6 +100,7 @@ def predict(
                 batch_size,
                 ensemble,
                 policy,
+                key_,
             )
         except Exception as e:
             if members is not None:
@@ -114,6 +122,7 @@ def _predict(
     batch_size: int,
     ensemble: bool,
     policy: Precision | None,
+    key: Any = None,
 ) -> Any:
     n = num_samples(x)
     num_full, remainder = divmod(n, batch_size)
@@ -122,10 +131,11 @@ def _predict(
         if policy is not None:
             model = policy.cast(model)
 
-        def forward(x: PyTree) -> Any:
+        def forward(x: PyTree, b: Any) -> Any:
+            batch_key = None if key is None else jax.random.fold_in(key, b)
             if policy is None:
-                return outputs(model, x, state)[0]
-            out = outputs(model, policy.cast_batch(x), state)[0]
+                return outputs(model, x, state, batch_key)[0]
+            out = outputs(model, policy.cast_batch(x), state, batch_key)[0]
             return policy.master(out)
 
         parts = []
@@ -134,12 +144,17 @@ def _predict(
                 lambda a: a[: num_full * batch_size].reshape(num_full, batch_size, *a.shape[1:]),
                 x,
             )
-            _, out = jax.lax.scan(lambda _, xb: (None, forward(xb)), None, full)
+            _, out = jax.lax.scan(
+                lambda _, b_xb: (None, forward(b_xb[1], b_xb[0])),
+                None,
+                (jnp.arange(num_full), full),
+            )
             parts.append(
                 jax.tree.map(lambda o: o.reshape(num_full * batch_size, *o.shape[2:]), out)
             )
         if remainder:
-            parts.append(forward(jax.tree.map(lambda a: a[num_full * batch_size :], x)))
+            last = jax.tree.map(lambda a: a[num_full * batch_size :], x)
+            parts.append(forward(last, num_full))
         if len(parts) == 1:
             return parts[0]
         return jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
@@ -159,6 +174,7 @@ def evaluate(
     batch_size: int = 256,
     state: ModelState | None = None,
     precision: PrecisionLike = None,
+    key: PRNGKey | None = None,
 ) -> dict[str, float]:
     """The loss and metrics of `model` over all of `data`, in batches, in inference mode.
 
@@ -176,6 +192,10 @@ def evaluate(
     - `batch_size`: examples per batch.
     - `state`: the model's `eqx.nn.State`, for stateful models.
     - `precision`: as `fit`'s: the loss and metrics compute under this policy.
+    - `key`: for a loss (or model) that requires a keyword `key`, as `fit`'s validation
+        passes one: batch `b` (counted from 0) gets `jax.random.fold_in(key, b)`. By
+        default every batch gets `jax.random.key(0)`. A loss whose `key` has a default
+        gets none, in inference as in `fit`'s validation.
 
     **Returns:**
 
@@ -199,7 +219,8 @@ def evaluate(
         objective = dataclasses.replace(
             objective, aux_names=find_aux_names(objective, model, state, batch)
         )
-        values_, labels = _evaluate(objective, model, state, data_, batch_size)
+        key_ = None if key is None else as_key(key)
+        values_, labels = _evaluate(objective, model, state, data_, batch_size, key_)
         values = np.asarray(values_).tolist()
     if labels is not None:
         raise_found(labels)

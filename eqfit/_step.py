@@ -17,6 +17,7 @@ from ._average import Average
 from ._hyperparams import injected_values, schedule_values
 from ._labels import collecting, either, first_of, LabelError
 from ._precision import all_finite, LossScale, Precision
+from ._validation import validation_names
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -550,15 +551,17 @@ def log_names(
     scales: bool,
     validates: bool,
     hyperparams: tuple[str, ...] = (),
+    val_sets: tuple[str, ...] = (),
 ) -> tuple[str, ...]:
     """The values each epoch records, in order: the loss and the steps' values, then
-    with validation `val_` and the loss, the aux values and the metrics.
+    with validation the loss, the aux values and the metrics on each validation set:
+    `val_<name>` for one unnamed set, `val_<set>_<name>` for each of `val_sets`.
     """
     steps = step_value_names(aux_names, metric_names, norms, scales, hyperparams)
     names = ("loss", *steps)
     if not validates:
         return names
-    return names + tuple(f"val_{n}" for n in ("loss", *aux_names, *metric_names))
+    return names + validation_names(val_sets, aux_names, metric_names)
 
 
 # What the history names itself, besides the loss's aux values and the metrics.
