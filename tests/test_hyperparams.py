@@ -128,6 +128,7 @@ def test_compiled_and_with_the_bar_agree_and_callbacks_see_them(problem):
     assert [log["twice"] for log in logs.seen] == whole.history["twice"].tolist()
 
 
+@pytest.mark.heavy  # several devices: CI runs it, the README's command leaves it out
 def test_an_ensemble_and_several_devices_record_them(problem):
     model, data = problem
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE)

@@ -143,6 +143,7 @@ def test_a_checkpoint_inside_an_epoch_resumes_bit_for_bit(tmp_path, kind, progre
         assert_same_run(resumed, whole)
 
 
+@pytest.mark.heavy  # several devices: CI runs it, the README's command leaves it out
 @pytest.mark.parametrize("place", ["devices", "mesh"])
 def test_a_checkpoint_inside_an_epoch_resumes_on_several_devices(tmp_path, place):
     x, y = arrays()

@@ -237,6 +237,7 @@ def test_a_callback_that_stops_training_sees_the_model_it_stopped_at(problem):
     assert_trees_equal(callback.models[2][0], result.model)
 
 
+@pytest.mark.heavy  # several devices: CI runs it, the README's command leaves it out
 @pytest.mark.parametrize("case", ["ensemble", "devices", "bfloat16"])
 def test_the_model_a_callback_sees_is_the_one_fit_returns(problem, case):
     """An ensemble's stacked members, one replica of several devices', the caller's dtypes

@@ -215,6 +215,7 @@ def test_named_sets_in_an_ensemble(getkey, problem):
         np.testing.assert_allclose(column[1, i], expected["loss"], rtol=1e-5)
 
 
+@pytest.mark.heavy  # several devices: CI runs it, the README's command leaves it out
 @pytest.mark.parametrize("where", ["devices", "mesh"])
 def test_named_sets_on_several_devices(getkey, problem, where):
     model, data, sets = problem
