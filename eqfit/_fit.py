@@ -259,11 +259,19 @@ def fit(
 
     *What survives:*
 
-    - `checkpoint`: a directory. Every `checkpoint_every` epochs the whole training state
-        is written there, atomically, keeping the last two. Calling `fit` again with the
-        same directory resumes from the newest good checkpoint and ends with the same
-        bits as an uninterrupted run; one written by another configuration is refused.
-    - `checkpoint_every`: epochs between checkpoints.
+    - `checkpoint`: a directory, or an [`eqfit.Checkpoint`][] policy with one (by
+        epochs, steps or wall seconds; the newest `keep` kept, and the best by a value).
+        The whole training state is written there atomically, in a background thread
+        while training goes on, every `checkpoint_every` epochs (or as the policy says),
+        at the run's end and at the step where a signal stopped it; `fit` returns once
+        the last is committed. Calling `fit` again with the same directory resumes from
+        the newest good checkpoint, inside an epoch or at its end, and ends with the
+        same bits as an uninterrupted run; one written by another configuration is
+        refused.
+    - `checkpoint_every`: epochs between checkpoints, with a directory.
+    - `signals`: the signals that stop training as Ctrl-C does, by name: a cluster's
+        preemption (SLURM, Kubernetes: SIGTERM, then SIGKILL after a grace period).
+        `()` leaves them to Python.
 
     **Returns:**
 
@@ -274,9 +282,9 @@ def fit(
 
     - `TypeError`, `ValueError`: a bad argument, named, before anything is compiled.
     - [`eqfit.NonFiniteLossError`][]: a NaN or infinite loss with `on_nan="raise"`.
-    - [`eqfit.TrainingInterrupted`][]: Ctrl-C, which stops training at the next epoch's
-        end (writing a checkpoint if there is a directory). A second Ctrl-C stops at
-        once.
+    - [`eqfit.TrainingInterrupted`][]: Ctrl-C or one of `signals`, which stops training
+        at the end of the call of the program in flight (half a second, or a step),
+        writing a checkpoint there if there is a directory. A second one stops at once.
     - [`eqfit.CheckpointError`][]: a checkpoint could not be written.
 
     Each of the last three holds what was trained as `.result`.
