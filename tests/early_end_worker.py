@@ -1,6 +1,7 @@
 """Runs that end early, for test_early_ends.py, each in a process of its own.
 
-Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow) [progress]
+Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow | plan)
+           [progress]
        python early_end_worker.py interrupted (memory | stream) EPOCHS STEPS [progress]
            [host-callback]
 
@@ -15,6 +16,8 @@ Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow) [
   `@<time.monotonic()>` where the bar wrote, every write of the bar. Prints "raised <type>
   <stop_reason> steps=<steps trained> count=<Adam's step count> changed=<bool>" when `fit`
   raises: the history's steps, the optimizer state's and the model's changes must agree.
+- `plan`: `eqfit.plan` of a deep MLP (seconds of compilation); prints "planning" first,
+  then "planned", or "plan raised <type>: <message>" for a Ctrl-C or signal it met.
 - `slow`: an MLP 512-2048x4-512 at batch 256, a real model whose steps take about a
   second here (no host callback), trained with the bar. Every write to stderr is stamped
   `@<time.monotonic()>`; it prints "@<time> raised <type> <steps> steps" when `fit` raises.
@@ -194,6 +197,32 @@ def slow() -> None:
         print(f"@{time.monotonic():.3f} raised {type(e).__name__} {steps} steps", file=stderr)
 
 
+def planned() -> None:
+    """`eqfit.plan` of a run whose programs take seconds to compile; a signal meets it
+    while XLA compiles.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 64)).astype(np.float32)
+    model = eqfit.models.MLP(64, 64, 256, 12, key=jax.random.key(0))
+    print("planning", flush=True)
+    try:
+        eqfit.plan(
+            model,
+            (x, x),
+            loss=eqfit.losses.mse,
+            optimizer=optax.adam(1e-3),
+            key=jax.random.key(1),
+            precision="bfloat16",
+            norms=True,
+            ema=0.99,
+        )
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run is over: as in `interrupted`
+        print(f"plan raised {type(e).__name__}: {e}", flush=True)
+        return
+    print("planned", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "raising-loader":
         raising_loader(progress="progress" in sys.argv[2:])
@@ -202,5 +231,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "interrupted":
         data, epochs, steps, *flags = sys.argv[2:]
         interrupted(data, int(epochs), int(steps), "progress" in flags, "host-callback" in flags)
+    elif sys.argv[1] == "plan":
+        planned()
     else:
         slow()

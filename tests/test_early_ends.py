@@ -196,3 +196,26 @@ def test_ctrl_c_answers_soon_and_ends_cleanly(data, progress, host_callback, sig
         assert int(trained) < steps  # inside the epoch: not at its end
         # Answered within a call or two (about half a second each).
         assert arrived - sent < 1.5, output[-2000:]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("signals", [["SIGINT"], ["SIGTERM"], ["SIGINT", "SIGINT"]])
+def test_a_signal_while_plan_compiles_is_answered_and_the_process_ends_cleanly(signals):
+    # Compiling takes seconds here: a signal lands in XLA's compilation, in a thread of
+    # `plan`'s, which must be done before the process exits (else it crashes).
+    for _ in range(2):
+        process = subprocess.Popen(
+            [sys.executable, str(WORKER), "plan"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=worker_env(HERE),
+        )
+        assert process.stdout.readline().startswith("planning")
+        time.sleep(1.0)
+        for name in signals:
+            process.send_signal(getattr(signal, name))
+            time.sleep(0.2)
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]  # no -11 (segfault), no -6 (abort)
+        assert "plan raised KeyboardInterrupt" in out, out + err[-2000:]

@@ -158,6 +158,22 @@ def test_a_checkpoint_inside_an_epoch_resumes_on_several_devices(tmp_path, place
     assert_same_run(resumed, whole)
 
 
+@pytest.mark.heavy  # Orbax's writes take a while
+def test_a_checkpoint_inside_an_epoch_resumes_under_shard(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    x, y = arrays()
+    where = {
+        "mesh": jax.sharding.Mesh(np.array(jax.devices()), ("batch",)),
+        "shard": eqfit.sharding.fsdp("batch", min_bytes=0),
+    }
+    whole = train((x, y), epochs=2, **where)
+    policy = eqfit.Checkpoint(tmp_path / "all", every_epochs=None, every_steps=6, keep=100)
+    assert_same_run(train((x, y), epochs=2, checkpoint=policy, **where), whole)
+    assert (tmp_path / "all" / "ckpt-000001-000005" / "state").is_dir()  # Orbax's format
+    resumed = resume_from(tmp_path, "ckpt-000001-000005", data=(x, y), epochs=2, **where)
+    assert_same_run(resumed, whole)
+
+
 def test_keep_best_keeps_the_best_epoch_beside_the_newest(tmp_path):
     x, y = arrays()
     # A rate that overshoots: the validation loss does not fall every epoch.
