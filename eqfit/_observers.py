@@ -308,9 +308,9 @@ class Checkpointing(Observer):
     At a checkpoint the state (`take`n off the placement: one replica of `devices=`) is
     copied on the device (new buffers, which the next call's donation leaves alone) and a
     background `Writer` takes it to the host (`host`) and writes it while training goes
-    on; the next checkpoint waits for it, and `end` for the last. Where every process
-    writes a part (`shard=`) or several processes take part, the write is made in the
-    training thread instead, all processes together.
+    on; the next checkpoint waits for it, and `end` for the last (under `shard=`, Orbax
+    writes the copy's shards from that thread). Where several processes take part, the
+    write is made in the training thread instead, all processes together.
     """
 
     def __init__(
@@ -327,7 +327,9 @@ class Checkpointing(Observer):
         self.interrupt = interrupt
         self.take, self.host = take, host
         self.monitor = monitor  # `keep_best`'s column in `TrainState.epoch_values`
-        self.background = not store.collective and jax.process_count() == 1
+        # With several processes every one takes part in a write (Orbax's shards, the
+        # barrier after it), which must be in step with the training's collectives.
+        self.background = jax.process_count() == 1
         self.writer = Writer()
         self.relearned = False  # the epoch's length learned, the store not yet told
         self.saved_at: int | None = None  # the position of the last checkpoint
