@@ -341,17 +341,14 @@ def drive(
         steps_per_call = FIRST_CALL_STEPS
     measured = known is not None
 
+    several = jax.process_count() > 1
+
     def interrupted() -> bool:
-        """Whether a signal asks training to stop, in any process: with several, each asks
-        the others at every call's end, so that all stop at the same step.
+        """Whether a signal asks training to stop (with several processes, as they agreed
+        before the last call: see `_agree`).
         """
-        if jax.process_count() == 1:
+        if not several:
             interrupt.stopping = interrupt.requested
-        else:  # by what was gathered: a signal may come in this very line, in one process
-            name = _first_signal(interrupt.signal)
-            if name is not None:
-                interrupt.request(name)
-                interrupt.stopping = True
         return interrupt.stopping
 
     position, report = begin, None
@@ -395,7 +392,13 @@ def drive(
                     if boundary is not None:
                         stop = min(stop, boundary)
                 stop = max(min(stop, feed.end), position)
-                stop = _agreed_stop(stop)
+                if several:  # one call of every process, or none
+                    stop, name = _agree(stop, interrupt.signal)
+                    if name is not None:  # by what was gathered, not by a later signal
+                        interrupt.request(name)
+                        interrupt.stopping = True
+                        if report is not None:
+                            break
                 if feed.batch_size not in programs:
                     piece_loop = dataclasses.replace(loop, batch_size=feed.batch_size)
                     programs[feed.batch_size] = program(piece_loop)
@@ -497,30 +500,21 @@ def drive(
     )
 
 
-def _agreed_stop(stop: int) -> int:
-    """The stop of the next call, process 0's in every process of a `jax.distributed`
-    run: each sizes its calls by its own clock, and every process must make the same
-    calls of a program that spans them.
-    """
-    if jax.process_count() == 1:
-        return stop
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(stop)))
-
-
-def _first_signal(name: str | None) -> str | None:
-    """The signal that came to the process of lowest index that had one, by name; every
-    process takes part, each giving the name of its own (`None`: none).
+def _agree(stop: int, signal_name: str | None) -> tuple[int, str | None]:
+    """What every process of a `jax.distributed` run does next, in one exchange at each
+    call: process 0's `stop` (each sizes its calls by its own clock, and a program that
+    spans them must be called alike), and the signal that came to the process of lowest
+    index that had one (`None`: none came), so that all stop at one step.
     """
     import signal
 
     from jax.experimental import multihost_utils
 
-    number = 0 if name is None else int(signal.Signals[name])
-    numbers = np.asarray(multihost_utils.process_allgather(np.int32(number))).reshape(-1)
-    came = numbers[numbers > 0]
-    return signal.Signals(int(came[0])).name if came.size else None
+    number = 0 if signal_name is None else int(signal.Signals[signal_name])
+    gathered = multihost_utils.process_allgather(np.asarray([stop, number], np.int32))
+    rows = np.asarray(gathered).reshape(-1, 2)
+    came = rows[rows[:, 1] > 0, 1]
+    return int(rows[0, 0]), signal.Signals(int(came[0])).name if came.size else None
 
 
 class DataError(Exception):

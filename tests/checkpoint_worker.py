@@ -13,6 +13,7 @@ checkpoint falls every N steps too; `epochs E` trains E epochs (200).
 
 import os
 import resource
+import signal
 import sys
 
 import jax
@@ -60,6 +61,9 @@ try:
         **kwargs,
     )
 except eqfit.TrainingInterrupted as e:
+    # As a script that handles it would: a second Ctrl-C that comes once `fit` has
+    # answered the first (within a call) finds the run over, and is let be.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     history = e.result.history
     steps = int((history.batch_sizes > 0).sum())
     print(f"interrupted after {history.epochs} epochs, {steps} steps, by {e.signal}", flush=True)
