@@ -17,7 +17,8 @@ Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow | 
   <stop_reason> steps=<steps trained> count=<Adam's step count> changed=<bool>" when `fit`
   raises: the history's steps, the optimizer state's and the model's changes must agree.
 - `plan`: `eqfit.plan` of a deep MLP (seconds of compilation); prints "planning" first,
-  then "planned", or "plan raised <type>: <message>" for a Ctrl-C or signal it met.
+  "deferred" once `plan` handles the signals (it traces and compiles from there), then
+  "planned", or "plan raised <type>: <message>" for a Ctrl-C or signal it met.
 - `slow`: an MLP 512-2048x4-512 at batch 256, a real model whose steps take about a
   second here (no host callback), trained with the bar. Every write to stderr is stamped
   `@<time.monotonic()>`; it prints "@<time> raised <type> <steps> steps" when `fit` raises.
@@ -25,6 +26,7 @@ Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow | 
 
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -203,8 +205,15 @@ def planned() -> None:
     """
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 64)).astype(np.float32)
-    model = eqfit.models.MLP(64, 64, 256, 12, key=jax.random.key(0))
+    model = eqfit.models.MLP(64, 64, 256, 32, key=jax.random.key(0))
+
+    def watch() -> None:  # says when `plan` has taken the signals over: it compiles then
+        while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            time.sleep(0.005)
+        print("deferred", flush=True)
+
     print("planning", flush=True)
+    threading.Thread(target=watch, daemon=True).start()
     try:
         eqfit.plan(
             model,

@@ -212,7 +212,9 @@ def test_a_signal_while_plan_compiles_is_answered_and_the_process_ends_cleanly(s
             env=worker_env(HERE),
         )
         assert process.stdout.readline().startswith("planning")
-        time.sleep(1.0)
+        # Once `plan` has the signals, it traces and compiles for seconds more.
+        assert process.stdout.readline().startswith("deferred")
+        time.sleep(0.3)
         for name in signals:
             process.send_signal(getattr(signal, name))
             time.sleep(0.2)

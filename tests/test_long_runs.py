@@ -336,14 +336,14 @@ def test_sigkill_at_random_points_of_a_run_checkpointed_every_few_steps(tmp_path
     rng = np.random.default_rng(0)
     kills = 0
     for _ in range(6):
-        process = start(tmp_path, "compiled", "steps", "7", "epochs", "40")
-        wait_for(process, "starting")
-        time.sleep(float(rng.uniform(1.5, 4.0)))
-        if process.poll() is not None:
-            break
-        process.send_signal(signal.SIGKILL)
-        process.communicate(timeout=30)
-        kills += 1
+        with start(tmp_path, "compiled", "steps", "7", "epochs", "40") as process:
+            wait_for(process, "starting")
+            time.sleep(float(rng.uniform(1.5, 4.0)))
+            if process.poll() is not None:  # the run finished first (its pipes close here)
+                break
+            process.send_signal(signal.SIGKILL)
+            process.communicate(timeout=30)
+            kills += 1
     assert kills >= 3
     with start(tmp_path, "compiled", "steps", "7", "epochs", "40") as process:
         out, err = process.communicate(timeout=300)
