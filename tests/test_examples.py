@@ -11,13 +11,13 @@ import pytest
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-# The main example and the step-budget one run in the quick suite; the others, a few
-# seconds to a quarter of a minute of CPU each, with the heavy tests.
+# The main example runs in the quick suite; the others, a few seconds to a quarter of a
+# minute of CPU each, with the heavy tests.
 @pytest.mark.parametrize(
     "script, expected",
     [
         ("linear_regression.py", "learned weights (true: all 1)"),
-        ("spirals_gru.py", "final validation accuracy"),
+        pytest.param("spirals_gru.py", "final validation accuracy", marks=pytest.mark.heavy),
         pytest.param("digits.py", "test accuracy", marks=pytest.mark.heavy),
         pytest.param("digits_batchnorm.py", "test accuracy", marks=pytest.mark.heavy),
         pytest.param("data_parallel.py", "largest parameter difference", marks=pytest.mark.heavy),
