@@ -223,7 +223,9 @@ def fit(
     - `progress`: `False` runs the training in a few long calls of the compiled program.
         `True` shows a tqdm bar and calls the same program in shorter pieces; the result
         is the same, bit for bit. Above the bar it prints the run's plan in one line
-        (parameters, memory per device, FLOPs per step; see [`eqfit.plan`][]).
+        (parameters, memory per device, FLOPs per step; see [`eqfit.plan`][]) and, as
+        each epoch ends, a line of its values (`history.values`' row). The bar shows the
+        running epoch's mean loss and samples per second, within the terminal's width.
     - `peak_flops`: one device's peak FLOP/s, for the model FLOPs utilisation
         (`history.throughput["mfu"]`) on a device that eqfit's table does not know.
     - `callbacks`: objects with `on_epoch_end(epoch, logs)` (epochs counted from 1), called

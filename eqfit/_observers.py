@@ -11,6 +11,7 @@ import collections
 import contextlib
 import math
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -154,11 +155,30 @@ class Observer:
         pass
 
 
+# The bar's line, fullest first: the first that leaves the bar `MIN_BAR_CELLS` cells
+# on the terminal's line is drawn (the last where none does). tqdm shrinks only the
+# bar to fit, and cuts what is still too long at the line's end, so each drops what
+# the line can best spare: the percentage, the times, the epoch (which the epochs'
+# lines name too). tqdm writes `{desc}` as "epoch 3/10: " and `{postfix}` as
+# ", loss=..., samples/s=...".
+BAR_FORMATS = (
+    "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+    "{desc}|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+    "{desc}|{bar}| {n_fmt}/{total_fmt}{postfix}",
+    "|{bar}| {n_fmt}/{total_fmt}{postfix}",
+)
+MIN_BAR_CELLS = 10
+
+
 class Bar(Observer):
-    """The tqdm bar. It starts when the first call is queued (after compilation, so its
-    rate is the training's), names the epoch the last step was in, and shows that epoch's
-    mean loss (at its end, `history.loss`'s value) and the other values of the last epoch
-    that ended (validation, aux values, norms).
+    """The tqdm bar, and a line for each epoch that ends. It starts when the first call
+    is queued (after compilation, so its rate is the training's).
+
+    The bar names the epoch the last step was in, and shows that epoch's mean loss so far
+    (at its end, `history.loss`'s value) and the samples per second of the last calls;
+    it keeps to the terminal's line, whatever its width. When an epoch ends, a line
+    above the bar gives all its values (its row of `history.values`), broken between
+    values to the terminal's width.
     """
 
     seconds_per_call = SECONDS_PER_BAR_CALL
@@ -168,15 +188,12 @@ class Bar(Observer):
         self.summary = summary  # the plan's line, printed above the bar
         self.made: Any = None
         self.shown = begin
-        self.last: dict[str, str] = {}  # the last ended epoch's values, but its loss
 
     def after_call(self, position: int, state: TrainState) -> None:
         if self.made is None:
             from tqdm.auto import tqdm
 
             schedule = self.schedule
-            if self.summary is not None:
-                tqdm.write(self.summary, file=sys.stderr)
             # No tqdm rate: a step's rate means little, and tqdm's is of the last
             # redraw alone. The postfix shows samples per second over the last calls.
             self.made = tqdm(
@@ -184,34 +201,77 @@ class Bar(Observer):
                 initial=self.begin - schedule.begin,
                 unit="step",
                 dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+                bar_format=BAR_FORMATS[0],
             )
+            if self.summary is not None:
+                self._write(self.summary)
 
     def learned(self, schedule: Schedule) -> None:
         self.schedule = schedule
         if self.made is not None:
             self.made.total = schedule.total - schedule.begin
+            self._fit_line()
             self.made.refresh()
 
     def on_progress(self, progress: Progress) -> bool:
         if self.made is None or progress.position <= self.shown:
             return False
-        epoch = min(progress.epoch, self.schedule.epochs)
-        self.made.set_description(f"epoch {epoch}/{self.schedule.epochs}", refresh=False)
-        for _, logs in progress.ended[-1:]:
-            shown = (k for k in logs if k != "loss" and k not in Throughput.NAMES)
-            self.last = {k: f"{logs[k]:.4g}" for k in shown}
-        values = {"loss": f"{progress.epoch_loss:.4g}", **self.last}
+        epochs = self.schedule.epochs
+        for epoch, logs in progress.ended:
+            shown = " ".join(f"{k}={v:.4g}" for k, v in logs.items() if k not in Throughput.NAMES)
+            self._write(f"epoch {epoch}/{epochs}: {shown}")
+        epoch = min(progress.epoch, epochs)
+        self.made.set_description(f"epoch {epoch}/{epochs}", refresh=False)
+        values = {"loss": f"{progress.epoch_loss:.4g}"}
         if progress.samples_per_second is not None:
             values["samples/s"] = f"{progress.samples_per_second:.4g}"
         self.made.set_postfix(values, refresh=False)
+        self._fit_line()
         self.made.update(progress.position - self.shown)
         self.shown = progress.position
         return False
 
     def close(self) -> None:
         if self.made is not None:
+            self._fit_line()  # its last line, with the run's time
             self.made.close()
+
+    def _write(self, line: str) -> None:
+        """Prints `line` above the bar, broken to the terminal's width."""
+        self.made.write(wrapped(line, self._width()), file=sys.stderr)
+
+    def _width(self) -> int | None:
+        """The columns tqdm draws in now (one less than the terminal's: it leaves the
+        last free); `None` where the bar is not in a terminal (a file, a notebook).
+        """
+        width = self.made.format_dict["ncols"]
+        return width if isinstance(width, int) and width > 0 else None
+
+    def _fit_line(self) -> None:
+        """Sets the fullest of `BAR_FORMATS` that fits the line with the bar's values."""
+        made, width = self.made, self._width()
+        chosen = BAR_FORMATS[0]
+        if width is not None:
+            meter = made.format_dict
+            for chosen in BAR_FORMATS:
+                text = chosen.replace("{bar}", "")  # the line without its bar
+                rest = made.format_meter(**{**meter, "bar_format": text, "ncols": None})
+                if len(rest) + MIN_BAR_CELLS <= width:
+                    break
+        made.bar_format = chosen
+
+
+def wrapped(line: str, width: int | None) -> str:
+    """`line` broken at its spaces into lines of at most `width` characters (all of it on
+    one line where `width` is `None`), each after the first indented by two spaces. A
+    word longer than a line is not cut: it has a line of its own.
+    """
+    if width is None:
+        return line
+    lines = textwrap.wrap(
+        line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+    )
+    return "\n".join(lines)
 
 
 class Callbacks(Observer):

@@ -249,8 +249,11 @@ def test_the_bar_shows_the_epoch_it_names(capsys, validation):
     assert "epoch 5/5" in last
     shown = re.findall(r"loss=([-0-9.e+na]+)", last)[0]
     assert shown == f"{result.history.loss[-1]:.4g}"
+    # The epoch's line above the bar: its values, the history's.
+    (line,) = [line for line in err.splitlines() if line.startswith("epoch 5/5: loss=")]
+    assert f"loss={result.history.loss[-1]:.4g}" in line
     if validation:
-        val = re.findall(r"val_loss=([-0-9.e+na]+)", last)[0]
+        val = re.findall(r"val_loss=([-0-9.e+na]+)", line)[0]
         assert val == f"{result.history.val_loss[-1]:.4g}"  # pyright: ignore
 
 

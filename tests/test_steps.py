@@ -149,10 +149,14 @@ def test_epochs_are_counted_from_one_everywhere(problem, tmp_path, capsys):
         assert [int(row["epoch"]) for row in csv.DictReader(f)] == [1, 2, 3, 4]
     lines = capsys.readouterr().err.replace("\r", "\n")
     assert "epoch 4/4" in lines and "epoch 0/" not in lines
-    # The bar's values are those of the epoch it names: the last line, the last epoch's.
+    # Each epoch's values are on a line that names it; the last is the last epoch's.
     last = [line for line in lines.splitlines() if "val_loss" in line][-1]
-    assert last.startswith("epoch 4/4")
-    assert f"loss={h.loss[-1]:.4g}," in last and f"val_loss={h.val_loss[-1]:.4g}" in last
+    assert last.startswith("epoch 4/4: ")
+    assert f"loss={h.loss[-1]:.4g} " in last and f"val_loss={h.val_loss[-1]:.4g}" in last
+    # The bar has the loss of the epoch it names (the last, at the end) and no others.
+    bar = [line for line in lines.splitlines() if "samples/s=" in line][-1]
+    assert bar.startswith("epoch 4/4") and f"loss={h.loss[-1]:.4g}," in bar
+    assert "val_loss" not in bar
     fig = h.plot()
     assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 3, 4]
 
