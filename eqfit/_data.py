@@ -95,6 +95,26 @@ def check_data(data: Any, name: str = "data") -> None:
         )
 
 
+def check_alive(**arguments: Any) -> None:
+    """Refuses an argument holding a deleted JAX array, naming the argument and the
+    array's path: one whose buffer a `jax.jit(..., donate_argnums=...)` call elsewhere
+    gave away, or that `.delete()` freed. Left alone, such an array fails deep inside the
+    run with JAX's `Array has been deleted with shape=float32[256]`, which names neither.
+    Reads no array and moves nothing.
+    """
+    for name, tree in arguments.items():
+        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(x, jax.Array) and x.is_deleted():
+                where = f"{name}{jax.tree_util.keystr(path)}"
+                shape = f"{x.dtype}[{', '.join(map(str, x.shape))}]"
+                raise ValueError(
+                    f"`{where}` ({shape}) is a deleted array: a `jax.jit` call that donates "
+                    "its arguments (`donate_argnums=`, `eqx.filter_jit(donate=...)`) gave "
+                    f"its buffer away, or `.delete()` freed it. Pass the `{name}` that call "
+                    "returned, or a copy made before it (`jnp.copy`)."
+                )
+
+
 def num_samples(data: PyTree) -> int:
     """The size of the leading axis that every array of `data` shares."""
     return jax.tree.leaves(data)[0].shape[0]
