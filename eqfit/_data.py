@@ -2,6 +2,7 @@
 
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
@@ -103,7 +104,9 @@ def check_alive(**arguments: Any) -> None:
     Reads no array and moves nothing.
     """
     for name, tree in arguments.items():
-        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        # An iterator (a generator of batches) is a leaf, taken whole: not read here.
+        leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_iterator)
+        for path, x in leaves:
             if isinstance(x, jax.Array) and x.is_deleted():
                 where = f"{name}{jax.tree_util.keystr(path)}"
                 shape = f"{x.dtype}[{', '.join(map(str, x.shape))}]"
@@ -113,6 +116,10 @@ def check_alive(**arguments: Any) -> None:
                     f"its buffer away, or `.delete()` freed it. Pass the `{name}` that call "
                     "returned, or a copy made before it (`jnp.copy`)."
                 )
+
+
+def _is_iterator(x: Any) -> bool:
+    return isinstance(x, Iterator)
 
 
 def num_samples(data: PyTree) -> int:
