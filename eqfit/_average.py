@@ -1,9 +1,18 @@
 """A moving average of the trained arrays (Polyak/EMA): an option with its own state."""
 
+import importlib.util
+import math
+import os
+import sys
+import types
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, PyTree
+
+from ._checks import as_real
 
 
 class Average(eqx.Module):
@@ -39,9 +48,55 @@ class Average(eqx.Module):
 
 
 def as_average(ema: object) -> Average | None:
-    """`fit`'s `ema=` as an `Average` (`None`: no average), checked."""
+    """`fit`'s `ema=` as an `Average` (`None`: no average), checked: a Python, numpy or
+    JAX real scalar.
+    """
     if ema is None:
         return None
-    if isinstance(ema, bool) or not isinstance(ema, (int, float)):
+    momentum = as_real(ema)
+    if momentum is None:
         raise TypeError(f"`ema` must be a number in (0, 1), such as 0.999, or None, got {ema!r}.")
-    return Average(float(ema))
+    return Average(momentum)
+
+
+def warn_if_short(average: Average | None, steps: int) -> None:
+    """Warns where the run's `steps` leave more than half of the average at the initial
+    weights (`ema**steps > 0.5`): the "averaged" model is then mostly the untrained one,
+    and nothing else would say so. (Keras says nothing either.) `steps` of 0 or less: the
+    run's length is not known yet (a loader without `len`), or it trains nothing.
+    """
+    if average is None or steps <= 0:
+        return
+    m = average.momentum
+    left = m**steps
+    if left <= 0.5:
+        return
+    half = math.ceil(math.log(0.5) / math.log(m))  # the steps that leave half
+    suggested = 0.01 ** (1 / steps)  # 1% left after the run
+    warnings.warn(
+        f"`ema={m}` over this run's {steps} steps leaves {100 * left:.3g}% of the moving "
+        f"average at the initial weights (`ema**steps` = {m}**{steps} = {left:.3g}): "
+        "`ema_model` will be mostly the untrained model. Train for more steps "
+        f"({half} or more leave half or less), or give a smaller `ema` "
+        f"(`ema={suggested:.2g}` leaves 1% over {steps} steps).",
+        UserWarning,
+        stacklevel=_caller_level(sys._getframe(0)),
+    )
+
+
+def _caller_level(warning: types.FrameType) -> int:
+    """The `stacklevel`, for a warning issued in the frame `warning`, of the first frame
+    outside eqfit and the runtime checks that wrap its functions: the user's call of
+    `fit` or `plan`, which the warning points at.
+    """
+    skipped = (os.path.dirname(__file__), *map(_folder, ("jaxtyping", "beartype")))
+    frame, level = warning, 1
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _folder(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    origin = None if spec is None else spec.origin
+    return os.path.dirname(origin) if origin else "\0"

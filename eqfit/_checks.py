@@ -20,6 +20,9 @@ import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any, cast, TypeVar
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jaxtyping import jaxtyped, TypeCheckError
 
@@ -96,6 +99,21 @@ def _raised_inside(error: BaseException, fn: Callable[..., Any]) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def as_real(value: Any) -> float | None:
+    """`value` as a Python float if it is a real number: a Python int or float, or a
+    numpy or JAX scalar (a 0-d array) of an integer or floating dtype; else `None` (a
+    bool, a complex number, an array of more than one element, anything else).
+    """
+    if isinstance(value, bool | np.bool_):
+        return None
+    if isinstance(value, int | float | np.integer | np.floating):
+        return float(value)
+    if isinstance(value, jax.Array | np.ndarray) and value.shape == ():
+        if jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating):
+            return float(value)  # a tracer (inside `jit`) raises here, naming itself
+    return None
 
 
 def _clip(line: str) -> str:

@@ -2,6 +2,7 @@
 
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
@@ -93,6 +94,32 @@ def check_data(data: Any, name: str = "data") -> None:
             f"`{name}` is empty: its arrays have 0 samples "
             f"(shapes {[tuple(a.shape) for _, a in leaves]})."
         )
+
+
+def check_alive(**arguments: Any) -> None:
+    """Refuses an argument holding a deleted JAX array, naming the argument and the
+    array's path: one whose buffer a `jax.jit(..., donate_argnums=...)` call elsewhere
+    gave away, or that `.delete()` freed. Left alone, such an array fails deep inside the
+    run with JAX's `Array has been deleted with shape=float32[256]`, which names neither.
+    Reads no array and moves nothing.
+    """
+    for name, tree in arguments.items():
+        # An iterator (a generator of batches) is a leaf, taken whole: not read here.
+        leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_iterator)
+        for path, x in leaves:
+            if isinstance(x, jax.Array) and x.is_deleted():
+                where = f"{name}{jax.tree_util.keystr(path)}"
+                shape = f"{x.dtype}[{', '.join(map(str, x.shape))}]"
+                raise ValueError(
+                    f"`{where}` ({shape}) is a deleted array: a `jax.jit` call that donates "
+                    "its arguments (`donate_argnums=`, `eqx.filter_jit(donate=...)`) gave "
+                    f"its buffer away, or `.delete()` freed it. Pass the `{name}` that call "
+                    "returned, or a copy made before it (`jnp.copy`)."
+                )
+
+
+def _is_iterator(x: Any) -> bool:
+    return isinstance(x, Iterator)
 
 
 def num_samples(data: PyTree) -> int:

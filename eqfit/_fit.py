@@ -15,6 +15,7 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from ._average import warn_if_short
 from ._checkpoint import Checkpoints, Interrupt, position
 from ._checks import checked, reported_as
 from ._data import as_data, sample_shapes
@@ -45,17 +46,19 @@ from ._sources import open_source, Source
 from ._typing import (
     Arrays,
     FilterSpec,
+    Flag,
     Loss,
     Metrics,
     Model,
     ModelState,
+    Number,
     Optimizer,
     OptState,
     PathLike,
     PRNGKey,
     Schedules,
 )
-from ._validation import ValidationSets
+from ._validation import naming_advice, ValidationSets
 
 
 # `data` takes arrays, PyTrees of them, memmaps, loaders and generators: too many kinds for
@@ -103,11 +106,11 @@ def fit(
     checkpoint_every: int = 1,
     signals: Sequence[str | int] | None = PREEMPTION_SIGNALS,
     precision: PrecisionLike = None,
-    ema: float | None = None,
+    ema: Number | None = None,
     validate_ema: bool = False,
-    norms: bool = False,
+    norms: Flag = False,
     schedules: Schedules | None = None,
-    peak_flops: float | None = None,
+    peak_flops: Number | None = None,
     profile: Profile | None = None,
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
@@ -204,7 +207,9 @@ def fit(
     - `ema`: keep a moving average of the trained arrays, `average = ema * average + (1
         - ema) * weights` after every step (from the initial weights, no bias
         correction), returned as `result.ema_model`, in float32 at least. With
-        `optax.MultiSteps` it steps with every microbatch.
+        `optax.MultiSteps` it steps with every microbatch. A Python, numpy or JAX
+        scalar. A run too short for it is warned of (Keras says nothing): one that leaves
+        more than half of the average at the initial weights, `ema**steps > 0.5`.
     - `validate_ema`: validate the average instead of the weights (validation values,
         metrics and early stopping on them).
     - `norms`: record the global L2 norm of each step's gradient (unscaled, before the
@@ -227,7 +232,8 @@ def fit(
         each epoch ends, a line of its values (`history.values`' row). The bar shows the
         running epoch's mean loss and samples per second, within the terminal's width.
     - `peak_flops`: one device's peak FLOP/s, for the model FLOPs utilisation
-        (`history.throughput["mfu"]`) on a device that eqfit's table does not know.
+        (`history.throughput["mfu"]`) on a device that eqfit's table does not know. In
+        FLOP/s, not TFLOP/s (`989e12`): a value below 1e9 is refused as a slip of unit.
     - `callbacks`: objects with `on_epoch_end(epoch, logs)` (epochs counted from 1), called
         on the host after each epoch; returning `True` stops training. One that also has
         `on_epoch_model(epoch, model, ema_model)` ([`eqfit.ModelCallback`][]) gets the
@@ -295,6 +301,8 @@ def fit(
     # Check: every argument, before any data is read or any program compiled.
     options = check_options(
         model=model,
+        data=data,
+        opt_state=opt_state,
         key=key,
         epochs=epochs,
         initial_epoch=initial_epoch,
@@ -512,8 +520,7 @@ def _open(data: Any, validation_data: Any, options: Options) -> tuple[Source, Py
         raise ValueError(
             "`validation_data` must hold arrays like `data`'s, but it is a tuple of "
             f"{len(validation_data)} datasets, each like `data`: a tuple is one dataset, of "
-            "nested arrays. Name each set, `validation_data=eqfit.ValidationSets("
-            "a=validation_data[0], b=validation_data[1], ...)`."
+            f"nested arrays. {naming_advice(len(validation_data), 'tuple')}"
         )
     val = None
     if validation_data is not None:
@@ -564,6 +571,8 @@ def _plan(source: Source, options: Options) -> Schedule:
     schedule = make_schedule(shape, options)
     check_batch_split(options.placement, schedule.batch_size)
     check_profile(options, schedule)
+    if not schedule.learning:
+        warn_if_short(options.average, schedule.total - schedule.begin)
     return schedule
 
 

@@ -35,10 +35,12 @@ from ._parallel import OneDevice, param_specs, Placement
 from ._precision import LossScale, Precision
 from ._schedule import Schedule
 from ._step import (
-    BUILT_IN,
     find_aux_names,
     log_names,
     Objective,
+    RESERVED,
+    reserved_for,
+    reserved_names,
     Step,
     step_value_names,
     takes_key,
@@ -1051,20 +1053,21 @@ def check_names(loop: Loop, options: Options) -> None:
                 f"`loss` returns an aux value {name!r}, and `metrics` has a metric "
                 f"{name!r}: the history would hold both under one name; rename one."
             )
-        if name in BUILT_IN or name.startswith("val_"):
-            what = f"validation's {name!r}" if name.startswith("val_") else f"the built-in {name!r}"
+        what = reserved_for(name)
+        if what is not None:
             raise ValueError(
-                f"`loss` returns an aux value {name!r}, which collides with {what} entry "
-                "of the history; rename it."
+                f"`loss` returns an aux value {name!r}, a name the run gives to {what}; "
+                f"rename it. Reserved: {reserved_names()}."
             )
-    taken = {name: f"the built-in {name!r} entry" for name in BUILT_IN}
+    taken = {name: reserved_for(name) or "" for name in RESERVED}
     taken |= {name: f"`loss`'s aux value {name!r}" for name in loop.aux_names}
     taken |= {name: f"the metric {name!r}" for name in loop.metric_names}
     for name in loop.hyperparams:  # the optimizer's names cannot be changed; the others can
         if name in taken or name.startswith("val_"):
             raise ValueError(
                 f"The optimizer's `inject_hyperparams` state holds a hyperparameter {name!r}, "
-                f"which the run records under that name, and so is {taken[name]}: rename it."
+                "which the run records under that name, and so is "
+                f"{taken.get(name) or reserved_for(name)}: rename it."
             )
         taken[name] = f"the optimizer's injected hyperparameter {name!r} (`inject_hyperparams`)"
     for name in loop.schedule_names:  # built-in names were refused with the options

@@ -26,6 +26,7 @@ from ._checkpoint import Checkpoints, Interrupt, Writer
 from ._loop import learned_config, TrainState
 from ._policy import Checkpoint, Profile
 from ._schedule import Schedule
+from ._step import THROUGHPUT_COSTS, THROUGHPUT_TIMES
 
 
 # The bar redraws about this often: its calls last at most this long.
@@ -588,8 +589,8 @@ class Throughput:
     """
 
     # Names of what it adds to each epoch's values: always, and with `Costs`.
-    TIMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
-    COSTS = ("flops_per_second", "mfu")
+    TIMES = THROUGHPUT_TIMES
+    COSTS = THROUGHPUT_COSTS
     NAMES = TIMES + COSTS
 
     def __init__(self, schedule: Schedule, costs: Costs | None = None):

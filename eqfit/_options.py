@@ -18,15 +18,16 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
 from ._average import as_average, Average
-from ._data import as_key, ensemble_size
+from ._checks import as_real
+from ._data import as_key, check_alive, ensemble_size
 from ._early_stopping import EarlyStopping
 from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
 from ._policy import as_signals, Checkpoint, Profile
 from ._precision import as_precision, Precision
 from ._sharding import resolve
-from ._step import BUILT_IN, log_names
-from ._validation import check_unique, ValidationSets
+from ._step import log_names, reserved_for, reserved_names
+from ._validation import check_unique, naming_advice, ValidationSets
 
 
 DEFAULT_BATCH_SIZE = 32
@@ -155,13 +156,15 @@ def check_options(
     precision: Any = None,
     ema: Any = None,
     validate_ema: bool = False,
-    norms: bool = False,
+    norms: Any = False,
     peak_flops: Any = None,
     signals: Any = (),
     loss: Any = None,
     schedules: Any = None,
     profile: Any = None,
     validation_freq: Any = 1,
+    data: Any = None,
+    opt_state: Any = None,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
 
@@ -173,6 +176,16 @@ def check_options(
 
     `TypeError` or `ValueError`, naming the argument, what it must be and what it is.
     """
+    check_alive(
+        model=model,
+        data=data,
+        # Named sets are no PyTree: each is checked by its name.
+        validation_data=dict(validation_data)
+        if isinstance(validation_data, ValidationSets)
+        else validation_data,
+        opt_state=opt_state,
+        state=state,
+    )
     _whole("epochs", epochs, 0)
     _whole("initial_epoch", initial_epoch, 0)
     if epochs < initial_epoch:
@@ -236,6 +249,12 @@ def check_options(
     for name in metric_names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"`metrics` must map names (strings) to functions; got {name!r}.")
+        what = reserved_for(name)
+        if what is not None:
+            raise ValueError(
+                f"`metrics` has a metric {name!r}, a name the run gives to {what}; rename "
+                f"it. Reserved: {reserved_names()}."
+            )
     callbacks = tuple(callbacks)
     for i, callback in enumerate(callbacks):
         if not callable(getattr(callback, "on_epoch_end", None)):
@@ -255,13 +274,7 @@ def check_options(
             "moving average, but this run validates nothing: give `validation_data` or "
             "`validation_split`, or leave `validate_ema` out."
         )
-    if peak_flops is not None and not (
-        isinstance(peak_flops, (int, float)) and not isinstance(peak_flops, bool) and peak_flops > 0
-    ):
-        raise ValueError(
-            "`peak_flops` must be one device's peak FLOP/s, a number above 0 (such as "
-            f"`989e12` for an H100 in bfloat16), got {peak_flops!r}."
-        )
+    peak = _peak_flops(peak_flops)
     scheduled = _schedules(schedules, metric_names)
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(
@@ -292,8 +305,8 @@ def check_options(
         precision=as_precision(precision),
         average=average,
         validate_ema=validate_ema,
-        norms=norms,
-        peak_flops=None if peak_flops is None else float(peak_flops),
+        norms=bool(norms),
+        peak_flops=peak,
         signals=as_signals(signals),
         schedules=scheduled,
         profile=profile,
@@ -327,16 +340,40 @@ def _refuse_list_of_sets(validation_data: Any) -> None:
     if not all(isinstance(d, tuple | dict | list) for d in validation_data):
         return
     n = len(validation_data)
-    names = [chr(ord("a") + i) if n <= 26 else f"set{i + 1}" for i in range(n)]
-    shown = [f"{name}=sets[{i}]" for i, name in enumerate(names)]
-    if n > 3:
-        shown = [*shown[:2], "...", shown[-1]]
     raise TypeError(
         f"`validation_data` is a list of {n} datasets: a list (or tuple) of them would be "
-        "taken for one dataset's arrays. Name each set, with `sets` the list you passed: "
-        f"`validation_data=eqfit.ValidationSets({', '.join(shown)})`, recorded as "
-        f"{', '.join(f'`val_{name}_loss`' for name in names[:2])}, and so on."
+        f"taken for one dataset's arrays. {naming_advice(n, 'list')}"
     )
+
+
+# Below this no device eqfit runs on computes: a smaller `peak_flops` is a unit slip
+# (`989` meant as TFLOP/s), which would make the MFU a million or more times too large.
+_LEAST_PEAK_FLOPS = 1e9
+
+
+def _peak_flops(peak_flops: Any) -> float | None:
+    """`peak_flops` as a float, refused unless one device's plausible peak FLOP/s."""
+    if peak_flops is None:
+        return None
+    peak = as_real(peak_flops)
+    example = "such as `989e12` for an H100 in bfloat16"
+    if peak is None:
+        raise TypeError(
+            f"`peak_flops` must be one device's peak FLOP/s, a number ({example}), got "
+            f"{peak_flops!r}."
+        )
+    if not (math.isfinite(peak) and peak > 0):
+        raise ValueError(
+            "`peak_flops` must be one device's peak FLOP/s, a finite number above 0 "
+            f"({example}), got {peak_flops!r}."
+        )
+    if peak < _LEAST_PEAK_FLOPS:
+        raise ValueError(
+            f"`peak_flops` is {peak_flops!r}, but it counts one device's peak in FLOP/s, "
+            f"not TFLOP/s: no device computes below {_LEAST_PEAK_FLOPS:.0e} FLOP/s. For "
+            f"{peak:g} TFLOP/s give `peak_flops={peak:g}e12`."
+        )
+    return peak
 
 
 def as_checkpoint(checkpoint: Any, checkpoint_every: int) -> Checkpoint | None:
@@ -402,11 +439,11 @@ def _schedules(
                 f"`schedules[{name!r}]` must be a schedule, a function of the step count "
                 f"(such as `optax.linear_schedule(...)`), got a {type(schedule).__name__}."
             )
-        if name in BUILT_IN or name.startswith("val_"):
-            what = "validation's" if name.startswith("val_") else "the built-in"
+        what = reserved_for(name)
+        if what is not None:
             raise ValueError(
-                f"`schedules` has a schedule {name!r}, which collides with {what} {name!r} "
-                "entry of the history; rename it."
+                f"`schedules` has a schedule {name!r}, a name the run gives to {what}; "
+                f"rename it. Reserved: {reserved_names()}."
             )
         if name in metric_names:
             raise ValueError(

@@ -10,6 +10,7 @@ low-precision copy of the model (levanter #426 describes the trap of casting the
 model up front).
 """
 
+import math
 import re
 from typing import Any, Literal, NamedTuple
 
@@ -22,6 +23,9 @@ from jaxtyping import Array, Bool, Float, Int
 from ._typing import ArrayTree
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 class LossScale(NamedTuple):
     """The dynamic loss scale, carried in the training state (and its checkpoints)."""
 
@@ -30,6 +34,10 @@ class LossScale(NamedTuple):
 
 
 def _dtype(value: Any, name: str) -> np.dtype:
+    if value is None:  # which NumPy takes for float64, and JAX truncates to float32
+        raise TypeError(
+            f"`Precision.{name}` must be a floating dtype (such as `jnp.bfloat16`), got None."
+        )
     try:
         dtype = np.dtype(jnp.dtype(value))
     except TypeError:
@@ -102,8 +110,16 @@ class Precision(eqx.Module):
                 f"`Precision.loss_scaling` must be None, True or False, got {self.loss_scaling!r}."
             )
         scale = self.initial_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"`Precision.initial_scale` must be above 0, got {scale!r}.")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(
+                f"`Precision.initial_scale` must be a number (such as 2**15), got {scale!r}."
+            )
+        # The scale is kept in float32: a larger one would be infinite there.
+        if not (math.isfinite(scale) and 0 < scale <= _FLOAT32_MAX):
+            raise ValueError(
+                "`Precision.initial_scale` must be a finite number above 0 that float32 "
+                f"holds (such as 2**15), got {scale!r}."
+            )
         steps = self.growth_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(

@@ -11,7 +11,15 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checks import checked, reported_as
-from ._data import as_data, as_key, check_batch_size, ensemble_size, not_a_stack, num_samples
+from ._data import (
+    as_data,
+    as_key,
+    check_alive,
+    check_batch_size,
+    ensemble_size,
+    not_a_stack,
+    num_samples,
+)
 from ._evaluate import evaluate_batches
 from ._jit import cached_jit
 from ._labels import raise_found
@@ -86,6 +94,7 @@ def predict(
     The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True`: to a
     type checker, what `model` returns (without the state, given one).
     """
+    check_alive(model=model, x=x, state=state)
     x_ = as_data(x if not _is_array(x) else (x,), "x")
     check_batch_size(batch_size)
     policy = as_precision(precision)
@@ -202,6 +211,7 @@ def evaluate(
     `{"loss": ..., **{name: ...}}` as plain floats: the loss, the aux values it returns
     (see `fit`'s `loss`), and the metrics.
     """
+    check_alive(model=model, data=data, state=state)
     data_ = as_data(data)
     check_batch_size(batch_size)
     objective = Objective(

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree, TypeCheckError
 
@@ -262,15 +263,9 @@ class Objective(eqx.Module):
         if not self.aux_names:
             return jnp.zeros(0)
         assert aux is not None
-        values = []
-        for name in self.aux_names:
-            value = aux[name]
-            if not isinstance(value, jax.Array) or not jnp.issubdtype(value.dtype, jnp.number):
-                raise TypeError(
-                    f"`loss`'s aux value {name!r} must be an array of numbers (a scalar, or "
-                    f"an array that is averaged), got {type(value).__name__}."
-                )
-            values.append(jnp.mean(value).astype(jnp.float32))
+        values = [
+            jnp.mean(aux_value(name, aux[name])).astype(jnp.float32) for name in self.aux_names
+        ]
         return jnp.stack(values)
 
     def metric_values(
@@ -292,11 +287,69 @@ class Objective(eqx.Module):
         return jnp.stack(values), first_of(checks)
 
 
+def aux_value(name: str, value: Any) -> Array:
+    """The loss's aux value `name` as an array of real numbers, which the run averages and
+    records in float32: a JAX array, or a numpy or Python number (a constant). Refuses a
+    complex one (float32 would drop its imaginary part), bools and PRNG keys, and what is
+    not a number, naming the aux value and what it is.
+    """
+    what = f"`loss`'s aux value {name!r}"
+    if isinstance(value, int | float | np.number | np.ndarray) and not isinstance(
+        value, bool | np.bool_
+    ):
+        value = jnp.asarray(value)  # a numpy scalar or array, or a Python number
+    if not isinstance(value, jax.Array):
+        raise TypeError(
+            f"{what} must be an array of numbers (a scalar, or an array that is averaged), "
+            f"got {_described(value)}."
+        )
+    dtype = value.dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{what} is complex ({_shape(value)}), but the run records its values as float32, "
+            "which would drop the imaginary part: record a real value (`jnp.abs(v)`, or "
+            "`v.real` and `v.imag` as two aux values)."
+        )
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"{what} is a PRNG key ({_shape(value)}), not a number: a key cannot be averaged "
+            "and recorded. Leave it out of `aux`."
+        )
+    if dtype == jnp.bool_:
+        raise TypeError(
+            f"{what} is an array of bools ({_shape(value)}): record a number, such as "
+            "`v.astype(jnp.float32)`, whose average is the fraction that are true."
+        )
+    if not jnp.issubdtype(dtype, jnp.number):
+        raise TypeError(
+            f"{what} must be an array of numbers (a scalar, or an array that is averaged), "
+            f"got {_shape(value)}."
+        )
+    return value
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, bool | np.bool_):
+        return f"a bool ({value!r}): record a number, such as `float(v)`"
+    return f"a {type(value).__name__}"
+
+
 def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | None, PyTree]:
     """A loss's output as `(value, aux, new_state)`: `aux` `None` where it returned
     none, `new_state` `None` without state.
     """
     new_state = None
+    if isinstance(out, list):  # told apart from a loss not reduced over its batch
+        fix = (
+            "`return value, new_state` (or `return (value, aux), new_state`)"
+            if stateful
+            else "`return value` (a scalar), or `return value, aux` (a tuple)"
+        )
+        parts = ", ".join(_shape(x) if hasattr(x, "dtype") else type(x).__name__ for x in out)
+        raise TypeError(
+            f"`loss` returned a list of {len(out)} ([{parts}]), but a loss returns its value, "
+            f"or its value and a dict of aux values as a tuple, not a list: {fix}."
+        )
     if stateful:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ValueError(
@@ -566,3 +619,34 @@ def log_names(
 
 # What the history names itself, besides the loss's aux values and the metrics.
 BUILT_IN = log_names((), (), norms=True, scales=True, validates=False)
+
+# The throughput figures each epoch's `logs` hold besides its values, as `History.throughput`
+# keeps them (`Throughput.NAMES`): always, and where the step's FLOPs are known.
+THROUGHPUT_TIMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
+THROUGHPUT_COSTS = ("flops_per_second", "mfu")
+
+# Names no aux value, metric or schedule may take: the history's own, the epoch's number
+# (the CSV's first column, `History.to_dict()`'s `"epoch"`) and the throughput figures,
+# which would overwrite it (or be overwritten) in the logs that callbacks and the
+# loggers see. And every name beginning `val_`, validation's.
+RESERVED = (*BUILT_IN, "epoch", *THROUGHPUT_TIMES, *THROUGHPUT_COSTS)
+
+
+def reserved_for(name: str) -> str | None:
+    """What the run records under `name`, if it is reserved (`RESERVED`, or `val_...`),
+    in words; else `None`.
+    """
+    if name.startswith("val_"):
+        return "validation's values (`val_loss`, `val_<metric>`, `val_<set>_loss`)"
+    if name == "epoch":
+        return "the epoch's number (the CSV's first column, `History.to_dict()`'s)"
+    if name in THROUGHPUT_TIMES + THROUGHPUT_COSTS:
+        return "a throughput figure (`History.throughput`, in each epoch's `logs`)"
+    if name in BUILT_IN:
+        return f"the history's built-in {name!r}"
+    return None
+
+
+def reserved_names() -> str:
+    """The reserved names, for messages."""
+    return f"{', '.join(map(repr, RESERVED))} and every name beginning 'val_'"

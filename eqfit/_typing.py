@@ -15,7 +15,7 @@ from typing import Any, TYPE_CHECKING, TypeAlias, TypeVar
 import equinox as eqx
 import numpy as np
 import optax
-from jaxtyping import Array, Key, PyTree, Shaped, UInt32
+from jaxtyping import Array, Key, PyTree, Real, Shaped, UInt32
 
 
 Model = TypeVar("Model")
@@ -32,12 +32,19 @@ Optimizer: TypeAlias = optax.GradientTransformation | optax.MultiSteps
 PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"]
 
 if TYPE_CHECKING:
+    # A real number as the user may hold it: a Python, numpy or JAX scalar.
+    Number: TypeAlias = float | np.integer[Any] | np.floating[Any] | Array | np.ndarray
+    Flag: TypeAlias = bool | np.bool_
     ArrayTree: TypeAlias = Any
     Arrays: TypeAlias = Any
     OptState: TypeAlias = optax.OptState
     ModelState: TypeAlias = eqx.nn.State
     FilterSpec: TypeAlias = Any
 else:
+    # `int` too: beartype does not take an int for a `float`. Values are checked (and made
+    # Python floats) by `as_real`.
+    Number = int | float | np.integer | np.floating | Real[Array | np.ndarray, ""]
+    Flag = bool | np.bool_
     # A PyTree of arrays: a model's output, a batch's inputs.
     ArrayTree = PyTree
     # Data in memory: a PyTree of arrays sharing their leading (sample) axis.

@@ -103,3 +103,23 @@ def check_unique(
                     f"history's {name!r}; {fix}."
                 )
             made[name] = origin
+
+
+def naming_advice(n: int, kind: str) -> str:
+    """How to name `n` validation sets passed together as a `kind` (`"list"`, `"tuple"`):
+    a call that works as written, with `sets` the `kind` passed, and the names it records.
+    """
+    if n <= 3:
+        names = [chr(ord("a") + i) for i in range(n)]
+        call = ", ".join(f"{name}=sets[{i}]" for i, name in enumerate(names))
+    elif n <= 26:
+        names = [chr(ord("a") + i) for i in range(n)]
+        call = f"**dict(zip({''.join(names)!r}, sets))"
+    else:
+        names = [f"set{i + 1}" for i in range(n)]
+        call = '**{f"set{i + 1}": s for i, s in enumerate(sets)}'
+    recorded = ", ".join(f"`val_{name}_loss`" for name in names[:2])
+    return (
+        f"Name each set, with `sets` the {kind} you passed: "
+        f"`validation_data=eqfit.ValidationSets({call})`, recorded as {recorded}, and so on."
+    )

@@ -12,8 +12,12 @@ import csv
 import importlib
 import importlib.util
 import os
+import ssl
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +133,12 @@ class WandbLogger:
         config: dict[str, Any] | None = None,
         **init_kwargs: Any,
     ):
+        if run is not None and not (callable(getattr(run, "log", None)) and hasattr(run, "config")):
+            raise TypeError(
+                "`WandbLogger`'s `run` must be a W&B run (what `wandb.init()` returns, or "
+                f"`wandb.run`), or None for the active run or a new one, got {_given(run)}. "
+                'To name a new run give `name=`; to continue one, `id=` with `resume="allow"`.'
+            )
         _require("wandb", "WandbLogger", "wandb")
         self.run: Any = run
         given = dict(project=project, name=name, mode=mode, dir=dir, config=config)
@@ -208,6 +218,15 @@ class MLflowLogger:
         tracking_uri: str | None = None,
         tags: dict[str, str] | None = None,
     ):
+        if run is not None and not isinstance(
+            getattr(getattr(run, "info", None), "run_id", None), str
+        ):
+            raise TypeError(
+                "`MLflowLogger`'s `run` must be an MLflow run (an `mlflow.entities.Run`, such "
+                f"as `mlflow.active_run()`), or None for the active run or a new one, got "
+                f"{_given(run)}. To continue a run by its id give `run_id=`; to name a new "
+                "one, `run_name=`."
+            )
         _require("mlflow", "MLflowLogger", "mlflow")
         self.run: Any = run
         self.experiment_name = experiment_name
@@ -229,6 +248,7 @@ class MLflowLogger:
         from mlflow.tracking.context.registry import resolve_tags
 
         self._error = sys.exc_info()[1]
+        _check_server(self.tracking_uri or mlflow.get_tracking_uri())
         client = mlflow.MlflowClient(self.tracking_uri)
         run, asks = (
             self.run,
@@ -288,6 +308,43 @@ class MLflowLogger:
         if experiment is not None:
             return experiment.experiment_id
         return client.create_experiment(name)
+
+
+# How long the MLflow logger waits for its tracking server to answer as training starts.
+_SERVER_TIMEOUT = 10.0
+
+
+def _check_server(uri: str, timeout: float = _SERVER_TIMEOUT) -> None:
+    """Refuses an MLflow tracking server (an `http(s)://` tracking URI) that does not
+    answer within `timeout` seconds, naming its address. Without it a dead server holds
+    `fit` for minutes as training starts: MLflow retries each request with backoff (its
+    `MLFLOW_HTTP_REQUEST_MAX_RETRIES` and `MLFLOW_HTTP_REQUEST_TIMEOUT`). Any answer,
+    an HTTP error or a TLS failure too, shows the server is there, and MLflow takes it
+    from there. Other URIs (a file store, a database, `databricks`) are not checked.
+    """
+    if urllib.parse.urlparse(uri).scheme not in ("http", "https"):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+            pass
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ssl.SSLError):
+            return  # it answered; MLflow's own TLS settings decide
+        raise ConnectionError(
+            f"`MLflowLogger`: the MLflow tracking server at {uri} cannot be reached "
+            f"({reason}; eqfit waits {timeout:g} s for it). Start it, or check `tracking_uri` (or "
+            "`MLFLOW_TRACKING_URI`). eqfit asks it once as training starts, rather than "
+            "wait out MLflow's retries of every request (minutes)."
+        ) from None
+
+
+def _given(value: Any) -> str:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"a {type(value).__name__} ({shown})"
 
 
 def _require(module: str, logger: str, extra: str) -> None:

@@ -58,7 +58,8 @@ STEPS_PER_EPOCH = 25
 # The average covers about the last 1 / (1 - m) = 50 steps. The 0.999 usual for runs of
 # many thousand steps would, over the 150 steps here, leave 0.999**150 = 86% of the
 # initial weights in it, and its loss would say little but that. (`--quick`'s 20 steps are
-# too few for any average: its line there shows mostly the initial weights' loss.)
+# too few for any average: its line there shows mostly the initial weights' loss, and
+# `fit` warns of it.)
 EMA = 0.98
 # Typographic characters the text uses, written in ASCII; any other is dropped.
 ASCII = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\t": " "})

@@ -264,8 +264,8 @@ def test_clashing_and_bad_names_are_refused(getkey, problem, tmp_path):
             metrics={"b_loss": eqfit.losses.mse},
             **kwargs,
         )
-    # A set's entry and a metric's.
-    with pytest.raises(ValueError, match=r"set 'a''s loss and the training value 'val_a_loss'"):
+    # A metric named as a set's entry: every `val_` name is validation's, as for aux values.
+    with pytest.raises(ValueError, match=r"metric 'val_a_loss', a name the run gives to valid"):
         eqfit.fit(
             model,
             data,
