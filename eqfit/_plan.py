@@ -40,7 +40,8 @@ class Memory(NamedTuple):
 
     **Attributes:**
 
-    - `argument`: the program's inputs (the training state, the data, the keys).
+    - `argument`: the program's inputs (the training state, the data, the keys);
+        [`eqfit.ArgumentBytes`][] (`Plan.arguments`) splits them by what they are.
     - `output`: its outputs (the next training state and the report).
     - `alias`: outputs written in the place of donated inputs, counted in both above.
     - `temporary`: the working memory of the program (activations, gradients, ...).
