@@ -16,7 +16,12 @@ from ._early_stopping import EarlyStopping as EarlyStopping
 from ._fit import fit as fit, plan as plan
 from ._history import History as History
 from ._observers import Callback as Callback, ModelCallback as ModelCallback
-from ._plan import ArrayPlan as ArrayPlan, Memory as Memory, Plan as Plan
+from ._plan import (
+    ArgumentBytes as ArgumentBytes,
+    ArrayPlan as ArrayPlan,
+    Memory as Memory,
+    Plan as Plan,
+)
 from ._policy import Checkpoint as Checkpoint, Profile as Profile
 from ._precision import Precision as Precision
 from ._predict import evaluate as evaluate, predict as predict

@@ -458,6 +458,7 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
         plan = eqfit.plan(model, (x, y), loss=eqfit.losses.mse, optimizer=opt, key=key)
         print(plan)                # the arrays, memory per device, FLOPs
         plan.memory.temporary      # XLA's temporary bytes, per device
+        plan.arguments.optimizer_state  # the optimizer state's bytes, per device
         result = eqfit.fit(model, (x, y), loss=eqfit.losses.mse, optimizer=opt, key=key)
         ```
 
@@ -468,7 +469,10 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     **Returns:**
 
     A [`eqfit.Plan`][]. Its memory is XLA's `memory_analysis()` of the compiled run, per
-    device; its FLOPs per step are XLA's `cost_analysis()` of one step, lowered alone.
+    device, and its arguments' split into parameters, optimizer state, the average,
+    model state and data ([`eqfit.ArgumentBytes`][]); its FLOPs per step and per
+    validation pass are XLA's `cost_analysis()` of one step, and of one pass, lowered
+    alone.
     A loader without `len` learns its epoch's length as it trains, and a loader's smaller
     last batch has a program of its own: these compile when `fit` meets them.
     """

@@ -1,16 +1,19 @@
 """`eqfit.plan`: the run's programs compiled as `fit` compiles them, and what they will
-need (memory per device, FLOPs per step, the model's arrays and their layout), before
-anything trains.
+need (memory per device, and what its arguments hold; FLOPs per step and per validation
+pass; the model's arrays and their layout), before anything trains.
 
 The plan lowers and compiles exactly the programs that `fit` then calls (from eqfit's
 cache of programs), so a `fit` with the same arguments compiles nothing more. Memory
-comes from XLA's `memory_analysis()` of the compiled run, per device; FLOPs from the
-`cost_analysis()` of one step, lowered on its own, since XLA counts a loop's body once
-whatever its trip count.
+comes from XLA's `memory_analysis()` of the compiled run, per device, and its arguments
+are told apart by what they are in the run's inputs (`TrainState`'s and `Inputs`'
+fields), each counted as the compiled program lays it out. FLOPs come from the
+`cost_analysis()` of one step, and of one validation pass, each lowered on its own, since
+XLA counts a loop's body once whatever its trip count.
 """
 
 import concurrent.futures
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -22,9 +25,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._compile import PROGRAM_CACHE
+from ._early_stopping import StoppingState
+from ._evaluate import evaluate_batches
 from ._loop import Consts, Inputs, Loop, Piece, run_key, run_program, start_program, TrainState
 from ._observers import Costs
 from ._parallel import OneDevice, param_specs, Pmap, Sharded
+from ._precision import Precision
 from ._sources import Source
 
 
@@ -34,7 +40,8 @@ class Memory(NamedTuple):
 
     **Attributes:**
 
-    - `argument`: the program's inputs (the training state, the data, the keys).
+    - `argument`: the program's inputs (the training state, the data, the keys);
+        [`eqfit.ArgumentBytes`][] (`Plan.arguments`) splits them by what they are.
     - `output`: its outputs (the next training state and the report).
     - `alias`: outputs written in the place of donated inputs, counted in both above.
     - `temporary`: the working memory of the program (activations, gradients, ...).
@@ -51,6 +58,59 @@ class Memory(NamedTuple):
     def total(self) -> int:
         """All of it at once: arguments, outputs less the aliased, temporaries, code."""
         return self.argument + self.output - self.alias + self.temporary + self.code
+
+
+class ArgumentBytes(NamedTuple):
+    """The bytes one device holds of the run's arguments (`Memory.argument`), by what
+    they are. They sum to `Memory.argument`: `plan.arguments.total ==
+    plan.memory.argument`.
+
+    **Attributes:**
+
+    - `parameters`: the trained arrays (the master copy, in `Precision.params` under a
+        precision policy).
+    - `frozen`: the model's arrays that do not train (`filter_spec`).
+    - `optimizer_state`: the optimizer's state.
+    - `average`: the moving average of the trained arrays (`ema=`); 0 without it.
+    - `model_state`: the model's `eqx.nn.State` (`state=`); 0 without it.
+    - `best`: early stopping's copy of the best epoch's trained arrays and model state
+        (`EarlyStopping(restore_best=True)`); 0 without it.
+    - `data`: the training data on the device: its rows (all of them, or each device's
+        share under `mesh=`), or for a loader or memmap the chunk of batches and its order.
+    - `validation_data`: the validation sets; 0 without them.
+    - `other`: the rest: the run's record of its steps and epochs, its counters, keys and
+        loss scale, the arrays the loss, metrics and optimizer hold, and anything else
+        XLA counts among the arguments.
+    """
+
+    parameters: int
+    frozen: int
+    optimizer_state: int
+    average: int
+    model_state: int
+    best: int
+    data: int
+    validation_data: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        """All of them: `Memory.argument`."""
+        return sum(self)
+
+
+# How `print(plan)` names each part of the arguments.
+_ARGUMENT_NAMES = {
+    "parameters": "parameters",
+    "frozen": "frozen",
+    "optimizer_state": "optimizer state",
+    "average": "average",
+    "model_state": "model state",
+    "best": "best epoch's copy",
+    "data": "data",
+    "validation_data": "validation data",
+    "other": "other",
+}
 
 
 class ArrayPlan(NamedTuple):
@@ -82,15 +142,26 @@ class Plan:
 
     - `memory`: a [`eqfit.Memory`][] of the run's program, per device (every device runs
         the same program).
+    - `arguments`: an [`eqfit.ArgumentBytes`][]: what `memory.argument` holds, by part
+        (parameters, optimizer state, the average, model state, data, validation data).
     - `start_memory`: the same of the program that makes the training state, run once
         before the first step.
     - `flops_per_step`: the floating-point operations of one optimizer step over a whole
         batch (every device's share together), forward, backward and update.
+    - `validation_flops`: those of one validation pass: the loss, aux values and metrics
+        over every validation set (every device's share together); 0 without
+        validation.
     - `steps`: the optimizer steps this run takes (from its first epoch to `epochs`);
         `None` for a loader without `len`, whose epochs are as long as its first pass.
+    - `validations`: the validation passes this run makes (the epochs `validation_freq`
+        validates); 0 without validation.
     - `arrays`: a tuple of [`eqfit.ArrayPlan`][], one for each array of the model.
+        `print(plan)` folds the arrays of repeated blocks into one row; this keeps one
+        for each.
     - `devices`: how many devices train.
     - `device_kind`: what they are (`jax.Device.device_kind`).
+    - `precision`: the run's precision policy (an [`eqfit.Precision`][],
+        `fit(..., precision=)`); `None`: the model's own dtypes.
     - `memory_limit`: the bytes each device can hold, where it says
         (`jax.Device.memory_stats()`, on GPUs and TPUs); else `None`.
     - `peak_flops`: each device's peak FLOP/s at the run's compute dtype, from eqfit's
@@ -100,20 +171,28 @@ class Plan:
     """
 
     memory: Memory
+    arguments: ArgumentBytes
     start_memory: Memory
     flops_per_step: float
+    validation_flops: float
     steps: int | None
+    validations: int
     arrays: tuple[ArrayPlan, ...]
     devices: int
     device_kind: str
+    precision: Precision | None
     memory_limit: int | None
     peak_flops: float | None
     compiled: Any = dataclasses.field(repr=False, compare=False)
 
     @property
     def flops(self) -> float | None:
-        """The whole run's FLOPs: the step's times the steps (`None` if not known)."""
-        return None if self.steps is None else self.flops_per_step * self.steps
+        """The whole run's FLOPs: the step's times the steps, plus a validation pass's
+        times the passes (`None` if the steps are not known).
+        """
+        if self.steps is None:
+            return None
+        return self.flops_per_step * self.steps + self.validation_flops * self.validations
 
     @property
     def parameters(self) -> int:
@@ -155,10 +234,11 @@ class Plan:
 
     def __str__(self) -> str:
         rows = [("path", "shape", "dtype", "layout", "bytes/device")]
-        for a in self.arrays:
-            spec = "replicated" if a.spec is None else str(tuple(a.spec))
-            path = a.path if a.trains else f"{a.path} (frozen)"
-            rows.append((path, str(a.shape), a.dtype, spec, _bytes(a.bytes)))
+        for path, count, a in folded_rows(self.arrays):
+            path = path if a.trains else f"{path} (frozen)"
+            if count > 1:
+                path = f"{path}  ×{count}"
+            rows.append((path, str(a.shape), a.dtype, layout(a.spec), _bytes(a.bytes * count)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         line = "  ".join("-" * w for w in widths)
         # Left-aligned text, right-aligned bytes.
@@ -168,32 +248,146 @@ class Plan:
         ]
         table.insert(1, line)
         on = f"{self.devices} × {self.device_kind}" if self.devices > 1 else self.device_kind
-        memory = self.memory
         lines = [
             *table,
             line,
             f"parameters: {self.parameters:,} trained"
             + (f", {self.split} of {len(self.arrays)} arrays split" if self.sharded else ""),
             f"devices: {on}",
-            f"memory per device: {_bytes(memory.total)} = arguments {_bytes(memory.argument)}"
-            f" + outputs {_bytes(memory.output)} - aliased {_bytes(memory.alias)}"
-            f" + temporaries {_bytes(memory.temporary)}"
-            + (f" + code {_bytes(memory.code)}" if memory.code else ""),
+            f"precision: {_precision(self.precision)}",
+            f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
         if self.memory_limit is not None:
-            room = self.memory_limit - memory.total
+            room = self.memory_limit - self.memory.total
             verdict = "fits" if room >= 0 else "does NOT fit"
             lines.append(
                 f"device memory: {_bytes(self.memory_limit)}: {verdict}, "
                 f"{_bytes(abs(room))} {'to spare' if room >= 0 else 'short'}"
             )
-        run = "the run's steps are known once the loader's first pass is read"
-        if self.flops is not None:
-            run = f"{_flops(self.flops)} for the run's {self.steps:,} steps"
-        lines.append(f"FLOPs: {_flops(self.flops_per_step)} per step, {run}")
+        flops = f"FLOPs: {_flops(self.flops_per_step)} per step"
+        if self.validations:
+            flops += f", {_flops(self.validation_flops)} per validation pass"
+        if self.flops is None:
+            flops += ", the run's steps are known once the loader's first pass is read"
+        else:
+            flops += f", {_flops(self.flops)} for the run's {self.steps:,} steps"
+            if self.validations:
+                passes = "pass" if self.validations == 1 else "passes"
+                flops += f" and {self.validations:,} validation {passes}"
+        lines.append(flops)
         if self.peak_flops is not None:
             lines.append(f"peak: {_flops(self.peak_flops)}/s per device")
         return "\n".join(lines)
+
+
+def _memory(memory: Memory, arguments: ArgumentBytes) -> str:
+    """`memory`'s total as its parts: the arguments' (each but the parameters shown where
+    it holds anything), then the outputs, aliased, temporary bytes and code.
+    """
+    parts = [
+        f"{_ARGUMENT_NAMES[name]} {_bytes(n)}"
+        for name, n in zip(ArgumentBytes._fields, arguments)
+        if n or name == "parameters"
+    ]
+    text = f"{_bytes(memory.total)} = " + " + ".join(parts)
+    text += f" + outputs {_bytes(memory.output)} - aliased {_bytes(memory.alias)}"
+    text += f" + temporaries {_bytes(memory.temporary)}"
+    return text + (f" + code {_bytes(memory.code)}" if memory.code else "")
+
+
+def _precision(policy: Precision | None) -> str:
+    """A precision policy in words: compute and master dtypes, and its loss scaling."""
+    if policy is None:
+        return "the model's own dtypes (no policy)"
+    compute, master = policy.compute_dtype.name, policy.params_dtype.name
+    text = f"{compute} compute, {master} parameters, optimizer state and average"
+    if policy.keep:
+        text += f", {master} for {', '.join(repr(p) for p in policy.keep)}"
+    if policy.scales:
+        return text + (
+            f", dynamic loss scaling from {policy.initial_scale:g} "
+            f"(doubled after {policy.growth_steps:,} finite steps in a row)"
+        )
+    return text + ", no loss scaling"
+
+
+def layout(spec: PartitionSpec | None) -> str:
+    """An array's layout in words: `replicated` where no axis splits it (no `shard=`,
+    or a spec such as `P()` or `P(None, None)`), else the spec's axes.
+    """
+    if spec is None or not _splits(spec):
+        return "replicated"
+    return str(tuple(spec))
+
+
+# An index into a list or tuple in a `keystr` path, such as `.blocks[3]`.
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def folded_rows(arrays: Sequence[ArrayPlan]) -> list[tuple[str, int, ArrayPlan]]:
+    """`arrays` as `print(plan)` shows them: `(path, count, first array)` per row.
+
+    Repeated blocks fold: where the entries of a list or tuple at consecutive indices
+    (`.blocks[0]`, `.blocks[1]`, ...) hold arrays alike, path for path (shape, dtype,
+    layout, bytes, trained or not), each of their arrays is one row,
+    `.blocks[0..47].attention.query_proj.weight` for 48 arrays. A block unlike its
+    neighbours keeps rows of its own. Folded at each index in turn, so that blocks within
+    blocks fold too.
+    """
+    rows = [(a.path, 1, a) for a in arrays]
+    while True:
+        before, at = len(rows), 0
+        while any(len(_INDEX.findall(path)) > at for path, _, _ in rows):
+            rows = _fold_at(rows, at)
+            at += 1
+        if len(rows) == before:
+            return rows
+
+
+def _fold_at(rows: list[tuple[str, int, ArrayPlan]], at: int) -> list[tuple[str, int, ArrayPlan]]:
+    """`rows` with each run of alike blocks at consecutive values of the rows' `at`-th
+    index folded into the rows of its first block.
+    """
+    # Each list's entries (by the path up to the index): each entry's rows, by index, as
+    # `(row, the path after the index)`.
+    lists: dict[str, dict[int, list[tuple[int, str]]]] = {}
+    for i, (path, _, _) in enumerate(rows):
+        found = list(_INDEX.finditer(path))
+        if len(found) > at:
+            match = found[at]
+            entries = lists.setdefault(path[: match.start()], {})
+            entries.setdefault(int(match.group(1)), []).append((i, path[match.end() :]))
+
+    def alike(entry: list[tuple[int, str]]) -> tuple[Any, ...]:
+        """What must agree between two blocks that fold."""
+        arrays = [(after, rows[i][1], rows[i][2]) for i, after in entry]
+        return tuple(
+            (after, count, a.shape, a.dtype, layout(a.spec), a.bytes, a.trains)
+            for after, count, a in arrays
+        )
+
+    into: dict[int, tuple[str, int, ArrayPlan]] = {}  # a row -> its fold
+    dropped: set[int] = set()
+    for prefix, entries in lists.items():
+        runs: list[list[int]] = []
+        for index in sorted(entries):
+            if (
+                runs
+                and index == runs[-1][-1] + 1
+                and alike(entries[index]) == alike(entries[runs[-1][0]])
+            ):
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            if len(run) < 2:
+                continue
+            first, last = run[0], run[-1]
+            for i, after in entries[first]:
+                path = f"{prefix}[{first}..{last}]{after}"
+                into[i] = (path, rows[i][1] * len(run), rows[i][2])
+            dropped.update(i for index in run[1:] for i, _ in entries[index])
+    return [into.get(i, r) for i, r in enumerate(rows) if i not in dropped]
 
 
 def _splits(spec: PartitionSpec | None) -> bool:
@@ -226,6 +420,70 @@ def memory_of(compiled: Any) -> Memory:
         temporary=int(stats.temp_size_in_bytes),
         code=int(stats.generated_code_size_in_bytes),
     )
+
+
+def argument_bytes(compiled: Any, total: int) -> ArgumentBytes:
+    """The bytes one device holds of each part of `compiled`'s arguments (the run's
+    program, of JAX's `Compiled` or Equinox's around it), as the program lays each array
+    out; `total` (`Memory.argument`) less the rest is `other`.
+
+    The parts are told apart by where each array sits in the program's inputs (a
+    `TrainState`'s and the `Inputs`' fields). An input the program never reads (XLA
+    removes it) holds nothing.
+    """
+    inner = getattr(compiled, "compiled", compiled)
+    avals = inner.in_avals
+    structure = jax.tree.structure(avals)
+    shardings = structure.flatten_up_to(inner.input_shardings)  # `None`: removed
+    labels = structure.flatten_up_to(_labels(avals))
+    counted = dict.fromkeys(ArgumentBytes._fields, 0)
+    for aval, sharding, label in zip(structure.flatten_up_to(avals), shardings, labels):
+        if sharding is None:
+            continue
+        held = sharding.shard_shape(tuple(aval.shape))
+        counted[label] += int(np.prod(held)) * aval.dtype.itemsize
+    # The program's arguments beyond its inputs' (constants XLA hoists, if any) are the
+    # rest's too, so that the parts sum to XLA's figure.
+    counted["other"] += total - sum(counted.values())
+    return ArgumentBytes(**counted)
+
+
+def _labels(avals: PyTree) -> PyTree:
+    """`avals` (a program's inputs) with each array replaced by the name of the
+    `ArgumentBytes` part it counts in."""
+
+    def each(tree: PyTree, label: str) -> PyTree:
+        return jax.tree.map(lambda _: label, tree)
+
+    def label(node: Any) -> PyTree:
+        if isinstance(node, TrainState):
+            stopping = node.stopping
+            if isinstance(stopping, StoppingState):
+                stopping = each(stopping, "other")._replace(
+                    best_params=each(stopping.best_params, "best"),
+                    best_model_state=each(stopping.best_model_state, "best"),
+                )
+            else:
+                stopping = each(stopping, "other")
+            return each(node, "other")._replace(
+                params=each(node.params, "parameters"),
+                opt_state=each(node.opt_state, "optimizer_state"),
+                model_state=each(node.model_state, "model_state"),
+                average=each(node.average, "average"),
+                stopping=stopping,
+            )
+        if isinstance(node, Inputs):
+            consts = node.consts
+            return Inputs(
+                data=each(node.data, "data"),
+                val_data=each(node.val_data, "validation_data"),
+                key=each(node.key, "other"),
+                consts=Consts(each(consts.frozen, "frozen"), each(consts.objects, "other")),
+                piece=each(node.piece, "data"),
+            )
+        return "other"
+
+    return jax.tree.map(label, avals, is_leaf=lambda x: isinstance(x, (TrainState, Inputs)))
 
 
 def devices_of(loop: Loop) -> list[Any]:
@@ -314,6 +572,54 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
     flops = float(costs.get("flops", 0.0)) if costs else 0.0
     PROGRAM_CACHE.set_fact(run_key(loop), "flops_per_step", flops)
     return flops
+
+
+def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Consts) -> float:
+    """The FLOPs of one validation pass over every set, from XLA's cost analysis of the
+    pass lowered alone (not compiled), each set as one batch: the same arithmetic as its
+    batches one by one, which a loop would count once. 0 without validation.
+    """
+    if not loop.validate or val_data is None:
+        return 0.0
+
+    def like(x: Any) -> Any:
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if eqx.is_array(x) else x
+
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, state
+    )
+
+    def validate(state: TrainState, val_data: PyTree, consts: Consts) -> Any:
+        parts = loop.parts(consts)
+        sets = [val_data[name] for name in loop.val_sets] if loop.val_sets else [val_data]
+
+        def one(state: TrainState) -> Any:
+            model = parts.combine(state.average if loop.validate_ema else state.params)
+            values = []
+            for data in sets:
+                rows = jax.tree.leaves(data)[0].shape[0]
+                value, _ = evaluate_batches(parts.objective, model, state.model_state, data, rows)
+                values.append(value)
+            return values
+
+        if loop.members is None:
+            return one(state)
+        return jax.vmap(one)(state)
+
+    sets, consts = jax.tree.map(like, val_data), jax.tree.map(like, consts)
+    costs = jax.jit(validate).lower(abstract, sets, consts).cost_analysis()
+    return float(costs.get("flops", 0.0)) if costs else 0.0
+
+
+def validation_passes(loop: Loop) -> int:
+    """The validation passes of the run: its epochs whose number `validation_freq`
+    divides (0 without validation).
+    """
+    if not loop.validate:
+        return 0
+    schedule, every = loop.schedule, loop.validation_freq
+    last = max(schedule.epochs, schedule.first_epoch)
+    return last // every - schedule.first_epoch // every
 
 
 def make_plan(
@@ -409,26 +715,40 @@ def _compile_plan_in(
         piece = Piece(np.zeros(_chunk_rows(source, loop), np.uint32), np.int32(0), np.int32(0))
         inputs = inputs._replace(piece=placement.put(piece))
     run = _lower(run_program(loop), state, inputs, np.int32(schedule.begin))
-    # The step is traced to count its FLOPs while XLA compiles the run.
-    counting = _in_thread(step_flops, loop, lowered.out_info[0], source.like, consts)
+    # The step and a validation pass are traced to count their FLOPs while XLA compiles
+    # the run.
+    counting = _in_thread(_count_flops, loop, lowered.out_info[0], source.like, val_data, consts)
     threads.append(counting)
     compiled = run.compile()
-    flops = counting.result()
+    flops, val_flops = counting.result()
     devices = devices_of(loop)
     peak = _device_peak(loop, model, options, devices)
     start = compiling.result()
+    memory = memory_of(compiled)
     return Plan(
-        memory=memory_of(compiled),
+        memory=memory,
+        arguments=argument_bytes(compiled, memory.argument),
         start_memory=memory_of(start),
         flops_per_step=flops,
+        validation_flops=val_flops,
         steps=None if schedule.learning else schedule.total - schedule.begin,
+        validations=validation_passes(loop),
         arrays=array_plans(loop, model),
         devices=len(devices),
         device_kind=str(devices[0].device_kind),
+        precision=loop.precision,
         memory_limit=memory_limit(devices),
         peak_flops=peak,
         compiled=compiled,
     )
+
+
+def _count_flops(
+    loop: Loop, state: TrainState, data_like: PyTree, val_data: PyTree | None, consts: Consts
+) -> tuple[float, float]:
+    """The FLOPs of a step and of a validation pass."""
+    step = step_flops(loop, state, data_like, consts)
+    return step, validation_flops(loop, state, val_data, consts)
 
 
 def run_costs(

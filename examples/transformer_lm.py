@@ -21,8 +21,9 @@ next-character accuracy, read from the same forward pass. `--no-bf16`, `--no-ema
 the weights and of their average, on the last tenth of the text, held out.
 
 On a machine with several GPUs, drop the config line below.
-Before it trains it prints its plan (`eqfit.plan`): each array's layout, the memory per
-device and the FLOPs per step; `--plan` prints it and trains nothing.
+Before it trains it prints its plan (`eqfit.plan`): each array's layout (its two blocks
+folded into one row per array), the memory per device and what holds it, the precision
+and the FLOPs per step; `--plan` prints it and trains nothing.
 
 Run: `python examples/transformer_lm.py [--layout fsdp|tp] [--epochs N] [--quick]
 [--no-bf16] [--no-ema] [--no-norms] [--no-aux] [--plan]`

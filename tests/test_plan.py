@@ -6,12 +6,15 @@ import time
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from helpers import regression_data
+from jax.sharding import PartitionSpec as P
 
 import eqfit
+from eqfit._plan import _bytes, _flops, folded_rows
 
 
 @contextlib.contextmanager
@@ -273,3 +276,233 @@ def test_plan_flops_of_the_transformer_example(getkey):
     attention = 12 * example.LAYERS * example.WIDTH * context
     expected = (6 * parameters + attention) * batch * context
     assert abs(plan.flops_per_step / expected - 1) < 0.15
+    # Its blocks fold into one row per array of a block in the table, not in `arrays`.
+    layers = example.LAYERS
+    assert f".blocks[0..{layers - 1}].attention.query_proj.weight  ×{layers}" in str(plan)
+    assert sum(".attention.query_proj.weight" in a.path for a in plan.arrays) == layers
+
+
+def nbytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if eqx.is_array(x))
+
+
+def test_plan_arguments_are_parameters_optimizer_state_average_data_and_the_rest(getkey):
+    """Each part of the argument bytes, counted by hand: the trained arrays, Adam's two
+    moments of them and its count, the average, the frozen arrays, the training and the
+    validation data; the rest (the run's record, counters and keys) is small, and the
+    parts sum to XLA's figure.
+    """
+    x, y = regression_data(getkey(), n=256, features=8)
+    xv, yv = regression_data(getkey(), n=64, features=8)
+    model = eqfit.models.MLP(8, "scalar", 32, 2, key=getkey())
+    trains = jax.tree.map(eqx.is_inexact_array, model)
+    trains = eqx.tree_at(lambda m: m.layers[-1].weight, trains, replace=False)
+    trained, frozen = eqx.partition(model, trains)
+    plan = eqfit.plan(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=getkey(),
+        batch_size=32,
+        validation_data=(xv, yv),
+        filter_spec=trains,
+        ema=0.99,
+    )
+    parts = plan.arguments
+    assert parts.parameters == nbytes(trained) == 4 * plan.parameters
+    assert parts.frozen == nbytes(frozen) == model.layers[-1].weight.nbytes
+    assert parts.optimizer_state == 2 * parts.parameters + 4  # mu, nu and an int32 count
+    assert parts.average == parts.parameters
+    assert parts.model_state == parts.best == 0
+    assert parts.data == x.nbytes + y.nbytes
+    assert parts.validation_data == xv.nbytes + yv.nbytes
+    assert 0 < parts.other < 1024
+    assert parts.total == sum(parts) == plan.memory.argument
+    line = next(line for line in str(plan).splitlines() if line.startswith("memory per device"))
+    assert line == (
+        f"memory per device: {_bytes(plan.memory.total)} = parameters "
+        f"{_bytes(parts.parameters)} + frozen {_bytes(parts.frozen)} + optimizer state "
+        f"{_bytes(parts.optimizer_state)} + average {_bytes(parts.average)} + data "
+        f"{_bytes(parts.data)} + validation data {_bytes(parts.validation_data)} + other "
+        f"{_bytes(parts.other)} + outputs {_bytes(plan.memory.output)} - aliased "
+        f"{_bytes(plan.memory.alias)} + temporaries {_bytes(plan.memory.temporary)}"
+        + (f" + code {_bytes(plan.memory.code)}" if plan.memory.code else "")
+    )
+
+
+def test_plan_arguments_hold_the_model_state_and_the_best_epochs_copy(getkey):
+    from test_features import batchnorm_loss, BatchNormNet
+
+    model, state = eqx.nn.make_with_state(BatchNormNet)(getkey())
+    x, y = regression_data(getkey(), n=64)
+    plan = eqfit.plan(
+        model,
+        (x, y),
+        state=state,
+        loss=batchnorm_loss,
+        optimizer=optax.sgd(1e-2),
+        key=getkey(),
+        batch_size=16,
+        validation_split=0.25,
+        early_stopping=eqfit.EarlyStopping(restore_best=True),
+    )
+    parts = plan.arguments
+    params = nbytes(eqx.filter(model, eqx.is_inexact_array))
+    assert parts.parameters == params and parts.optimizer_state == 0
+    assert parts.model_state == nbytes(state)
+    assert parts.best == params + nbytes(state)
+    # 16 of the 64 rows held out for validation.
+    assert parts.data == (x.nbytes + y.nbytes) * 3 // 4
+    assert parts.validation_data == (x.nbytes + y.nbytes) // 4
+    assert parts.total == plan.memory.argument
+    text = str(plan)
+    assert f"model state {_bytes(parts.model_state)}" in text
+    assert f"best epoch's copy {_bytes(parts.best)}" in text
+
+
+def test_plan_arguments_under_fsdp_are_each_devices_share(getkey):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    x, y = regression_data(getkey(), n=256, features=16)
+    model = eqfit.models.MLP(16, "scalar", 32, 2, key=getkey())
+    plan = eqfit.plan(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=getkey(),
+        batch_size=64,
+        mesh=mesh,
+        shard=eqfit.sharding.fsdp("data", min_bytes=0),
+    )
+    parts = plan.arguments
+    assert parts.parameters == sum(a.bytes for a in plan.arrays) < nbytes(model) // 4
+    assert parts.optimizer_state == 2 * parts.parameters + 4  # the count is replicated
+    assert parts.data == (x.nbytes + y.nbytes) // 8
+    assert parts.total == plan.memory.argument
+
+
+def test_plan_says_its_precision_policy(getkey):
+    x, y = regression_data(getkey(), n=64)
+    model = eqfit.models.LinearRegression(4, key=getkey())
+    arguments = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(1e-2), key=getkey())
+
+    def precision(policy):
+        plan = eqfit.plan(model, (x, y), precision=policy, **arguments)
+        line = next(line for line in str(plan).splitlines() if line.startswith("precision"))
+        return plan, line
+
+    plan, line = precision(None)
+    assert plan.precision is None and line == "precision: the model's own dtypes (no policy)"
+    plan, line = precision("bfloat16")
+    assert plan.precision == eqfit.Precision(jnp.bfloat16)
+    assert line == (
+        "precision: bfloat16 compute, float32 parameters, optimizer state and average, "
+        "no loss scaling"
+    )
+    _, line = precision("float16")
+    assert line == (
+        "precision: float16 compute, float32 parameters, optimizer state and average, "
+        "dynamic loss scaling from 32768 (doubled after 2,000 finite steps in a row)"
+    )
+    _, line = precision(eqfit.Precision(jnp.bfloat16, keep=("norm",), loss_scaling=True))
+    assert "float32 for 'norm', dynamic loss scaling" in line
+
+
+def test_plan_counts_validation_flops(getkey):
+    """A validation pass is a forward pass over the validation set: 2 FLOPs per weight
+    and sample; the run's FLOPs add one per validated epoch.
+    """
+    x, y = regression_data(getkey(), n=512, features=64)
+    xv, yv = regression_data(getkey(), n=300, features=64)
+    model = eqfit.models.MLP(64, "scalar", 256, 3, key=getkey())
+    arguments = dict(
+        loss=eqfit.losses.mse, optimizer=optax.sgd(1e-3), key=getkey(), batch_size=128, epochs=5
+    )
+    plan = eqfit.plan(model, (x, y), validation_data=(xv, yv), validation_freq=2, **arguments)
+    assert abs(plan.validation_flops / (2 * weights(model) * 300) - 1) < 0.10
+    assert plan.validations == 2  # epochs 2 and 4
+    assert plan.flops == plan.flops_per_step * 20 + plan.validation_flops * 2
+    text = str(plan)
+    assert f"{_flops(plan.validation_flops)} per validation pass" in text
+    assert "for the run's 20 steps and 2 validation passes" in text
+    sets = eqfit.ValidationSets(a=(xv, yv), b=(xv[:100], yv[:100]))
+    two = eqfit.plan(model, (x, y), validation_data=sets, **arguments)
+    assert two.validations == 5
+    assert abs(two.validation_flops / (plan.validation_flops * 400 / 300) - 1) < 0.02
+    alone = eqfit.plan(model, (x, y), **arguments)
+    assert alone.validation_flops == 0 and alone.validations == 0
+    assert alone.flops == alone.flops_per_step * 20
+    assert "validation" not in str(alone)
+
+
+def layouts(plan):
+    """Each row's layout in `print(plan)`'s table (the fourth column, by the header's)."""
+    lines = str(plan).splitlines()
+    start = lines[0].index("layout")
+    end = lines[0].index("bytes/device")
+    rows = lines[2 : 2 + len(folded_rows(plan.arrays))]
+    return [row[start:end].strip() for row in rows]
+
+
+def test_replicated_reads_alike_with_and_without_shard(getkey):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    x, y = regression_data(getkey(), n=256, features=16)
+    model = eqfit.models.MLP(16, "scalar", 32, 2, key=getkey())
+    arguments = dict(
+        loss=eqfit.losses.mse, optimizer=optax.sgd(1e-3), key=getkey(), batch_size=64, mesh=mesh
+    )
+    plain = eqfit.plan(model, (x, y), **arguments)
+    whole = eqfit.plan(model, (x, y), shard=eqfit.sharding.fsdp("data"), **arguments)
+    assert whole.sharded and whole.split == 0
+    assert layouts(plain) == layouts(whole) == ["replicated"] * len(folded_rows(plain.arrays))
+    split = eqfit.plan(model, (x, y), shard=eqfit.sharding.fsdp("data", min_bytes=0), **arguments)
+    shown = dict(zip((path for path, _, _ in folded_rows(split.arrays)), layouts(split)))
+    assert shown[".layers[0].weight"] == "('data',)"
+    assert shown[".layers[2].bias"] == "replicated"  # P(): one value, nothing to split
+
+
+def test_plan_folds_repeated_blocks_in_its_table(getkey):
+    model = eqx.nn.MLP(16, 16, 16, 5, key=getkey())  # six layers of 16 by 16
+    x = np.zeros((64, 16), np.float32)
+    plan = eqfit.plan(
+        model,
+        (x, x),
+        loss=lambda model, x, y: ((jax.vmap(model)(x) - y) ** 2).mean(),
+        optimizer=optax.sgd(1e-3),
+        key=getkey(),
+    )
+    assert [a.path for a in plan.arrays] == [
+        f".layers[{i}].{name}" for i in range(6) for name in ("weight", "bias")
+    ]
+    text = str(plan)
+    rows = [line.split() for line in text.splitlines()[2:5]]
+    # A folded row's bytes are its arrays' together: six of 1 KiB.
+    weight = [".layers[0..5].weight", "×6", "(16,", "16)", "float32", "replicated", "6.0", "KiB"]
+    assert rows[0] == weight
+    assert rows[1] == [".layers[0..5].bias", "×6", "(16,)", "float32", "replicated", "384", "B"]
+    assert rows[2][0].startswith("---")  # and no more rows
+
+
+def test_folded_rows_fold_alike_blocks_only():
+    def array(path, shape=(4,), spec=None):
+        return eqfit.ArrayPlan(path, shape, "float32", spec, 4 * int(np.prod(shape)), True)
+
+    arrays = [array(".embedding")]
+    for block in range(4):
+        arrays += [array(f".blocks[{block}].heads[{head}].weight") for head in range(3)]
+        arrays.append(array(f".blocks[{block}].norm", (8,) if block == 3 else (4,)))
+    arrays += [array(".layers[0].weight", (2, 2)), array(".layers[1].weight", (3, 3))]
+    arrays += [array(".split[0]", spec=P("data")), array(".split[1]", spec=P())]
+    rows = [(path, count) for path, count, _ in folded_rows(arrays)]
+    assert rows == [
+        (".embedding", 1),
+        (".blocks[0..2].heads[0..2].weight", 9),
+        (".blocks[0..2].norm", 3),
+        (".blocks[3].heads[0..2].weight", 3),  # the last block's norm is unlike the rest
+        (".blocks[3].norm", 1),
+        (".layers[0].weight", 1),
+        (".layers[1].weight", 1),
+        (".split[0]", 1),
+        (".split[1]", 1),
+    ]
