@@ -7,6 +7,7 @@ cd "$(dirname "$0")"
 python -c "import jax; print('devices:', jax.devices())"
 python fit_speed.py --repeats 5
 python validation.py --repeats 5
+python throughput.py --repeats 3
 python ensemble.py --repeats 3
 python parallel.py --repeats 5
 python survive.py --repeats 3 --gib 4

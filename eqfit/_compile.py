@@ -53,7 +53,8 @@ class Programs:
 
     def fact(self, key: Hashable, name: Hashable) -> Any:
         """What was measured as `name` of the program cached under `key`, if anything:
-        `"seconds_per_step"`, `"flops_per_step"`, a plan for given inputs.
+        `"seconds_per_step"` (of the last call read), `"mean_seconds_per_step"` (of the
+        run so far), `"flops_per_step"`, a plan for given inputs.
         """
         with self.lock:
             return self.facts.get(key, {}).get(name)

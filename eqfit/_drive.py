@@ -9,6 +9,7 @@ while the one before trains, and that every way out stops.
 
 import atexit
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -40,6 +41,11 @@ from ._sources import Chunk
 # is answered soon, whatever an epoch's length; the bar redraws more often. A call costs a
 # dispatch and a sync, which is nothing next to either.
 SECONDS_PER_CALL = 0.5
+# Epochs at least this long (by the run's mean speed so far) get a call each, so that each
+# is timed by itself as its call finishes. Shorter ones share calls, each epoch an even share
+# of its call: a call a shorter epoch costs host work (dispatch, report) worth more than
+# about a percent of it.
+SECONDS_PER_TIMED_EPOCH = 0.05
 # Before a run's speed is known, calls grow from one step (1, 2, 4, ...) until a call's
 # report has been read: a step may take a second, and the bar must move soon after it is
 # drawn. Then calls go by the measured speed.
@@ -81,7 +87,8 @@ class _Reader:
 
     def __init__(self, loop: Loop, begin: int, observers: Sequence[Observer], costs: Costs | None):
         self.loop, self.observers = loop, observers
-        self.in_flight: list[tuple[Report, int, int]] = []  # each call's report, begin, stop
+        # Each call's report, begin and stop, and when the device finished it.
+        self.in_flight: list[tuple[Report, int, int, Stamp]] = []
         self.first_epoch: list[Steps] = []  # while it teaches the epoch's length: its steps
         self.finished = False  # the program stopped, or an observer asked to stop
         self.by_observer = False
@@ -92,6 +99,7 @@ class _Reader:
         self.clock = self.taken = time.perf_counter()
         self.started = False  # whether a call was queued
         self.throughput = Throughput(loop.schedule, costs)
+        self.timed = [0.0, 0]  # the seconds and the steps of the calls read
         self.epoch_figures: dict[int, dict[str, float]] = {}  # by epoch: `Throughput.epoch`
 
     def queued(self, report: Report, begin: int, stop: int, since: float | None = None) -> None:
@@ -101,7 +109,7 @@ class _Reader:
             # host's work between calls (callbacks, checkpoints) included.
             self.clock = self.taken = time.perf_counter() if since is None else since
             self.started = True
-        self.in_flight.append((report, begin, stop))
+        self.in_flight.append((report, begin, stop, WAITER.stamp(report.step)))
 
     def read(self, keep: int = 0) -> float | None:
         """Reads every report in flight but the last `keep`; returns the seconds per step
@@ -109,8 +117,8 @@ class _Reader:
         """
         steps = 0
         while len(self.in_flight) > keep:
-            report, begin, stop = self.in_flight.pop(0)
-            self._take(report, begin, stop)
+            report, begin, stop, finished = self.in_flight.pop(0)
+            self._take(report, begin, stop, finished)
             steps += stop - begin
         if not steps:
             return None
@@ -118,6 +126,11 @@ class _Reader:
         seconds = (now - self.clock) / steps
         self.clock = now
         return seconds
+
+    def mean_seconds_per_step(self) -> float | None:
+        """The seconds per step of every call read so far, if any ran a step."""
+        seconds, steps = self.timed
+        return seconds / steps if steps else None
 
     @property
     def _steps_axis(self) -> int:
@@ -136,10 +149,12 @@ class _Reader:
             *(np.take(x, np.arange(min(length, x.shape[axis])), axis=axis) for x in joined)
         )
 
-    def _take(self, report: Report, call_begin: int, call_stop: int) -> None:
-        WAITER.wait(report.step)
-        now = time.perf_counter()
-        took, self.taken = now - self.taken, now
+    def _take(self, report: Report, call_begin: int, call_stop: int, finished: "Stamp") -> None:
+        # A call lasts from the end of the one before it (or from the start) to its own:
+        # the host's work between them counts, but not when it got to read the report.
+        finished.wait()
+        took, self.taken = max(finished.at - self.taken, 0.0), max(finished.at, self.taken)
+        self.timed[0] += took
         placement, schedule = self.loop.placement, self.loop.schedule
         self.throughput.schedule = schedule  # learned, maybe, since
         if report.steps is not None:  # the first epoch, while it teaches its length
@@ -153,6 +168,7 @@ class _Reader:
         position = max(int(step.max()), self.done)  # members stopped early are behind
         begin, self.done = self.done, position
         self.throughput.record(begin, position, took)
+        self.timed[1] += position - begin
         ended = []
         # An ensemble's values are its members' mean, leaving out members that stopped.
         rows = table.reshape(-1, *table.shape[-2:])
@@ -193,15 +209,34 @@ def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
     return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
+class Stamp:
+    """When an array became ready (`time.perf_counter()`), as `_Waiter` saw it."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.at = math.nan
+
+    def set(self) -> None:
+        self.at = time.perf_counter()
+        self.ready.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for the array (at most `timeout` seconds); returns whether it is ready."""
+        return self.ready.wait(timeout)
+
+
 class _Waiter:
-    """Waits for device arrays in a thread of its own. The main thread then waits on a
-    lock, which a signal interrupts, so that a second Ctrl-C gets through at once; a
-    blocking wait for the device in the main thread would hold it until the device is
-    done.
+    """Waits for device arrays in a thread of its own, in the order asked. The main
+    thread then waits on a lock, which a signal interrupts, so that a second Ctrl-C gets
+    through at once; a blocking wait for the device in the main thread would hold it
+    until the device is done. Since the thread waits on each call's report from when the
+    call is queued, it also tells when the device finished each call (`stamp`), however
+    late the host reads the report: within the thread's wake-up, which one thread keeps
+    in order (a call done before the thread got to it is stamped then).
     """
 
     def __init__(self) -> None:
-        self.requests: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[tuple[Any, Stamp]] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
 
@@ -209,22 +244,31 @@ class _Waiter:
         """Waits for `array` (at most `timeout` seconds); returns whether it is ready."""
         if array.is_ready():
             return True
+        return self.stamp(array).wait(timeout)
+
+    def stamp(self, array: Any) -> Stamp:
+        """When `array` becomes ready: at once, or once the thread has waited for the
+        arrays asked before it, and for it.
+        """
+        stamp = Stamp()
+        if array.is_ready():
+            stamp.set()
+            return stamp
         with self.lock:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._serve, daemon=True)
                 self.thread.start()
-        done = threading.Event()
-        self.requests.put((array, done))
-        return done.wait(timeout)
+        self.requests.put((array, stamp))
+        return stamp
 
     def _serve(self) -> None:
         while True:
-            array, done = self.requests.get()
+            array, stamp = self.requests.get()
             try:
                 array.block_until_ready()
             except Exception:  # the main thread reads the array and meets the error
                 pass
-            done.set()
+            stamp.set()
 
 
 WAITER = _Waiter()
@@ -340,6 +384,8 @@ def drive(
     else:
         steps_per_call = FIRST_CALL_STEPS
     measured = known is not None
+    # Over a whole earlier run: its last call may have missed the epochs that cost more.
+    known_mean = PROGRAM_CACHE.fact(run_key(loop), "mean_seconds_per_step")
 
     several = jax.process_count() > 1
 
@@ -387,6 +433,11 @@ def drive(
             # run resumed) still reports where the run stands.
             while not (report is not None and interrupted()):
                 stop = schedule.call_stop(position, steps_per_call, at_epoch_ends=True)
+                # By the slower of this run's mean speed so far and an earlier run's, since
+                # calls queued ahead are not read yet: an epoch that validates may be one.
+                speed = max(reader.mean_seconds_per_step() or 0.0, known_mean or 0.0)
+                if schedule.steps_per_epoch * speed >= SECONDS_PER_TIMED_EPOCH:
+                    stop = min(stop, schedule.next_epoch_end(position))  # timed by itself
                 for observer in observers:
                     boundary = observer.boundary(position)
                     if boundary is not None:
@@ -435,6 +486,8 @@ def drive(
                 if seconds is not None:
                     steps_per_call = max(1, int(seconds_per_call / max(seconds, 1e-9)))
                     PROGRAM_CACHE.set_fact(run_key(loop), "seconds_per_step", seconds)
+                    mean = reader.mean_seconds_per_step()
+                    PROGRAM_CACHE.set_fact(run_key(loop), "mean_seconds_per_step", mean)
                     measured = True
                 elif not measured:
                     steps_per_call *= 2
@@ -453,6 +506,9 @@ def drive(
             learn(max(reader.done, 1))
         else:  # the last reports: for the bar and callbacks, and each epoch's figures
             reader.read()
+        mean = reader.mean_seconds_per_step()
+        if mean is not None:  # the whole run's, for the next run's calls
+            PROGRAM_CACHE.set_fact(run_key(loop), "mean_seconds_per_step", mean)
         if failure is None:
             assert current is not None
             try:

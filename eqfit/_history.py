@@ -54,16 +54,24 @@ class History:
         `fit` raises with this history in its `.result`), or `"out_of_data"` (an
         iterator ran out before the last step).
     - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
-    - `throughput`: each epoch's `"epoch_seconds"` (its wall seconds, timed on the host
-        as the program's calls finish, from the first call on: the compilation before it
-        is not counted, the host's work between calls is), `"steps_per_second"` and
-        `"samples_per_second"`; NaN for an epoch not timed whole (cut short, or begun
-        before a resume). Where the step's FLOPs are known (after [`eqfit.plan`][], with
-        `progress=True`, or where the MFU can be told: a GPU or TPU in eqfit's table, or
-        `fit(..., peak_flops=)`), also `"flops_per_second"` (achieved, every device
-        together) and, with a peak, `"mfu"` (that over the devices' peak FLOP/s).
-        Callbacks see them in each epoch's `logs` too. They are not in `values`: they are
-        not the same bits run to run.
+    - `throughput`: each epoch's `"epoch_seconds"` (its wall seconds, from the first call
+        of the program on: the compilation before it is not counted, the host's work
+        between calls is), `"steps_per_second"` and `"samples_per_second"`; NaN for an
+        epoch not timed whole (cut short, or begun before a resume). Each call of the
+        program is timed as the device finishes it (a thread waits on it from when it is
+        queued), from the end of the call before it. An epoch that lasts about 50 ms or
+        more gets a call of its own and so its own time, whatever it holds (a validation
+        every other epoch shows). Shorter epochs share a call (of about half a second),
+        and each gets its share of the call's seconds by its steps: its own time where
+        the epochs do the same work, their mean where they do not. No clock is read
+        inside the program: a host callback there slows all of it on a CPU. (The first
+        epoch of a configuration not run before in the process also holds the short
+        calls that measure its speed, and is slower for them.) Where the step's FLOPs
+        are known (after [`eqfit.plan`][], with `progress=True`, or where the MFU can be
+        told: a GPU or TPU in eqfit's table, or `fit(..., peak_flops=)`), also
+        `"flops_per_second"` (achieved, every device together) and, with a peak, `"mfu"`
+        (that over the devices' peak FLOP/s). Callbacks see them in each epoch's `logs`
+        too. They are not in `values`: they are not the same bits run to run.
     - `step_values`: the values recorded at every step besides its loss, by name, each
         shaped as `step_loss`: the metrics and the loss's aux values on the step's batch
         (before its update), `"grad_norm"` and `"update_norm"` with `norms=True`, and with

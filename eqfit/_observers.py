@@ -581,10 +581,11 @@ class Costs(NamedTuple):
 
 
 class Throughput:
-    """Wall seconds of the steps, from when the host read each call's report: a call's
-    seconds are shared evenly among its steps, and an epoch's are those of its steps.
-    The clock starts when the first call is queued (its compilation is not counted) and
-    runs on from there. With the step's `Costs`, the FLOP/s achieved, and their fraction
+    """Wall seconds of the steps: a call's (from the end of the one before it to when the
+    device finished it, `_drive.Stamp`) are shared evenly among its steps, and an epoch's
+    are those of its steps; an epoch of a call of its own has its own. The clock starts
+    when the first call is queued (its compilation is not counted) and runs on from
+    there. With the step's `Costs`, the FLOP/s achieved, and their fraction
     of the devices' peak (MFU).
     """
 

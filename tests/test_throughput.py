@@ -1,0 +1,110 @@
+"""Throughput as it happened: each call timed as the device finishes it, and an epoch long
+enough to be worth a call of its own timed by itself.
+"""
+
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from helpers import regression_data
+
+import eqfit
+from eqfit._drive import WAITER
+
+
+ADAM = optax.adam(1e-3)  # one object for the module: fits share their compiled programs
+
+
+def test_a_validated_epoch_is_timed_by_itself(getkey):
+    """Every other epoch validates a set far larger than its training: those epochs take
+    longer, each by its own time. (Calls that hold several epochs, their seconds shared
+    evenly among their steps, would read every epoch alike.)
+    """
+    x, y = regression_data(getkey(), n=64, features=16)
+    val = regression_data(getkey(), n=2**17, features=16)
+    model = eqfit.models.MLP(16, "scalar", 256, 2, key=getkey())
+    arguments = dict(
+        validation_data=val,
+        validation_freq=2,
+        loss=eqfit.losses.mse,
+        optimizer=ADAM,
+        key=getkey(),
+        epochs=8,
+        batch_size=32,
+    )
+    eqfit.fit(model, (x, y), **arguments)  # compiled, and its speed measured
+    seconds = eqfit.fit(model, (x, y), **arguments).history.throughput["epoch_seconds"]
+    assert (seconds > 0).all()
+    trained_only, validated = seconds[2::2], seconds[1::2]  # epochs 3, 5, ... and 2, 4, ...
+    assert np.median(validated) > 3 * np.median(trained_only)
+
+
+def test_epoch_seconds_add_up_to_the_training_and_mfu_stays_below_one(getkey):
+    x, y = regression_data(getkey(), n=1024, features=32)
+    model = eqfit.models.MLP(32, "scalar", 256, 2, key=getkey())
+    arguments = dict(
+        loss=eqfit.losses.mse,
+        optimizer=ADAM,
+        key=getkey(),
+        epochs=12,
+        batch_size=64,
+        peak_flops=1e15,  # above any CPU's: the MFU is known, and small
+    )
+    eqfit.fit(model, (x, y), **arguments)  # compiled, and its speed measured: one call next
+    start = time.perf_counter()
+    history = eqfit.fit(model, (x, y), **arguments).history
+    wall = time.perf_counter() - start
+    seconds = history.throughput["epoch_seconds"]
+    assert (seconds > 0).all()
+    assert 0.5 * wall < seconds.sum() <= wall
+    mfu = history.throughput["mfu"]
+    assert ((0 < mfu) & (mfu < 1)).all()
+
+
+def test_a_call_is_timed_when_it_finishes_not_when_its_report_is_read():
+    """The driver's waiter stamps each call's result as the device finishes it: a host
+    busy elsewhere (a callback, a checkpoint) reads it later, and no epoch takes that
+    delay for its own.
+    """
+    work = jax.jit(lambda a: jax.lax.fori_loop(0, 40, lambda _, a: jnp.tanh(a @ a), a))
+    a = jnp.eye(256) * 0.5
+    jax.block_until_ready(work(a))
+    start = time.perf_counter()
+    done = work(a)
+    stamp = WAITER.stamp(done)
+    took = _timed(lambda: jax.block_until_ready(work(a)))  # the same work, waited for
+    time.sleep(max(0.2, 4 * took))  # the host, busy while the device is done
+    assert stamp.wait(timeout=10.0)
+    assert stamp.at - start < 2 * took + 0.05 < time.perf_counter() - start
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_an_ensemble_is_timed_by_its_calls(getkey):
+    """No clock inside a vmapped program: each call's seconds are shared among its
+    steps, as the history's documentation says.
+    """
+    x, y = regression_data(getkey(), n=64)
+    models = eqx.filter_vmap(lambda k: eqfit.models.MLP(4, "scalar", 8, 1, key=k))(
+        jax.random.split(getkey(), 2)
+    )
+    history = eqfit.fit(
+        models,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=ADAM,
+        key=getkey(),
+        epochs=3,
+        batch_size=16,
+        ensemble=True,
+    ).history
+    seconds = history.throughput["epoch_seconds"]
+    assert seconds.shape == (3,) and (seconds > 0).all()
+    assert seconds.sum() <= history.wall_time
