@@ -58,7 +58,7 @@ def test_each_member_trains_as_it_would_alone(ensemble, progress):
     assert not np.allclose(result.history.loss[:, 0], result.history.loss[:, 1])
 
 
-@pytest.mark.parametrize("parallel", ["devices", "mesh"])
+@pytest.mark.parametrize("parallel", [pytest.param("devices", marks=pytest.mark.heavy), "mesh"])
 def test_ensemble_over_devices(ensemble, parallel):
     models, data, key, kwargs, alone = ensemble
     extra = {"devices": 8} if parallel == "devices" else {"mesh": jax.make_mesh((8,), ("b",))}

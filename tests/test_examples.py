@@ -11,12 +11,14 @@ import pytest
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-# The main example runs in the quick suite; the others, a few seconds to a quarter of a
-# minute of CPU each, with the heavy tests.
+# With the heavy tests, each a few seconds to a quarter of a minute of CPU: the README's
+# first command runs the main example itself.
 @pytest.mark.parametrize(
     "script, expected",
     [
-        ("linear_regression.py", "learned weights (true: all 1)"),
+        pytest.param(
+            "linear_regression.py", "learned weights (true: all 1)", marks=pytest.mark.heavy
+        ),
         pytest.param("spirals_gru.py", "final validation accuracy", marks=pytest.mark.heavy),
         pytest.param("digits.py", "test accuracy", marks=pytest.mark.heavy),
         pytest.param("digits_batchnorm.py", "test accuracy", marks=pytest.mark.heavy),

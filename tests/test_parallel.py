@@ -32,9 +32,21 @@ def test_eight_simulated_devices():
     assert len(jax.devices()) == 8
 
 
-@pytest.mark.parametrize("parallel", ["devices", "mesh"])
-@pytest.mark.parametrize("progress", [False, True])
-@pytest.mark.parametrize("n", [256, 203])  # 203: a remainder of 11, which 8 does not split
+# 203: a remainder of 11, which 8 does not split; two of its four variants run with the
+# heavy tests (each path and each kind of several devices meet it in the quick suite).
+@pytest.mark.parametrize(
+    "n, progress, parallel",
+    [
+        (256, False, "devices"),
+        (256, False, "mesh"),
+        (256, True, "devices"),
+        (256, True, "mesh"),
+        (203, False, "devices"),
+        (203, True, "mesh"),
+        pytest.param(203, False, "mesh", marks=pytest.mark.heavy),
+        pytest.param(203, True, "devices", marks=pytest.mark.heavy),
+    ],
+)
 def test_same_answer_as_one_device(getkey, parallel, progress, n):
     data = regression_data(getkey(), n)
     model = eqfit.models.MLP(4, "scalar", 16, 2, key=getkey())
