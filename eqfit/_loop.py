@@ -24,7 +24,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
 from ._average import Average
 from ._checkpoint import as_plain
-from ._compile import PROGRAM_CACHE
+from ._compile import PROGRAM_CACHE, PROGRAMS
 from ._data import describe, epoch_order, is_dtype, not_a_stack, shuffle_seed
 from ._early_stopping import EarlyStopping, StoppingState
 from ._evaluate import evaluate_batches, evaluation_needs_key
@@ -987,28 +987,34 @@ def make_loop(
         val_sets=options.validation_sets,
         validation_freq=options.validation_freq,
     )
-    opt_state = _opt_state_shape(loop, objects.optimizer, params)
+    shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
+    opt_state, hyperparams = _opt_state_shape(loop, objects.optimizer, shapes)
     schedules = dict(objects.schedules)
     if schedules:
         check_schedules(schedules, opt_state)
-    loop = dataclasses.replace(
-        loop, hyperparams=injected_names(opt_state), schedule_names=tuple(schedules)
-    )
+    loop = dataclasses.replace(loop, hyperparams=hyperparams, schedule_names=tuple(schedules))
     check_names(loop, options)
     return loop, params, Consts(frozen, object_arrays)
 
 
+# Cached as the programs are: tracing the optimizer's `init` is most of a warm `fit`'s
+# host work otherwise, and a sweep's fits of one configuration would trace it each time.
+@functools.lru_cache(maxsize=PROGRAMS)
 def _opt_state_shape(
-    loop: Loop, optimizer: optax.GradientTransformation, params: list[Array]
-) -> PyTree:
-    """The shapes of the optimizer's state for `params` (one member's in an ensemble),
-    as the step sees it.
+    loop: Loop,
+    optimizer: optax.GradientTransformation,
+    params: tuple[tuple[tuple[int, ...], np.dtype], ...],
+) -> tuple[PyTree, tuple[str, ...]]:
+    """The shapes of the optimizer's state for parameters of shapes and dtypes `params`
+    (one member's in an ensemble), as the step sees it, and the names of the
+    hyperparameters it records (`injected_names`).
     """
     drop = 0 if loop.members is None else 1
-    trained = loop.params_tree([jax.ShapeDtypeStruct(p.shape[drop:], p.dtype) for p in params])
+    trained = loop.params_tree([jax.ShapeDtypeStruct(s[drop:], d) for s, d in params])
     if loop.precision is not None:  # the optimizer keeps the master copy's dtypes
         trained = jax.eval_shape(loop.precision.master, trained)
-    return jax.eval_shape(optimizer.init, trained)
+    opt_state = jax.eval_shape(optimizer.init, trained)
+    return opt_state, injected_names(opt_state)
 
 
 def _aux_names(
