@@ -60,10 +60,12 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def serialise(tree: PyTree) -> bytes:
-    with tempfile.SpooledTemporaryFile() as f:
-        eqx.tree_serialise_leaves(f, tree)
-        f.seek(0)
-        return f.read()
+    """`tree`'s leaves as `eqx.tree_serialise_leaves` writes them, in memory: a `BytesIO`
+    hands its buffer over without a copy, where reading a spooled file back copies it.
+    """
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, tree)
+    return buffer.getvalue()
 
 
 def write_atomically(path: Path, data: bytes) -> None:
