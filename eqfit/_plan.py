@@ -549,29 +549,39 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
         lambda a: jax.ShapeDtypeStruct((loop.schedule.batch_size, *a.shape[1:]), a.dtype),
         data_like,
     )
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, state
-    )
-    consts = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), consts)
 
     def one_step(state: TrainState, batch: PyTree, consts: Consts) -> Any:
         # The whole batch on one device: the same arithmetic as the placement's, without
         # the collectives that split it.
         step = dataclasses.replace(loop.parts(consts).step, axis_name=None)
         key = jax.random.key(0) if loop.use_key else None
+        args = (state.params, state.opt_state, state.model_state, state.average)
+        return step(*args, state.loss_scale, batch, key)
 
-        def one(state: TrainState) -> Any:
-            args = (state.params, state.opt_state, state.model_state, state.average)
-            return step(*args, state.loss_scale, batch, key)
-
-        if loop.members is None:
-            return one(state)
-        return jax.vmap(one)(state)
-
-    costs = jax.jit(one_step).lower(abstract, batch, consts).cost_analysis()
-    flops = float(costs.get("flops", 0.0)) if costs else 0.0
+    flops = _lowered_flops(loop, one_step, state, batch, consts)
     PROGRAM_CACHE.set_fact(run_key(loop), "flops_per_step", flops)
     return flops
+
+
+def _lowered_flops(loop: Loop, one: Callable[..., Any], state: TrainState, *args: Any) -> float:
+    """XLA's FLOPs for `one(state, *args)` lowered alone (not compiled) on abstract
+    arrays, for every member of an ensemble (`one` vmapped over the state's members).
+    """
+
+    def like(x: Any) -> Any:
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if eqx.is_array(x) else x
+
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, state
+    )
+
+    def program(state: TrainState, *args: Any) -> Any:
+        if loop.members is None:
+            return one(state, *args)
+        return jax.vmap(lambda member: one(member, *args))(state)
+
+    costs = jax.jit(program).lower(abstract, *jax.tree.map(like, args)).cost_analysis()
+    return float(costs.get("flops", 0.0)) if costs else 0.0
 
 
 def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Consts) -> float:
@@ -582,33 +592,18 @@ def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Co
     if not loop.validate or val_data is None:
         return 0.0
 
-    def like(x: Any) -> Any:
-        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if eqx.is_array(x) else x
-
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, state
-    )
-
     def validate(state: TrainState, val_data: PyTree, consts: Consts) -> Any:
         parts = loop.parts(consts)
         sets = [val_data[name] for name in loop.val_sets] if loop.val_sets else [val_data]
+        model = parts.combine(state.average if loop.validate_ema else state.params)
+        values = []
+        for data in sets:
+            rows = jax.tree.leaves(data)[0].shape[0]
+            value, _ = evaluate_batches(parts.objective, model, state.model_state, data, rows)
+            values.append(value)
+        return values
 
-        def one(state: TrainState) -> Any:
-            model = parts.combine(state.average if loop.validate_ema else state.params)
-            values = []
-            for data in sets:
-                rows = jax.tree.leaves(data)[0].shape[0]
-                value, _ = evaluate_batches(parts.objective, model, state.model_state, data, rows)
-                values.append(value)
-            return values
-
-        if loop.members is None:
-            return one(state)
-        return jax.vmap(one)(state)
-
-    sets, consts = jax.tree.map(like, val_data), jax.tree.map(like, consts)
-    costs = jax.jit(validate).lower(abstract, sets, consts).cost_analysis()
-    return float(costs.get("flops", 0.0)) if costs else 0.0
+    return _lowered_flops(loop, validate, state, val_data, consts)
 
 
 def validation_passes(loop: Loop) -> int:
