@@ -99,7 +99,7 @@ class _Reader:
         self.clock = self.taken = time.perf_counter()
         self.started = False  # whether a call was queued
         self.throughput = Throughput(loop.schedule, costs)
-        self.timed = [0.0, 0]  # the seconds and the steps of the calls read
+        self.timed_seconds, self.timed_steps = 0.0, 0  # of the calls read
         self.epoch_figures: dict[int, dict[str, float]] = {}  # by epoch: `Throughput.epoch`
 
     def queued(self, report: Report, begin: int, stop: int, since: float | None = None) -> None:
@@ -129,8 +129,8 @@ class _Reader:
 
     def mean_seconds_per_step(self) -> float | None:
         """The seconds per step of every call read so far, if any ran a step."""
-        seconds, steps = self.timed
-        return seconds / steps if steps else None
+        steps = self.timed_steps
+        return self.timed_seconds / steps if steps else None
 
     @property
     def _steps_axis(self) -> int:
@@ -154,7 +154,7 @@ class _Reader:
         # the host's work between them counts, but not when it got to read the report.
         finished.wait()
         took, self.taken = max(finished.at - self.taken, 0.0), max(finished.at, self.taken)
-        self.timed[0] += took
+        self.timed_seconds += took
         placement, schedule = self.loop.placement, self.loop.schedule
         self.throughput.schedule = schedule  # learned, maybe, since
         if report.steps is not None:  # the first epoch, while it teaches its length
@@ -168,7 +168,7 @@ class _Reader:
         position = max(int(step.max()), self.done)  # members stopped early are behind
         begin, self.done = self.done, position
         self.throughput.record(begin, position, took)
-        self.timed[1] += position - begin
+        self.timed_steps += position - begin
         ended = []
         # An ensemble's values are its members' mean, leaving out members that stopped.
         rows = table.reshape(-1, *table.shape[-2:])
