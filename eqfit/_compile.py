@@ -11,6 +11,8 @@ from typing import Any
 
 import jax
 
+from ._state import TrainState
+
 
 # Each configuration (model structure, loss, optimizer object, shapes, settings) compiles
 # its own programs, and a compiled program holds on to about ten megabytes and a few
@@ -120,3 +122,45 @@ def enable_compilation_cache(
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
     return path
+
+
+class Starting:
+    """The training state while `start` makes it in a thread: on one device, XLA compiles
+    `start` there while the host traces `run` (`ready`), so a first `fit` waits for the
+    one compilation, not for both in turn. Its shapes are known at once.
+    """
+
+    def __init__(self, program: Callable[..., tuple[TrainState, Any]], args: tuple[Any, ...]):
+        self.shapes: TrainState = jax.eval_shape(program, *args)[0]
+        self.made: tuple[TrainState, Any] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._make, args=(program, args), daemon=True)
+        self.thread.start()
+
+    def _make(self, program: Callable[..., tuple[TrainState, Any]], args: tuple[Any, ...]):
+        try:
+            self.made = program(*args)
+        except BaseException as e:  # raised in the training thread, by `ready`
+            self.error = e
+
+    def ready(self, run: Callable[..., Any], *args: Any) -> TrainState:
+        """The state, once `run` (a `jax.jit` program) is traced for it with `args`."""
+        trace = getattr(run, "trace", None)
+        if trace is not None:
+            try:
+                trace(self.shapes, *args).lower()  # the call then finds it in JAX's caches
+            except Exception:  # the call itself raises it, with eqfit's notes
+                pass
+        return self.result()
+
+    def join(self) -> None:
+        """Waits for the thread that makes the state (its compilation included)."""
+        self.thread.join()
+
+    def result(self) -> TrainState:
+        """The state, once made."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.made is not None
+        return self.made[0]

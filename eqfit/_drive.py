@@ -19,22 +19,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._checkpoint import CheckpointError, Interrupt
-from ._compile import PROGRAM_CACHE
-from ._loop import (
-    Inputs,
-    learned_state,
-    Loop,
-    Piece,
-    Report,
-    run_key,
-    Starting,
-    Steps,
-    Stop,
-    TrainState,
-)
+from ._checkpoint import CheckpointError
+from ._compile import PROGRAM_CACHE, Starting
+from ._loop import Loop
 from ._observers import Costs, Observer, Progress, Throughput
+from ._program import learned_state, run_key
+from ._signals import Interrupt
 from ._sources import Chunk
+from ._state import Inputs, Piece, Report, Steps, Stop, TrainState
 
 
 # Calls of the program last about this long, so that the host reports often and a Ctrl-C

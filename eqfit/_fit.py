@@ -11,38 +11,23 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast, Literal, ParamSpec
 
 import equinox as eqx
-import jax
 from jax.sharding import Mesh
-from jaxtyping import PyTree
 
-from ._average import warn_if_short
-from ._checkpoint import Checkpoints, Interrupt, position
-from ._checks import checked, reported_as
-from ._data import as_data, sample_shapes
-from ._drive import drive, feeds
+from ._build import make_loop
+from ._checks import checked
 from ._early_stopping import EarlyStopping
-from ._loop import (
-    check_opt_state,
-    Inputs,
-    Loop,
-    make_loop,
-    Objects,
-    run_config,
-    run_program,
-    start_program,
-    Starting,
-    TrainState,
-)
-from ._observers import Callback, observers_for
-from ._options import check_options, Options, plain_optimizer
-from ._parallel import check_batch_split, Device, global_rows, OneDevice, param_specs
+from ._observers import Callback
+from ._open import open_data, schedule_for
+from ._options import check_options, plain_optimizer
+from ._parallel import Device
 from ._plan import make_plan, Plan, run_costs
 from ._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._precision import PrecisionLike
-from ._result import finish, FitResult, model_from
-from ._schedule import check_profile, make_schedule, Schedule
+from ._result import FitResult
 from ._sharding import Shard
-from ._sources import open_source, Source
+from ._signals import Interrupt
+from ._state import Objects
+from ._train import Run, train
 from ._typing import (
     Arrays,
     FilterSpec,
@@ -58,7 +43,7 @@ from ._typing import (
     PRNGKey,
     Schedules,
 )
-from ._validation import naming_advice, ValidationSets
+from ._validation import ValidationSets
 
 
 # `data` takes arrays, PyTrees of them, memmaps, loaders and generators: too many kinds for
@@ -316,7 +301,6 @@ def fit(
         validation_data=validation_data,
         validation_split=validation_split,
         validation_freq=validation_freq,
-        metrics=metrics,
         early_stopping=early_stopping,
         callbacks=callbacks,
         devices=devices,
@@ -331,83 +315,35 @@ def fit(
         norms=norms,
         peak_flops=peak_flops,
         signals=signals,
-        loss=loss,
         schedules=schedules,
         profile=profile,
     )
-    # Open the data, and plan the run's shape from it.
-    source, val_data = _open(data, validation_data, options)
-    schedule = _plan(source, options)
-    # The program: the run's static description, its arrays, its starting state.
+    # Open the data, plan the run's shape from it, and build its static description.
+    source, val_data = open_data(data, validation_data, options)
+    schedule = schedule_for(source, options)
     objects = Objects(
         loss, tuple((metrics or {}).items()), plain_optimizer(optimizer), options.schedules
     )
-    loop, params, consts = make_loop(
-        model, filter_spec, objects, schedule, options, source.like, state
+    loop, start = make_loop(
+        model, filter_spec, objects, schedule, options, source.like, state, opt_state
     )
-    if opt_state is not None:
-        check_opt_state(loop, params, opt_state, consts)
-    placement = loop.placement
-    start_args = (params, opt_state, state, options.key, consts)
+    run = Run(options, loop, start, source, val_data, loss)
     # Compile and drive, with Ctrl-C deferred from here on: one while XLA compiles stops
     # the run at its first epoch's end, a second one is raised once the compilation
-    # returns, and every way out waits for the thread that compiles `start`: the process
-    # must not exit with XLA still at work in it.
+    # returns, and every way out waits for the threads that compile: the process must not
+    # exit with XLA still at work in it.
     with contextlib.ExitStack() as stack:
         interrupt = stack.enter_context(Interrupt(options.signals).deferred())
         plan = None
         if options.progress or _PLANNING.get():
             # Compiles the run's programs into eqfit's cache, where the drive finds them.
-            plan = make_plan(loop, model, source, val_data, start_args, options)
+            plan = make_plan(loop, model, source, val_data, start, options)
             if _PLANNING.get():
                 if interrupt.requested:  # answered once the compilation is done
                     raise KeyboardInterrupt(f"`eqfit.plan` stopped by {interrupt.signal}.")
                 raise _Planned(plan)
-        costs = run_costs(loop, model, source, start_args, options, plan)
-        starting, keys = _start(loop, start_args, options)
-        if isinstance(starting, Starting):
-            stack.callback(starting.join)
-        # Drive it, from the newest checkpoint if there is one; then finish.
-        store, begin = None, schedule.begin
-        if not isinstance(starting, Starting) and options.checkpoint is not None:
-            config = run_config(loop, starting, source.describe(), val_data, loss, options.key)
-            store = _checkpoints(options, config, schedule)
-            stack.callback(store.close)
-            starting, begin = _resume(store, starting, schedule)
-        template = Inputs(
-            None, placement.put(val_data, sharded=True), placement.put(keys), placement.put(consts)
-        )
-        chunks = source.chunks(schedule, begin, schedule.total)
-        train_feeds, stop_feeds = feeds(chunks, template, placement.put, source.streamed)
-        stack.callback(stop_feeds)
-        summary = None if plan is None else plan.summary()
-        model_of = lambda params: model_from(loop, params, consts)  # noqa: E731
-        observers = observers_for(
-            options, schedule, begin, store, interrupt, placement, loop.log_names, model_of, summary
-        )
-        try:
-            with reported_as("fit", "data"):
-                outcome = drive(
-                    loop,
-                    run_program,
-                    placement.put(starting),
-                    train_feeds,
-                    begin,
-                    observers,
-                    interrupt,
-                    costs,
-                )
-            # Still deferred: a signal now, with training over, must not lose its result.
-            interrupt.ended = True
-            result = finish(outcome.loop, outcome, consts, began)
-        except BaseException:
-            interrupt.ended = True
-            for observer in observers:  # how the run ended is `sys.exc_info()`'s now
-                observer.finished()
-            raise
-        for observer in observers:
-            observer.finished()
-        return result
+        costs = run_costs(loop, model, source, start, options, plan)
+        return train(run, interrupt=interrupt, costs=costs, plan=plan, stack=stack, began=began)
 
 
 _P = ParamSpec("_P")
@@ -484,138 +420,3 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     finally:
         _PLANNING.reset(token)
     raise AssertionError("`fit` trained while planning")
-
-
-def _start(
-    loop: Loop, inputs: tuple[Any, ...], options: Options
-) -> tuple[TrainState | Starting, PyTree]:
-    """The training state at the start, and the key of each member (or the key). On one
-    device, with no checkpoint to resume and one key, the state is made in a thread while
-    the run's program is traced (`Starting`); else now.
-    """
-    placement = loop.placement
-    inputs = placement.start_inputs(inputs, loop.trains)
-    alone = isinstance(placement, OneDevice) and options.members is None
-    if alone and options.checkpoint is None:
-        return Starting(start_program(loop), inputs), options.key
-    return start_program(loop)(*inputs)
-
-
-def _open(data: Any, validation_data: Any, options: Options) -> tuple[Source, PyTree | None]:
-    """The training data's source, less the rows held out for validation (if asked), and
-    the validation data (with named sets, `{name: set}`), each set checked to be like the
-    training data.
-    """
-    source = open_source(data, options)
-    like = sample_shapes(source.like)
-    if isinstance(validation_data, ValidationSets):
-        sets = {}
-        for name, given in validation_data.items():
-            what = f"validation_data[{name!r}]"
-            sets[name] = as_data(given, what)
-            if sample_shapes(sets[name]) != like:
-                raise ValueError(
-                    f"`validation_data`'s set {name!r} must hold arrays like `data`'s, one "
-                    f"sample apart: `data`'s samples have {like}, `{what}`'s "
-                    f"{sample_shapes(sets[name])} (path, shape of one sample, dtype)."
-                )
-        return source, sets
-    if _several_datasets(validation_data, like):
-        raise ValueError(
-            "`validation_data` must hold arrays like `data`'s, but it is a tuple of "
-            f"{len(validation_data)} datasets, each like `data`: a tuple is one dataset, of "
-            f"nested arrays. {naming_advice(len(validation_data), 'tuple')}"
-        )
-    val = None
-    if validation_data is not None:
-        val = as_data(validation_data, "validation_data")
-    elif options.validation_split is not None:
-        source, val = source.hold_out(options.validation_split, options.key)
-    if val is not None and sample_shapes(val) != like:
-        raise ValueError(
-            "`validation_data` must hold arrays like `data`'s, one sample apart: "
-            f"`data`'s samples have {like}, `validation_data`'s "
-            f"{sample_shapes(val)} (path, shape of one sample, dtype)."
-        )
-    return source, val
-
-
-def _several_datasets(validation_data: Any, like: list[list[Any]]) -> bool:
-    """Whether `validation_data` is a tuple of datasets each like `data` (whose samples
-    are `like`), rather than one dataset like it.
-    """
-    if not isinstance(validation_data, tuple) or len(validation_data) < 2:
-        return False
-    if not all(isinstance(part, tuple | dict) for part in validation_data):
-        return False
-    try:
-        shapes = [sample_shapes(part) for part in validation_data]
-    except AttributeError:  # leaves that are not arrays: the data's own check says so
-        return False
-    return all(s == like for s in shapes) and sample_shapes(validation_data) != like
-
-
-def _plan(source: Source, options: Options) -> Schedule:
-    """The run's schedule: the source's shape (every process's rows, over a mesh of
-    several) and the options, checked against each other.
-    """
-    shape = source.shape()
-    if shape.batch_size is not None:  # a loader makes its own batches
-        if options.drop_remainder:
-            raise ValueError(
-                "`drop_remainder=True` with a loader: a loader makes its own batches, so drop "
-                "its smaller last batch there (PyTorch: `DataLoader(..., drop_last=True)`)."
-            )
-        if options.batch_size_given and options.batch_size != shape.batch_size:
-            raise ValueError(
-                f"`batch_size`={options.batch_size}, but the loader yields batches of "
-                f"{shape.batch_size}: leave `batch_size` out, or set it to the loader's."
-            )
-    shape = shape._replace(num_samples=global_rows(options.placement, shape.num_samples))
-    schedule = make_schedule(shape, options)
-    check_batch_split(options.placement, schedule.batch_size)
-    check_profile(options, schedule)
-    if not schedule.learning:
-        warn_if_short(options.average, schedule.total - schedule.begin)
-    return schedule
-
-
-def _checkpoints(options: Options, config: dict[str, Any], schedule: Schedule) -> Checkpoints:
-    """The checkpoint directory: under `shard=`, Orbax's format, which every process writes
-    its shards of; else one file, which process 0 writes and every process reads.
-    """
-    policy = options.checkpoint
-    assert policy is not None
-    best = None if policy.keep_best is None else (policy.keep_best, policy.mode)
-    if param_specs(options.placement) is not None:
-        from ._orbax import ShardedCheckpoints
-
-        return ShardedCheckpoints(
-            policy.directory, config, schedule.steps_per_epoch, keep=policy.keep, best=best
-        )
-    writer = jax.process_index() == 0
-    return Checkpoints(
-        policy.directory,
-        config,
-        schedule.steps_per_epoch,
-        writer=writer,
-        keep=policy.keep,
-        best=best,
-    )
-
-
-def _resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[TrainState, int]:
-    """The training state to start from, and its position: the newest good checkpoint's,
-    if there is one, else the start's.
-    """
-    if store.collective:  # read straight into the state's layout (`shard=`)
-        like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-        )
-        restored = store.restore(like)
-    else:
-        restored = store.restore(jax.device_get(state))
-        restored = None if restored is None else jax.device_put(restored)
-    if restored is None:
-        return state, schedule.begin
-    return restored, position(restored)

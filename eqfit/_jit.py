@@ -7,7 +7,7 @@ from typing import Any, cast, TypeVar
 import jax
 
 from ._compile import PROGRAM_CACHE
-from ._loop import _unwrap, Skeleton, split_arrays
+from ._skeleton import Skeleton, split_arrays, unwrap
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -48,5 +48,5 @@ def cached_jit(fn: _F) -> _F:
 
 
 def _filled(fn: Callable[..., Any], skeleton: Skeleton, arrays: list[Any]) -> Any:
-    args, kwargs = _unwrap(skeleton.fill(arrays))
+    args, kwargs = unwrap(skeleton.fill(arrays))
     return fn(*args, **kwargs)

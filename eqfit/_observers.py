@@ -22,11 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import Checkpoints, Interrupt, Writer
-from ._loop import learned_config, TrainState
+from ._checkpoint import Checkpoints, Writer
+from ._identity import learned_config
+from ._loop import Loop
+from ._options import Options
 from ._policy import Checkpoint, Profile
+from ._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
 from ._schedule import Schedule
-from ._step import THROUGHPUT_COSTS, THROUGHPUT_TIMES
+from ._signals import Interrupt
+from ._state import TrainState
 
 
 # The bar redraws about this often: its calls last at most this long.
@@ -645,21 +649,21 @@ class Throughput:
 
 
 def observers_for(
-    options: Any,
-    schedule: Schedule,
+    options: Options,
+    loop: Loop,
+    *,
     begin: int,
     store: Checkpoints | None,
     interrupt: Interrupt,
-    placement: Any,
-    log_names: tuple[str, ...],
     model_of: Callable[[PyTree], Any],
     summary: str | None = None,
 ) -> list[Observer]:
     """The run's observers, as its options ask: the bar (with the plan's `summary` above
     it), the callbacks (which see the models that `model_of` makes of trained arrays),
-    the checkpoints (which take the state off the devices to write it; `log_names` says
-    where `keep_best`'s value is), and the profile.
+    the checkpoints (which take the state off the devices to write it, with `keep_best`'s
+    value from the record), and the profile.
     """
+    schedule, placement = loop.schedule, loop.placement
     observers: list[Observer] = []
     if options.progress:
         observers.append(Bar(schedule, begin, summary))
@@ -670,7 +674,7 @@ def observers_for(
             return model_of(params), None if average is None else model_of(average)
 
         take = lambda state: _copy(placement.get((state.params, state.average)))  # noqa: E731
-        config = train_config(options, schedule)
+        config = train_config(options, loop)
         models = EpochModels(take, make)
         observers.append(Callbacks(options.callbacks, schedule, config, models))
     if store is not None:
@@ -682,7 +686,7 @@ def observers_for(
             return jax.device_get(state)
 
         policy = options.checkpoint
-        monitor = None if policy.keep_best is None else log_names.index(policy.keep_best)
+        monitor = None if policy.keep_best is None else loop.log_names.index(policy.keep_best)
         take = placement.get
         observers.append(Checkpointing(store, policy, schedule, interrupt, take, host, monitor))
     if options.profile is not None:
@@ -690,11 +694,12 @@ def observers_for(
     return observers
 
 
-def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
+def train_config(options: Options, loop: Loop) -> dict[str, Any]:
     """The run's arguments as plain JSON-able values, for the callbacks' `on_train_begin`
     (the loggers' run config): what `fit` was asked, not the model or the data.
     """
-    policy, average, placement = options.precision, options.average, options.placement
+    schedule, step, validation = loop.schedule, options.step, options.validation
+    policy, average, placement = step.precision, step.average, options.placement
     mesh = getattr(placement, "mesh", None)
     if mesh is not None:
         devices = int(mesh.devices.size)
@@ -711,17 +716,17 @@ def train_config(options: Any, schedule: Schedule) -> dict[str, Any]:
         "steps_per_epoch": None if schedule.learning else schedule.steps_per_epoch,
         "shuffle": options.shuffle,
         "drop_remainder": options.drop_remainder,
-        "on_nan": options.on_nan,
-        "metrics": list(options.metric_names),
-        "validation": options.validates,
+        "on_nan": step.on_nan,
+        "metrics": list(loop.metric_names),
+        "validation": validation is not None,
         "validation_split": options.validation_split,
-        "validation_sets": list(options.validation_sets) or None,
-        "validation_freq": options.validation_freq,
+        "validation_sets": None if validation is None else list(validation.sets) or None,
+        "validation_freq": 1 if validation is None else validation.freq,
         "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
         "precision": precision,
         "ema": None if average is None else average.momentum,
-        "validate_ema": options.validate_ema,
-        "norms": options.norms,
+        "validate_ema": validation is not None and validation.ema,
+        "norms": step.norms,
         "ensemble_members": options.members,
         "devices": devices,
         "checkpoint": None if checkpoint is None else str(checkpoint.directory),

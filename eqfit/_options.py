@@ -26,8 +26,7 @@ from ._parallel import choose_placement, Device, Placement
 from ._policy import as_signals, Checkpoint, Profile
 from ._precision import as_precision, Precision
 from ._sharding import resolve
-from ._step import log_names, reserved_for, reserved_names
-from ._validation import check_unique, naming_advice, ValidationSets
+from ._validation import naming_advice, ValidationSets
 
 
 DEFAULT_BATCH_SIZE = 32
@@ -35,6 +34,35 @@ DEFAULT_BATCH_SIZE = 32
 MAX_COUNT = 2**31 - 1
 
 OnNan = Literal["raise", "stop", "skip"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What each step does besides its loss and optimizer: `on_nan=`, `precision=`,
+    `ema=`, `norms=`. Hashable: the run's static description holds it whole.
+    """
+
+    on_nan: OnNan = "raise"
+    precision: Precision | None = None
+    average: Average | None = None  # `ema=`
+    norms: bool = False
+
+    @property
+    def scales(self) -> bool:
+        """Whether the loss is scaled (float16), so the run records the loss scale."""
+        return self.precision is not None and self.precision.scales
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """How a run validates (`None` where it does not): `validation_data`'s sets' names
+    (`ValidationSets`; empty for one unnamed set), `validation_freq=`, `validate_ema=`.
+    Hashable: the run's static description holds it whole.
+    """
+
+    sets: tuple[str, ...] = ()
+    freq: int = 1  # validate the epochs whose number is a multiple of it
+    ema: bool = False  # validate the average (and early stopping reads its values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,83 +78,19 @@ class Options:
     shuffle: bool
     drop_remainder: bool
     progress: bool
-    on_nan: OnNan
     members: int | None  # an ensemble's size
     stateful: bool
     validation_split: float | None
-    validates: bool
-    metric_names: tuple[str, ...]
+    validation: Validation | None
     early_stopping: EarlyStopping | None
     callbacks: tuple[Any, ...]
     checkpoint: Checkpoint | None  # the policy, with its directory
     placement: Placement
-    precision: Precision | None = None
-    average: Average | None = None
-    validate_ema: bool = False
-    norms: bool = False
+    step: StepOptions = StepOptions()
     peak_flops: float | None = None  # of one device, given
     signals: tuple[signal.Signals, ...] = ()  # besides SIGINT, those that stop training
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
     profile: Profile | None = None  # checked against the run's steps by `check_profile`
-    # `validation_data`'s sets' names, if named (`ValidationSets`); else one unnamed set.
-    validation_sets: tuple[str, ...] = ()
-    validation_freq: int = 1  # validate the epochs whose number is a multiple of it
-
-    @property
-    def scales(self) -> bool:
-        return self.precision is not None and self.precision.scales
-
-    def log_names(self, aux_names: tuple[str, ...]) -> tuple[str, ...]:
-        """The values each epoch records, in order, for a loss with these aux values (and
-        an optimizer that injects no hyperparameters).
-        """
-        scheduled = tuple(name for name, _ in self.schedules)
-        return log_names(
-            aux_names,
-            self.metric_names,
-            self.norms,
-            self.scales,
-            self.validates,
-            scheduled,
-            self.validation_sets,
-        )
-
-
-def check_monitor(
-    monitor: str,
-    names: tuple[str, ...],
-    options: Options,
-    final: bool,
-    what: str = "`early_stopping.monitor`",
-) -> None:
-    """Refuses a monitored value (early stopping's, or `what`'s) that the run does not
-    compute (`names`). Not `final` (the loss's aux values unknown yet), only what no aux
-    value can be.
-    """
-    if monitor in names:
-        return
-    hint = ""
-    sets = options.validation_sets
-    if monitor.startswith("val_") and not options.validates:
-        hint = " Give `validation_data` or `validation_split` to compute validation values."
-    elif sets and monitor.startswith("val_") and not monitor.startswith(_set_prefixes(sets)):
-        hint = (
-            " With named validation sets each set's values are `val_<set>_...` (such as "
-            f"{f'val_{sets[0]}_loss'!r}), and there is no plain `val_loss`."
-        )
-    elif monitor in ("grad_norm", "update_norm") and not options.norms:
-        hint = " Give `norms=True` to record the gradient and update norms."
-    elif monitor in ("loss_scale", "skipped_steps") and not options.scales:
-        hint = ' Only float16 (`precision="float16"`) scales the loss.'
-    elif not final:
-        return  # it may be an aux value of the loss's (or its value on a set)
-    raise ValueError(
-        f"{what} is {monitor!r}, which this run does not compute; it computes {list(names)}.{hint}"
-    )
-
-
-def _set_prefixes(sets: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(f"val_{s}_" for s in sets)
 
 
 def check_options(
@@ -144,7 +108,6 @@ def check_options(
     state: Any,
     validation_data: Any,
     validation_split: Any,
-    metrics: Any,
     early_stopping: EarlyStopping | None,
     callbacks: Sequence[Any],
     devices: int | Sequence[Device] | None,
@@ -159,7 +122,6 @@ def check_options(
     norms: Any = False,
     peak_flops: Any = None,
     signals: Any = (),
-    loss: Any = None,
     schedules: Any = None,
     profile: Any = None,
     validation_freq: Any = 1,
@@ -245,16 +207,6 @@ def check_options(
             "`validation_split` would hold out different samples for each member of an "
             "ensemble; pass `validation_data` instead."
         )
-    metric_names = tuple((metrics or {}).keys())
-    for name in metric_names:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"`metrics` must map names (strings) to functions; got {name!r}.")
-        what = reserved_for(name)
-        if what is not None:
-            raise ValueError(
-                f"`metrics` has a metric {name!r}, a name the run gives to {what}; rename "
-                f"it. Reserved: {reserved_names()}."
-            )
     callbacks = tuple(callbacks)
     for i, callback in enumerate(callbacks):
         if not callable(getattr(callback, "on_epoch_end", None)):
@@ -275,13 +227,18 @@ def check_options(
             "`validation_split`, or leave `validate_ema` out."
         )
     peak = _peak_flops(peak_flops)
-    scheduled = _schedules(schedules, metric_names)
+    scheduled = _schedules(schedules)
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(
             "`profile` must be an `eqfit.Profile(directory, start_step, steps)`, got a "
             f"{type(profile).__name__}."
         )
-    options = Options(
+    validation = None
+    if validates:
+        validation = Validation(sets, validation_freq, validate_ema)
+    if shard is not None and checkpoint is not None:
+        require_orbax()
+    return Options(
         key=as_key(key),
         epochs=epochs,
         initial_epoch=initial_epoch,
@@ -291,44 +248,21 @@ def check_options(
         shuffle=shuffle,
         drop_remainder=drop_remainder,
         progress=progress,
-        on_nan=on_nan,
         members=members,
         stateful=state is not None,
         validation_split=validation_split,
-        validates=validates,
-        metric_names=metric_names,
+        validation=validation,
         early_stopping=early_stopping,
         callbacks=callbacks,
         checkpoint=policy,
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
-        precision=as_precision(precision),
-        average=average,
-        validate_ema=validate_ema,
-        norms=bool(norms),
+        step=StepOptions(on_nan, as_precision(precision), average, bool(norms)),
         peak_flops=peak,
         signals=as_signals(signals),
         schedules=scheduled,
         profile=profile,
-        validation_sets=sets,
-        validation_freq=validation_freq,
     )
-    if validates:  # the loss's aux values are checked with them once known (`make_loop`)
-        train_names = dataclasses.replace(options, validates=False).log_names(())
-        check_unique(train_names, sets, (), metric_names)
-    if early_stopping is not None:
-        # The loss's aux values are known once it is traced on a batch (`make_loop`
-        # checks the monitor again then); eqfit's own losses return none.
-        own = getattr(loss, "__module__", "").startswith("eqfit.")
-        check_monitor(early_stopping.monitor, options.log_names(()), options, final=own)
-    if policy is not None and policy.keep_best is not None:
-        check_monitor(policy.keep_best, options.log_names(()), options, final=False, what=_BEST)
-    if shard is not None and checkpoint is not None:
-        require_orbax()
-    return options
-
-
-_BEST = "`checkpoint`'s `keep_best`"
 
 
 def _refuse_list_of_sets(validation_data: Any) -> None:
@@ -416,12 +350,9 @@ def _layout(model: Any, mesh: Mesh | None, shard: Any, ensemble: bool) -> tuple[
     return tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
 
 
-def _schedules(
-    schedules: Any, metric_names: tuple[str, ...]
-) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+def _schedules(schedules: Any) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
     """`schedules` as `(name, schedule)` pairs, refusing what is not a mapping of names
-    to functions and a name that the history gives to something else. (The loss's aux
-    values and the optimizer's injected hyperparameters are known later: `make_loop`.)
+    to functions. (Their names are checked with every recorded value's, `record_for`.)
     """
     if schedules is None:
         return ()
@@ -438,17 +369,6 @@ def _schedules(
             raise TypeError(
                 f"`schedules[{name!r}]` must be a schedule, a function of the step count "
                 f"(such as `optax.linear_schedule(...)`), got a {type(schedule).__name__}."
-            )
-        what = reserved_for(name)
-        if what is not None:
-            raise ValueError(
-                f"`schedules` has a schedule {name!r}, a name the run gives to {what}; "
-                f"rename it. Reserved: {reserved_names()}."
-            )
-        if name in metric_names:
-            raise ValueError(
-                f"`schedules` has a schedule {name!r}, and `metrics` has a metric {name!r}: "
-                "the history would hold both under one name; rename one."
             )
     return tuple(schedules.items())
 

@@ -183,7 +183,7 @@ class Sharded:
         # stitches together replicated, and the program lays it out.
         if self.specs is None:
             return tree
-        params, *rest = tree
+        params = tree.params
         if jax.process_count() == 1:
             specs = [spec for spec, t in zip(self.specs, trains) if t]
             layouts = [NamedSharding(self.mesh, _trimmed(spec)) for spec in specs]
@@ -191,7 +191,7 @@ class Sharded:
                 x if _laid_out_on(x, self.mesh) else jax.device_put(x, layout)
                 for x, layout in zip(params, layouts)
             ]
-        return self.put((params, *rest))
+        return self.put(tree._replace(params=params))
 
     def host(self, tree: PyTree) -> Any:
         return jax.tree.map(np.asarray, tree)

@@ -27,11 +27,13 @@ from jaxtyping import PyTree
 from ._compile import PROGRAM_CACHE
 from ._early_stopping import StoppingState
 from ._evaluate import evaluate_batches
-from ._loop import Consts, Inputs, Loop, Piece, run_key, run_program, start_program, TrainState
+from ._loop import Loop
 from ._observers import Costs
 from ._parallel import OneDevice, param_specs, Pmap, Sharded
 from ._precision import Precision
+from ._program import run_key, run_program, start_program
 from ._sources import Source
+from ._state import Consts, Inputs, Piece, StartArgs, TrainState
 
 
 class Memory(NamedTuple):
@@ -589,13 +591,14 @@ def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Co
     pass lowered alone (not compiled), each set as one batch: the same arithmetic as its
     batches one by one, which a loop would count once. 0 without validation.
     """
-    if not loop.validate or val_data is None:
+    validation = loop.validation
+    if validation is None or val_data is None:
         return 0.0
 
     def validate(state: TrainState, val_data: PyTree, consts: Consts) -> Any:
         parts = loop.parts(consts)
-        sets = [val_data[name] for name in loop.val_sets] if loop.val_sets else [val_data]
-        model = parts.combine(state.average if loop.validate_ema else state.params)
+        sets = [val_data[name] for name in validation.sets] if validation.sets else [val_data]
+        model = parts.combine(state.average if validation.ema else state.params)
         values = []
         for data in sets:
             rows = jax.tree.leaves(data)[0].shape[0]
@@ -610,9 +613,9 @@ def validation_passes(loop: Loop) -> int:
     """The validation passes of the run: its epochs whose number `validation_freq`
     divides (0 without validation).
     """
-    if not loop.validate:
+    if loop.validation is None:
         return 0
-    schedule, every = loop.schedule, loop.validation_freq
+    schedule, every = loop.schedule, loop.validation.freq
     last = max(schedule.epochs, schedule.first_epoch)
     return last // every - schedule.first_epoch // every
 
@@ -622,7 +625,7 @@ def make_plan(
     model: PyTree,
     source: Source,
     val_data: PyTree | None,
-    start_args: tuple[Any, ...],
+    start_args: StartArgs,
     options: Any,
 ) -> Plan:
     """Compiles the programs of the run described by `loop` (as `fit` will call them, into
@@ -666,7 +669,7 @@ def _compile_plan(
     model: PyTree,
     source: Source,
     val_data: PyTree | None,
-    start_args: tuple[Any, ...],
+    start_args: StartArgs,
     options: Any,
 ) -> Plan:
     threads: list[concurrent.futures.Future[Any]] = []
@@ -681,7 +684,7 @@ def _compile_plan_in(
     model: PyTree,
     source: Source,
     val_data: PyTree | None,
-    start_args: tuple[Any, ...],
+    start_args: StartArgs,
     options: Any,
     threads: list["concurrent.futures.Future[Any]"],
 ) -> Plan:
@@ -699,7 +702,7 @@ def _compile_plan_in(
     key = options.key
     if loop.members is not None:  # as `start` splits it
         key = jax.random.split(key, loop.members)
-    consts = start_args[-1]
+    consts = start_args.consts
     inputs = Inputs(
         placement.put(_first_data(source, loop), sharded=True),
         placement.put(val_data, sharded=True),
@@ -731,7 +734,7 @@ def _compile_plan_in(
         arrays=array_plans(loop, model),
         devices=len(devices),
         device_kind=str(devices[0].device_kind),
-        precision=loop.precision,
+        precision=loop.step.precision,
         memory_limit=memory_limit(devices),
         peak_flops=peak,
         compiled=compiled,
@@ -750,7 +753,7 @@ def run_costs(
     loop: Loop,
     model: PyTree,
     source: Source,
-    start_args: tuple[Any, ...],
+    start_args: StartArgs,
     options: Any,
     plan: Plan | None,
 ) -> Costs | None:
@@ -770,7 +773,7 @@ def run_costs(
     if flops is None:
         inputs = loop.placement.start_inputs(start_args, loop.trains)
         state = jax.eval_shape(start_program(loop), *inputs)[0]
-        flops = step_flops(loop, state, source.like, start_args[-1])
+        flops = step_flops(loop, state, source.like, start_args.consts)
     return Costs(flops, None if peak is None else peak * len(devices))
 
 
@@ -785,8 +788,8 @@ def compute_dtype(loop: Loop, model: PyTree) -> Any:
     """The dtype the step computes in: the precision policy's, else that of the model's
     largest floating array.
     """
-    if loop.precision is not None:
-        return loop.precision.compute_dtype
+    if loop.step.precision is not None:
+        return loop.step.precision.compute_dtype
     arrays = [x for x in jax.tree.leaves(model) if eqx.is_array(x)]
     floating = [x for x in arrays if jnp.issubdtype(x.dtype, jnp.floating)]
     if not floating:

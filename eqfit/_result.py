@@ -18,8 +18,10 @@ from ._checks import checked
 from ._drive import Outcome
 from ._history import History, StopReason
 from ._labels import raise_found
-from ._loop import _unwrap, Consts, Loop, Stop
+from ._loop import Loop
 from ._observers import Throughput
+from ._skeleton import unwrap
+from ._state import Consts, Stop
 from ._typing import Model, ModelState, OptState, PathLike
 
 
@@ -121,7 +123,7 @@ def finish(
             stacklevel=3,
         )
     nan_steps = np.asarray(loop.placement.host(outcome.report.nan_step)).reshape(-1).tolist()
-    if loop.on_nan == "raise" and max(nan_steps) >= 0:
+    if loop.step.on_nan == "raise" and max(nan_steps) >= 0:
         i = next(i for i, t in enumerate(nan_steps) if t >= 0)
         epoch, step = schedule.locate(nan_steps[i])
         member = f"member {i}: " if loop.members is not None else ""
@@ -191,7 +193,7 @@ def _result(
             reasons.append("error")
         else:
             reasons.append("out_of_data")
-    has_stopping = loop.stopping is not None
+    has_stopping = loop.early_stopping is not None
     best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
     rows = max(outcome_epochs(loop, outcome))
 
@@ -210,7 +212,7 @@ def _result(
         schedule.first_epoch,
         {
             name: squeeze(step_values[:, :rows, :, i]).copy()
-            for i, name in enumerate(loop.step_names)
+            for i, name in enumerate(loop.record.names)
         },
         _throughput(outcome.epoch_figures, schedule.first_epoch, rows),
     )
@@ -255,7 +257,7 @@ def model_from(loop: Loop, params: Any, consts: Consts) -> Any:
         trained = [x.astype(d) for x, d in zip(trained, loop.trained_dtypes)]
     it, frozen = iter(trained), iter(consts.frozen)
     arrays = [next(it) if t else next(frozen) for t in loop.trains]
-    return _unwrap(loop.model.fill(arrays))
+    return unwrap(loop.model.fill(arrays))
 
 
 _MAGIC = b"eqfit-result\n"

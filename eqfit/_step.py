@@ -18,7 +18,7 @@ from ._average import Average
 from ._hyperparams import injected_values, schedule_values
 from ._labels import collecting, either, first_of, LabelError
 from ._precision import all_finite, LossScale, Precision
-from ._validation import validation_names
+from ._record import GRAD_NORM, Kind, LOSS_SCALE, Record, SKIPPED_STEPS, UPDATE_NORM
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -445,9 +445,7 @@ class StepResult(NamedTuple):
     average: PyTree  # the moving average (`None` without one)
     loss_scale: LossScale | None
     loss: Float[Array, ""]
-    # `step_value_names`' values: aux values, metrics, norms, the loss scale's, the
-    # hyperparameters.
-    values: Float[Array, " values"]
+    values: Float[Array, " values"]  # the record's columns (`Record.pack`)
     finite: Bool[Array, ""]  # the loss is finite
     labels: LabelError | None  # the first label out of range; `None`: nothing checked
 
@@ -466,14 +464,12 @@ class Step(eqx.Module):
     objective: Objective
     optimizer: optax.GradientTransformation
     combine: Callable[[PyTree], PyTree]  # the trained arrays -> the whole model
+    record: Record  # what the step records, written by name
     axis_name: str | None = None  # set under `pmap`: losses and gradients are averaged
     # With `shard=`: lays out a params-shaped tree (the gradients, the new parameters) as
     # the parameters are, and the optimizer state as it follows them.
     lay_out: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
     average: Average | None = None
-    norms: bool = False
-    # Record the hyperparameters of `inject_hyperparams` states (`eqfit._hyperparams`).
-    hyperparams: bool = False
     schedules: tuple[Callable[[Any], Any], ...] = ()  # each evaluated at the step's count
 
     def __call__(
@@ -526,11 +522,14 @@ class Step(eqx.Module):
         optimizer = optax.with_extra_args_support(self.optimizer)
         finite = jnp.isfinite(loss)
         applies = finite
-        reported = [aux, metrics]
+        record = self.record
+        norms = record.has(GRAD_NORM)
+        reported = dict(zip(record.names_of(Kind.AUX), aux))
+        reported |= dict(zip(record.names_of(Kind.METRIC), metrics))
         # At the count this step's update uses: the state's before the update.
         scheduled = schedule_values(self.schedules, opt_state)
-        if self.norms:
-            reported.append(optax.tree.norm(grads)[None])
+        if norms:
+            reported[GRAD_NORM.name] = optax.tree.norm(grads)
         if loss_scale is not None:
             assert policy is not None
             grads_finite = all_finite(grads)
@@ -545,7 +544,7 @@ class Step(eqx.Module):
             params = eqx.apply_updates(params, updates)
             if self.lay_out is not None:
                 params, opt_state = self.lay_out(params, opt_state)
-            if not self.norms:
+            if not norms:
                 return params, opt_state, new_state
             norm = optax.tree.norm(updates).astype(jnp.float32)
             return params, opt_state, new_state, norm
@@ -556,7 +555,7 @@ class Step(eqx.Module):
         # A `cond`, not a `where` over every leaf, which would compute and select the
         # whole update even for finite losses.
         carry = (params, opt_state, kept)
-        if self.norms:
+        if norms:
             carry += (jnp.zeros((), jnp.float32),)
         params, opt_state, model_state, *update_norm = jax.lax.cond(applies, apply, skip, carry)
         if self.average is not None:
@@ -565,88 +564,23 @@ class Step(eqx.Module):
             average = self.average.update(average, params, applies)
             if self.lay_out is not None:
                 average, _ = self.lay_out(average, None)
-        if self.norms:
-            reported.append(update_norm[0][None])
+        if norms:
+            reported[UPDATE_NORM.name] = update_norm[0]
         if loss_scale is not None:
-            skipped = (finite & ~applies).astype(jnp.float32)
-            reported.append(jnp.stack([loss_scale.scale, skipped]))
-        if self.hyperparams:  # after the update: `inject_hyperparams` keeps those it used
-            reported.extend(injected_values(opt_state))
-        reported.extend(scheduled)
-        values = jnp.concatenate([jnp.asarray(v, jnp.float32).reshape(-1) for v in reported])
+            reported[LOSS_SCALE.name] = loss_scale.scale
+            reported[SKIPPED_STEPS.name] = (finite & ~applies).astype(jnp.float32)
+        injected = record.names_of(Kind.HYPERPARAM)
+        if injected:  # after the update: `inject_hyperparams` keeps those it used
+            reported |= dict(zip(injected, injected_values(opt_state)))
+        reported |= dict(zip(record.names_of(Kind.SCHEDULE), scheduled))
         return StepResult(
-            params, opt_state, model_state, average, new_scale, loss, values, finite, labels
+            params,
+            opt_state,
+            model_state,
+            average,
+            new_scale,
+            loss,
+            record.pack(reported),
+            finite,
+            labels,
         )
-
-
-def step_value_names(
-    aux_names: tuple[str, ...],
-    metric_names: tuple[str, ...],
-    norms: bool,
-    scales: bool,
-    hyperparams: tuple[str, ...] = (),
-) -> tuple[str, ...]:
-    """The values a step records besides its loss, in order; `hyperparams` last, those
-    of `inject_hyperparams` states and then the schedules'.
-    """
-    names = (*aux_names, *metric_names)
-    if norms:
-        names += ("grad_norm", "update_norm")
-    if scales:
-        names += ("loss_scale", "skipped_steps")
-    return names + hyperparams
-
-
-def log_names(
-    aux_names: tuple[str, ...],
-    metric_names: tuple[str, ...],
-    norms: bool,
-    scales: bool,
-    validates: bool,
-    hyperparams: tuple[str, ...] = (),
-    val_sets: tuple[str, ...] = (),
-) -> tuple[str, ...]:
-    """The values each epoch records, in order: the loss and the steps' values, then
-    with validation the loss, the aux values and the metrics on each validation set:
-    `val_<name>` for one unnamed set, `val_<set>_<name>` for each of `val_sets`.
-    """
-    steps = step_value_names(aux_names, metric_names, norms, scales, hyperparams)
-    names = ("loss", *steps)
-    if not validates:
-        return names
-    return names + validation_names(val_sets, aux_names, metric_names)
-
-
-# What the history names itself, besides the loss's aux values and the metrics.
-BUILT_IN = log_names((), (), norms=True, scales=True, validates=False)
-
-# The throughput figures each epoch's `logs` hold besides its values, as `History.throughput`
-# keeps them (`Throughput.NAMES`): always, and where the step's FLOPs are known.
-THROUGHPUT_TIMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
-THROUGHPUT_COSTS = ("flops_per_second", "mfu")
-
-# Names no aux value, metric or schedule may take: the history's own, the epoch's number
-# (the CSV's first column, `History.to_dict()`'s `"epoch"`) and the throughput figures,
-# which would overwrite it (or be overwritten) in the logs that callbacks and the
-# loggers see. And every name beginning `val_`, validation's.
-RESERVED = (*BUILT_IN, "epoch", *THROUGHPUT_TIMES, *THROUGHPUT_COSTS)
-
-
-def reserved_for(name: str) -> str | None:
-    """What the run records under `name`, if it is reserved (`RESERVED`, or `val_...`),
-    in words; else `None`.
-    """
-    if name.startswith("val_"):
-        return "validation's values (`val_loss`, `val_<metric>`, `val_<set>_loss`)"
-    if name == "epoch":
-        return "the epoch's number (the CSV's first column, `History.to_dict()`'s)"
-    if name in THROUGHPUT_TIMES + THROUGHPUT_COSTS:
-        return "a throughput figure (`History.throughput`, in each epoch's `logs`)"
-    if name in BUILT_IN:
-        return f"the history's built-in {name!r}"
-    return None
-
-
-def reserved_names() -> str:
-    """The reserved names, for messages."""
-    return f"{', '.join(map(repr, RESERVED))} and every name beginning 'val_'"

@@ -1,0 +1,98 @@
+"""What identifies a run for its checkpoints (`run_config`): shapes, settings and key,
+not devices, so that a run may resume on others, and a checkpoint of another
+configuration is refused.
+"""
+
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from ._checkpoint import as_plain
+from ._data import describe
+from ._loop import Loop
+from ._record import Kind
+from ._schedule import Schedule
+
+
+def run_config(
+    loop: Loop, state: PyTree, data: list[list[Any]], val_data: Any, loss: Any, key: Any
+) -> dict[str, Any]:
+    """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
+    that a run may resume on others.
+    """
+    schedule = loop.schedule
+    config = {
+        "state": describe(state),
+        "data": data,
+        "validation_data": describe(val_data),
+        "batch_size": schedule.batch_size,
+        "passes": None if schedule.passes is None else [as_plain(v) for v in schedule.passes],
+        "steps_per_epoch": None if schedule.learning else schedule.steps_per_epoch,
+        "epochs": [schedule.first_epoch, schedule.epochs],
+        "shuffle": loop.shuffle,
+        "on_nan": loop.step.on_nan,
+        "early_stopping": None if loop.early_stopping is None else repr(loop.early_stopping),
+        "metrics": list(loop.metric_names),
+        "loss": getattr(loss, "__qualname__", type(loss).__name__),
+        "key": np.asarray(jax.random.key_data(key)).tolist(),
+        "ensemble": loop.members is not None,
+    } | _real_model_config(loop)
+    return config | _validation_config(loop)
+
+
+def _validation_config(loop: Loop) -> dict[str, Any]:
+    """Named sets and a `validation_freq`, where given: a run with one unnamed set,
+    validated every epoch, has the config it had before they were, so that its
+    checkpoints still resume.
+    """
+    config: dict[str, Any] = {}
+    validation = loop.validation
+    if validation is None:
+        return config
+    if validation.sets:  # their order is that of the record's columns
+        config["validation_sets"] = list(validation.sets)
+    if validation.freq != 1:
+        config["validation_freq"] = validation.freq
+    return config
+
+
+def learned_config(config: dict[str, Any], schedule: Schedule, state: PyTree) -> dict[str, Any]:
+    """`run_config`'s `config` once the run has learned its epoch's length (`schedule`'s)
+    and `state` keeps its record by it: what a resumed run, knowing the length from its
+    checkpoint, makes.
+    """
+    return config | {"state": describe(state), "steps_per_epoch": schedule.steps_per_epoch}
+
+
+def _real_model_config(loop: Loop) -> dict[str, Any]:
+    """The options of real models, where given: a run without them has the config it had
+    before they were, so that its checkpoints still resume.
+    """
+    config: dict[str, Any] = {}
+    policy = loop.step.precision
+    if policy is not None:  # by its dtypes' names: one policy, however spelled
+        config["precision"] = {
+            "compute": str(policy.compute_dtype),
+            "params": str(policy.params_dtype),
+            "keep": list(policy.keep),
+            "loss_scaling": policy.scales,
+            "initial_scale": policy.initial_scale,
+            "growth_steps": policy.growth_steps,
+        }
+    if loop.step.average is not None:
+        config["ema"] = loop.step.average.momentum
+    if loop.validation is not None and loop.validation.ema:
+        config["validate_ema"] = True
+    if loop.step.norms:
+        config["norms"] = True
+    for key, kind in (
+        ("aux", Kind.AUX),
+        ("hyperparams", Kind.HYPERPARAM),
+        ("schedules", Kind.SCHEDULE),
+    ):
+        names = loop.record.names_of(kind)
+        if names:
+            config[key] = list(names)
+    return config

@@ -1,0 +1,94 @@
+"""The open phase: the training data's source, the validation data, and the run's
+schedule from their shape, each checked against the others.
+"""
+
+from typing import Any
+
+from jaxtyping import PyTree
+
+from ._average import warn_if_short
+from ._data import as_data, sample_shapes
+from ._options import Options
+from ._parallel import check_batch_split, global_rows
+from ._schedule import check_profile, make_schedule, Schedule
+from ._sources import open_source, Source
+from ._validation import naming_advice, ValidationSets
+
+
+def open_data(data: Any, validation_data: Any, options: Options) -> tuple[Source, PyTree | None]:
+    """The training data's source, less the rows held out for validation (if asked), and
+    the validation data (with named sets, `{name: set}`), each set checked to be like the
+    training data.
+    """
+    source = open_source(data, options)
+    like = sample_shapes(source.like)
+    if isinstance(validation_data, ValidationSets):
+        sets = {}
+        for name, given in validation_data.items():
+            what = f"validation_data[{name!r}]"
+            sets[name] = as_data(given, what)
+            if sample_shapes(sets[name]) != like:
+                raise ValueError(
+                    f"`validation_data`'s set {name!r} must hold arrays like `data`'s, one "
+                    f"sample apart: `data`'s samples have {like}, `{what}`'s "
+                    f"{sample_shapes(sets[name])} (path, shape of one sample, dtype)."
+                )
+        return source, sets
+    if _several_datasets(validation_data, like):
+        raise ValueError(
+            "`validation_data` must hold arrays like `data`'s, but it is a tuple of "
+            f"{len(validation_data)} datasets, each like `data`: a tuple is one dataset, of "
+            f"nested arrays. {naming_advice(len(validation_data), 'tuple')}"
+        )
+    val = None
+    if validation_data is not None:
+        val = as_data(validation_data, "validation_data")
+    elif options.validation_split is not None:
+        source, val = source.hold_out(options.validation_split, options.key)
+    if val is not None and sample_shapes(val) != like:
+        raise ValueError(
+            "`validation_data` must hold arrays like `data`'s, one sample apart: "
+            f"`data`'s samples have {like}, `validation_data`'s "
+            f"{sample_shapes(val)} (path, shape of one sample, dtype)."
+        )
+    return source, val
+
+
+def _several_datasets(validation_data: Any, like: list[list[Any]]) -> bool:
+    """Whether `validation_data` is a tuple of datasets each like `data` (whose samples
+    are `like`), rather than one dataset like it.
+    """
+    if not isinstance(validation_data, tuple) or len(validation_data) < 2:
+        return False
+    if not all(isinstance(part, tuple | dict) for part in validation_data):
+        return False
+    try:
+        shapes = [sample_shapes(part) for part in validation_data]
+    except AttributeError:  # leaves that are not arrays: the data's own check says so
+        return False
+    return all(s == like for s in shapes) and sample_shapes(validation_data) != like
+
+
+def schedule_for(source: Source, options: Options) -> Schedule:
+    """The run's schedule: the source's shape (every process's rows, over a mesh of
+    several) and the options, checked against each other.
+    """
+    shape = source.shape()
+    if shape.batch_size is not None:  # a loader makes its own batches
+        if options.drop_remainder:
+            raise ValueError(
+                "`drop_remainder=True` with a loader: a loader makes its own batches, so drop "
+                "its smaller last batch there (PyTorch: `DataLoader(..., drop_last=True)`)."
+            )
+        if options.batch_size_given and options.batch_size != shape.batch_size:
+            raise ValueError(
+                f"`batch_size`={options.batch_size}, but the loader yields batches of "
+                f"{shape.batch_size}: leave `batch_size` out, or set it to the loader's."
+            )
+    shape = shape._replace(num_samples=global_rows(options.placement, shape.num_samples))
+    schedule = make_schedule(shape, options)
+    check_batch_split(options.placement, schedule.batch_size)
+    check_profile(options, schedule)
+    if not schedule.learning:
+        warn_if_short(options.step.average, schedule.total - schedule.begin)
+    return schedule

@@ -1,0 +1,453 @@
+"""The one compiled run: training from a position to a stop position, both traced.
+
+Every path calls the same two programs: `start` makes the training state once, and `run`
+trains from the state's position (a global step count) up to a stop position. The
+compiled path calls `run` once, from the start to the end; the bar, checkpoints, resume
+and streamed data call it in pieces. Since the positions are traced, every piece runs the
+same compiled program, and the pieces agree with one whole run bit for bit.
+
+`run` reads as its loops: passes over the data, the stretches between epoch ends, the
+batches; `_Run.close_epoch` ends an epoch (its values, validation, early stopping).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
+
+from ._compile import PROGRAM_CACHE
+from ._data import epoch_order, shuffle_seed
+from ._early_stopping import StoppingState
+from ._evaluate import evaluate_batches, evaluation_needs_key
+from ._labels import LabelError
+from ._loop import lay_out_state, Loop, Parts
+from ._state import Consts, Inputs, Report, Steps, Stop, TrainState
+
+
+def start(
+    loop: Loop,
+    params: list[Array],
+    opt_state: PyTree | None,
+    model_state: PyTree,
+    key: Key[Array, ""],
+    consts: Consts,
+) -> tuple[TrainState, Key[Array, "*members"]]:
+    """The training state at the start, and the key of each member (or the key).
+
+    Its outputs are new buffers (`run` may donate them), never the caller's arrays.
+    """
+    parts = loop.parts(consts)
+    schedule = loop.schedule
+    rows, steps = schedule.rows, schedule.columns
+
+    def start_one(params: list[Array], opt_state: PyTree, model_state: PyTree) -> TrainState:
+        params = loop.params_tree([jnp.copy(p) for p in params])
+        if loop.step.precision is not None:  # the master copy
+            params = loop.step.precision.master(params)
+        if opt_state is None:
+            opt_state = parts.optimizer.init(params)
+        else:
+            opt_state = jax.tree.map(jnp.copy, opt_state)
+        if loop.param_shardings() is not None:  # laid out as `shard=` asks, from the start
+            params, opt_state = lay_out_state(loop, parts.optimizer, params, opt_state)
+        model_state = jax.tree.map(jnp.copy, model_state)
+        average = None if loop.step.average is None else loop.step.average.init(params)
+        if average is not None and loop.param_shardings() is not None:
+            average, _ = lay_out_state(loop, parts.optimizer, average, None)
+        stopping = None
+        if loop.early_stopping is not None:
+            stopping = loop.early_stopping.init((params, average), model_state)
+        nan = jnp.float32(jnp.nan)
+        return TrainState(
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            average=average,
+            loss_scale=None if loop.step.precision is None else loop.step.precision.init(),
+            stopping=stopping,
+            step=jnp.asarray(schedule.begin, jnp.int32),
+            reason=jnp.asarray(Stop.RUNNING, jnp.int32),
+            nan_step=jnp.asarray(-1, jnp.int32),
+            label_error=LabelError.none(),
+            step_loss=jnp.full((rows, steps), nan),
+            step_values=jnp.full((rows, steps, len(loop.record.names)), nan),
+            batch_sizes=jnp.zeros((rows, steps), jnp.int32),
+            epoch_values=jnp.full((rows, len(loop.log_names)), nan),
+            running=jnp.zeros(2),
+        )
+
+    if loop.members is None:
+        return start_one(params, opt_state, model_state), key
+    in_axes = (0, None if opt_state is None else 0, 0)
+    state = jax.vmap(start_one, in_axes=in_axes)(params, opt_state, model_state)
+    return state, jax.random.split(key, loop.members)
+
+
+def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*members"]]]:
+    """`start` compiled for `loop`, from eqfit's bounded cache of programs.
+
+    It runs once per `fit` and only fills and copies arrays, so XLA compiles it without
+    optimising its kernels: half the compile time, which a first `fit` waits for.
+    """
+    fn = functools.partial(start, loop)
+    return PROGRAM_CACHE.get(("start", loop), lambda: jax.jit(fn, compiler_options=START_OPTIONS))
+
+
+START_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def run_key(loop: Loop) -> tuple[str, Loop]:
+    """Where `run` compiled for `loop` is cached (with its speed)."""
+    return ("run", loop)
+
+
+def run_program(loop: Loop) -> Callable[..., tuple[TrainState, Report]]:
+    """`run` compiled for `loop` by its placement, the state donated (cached)."""
+    compile = loop.placement.compile
+    return PROGRAM_CACHE.get(run_key(loop), lambda: compile(functools.partial(run, loop), (0,)))
+
+
+def run(
+    loop: Loop, state: TrainState, inputs: Inputs, stop: Int[Array, ""]
+) -> tuple[TrainState, Report]:
+    """Trains from `state.step` to the global step `stop`, or until stopped.
+
+    A while loop over passes over the data, each holding a while loop over the stretches
+    between epoch ends (one stretch and no loop where epochs end only at pass ends), each
+    a while loop over full batches, then the pass's remainder batch and the epoch's end
+    (validation, metrics, early stopping) as they fall due.
+    """
+    parts = loop.parts(inputs.consts)
+
+    def one(state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
+        return _Run(loop, parts, inputs, key, stop).run(state)
+
+    if loop.members is None:
+        return one(state, inputs.key)
+    return jax.vmap(one)(state, inputs.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One member's run, while tracing: the loop's pieces with their shared arguments."""
+
+    loop: Loop
+    parts: Parts
+    inputs: Inputs
+    key: Key[Array, ""]
+    stop: Int[Array, ""]
+
+    def run(self, state: TrainState) -> tuple[TrainState, Report]:
+        loop, schedule = self.loop, self.loop.schedule
+        stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
+        if schedule.learning:  # each call's steps are recorded afresh, for the host
+            state = state._replace(
+                step_loss=jnp.full_like(state.step_loss, jnp.nan),
+                step_values=jnp.full_like(state.step_values, jnp.nan),
+                batch_sizes=jnp.zeros_like(state.batch_sizes),
+            )
+        # One key per global step, so a step's key does not depend on how the run is cut
+        # into pieces. (Derived only if the loss asks for one: threefry is costly to
+        # compile.)
+        step_key = jax.random.fold_in(self.key, 1) if loop.use_key else None
+        piece, passes = self.inputs.piece, schedule.passes
+        if piece is not None:  # streamed: this piece's rows
+            end = jnp.minimum(stop, piece.end)
+            order = jnp.asarray(piece.order)
+            # A piece of smaller batches (a pass's last) is a remainder: not split over
+            # devices, as it need not divide evenly.
+            full = loop.batch_size == schedule.batch_size
+            state = self.run_steps(state, order, piece.first, end, None, step_key, full)
+        else:
+            assert passes is not None
+            seed = shuffle_seed(self.key)
+
+            def more(state: TrainState) -> Bool[Array, ""]:
+                return (state.step < stop) & (state.reason == Stop.RUNNING)
+
+            def one_pass(state: TrainState) -> TrainState:
+                index = schedule.pass_of(state.step)
+                order = epoch_order(seed, index, passes.num_samples, loop.shuffle)
+                first = schedule.pass_start(index)
+                end = jnp.minimum(stop, first + passes.steps_per_pass)
+                remainder = schedule.remainder_step(index)
+                return self.run_steps(state, order, first, end, remainder, step_key)
+
+            state = jax.lax.while_loop(more, one_pass, state)
+        if loop.param_shardings() is not None:  # the outputs laid out as `shard=` asks
+            params, opt_state = lay_out_state(
+                loop, self.parts.optimizer, state.params, state.opt_state
+            )
+            state = state._replace(params=params, opt_state=opt_state)
+            if state.average is not None:
+                average, _ = lay_out_state(loop, self.parts.optimizer, state.average, None)
+                state = state._replace(average=average)
+        return state, self.report(state)
+
+    def run_steps(
+        self,
+        state: TrainState,
+        order: UInt32[Array, " n"],
+        first: Any,
+        end: Any,
+        remainder_step: Any,
+        step_key: Key[Array, ""] | None,
+        full: bool = True,
+    ) -> TrainState:
+        """Steps until `end` or until stopped, closing each epoch as it ends. Step `t`
+        takes rows `order[(t - first) * batch_size:]`; in memory, `remainder_step` is
+        the pass's last step, on the smaller batch of its remaining samples.
+        """
+        loop, schedule = self.loop, self.loop.schedule
+        data = self.inputs.data
+        running = lambda state: state.reason == Stop.RUNNING  # noqa: E731
+
+        def batch_step(state: TrainState, size: int, full: bool) -> TrainState:
+            t = state.step
+            start = (t - first) * loop.batch_size  # in range: `t` is in the piece
+            index = jax.lax.dynamic_slice(order, (start,), (size,), allow_negative_indices=False)
+            placement = loop.placement
+            if full:
+                batch, step = placement.full_batch(data, index), self.parts.step
+            else:  # never split over devices (it need not divide evenly): no pmean
+                batch = placement.remainder_batch(data, index)
+                step = dataclasses.replace(self.parts.step, axis_name=None)
+            key = None if step_key is None else jax.random.fold_in(step_key, t)
+            out = step(
+                state.params,
+                state.opt_state,
+                state.model_state,
+                state.average,
+                state.loss_scale,
+                batch,
+                key,
+            )
+            row, column = schedule.record_row(t), schedule.record_column(t)
+            nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
+            reason, label_error = state.reason, state.label_error
+            why: Any = Stop.NON_FINITE_LOSS
+            if out.labels is not None:  # the loss or the metrics check labels
+                label_error = label_error.or_else(
+                    out.labels._replace(step=jnp.asarray(t, jnp.int32))
+                )
+                why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
+            if loop.step.on_nan != "skip":
+                reason = jnp.where(out.finite, reason, why)
+            state = state._replace(
+                params=out.params,
+                opt_state=out.opt_state,
+                model_state=out.model_state,
+                average=out.average,
+                loss_scale=out.loss_scale,
+                step=t + 1,
+                reason=reason,
+                nan_step=nan_step,
+                label_error=label_error,
+                step_loss=_put(state.step_loss, out.loss, row, column),
+                running=state.running
+                + jnp.where(out.finite, jnp.stack([out.loss * size, size]), 0.0),
+                batch_sizes=_put(state.batch_sizes, size, row, column),
+            )
+            if loop.record.names:
+                values = _put(state.step_values, out.values, row, column)
+                state = state._replace(step_values=values)
+            return state
+
+        def between_epoch_ends(state: TrainState) -> TrainState:
+            epoch_end = schedule.next_epoch_end(state.step)
+            limit = jnp.minimum(end, epoch_end)
+            full_limit = limit if remainder_step is None else jnp.minimum(limit, remainder_step)
+
+            def more_full(state: TrainState) -> Bool[Array, ""]:
+                return (state.step < full_limit) & running(state)
+
+            passes = schedule.passes
+            if passes is None or passes.num_full:  # else all is the remainder
+                state = jax.lax.while_loop(
+                    more_full, lambda s: batch_step(s, loop.batch_size, full), state
+                )
+            if remainder_step is not None:
+                assert passes is not None
+
+                # A loop that runs once or not at all, not a `cond`: XLA compiles a step
+                # inside a conditional more slowly than inside a loop.
+                def remainder_due(state: TrainState) -> Bool[Array, ""]:
+                    return (state.step == remainder_step) & (state.step < limit) & running(state)
+
+                remainder = passes.remainder
+                state = jax.lax.while_loop(
+                    remainder_due, lambda s: batch_step(s, remainder, False), state
+                )
+            closes = (state.step == epoch_end) & running(state)
+            return jax.lax.cond(closes, self.close_epoch, lambda s: s, state)
+
+        if schedule.epochs_end_at_pass_ends:
+            # From a step inside a pass to `end`, at or before the pass's end (in memory
+            # the caller's loop sees to that, and a memmap's pieces each lie in one pass),
+            # no epoch ends but at `end`: one stretch, with no loop around it. A loop
+            # level fewer in the program, which XLA then compiles in much less time.
+            return between_epoch_ends(state)
+
+        def more(state: TrainState) -> Bool[Array, ""]:
+            return (state.step < end) & running(state)
+
+        return jax.lax.while_loop(more, between_epoch_ends, state)
+
+    def close_epoch(self, state: TrainState) -> TrainState:
+        """The end of the epoch just finished: its values, validation, early stopping."""
+        loop, schedule = self.loop, self.loop.schedule
+        row = schedule.record_row(state.step - 1)
+        epoch = schedule.epoch_of(state.step - 1)
+        values = epoch_values(state, row, loop)
+        validated = None  # every epoch, or not at all
+        validation = loop.validation
+        if validation is not None:
+            if validation.freq == 1:  # no branch: the program it always was
+                val, label_error = self.validate(state, epoch)
+            else:
+                validated = epoch % validation.freq == 0
+
+                def not_due(state: TrainState) -> tuple[Array, LabelError]:
+                    return jnp.full(len(loop.val_names), jnp.nan), state.label_error
+
+                val, label_error = jax.lax.cond(
+                    validated, lambda s: self.validate(s, epoch), not_due, state
+                )
+            values = jnp.concatenate([values, val])
+            state = state._replace(label_error=label_error)
+        state = state._replace(
+            epoch_values=_put(state.epoch_values, values, row), running=jnp.zeros(2)
+        )
+        if loop.early_stopping is None:
+            return state
+        assert state.stopping is not None
+        stopping_rule = loop.early_stopping
+        monitored = values[loop.log_names.index(stopping_rule.monitor)]
+        trained = (state.params, state.average)
+
+        def update(stopping: StoppingState) -> tuple[StoppingState, Bool[Array, ""]]:
+            return stopping_rule.update(stopping, monitored, epoch, trained, state.model_state)
+
+        if validated is not None and stopping_rule.monitor in loop.val_names:
+            # As Keras, which checks the monitor only where it is in the epoch's logs: an
+            # epoch not validated neither improves nor counts towards the patience.
+            def wait(stopping: StoppingState) -> tuple[StoppingState, Bool[Array, ""]]:
+                return stopping, jnp.asarray(False)
+
+            stopping, stop = jax.lax.cond(validated, update, wait, state.stopping)
+        else:
+            stopping, stop = update(state.stopping)
+        reason = jnp.where(stop, Stop.EARLY_STOPPING, state.reason)
+        return state._replace(stopping=stopping, reason=reason)
+
+    def validate(self, state: TrainState, epoch: Int[Array, ""]) -> tuple[Array, LabelError]:
+        """The validation values of epoch `epoch`'s model (`Loop.val_names`'), and the
+        label error with the first label out of range that they met, if any.
+
+        A loss that takes a key (and requires one, `evaluation_needs_key`) gets a new one
+        for each batch of each set at each epoch, from the run's key: the noise of a
+        variational loss differs from batch to batch and epoch to epoch, and is the same
+        for the same run, however it is cut into calls. Its own fold of the run's key
+        (the steps' is 1) leaves the training's keys as they were.
+        """
+        loop, parts, validation = self.loop, self.parts, self.loop.validation
+        assert validation is not None
+        model = parts.combine(state.average if validation.ema else state.params)
+        val_data = self.inputs.val_data
+        sets = [val_data[name] for name in validation.sets] if validation.sets else [val_data]
+        epoch_key = None
+        if evaluation_needs_key(parts.objective, model):
+            epoch_key = jax.random.fold_in(jax.random.fold_in(self.key, 2), epoch)
+        values, label_error = [], state.label_error
+        for i, data in enumerate(sets):
+            key = None if epoch_key is None else jax.random.fold_in(epoch_key, i)
+            val, labels = evaluate_batches(
+                parts.objective, model, state.model_state, data, loop.schedule.batch_size, key
+            )
+            values.append(val)
+            if labels is not None:
+                label_error = label_error.or_else(labels)
+        return jnp.concatenate(values), label_error
+
+    def report(self, state: TrainState) -> Report:
+        stopping = self.loop.early_stopping
+        trained = None
+        if stopping is not None and stopping.restore_best:
+            assert state.stopping is not None
+            (params, average), model_state = stopping.trained(
+                state.stopping, (state.params, state.average), state.model_state
+            )
+            trained = (params, model_state, average)
+        best = -1 if state.stopping is None else state.stopping.best_epoch
+        return Report(
+            step=state.step,
+            reason=state.reason,
+            nan_step=state.nan_step,
+            label_error=state.label_error,
+            best_epoch=jnp.asarray(best, jnp.int32),
+            epoch_loss=state.running[0] / state.running[1],
+            epoch_values=state.epoch_values,
+            trained=trained,
+            steps=Steps(state.step_loss[0], state.step_values[0], state.batch_sizes[0])
+            if self.loop.schedule.learning
+            else None,
+        )
+
+
+def _put(record: Array, value: Any, *index: Any) -> Array:
+    """`record.at[index].set(value)` as a dynamic update slice, not a scatter: XLA
+    compiles it in less time. The indices are in range by construction, so neither
+    negative ones nor clamping need handling.
+    """
+    value = jnp.asarray(value, record.dtype)
+    update = value.reshape((1,) * len(index) + value.shape)
+    start = (*index, *(0,) * value.ndim)
+    return jax.lax.dynamic_update_slice(record, update, start, allow_negative_indices=False)
+
+
+def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainState:
+    """`state` of a run that learned its epoch's length, as `loop` (the learned one)
+    keeps it: the first epoch's steps so far (`first`, on the host; `None`: none) in its
+    record.
+    """
+    schedule = loop.schedule
+    members = () if loop.members is None else (loop.members,)
+    shape = (*members, schedule.rows, schedule.columns)
+    if first is None:
+        none = (*members, 0)
+        values = np.zeros((*none, len(loop.record.names)), np.float32)
+        first = Steps(np.zeros(none, np.float32), values, np.zeros(none, np.int32))
+
+    def record(steps: ArrayLike, fill: Any) -> np.ndarray:
+        """A record of `steps` (`(*members, n, ...)`) as row 0 of `(*members, rows,
+        columns, ...)`, filled with `fill` elsewhere.
+        """
+        steps = np.asarray(steps)
+        rest = steps.shape[len(members) + 1 :]
+        out = np.full((*shape, *rest), fill, steps.dtype)
+        out[(slice(None),) * len(members) + (0, slice(0, steps.shape[len(members)]))] = steps
+        return out
+
+    logs = (*members, schedule.rows, len(loop.log_names))
+    return state._replace(
+        step_loss=record(first.loss, np.nan),
+        step_values=record(first.values, np.nan),
+        batch_sizes=record(first.batch_sizes, 0),
+        epoch_values=np.full(logs, np.nan, np.float32),
+    )
+
+
+def epoch_values(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Array, " values"]:
+    """The epoch's values (`Record.epoch_values`) from the steps of record row `row`."""
+
+    def at_row(record: Array) -> Array:  # `row` is in range by construction
+        return jax.lax.dynamic_index_in_dim(record, row, 0, False, allow_negative_indices=False)
+
+    return loop.record.epoch_values(
+        at_row(state.step_loss), at_row(state.step_values), at_row(state.batch_sizes)
+    )

@@ -1,0 +1,288 @@
+"""What a step records, declared once: each value's name, where it comes from, and how an
+epoch reduces it.
+
+A `Record` is the run's list of `Column`s. The step writes its values by name
+(`Record.pack`); the epoch's values are each column reduced as it says
+(`Record.epoch_values`); the history, the loggers, the bar and the plan read the same
+names. Recording one more value is one `Column` here, written by name where it is computed.
+"""
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from ._validation import check_unique, validation_names
+
+
+class Reduce(enum.Enum):
+    """How an epoch reduces a column over its steps."""
+
+    # Weighted by each step's batch size, over the steps whose loss was finite: the mean
+    # over samples, as one full-batch pass would average a per-sample mean.
+    BATCH_MEAN = "mean over samples"
+    # The same over the steps whose update was applied (not skipped by the loss scale).
+    APPLIED_MEAN = "mean over applied steps"
+    SUM = "sum over steps"
+    LAST = "the epoch's last step's"
+
+
+class Kind(enum.Enum):
+    """Where a column's value comes from: what a message calls it."""
+
+    LOSS = "the loss"
+    AUX = "`loss`'s aux value"
+    METRIC = "the metric"
+    NORM = "the norms (`norms=True`)"
+    SCALE = "the loss scaling (float16)"
+    HYPERPARAM = "the optimizer's injected hyperparameter"
+    SCHEDULE = "the schedule"
+
+
+class Column(NamedTuple):
+    """One value a step records."""
+
+    name: str
+    kind: Kind
+    reduce: Reduce
+    # A nonzero value marks a step whose update was not applied (`Reduce.APPLIED_MEAN`).
+    skips: bool = False
+
+
+LOSS = Column("loss", Kind.LOSS, Reduce.BATCH_MEAN)
+GRAD_NORM = Column("grad_norm", Kind.NORM, Reduce.APPLIED_MEAN)
+UPDATE_NORM = Column("update_norm", Kind.NORM, Reduce.APPLIED_MEAN)
+LOSS_SCALE = Column("loss_scale", Kind.SCALE, Reduce.LAST)
+SKIPPED_STEPS = Column("skipped_steps", Kind.SCALE, Reduce.SUM, skips=True)
+NORMS = (GRAD_NORM, UPDATE_NORM)
+SCALING = (LOSS_SCALE, SKIPPED_STEPS)
+
+# What the history names itself, besides the loss's aux values and the metrics.
+BUILT_IN = tuple(c.name for c in (LOSS, *NORMS, *SCALING))
+
+# The throughput figures each epoch's `logs` hold besides its values, as `History.throughput`
+# keeps them (`Throughput.NAMES`): always, and where the step's FLOPs are known.
+THROUGHPUT_TIMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
+THROUGHPUT_COSTS = ("flops_per_second", "mfu")
+
+# Names no aux value, metric or schedule may take: the history's own, the epoch's number
+# (the CSV's first column, `History.to_dict()`'s `"epoch"`) and the throughput figures,
+# which would overwrite it (or be overwritten) in the logs that callbacks and the
+# loggers see. And every name beginning `val_`, validation's.
+RESERVED = (*BUILT_IN, "epoch", *THROUGHPUT_TIMES, *THROUGHPUT_COSTS)
+
+
+def reserved_for(name: str) -> str | None:
+    """What the run records under `name`, if it is reserved (`RESERVED`, or `val_...`),
+    in words; else `None`.
+    """
+    if name.startswith("val_"):
+        return "validation's values (`val_loss`, `val_<metric>`, `val_<set>_loss`)"
+    if name == "epoch":
+        return "the epoch's number (the CSV's first column, `History.to_dict()`'s)"
+    if name in THROUGHPUT_TIMES + THROUGHPUT_COSTS:
+        return "a throughput figure (`History.throughput`, in each epoch's `logs`)"
+    if name in BUILT_IN:
+        return f"the history's built-in {name!r}"
+    return None
+
+
+def reserved_names() -> str:
+    """The reserved names, for messages."""
+    return f"{', '.join(map(repr, RESERVED))} and every name beginning 'val_'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """The values each step records besides its loss, in the order of the training
+    state's `step_values` columns.
+    """
+
+    columns: tuple[Column, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The step's values' names, besides the loss."""
+        return tuple(c.name for c in self.columns)
+
+    def names_of(self, kind: Kind) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns if c.kind is kind)
+
+    def has(self, column: Column) -> bool:
+        return column in self.columns
+
+    def val_names(self, val_sets: tuple[str, ...] | None) -> tuple[str, ...]:
+        """The validation values' names: none without validation (`val_sets` `None`),
+        else of one unnamed set (`()`) or of each named set.
+        """
+        if val_sets is None:
+            return ()
+        return validation_names(val_sets, self.names_of(Kind.AUX), self.names_of(Kind.METRIC))
+
+    def log_names(self, val_sets: tuple[str, ...] | None) -> tuple[str, ...]:
+        """The values each epoch records, in order: the loss and the steps' values, then
+        the validation values (`val_names`).
+        """
+        return (LOSS.name, *self.names, *self.val_names(val_sets))
+
+    def pack(self, values: Mapping[str, Any]) -> Float[Array, " values"]:
+        """The step's values, written by name, as one float32 vector in `columns`' order."""
+        if set(values) != set(self.names):
+            raise AssertionError(
+                f"eqfit's step recorded {sorted(values)}, but the run declares {self.names}."
+            )
+        if not self.columns:
+            return jnp.zeros(0, jnp.float32)
+        return jnp.concatenate(
+            [jnp.asarray(values[name], jnp.float32).reshape(-1) for name in self.names]
+        )
+
+    def epoch_values(
+        self,
+        step_loss: Float[Array, " steps"],
+        values: Float[Array, " steps values"],
+        sizes: Int[Array, " steps"],
+    ) -> Float[Array, " logs"]:
+        """The epoch's values from the record of its steps (NaN loss and size 0 where no
+        step ran): the loss, then each column as it reduces.
+
+        Each step weighs as its share of the epoch's samples. Steps skipped for a
+        non-finite loss (`on_nan="skip"`) trained nothing and are left out; NaN (0 / 0)
+        if no step counts.
+        """
+        counts = jnp.isfinite(step_loss)  # NaN where no step ran, so this is false there too
+        all_sizes = sizes.astype(jnp.float32)
+        weights = jnp.where(counts, all_sizes, 0.0)
+        weights = weights / jnp.sum(weights)
+        # Full float32 precision: on GPUs a default-precision dot may round through TF32.
+        precision = jax.lax.Precision.HIGHEST
+        loss = jnp.dot(weights, jnp.where(counts, step_loss, 0.0), precision=precision)[None]
+        if not self.columns:
+            return loss
+        by_samples = [i for i, c in enumerate(self.columns) if c.reduce is Reduce.BATCH_MEAN]
+        # One product for all of them (a slice where they lead, as the aux values and
+        # metrics do).
+        if by_samples == list(range(len(by_samples))):
+            block = values[:, : len(by_samples)]
+        else:
+            block = values[:, np.asarray(by_samples, np.int32)]
+        means = jnp.dot(weights, jnp.where(counts[:, None], block, 0.0), precision=precision)
+        out: list[Any] = [None] * len(self.columns)
+        for j, i in enumerate(by_samples):
+            out[i] = means[j : j + 1]
+        ran = all_sizes > 0
+        applied = counts
+        for i, column in enumerate(self.columns):
+            if column.skips:
+                applied = applied & (values[:, i] == 0)
+        for i, column in enumerate(self.columns):
+            value = values[:, i]
+            if column.reduce is Reduce.APPLIED_MEAN:
+                w = jnp.where(applied, all_sizes, 0.0)
+                mean = jnp.dot(w / jnp.sum(w), jnp.where(applied, value, 0.0), precision=precision)
+                out[i] = mean[None]
+            elif column.reduce is Reduce.SUM:
+                out[i] = jnp.sum(jnp.where(ran, value, 0.0))[None]
+            elif column.reduce is Reduce.LAST:
+                last = jnp.argmax(jnp.where(ran, jnp.arange(value.shape[0]), -1))
+                out[i] = value[last][None]
+        return jnp.concatenate([loss, *out])
+
+
+def record_for(
+    *,
+    aux_names: tuple[str, ...] = (),
+    metric_names: tuple[str, ...] = (),
+    norms: bool = False,
+    scales: bool = False,
+    hyperparams: tuple[str, ...] = (),
+    schedule_names: tuple[str, ...] = (),
+    val_sets: tuple[str, ...] | None = None,
+) -> Record:
+    """The run's record: the loss's aux values and the metrics (means over samples), the
+    norms, the loss scaling, then the hyperparameters of `inject_hyperparams` states and
+    the schedules' (each the epoch's last step's). Refuses two values of one name, and a
+    name that the run keeps for itself, naming both.
+    """
+    check_names(aux_names, metric_names, hyperparams, schedule_names)
+    columns = [Column(n, Kind.AUX, Reduce.BATCH_MEAN) for n in aux_names]
+    columns += [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
+    if norms:
+        columns += NORMS
+    if scales:
+        columns += SCALING
+    columns += [Column(n, Kind.HYPERPARAM, Reduce.LAST) for n in hyperparams]
+    columns += [Column(n, Kind.SCHEDULE, Reduce.LAST) for n in schedule_names]
+    record = Record(tuple(columns))
+    if val_sets is not None:
+        check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)
+    return record
+
+
+def check_names(
+    aux_names: tuple[str, ...] = (),
+    metric_names: tuple[str, ...] = (),
+    hyperparams: tuple[str, ...] = (),
+    schedule_names: tuple[str, ...] = (),
+) -> None:
+    """Every check that two recorded values would take one name (but validation's,
+    `check_unique`): a metric, an aux value or a schedule named as a built-in history
+    entry; an aux value named as a metric; an injected hyperparameter or a schedule named
+    as any of these.
+    """
+    for name in metric_names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`metrics` must map names (strings) to functions; got {name!r}.")
+        what = reserved_for(name)
+        if what is not None:
+            raise ValueError(
+                f"`metrics` has a metric {name!r}, a name the run gives to {what}; rename "
+                f"it. Reserved: {reserved_names()}."
+            )
+    for name in schedule_names:
+        what = reserved_for(name)
+        if what is not None:
+            raise ValueError(
+                f"`schedules` has a schedule {name!r}, a name the run gives to {what}; "
+                f"rename it. Reserved: {reserved_names()}."
+            )
+        if name in metric_names:
+            raise ValueError(
+                f"`schedules` has a schedule {name!r}, and `metrics` has a metric {name!r}: "
+                "the history would hold both under one name; rename one."
+            )
+    for name in aux_names:
+        if name in metric_names:
+            raise ValueError(
+                f"`loss` returns an aux value {name!r}, and `metrics` has a metric "
+                f"{name!r}: the history would hold both under one name; rename one."
+            )
+        what = reserved_for(name)
+        if what is not None:
+            raise ValueError(
+                f"`loss` returns an aux value {name!r}, a name the run gives to {what}; "
+                f"rename it. Reserved: {reserved_names()}."
+            )
+    taken = {name: reserved_for(name) or "" for name in RESERVED}
+    taken |= {name: f"{Kind.AUX.value} {name!r}" for name in aux_names}
+    taken |= {name: f"{Kind.METRIC.value} {name!r}" for name in metric_names}
+    for name in hyperparams:  # the optimizer's names cannot be changed; the others can
+        if name in taken or name.startswith("val_"):
+            raise ValueError(
+                f"The optimizer's `inject_hyperparams` state holds a hyperparameter {name!r}, "
+                "which the run records under that name, and so is "
+                f"{taken.get(name) or reserved_for(name)}: rename it."
+            )
+        taken[name] = f"{Kind.HYPERPARAM.value} {name!r} (`inject_hyperparams`)"
+    for name in schedule_names:  # built-in names were refused above
+        if name in taken:
+            raise ValueError(
+                f"`schedules` has a schedule {name!r}, which collides with {taken[name]} in "
+                "the history; rename the schedule (or leave it out: an injected "
+                "hyperparameter is recorded by itself)."
+            )

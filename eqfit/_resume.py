@@ -1,0 +1,54 @@
+"""The keep phase's start: the checkpoint directory a run writes to, and the state it
+resumes from (the newest good checkpoint's, if there is one).
+"""
+
+from typing import Any
+
+import jax
+
+from ._checkpoint import Checkpoints, position
+from ._options import Options
+from ._parallel import param_specs
+from ._schedule import Schedule
+from ._state import TrainState
+
+
+def open_store(options: Options, config: dict[str, Any], schedule: Schedule) -> Checkpoints:
+    """The checkpoint directory: under `shard=`, Orbax's format, which every process writes
+    its shards of; else one file, which process 0 writes and every process reads.
+    """
+    policy = options.checkpoint
+    assert policy is not None
+    best = None if policy.keep_best is None else (policy.keep_best, policy.mode)
+    if param_specs(options.placement) is not None:
+        from ._orbax import ShardedCheckpoints
+
+        return ShardedCheckpoints(
+            policy.directory, config, schedule.steps_per_epoch, keep=policy.keep, best=best
+        )
+    writer = jax.process_index() == 0
+    return Checkpoints(
+        policy.directory,
+        config,
+        schedule.steps_per_epoch,
+        writer=writer,
+        keep=policy.keep,
+        best=best,
+    )
+
+
+def resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[TrainState, int]:
+    """The training state to start from, and its position: the newest good checkpoint's,
+    if there is one, else the start's.
+    """
+    if store.collective:  # read straight into the state's layout (`shard=`)
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
+        restored = store.restore(like)
+    else:
+        restored = store.restore(jax.device_get(state))
+        restored = None if restored is None else jax.device_put(restored)
+    if restored is None:
+        return state, schedule.begin
+    return restored, position(restored)

@@ -1,0 +1,127 @@
+"""The training state's types: what a run carries from step to step and call to call,
+what it reads and never changes, and what each call reports to the host. All PyTrees of
+arrays, with named fields.
+"""
+
+import enum
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optax
+from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree, UInt32
+
+from ._early_stopping import StoppingState
+from ._labels import LabelError
+from ._precision import LossScale
+
+
+class Stop(enum.IntEnum):
+    """Why the program stopped a run (a member, in an ensemble): reported as a value."""
+
+    RUNNING = 0  # not stopped: it reached the call's stop, or the run's end
+    EARLY_STOPPING = 1
+    NON_FINITE_LOSS = 2
+    BAD_LABEL = 3  # a label out of range made the loss non-finite
+
+
+class Objects(NamedTuple):
+    """What the run calls: the loss, the metrics, the optimizer (a plain one) and the
+    schedules whose values it records.
+    """
+
+    loss: Callable[..., Any]
+    metrics: tuple[tuple[str, Callable[..., Any]], ...]
+    optimizer: optax.GradientTransformation
+    schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
+
+
+class Consts(NamedTuple):
+    """Arrays the run reads but never changes: the model's frozen ones, and any that the
+    loss, metrics, optimizer or early stopping hold.
+    """
+
+    frozen: list[Array]
+    objects: list[Array]
+
+
+class StartArgs(NamedTuple):
+    """The arguments of the program that makes the training state (`_program.start`)."""
+
+    params: list[Array]  # the model's arrays that train, in order
+    opt_state: PyTree | None  # given to continue from, else made by the optimizer
+    model_state: PyTree
+    key: Key[Array, ""]
+    consts: Consts
+
+
+class TrainState(NamedTuple):
+    """Everything a run carries from step to step and from call to call; all arrays.
+
+    With an ensemble every field has a leading member axis.
+    """
+
+    params: PyTree  # the arrays that train, in the model's structure (`Loop.params_tree`)
+    opt_state: PyTree
+    model_state: PyTree
+    average: PyTree  # their moving average, laid out as they are (`None` without `ema=`)
+    loss_scale: LossScale | None  # with a precision policy that scales the loss
+    stopping: StoppingState | None
+    step: Int[Array, ""]  # optimizer steps done since the first epoch ever: the position
+    reason: Int[Array, ""]  # a `Stop`: why the run stopped, if it did
+    nan_step: Int[Array, ""]  # the first step whose loss was not finite, or -1
+    label_error: LabelError  # the first label out of range met, if any
+    # One row per epoch of this run:
+    step_loss: Float[Array, "epochs steps"]  # NaN where no step ran
+    step_values: Float[Array, "epochs steps values"]  # `Loop.step_names`' values
+    batch_sizes: Int[Array, "epochs steps"]  # 0 where no step ran
+    epoch_values: Float[Array, "epochs logs"]  # `Loop.log_names` of each finished epoch
+    # The epoch in progress: its finite steps' losses weighted by their batch sizes,
+    # summed, and the sizes summed (for the bar; the epoch's value is `epoch_values`').
+    running: Float[Array, "2"]
+
+
+class Piece(NamedTuple):
+    """A piece of streamed data: the rows of consecutive batches, all of the program's
+    `Loop.batch_size`. Step `t` (a global step, `first <= t < end`) takes rows
+    `order[(t - first) * batch_size:]`. Made on the host (numpy), then placed.
+    """
+
+    order: UInt32[ArrayLike, " rows"]
+    first: Int[ArrayLike, ""]  # the global step of its first batch
+    end: Int[ArrayLike, ""]  # the global step after its last batch
+
+
+class Inputs(NamedTuple):
+    """The arrays a run reads but never changes (never donated)."""
+
+    data: PyTree
+    val_data: PyTree
+    key: Key[Array, "*members"]
+    consts: Consts
+    piece: Piece | None = None  # streamed data: where `data` sits in the run
+
+
+class Steps(NamedTuple):
+    """The record of one call's steps, while the epoch's length is learned: column
+    `t % Schedule.columns` holds step `t`'s (NaN, or 0 for sizes, where none ran).
+    """
+
+    loss: Float[ArrayLike, "*members steps"]
+    values: Float[ArrayLike, "*members steps values"]
+    batch_sizes: Int[ArrayLike, "*members steps"]
+
+
+class Report(NamedTuple):
+    """What a call of `run` tells the host, read once it is due."""
+
+    step: Int[Array, "*members"]  # the position after the call
+    reason: Int[Array, "*members"]  # a `Stop`
+    nan_step: Int[Array, "*members"]
+    label_error: LabelError
+    best_epoch: Int[Array, "*members"]  # by early stopping; -1 without it
+    # The mean loss of the epoch in progress so far (NaN at its start).
+    epoch_loss: Float[Array, "*members"]
+    epoch_values: Float[Array, "*members epochs logs"]  # NaN for epochs not finished
+    # With `restore_best`: the trained arrays, model state and average to return.
+    trained: tuple[PyTree, PyTree, PyTree] | None
+    steps: Steps | None = None  # while the epoch's length is learned: this call's steps
