@@ -17,8 +17,8 @@ from ._compile import PROGRAMS
 from ._data import describe, is_dtype, not_a_stack
 from ._hyperparams import check_schedules, injected_names
 from ._loop import Loop
-from ._options import Options
-from ._record import NORMS, Record, record_for, SCALING
+from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
+from ._record import Record, record_for
 from ._schedule import Schedule
 from ._skeleton import split_arrays
 from ._state import Consts, Objects, StartArgs
@@ -85,8 +85,6 @@ def make_loop(
     shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
     opt_shapes, hyperparams = _opt_state_shape(loop, objects.optimizer, shapes)
     schedules = dict(objects.schedules)
-    if schedules:
-        check_schedules(schedules, opt_shapes)
     record = record_for(
         aux_names=aux_names,
         metric_names=objective.metric_names,
@@ -96,12 +94,14 @@ def make_loop(
         schedule_names=tuple(schedules),
         val_sets=loop.val_sets,
     )
+    if schedules:
+        check_schedules(schedules, opt_shapes)
     loop = dataclasses.replace(loop, record=record)
     if loop.early_stopping is not None:
         check_monitor(loop.early_stopping.monitor, loop)
     policy = options.checkpoint
     if policy is not None and policy.keep_best is not None:
-        check_monitor(policy.keep_best, loop, what="`checkpoint`'s `keep_best`")
+        check_monitor(policy.keep_best, loop, what=KEEP_BEST)
     consts = Consts(frozen, object_arrays)
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
@@ -159,33 +159,17 @@ def _aux_names(
         raise not_a_stack(options.members, "`fit`", e) from e
 
 
-def check_monitor(monitor: str, loop: Loop, what: str = "`early_stopping.monitor`") -> None:
+def check_monitor(monitor: str, loop: Loop, what: str = EARLY_STOPPING) -> None:
     """Refuses a monitored value (early stopping's, or `what`'s) that the run does not
     compute, saying what it computes and, where one would, which option computes it.
     """
     names = loop.log_names
-    if monitor in names:
-        return
-    hint = ""
-    sets = loop.val_sets
-    if monitor.startswith("val_") and sets is None:
-        hint = " Give `validation_data` or `validation_split` to compute validation values."
-    elif sets and monitor.startswith("val_") and not monitor.startswith(_set_prefixes(sets)):
-        hint = (
-            " With named validation sets each set's values are `val_<set>_...` (such as "
-            f"{f'val_{sets[0]}_loss'!r}), and there is no plain `val_loss`."
+    if monitor not in names:
+        hint = monitor_hint(monitor, loop.validation, loop.step)
+        raise ValueError(
+            f"{what} is {monitor!r}, which this run does not compute; it computes "
+            f"{list(names)}.{hint}"
         )
-    elif monitor in [c.name for c in NORMS] and not loop.step.norms:
-        hint = " Give `norms=True` to record the gradient and update norms."
-    elif monitor in [c.name for c in SCALING] and not loop.step.scales:
-        hint = ' Only float16 (`precision="float16"`) scales the loss.'
-    raise ValueError(
-        f"{what} is {monitor!r}, which this run does not compute; it computes {list(names)}.{hint}"
-    )
-
-
-def _set_prefixes(sets: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(f"val_{s}_" for s in sets)
 
 
 def _trains(model: PyTree, arrays: list[Any], filter_spec: Any) -> tuple[bool, ...]:

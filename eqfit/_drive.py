@@ -1,17 +1,14 @@
 """The one host driver: calls the compiled run piece by piece until it ends.
 
-The driver sizes each call (about half a second, less for the bar), reads the program's
-reports once the next call is queued, and tells its observers (`_observers.py`: the bar,
-the callbacks, the checkpoints, signals) through one small protocol. Streamed data
-arrives through `ReadAhead`, a background thread that moves each chunk to the device
-while the one before trains, and that every way out stops.
+`Drive` keeps the run's state as attributes and makes one call at a time: a `CallSizer`
+decides how many steps the next call takes, `_Reader` reads each call's report once the
+next one is queued and tells the observers (`_observers.py`: the bar, the callbacks, the
+checkpoints, signals) through one small protocol; its `Clock` times the calls, its
+`FirstEpoch` keeps the steps of a first epoch that teaches the epoch's length. Streamed
+data arrives through `_feeds.ReadAhead`.
 """
 
-import atexit
 import dataclasses
-import math
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -21,12 +18,13 @@ import numpy as np
 
 from ._checkpoint import CheckpointError
 from ._compile import PROGRAM_CACHE, Starting
+from ._feeds import DataError, Feed, feeds as feeds, from_data
 from ._loop import Loop
 from ._observers import Costs, Observer, Progress, Throughput
 from ._program import learned_state, run_key
 from ._signals import Interrupt
-from ._sources import Chunk
-from ._state import Inputs, Piece, Report, Steps, Stop, TrainState
+from ._state import Report, Steps, Stop, TrainState
+from ._waiter import Stamp, wait_for, WAITER
 
 
 # Calls of the program last about this long, so that the host reports often and a Ctrl-C
@@ -42,15 +40,6 @@ SECONDS_PER_TIMED_EPOCH = 0.05
 # report has been read: a step may take a second, and the bar must move soon after it is
 # drawn. Then calls go by the measured speed.
 FIRST_CALL_STEPS = 1
-
-
-class Feed(NamedTuple):
-    """Data for the steps before the global step `end`, as the program takes it."""
-
-    inputs: Inputs
-    end: int
-    batch_size: int
-    epoch_length: int | None = None  # learned from the loader's first pass
 
 
 class Outcome(NamedTuple):
@@ -72,6 +61,120 @@ class Outcome(NamedTuple):
     epoch_figures: dict[int, dict[str, float]] = {}
 
 
+class CallSizer:
+    """How many steps the next call takes: about `SECONDS_PER_CALL` (or less, as the
+    observers ask) by the speed measured so far, or by an earlier run's of this
+    configuration; before any is known, 1, 2, 4, ... steps. Calls end at the epoch end of
+    an epoch long enough to be timed by itself, at every observer's boundary, and at the
+    feed's end.
+    """
+
+    def __init__(self, loop: Loop, observers: Sequence[Observer]):
+        self.loop, self.observers = loop, observers
+        self.seconds_per_call = min(
+            [SECONDS_PER_CALL] + [o.seconds_per_call or 1e9 for o in observers]
+        )
+        known = PROGRAM_CACHE.fact(run_key(loop), "seconds_per_step")
+        if known is not None:  # measured by an earlier run of this configuration
+            self.steps = max(1, int(self.seconds_per_call / max(known, 1e-9)))
+        else:
+            self.steps = FIRST_CALL_STEPS
+        self.measured = known is not None
+        # Over a whole earlier run: its last call may have missed the epochs that cost more.
+        self.known_mean = PROGRAM_CACHE.fact(run_key(loop), "mean_seconds_per_step")
+
+    def stop(self, position: int, end: int, mean: float | None) -> int:
+        """Where the call from `position` stops, in a feed that ends at `end`; `mean`:
+        this run's mean seconds per step so far, if known.
+        """
+        schedule = self.loop.schedule
+        stop = schedule.call_stop(position, self.steps, at_epoch_ends=True)
+        # By the slower of this run's mean speed so far and an earlier run's, since calls
+        # queued ahead are not read yet: an epoch that validates may be one.
+        speed = max(mean or 0.0, self.known_mean or 0.0)
+        if schedule.steps_per_epoch * speed >= SECONDS_PER_TIMED_EPOCH:
+            stop = min(stop, schedule.next_epoch_end(position))  # timed by itself
+        for observer in self.observers:
+            boundary = observer.boundary(position)
+            if boundary is not None:
+                stop = min(stop, boundary)
+        return max(min(stop, end), position)
+
+    def measure(self, seconds: float | None, mean: float | None) -> None:
+        """Sizes the next calls by the seconds per step of the calls just read (`None`:
+        none read, or only a compiling one), and remembers them for the next run.
+        """
+        if seconds is not None:
+            self.steps = max(1, int(self.seconds_per_call / max(seconds, 1e-9)))
+            PROGRAM_CACHE.set_fact(run_key(self.loop), "seconds_per_step", seconds)
+            PROGRAM_CACHE.set_fact(run_key(self.loop), "mean_seconds_per_step", mean)
+            self.measured = True
+        elif not self.measured:
+            self.steps *= 2
+
+
+class Clock:
+    """The calls' times: from the first call's start on, the clock runs on, so that an
+    epoch's seconds are its wall time, the host's work between calls (callbacks,
+    checkpoints) included.
+    """
+
+    def __init__(self) -> None:
+        self.lapped = self.taken = time.perf_counter()
+        self.started = False  # whether a call was queued
+        self.seconds, self.steps = 0.0, 0  # of the calls read
+
+    def start(self, since: float | None) -> None:
+        """A call is queued; the first starts the clock (its compilation is done), at
+        `since` if it ran before it returned.
+        """
+        if not self.started:
+            self.lapped = self.taken = time.perf_counter() if since is None else since
+            self.started = True
+
+    def finished(self, at: float) -> float:
+        """A call finished on the device `at`: the seconds it took, from the end of the
+        one before it (or from the start), not from when the host got to read it.
+        """
+        took, self.taken = max(at - self.taken, 0.0), max(at, self.taken)
+        self.seconds += took
+        return took
+
+    def lap(self, steps: int) -> float:
+        """The seconds per step since the last lap, over `steps` steps read since."""
+        now = time.perf_counter()
+        seconds, self.lapped = (now - self.lapped) / steps, now
+        return seconds
+
+    def mean(self) -> float | None:
+        """The seconds per step of every call read so far, if any ran a step."""
+        return self.seconds / self.steps if self.steps else None
+
+
+class FirstEpoch:
+    """The record of the first epoch's steps, kept on the host from each call's report
+    while the epoch's length is learned (a loader without `len`).
+    """
+
+    def __init__(self, ensemble: bool):
+        self.axis = 1 if ensemble else 0  # the steps' axis: after an ensemble's members'
+        self.calls: list[Steps] = []
+
+    def add(self, steps: Steps, columns: np.ndarray) -> None:
+        """A call's steps, from its report's record (`columns` its steps' columns)."""
+        self.calls.append(Steps(*(np.take(x, columns, axis=self.axis) for x in steps)))
+
+    def steps(self, length: int) -> Steps | None:
+        """The first epoch's steps, up to `length` of them; `None` before any call."""
+        if not self.calls:
+            return None
+        joined = [np.concatenate(x, axis=self.axis) for x in zip(*self.calls)]
+        first = np.arange
+        return Steps(
+            *(np.take(x, first(min(length, x.shape[self.axis])), axis=self.axis) for x in joined)
+        )
+
+
 class _Reader:
     """Reads the reports of calls in flight, in order, once the next call is queued (so
     the host never waits with the device idle), and hands what they say to the observers.
@@ -81,26 +184,20 @@ class _Reader:
         self.loop, self.observers = loop, observers
         # Each call's report, begin and stop, and when the device finished it.
         self.in_flight: list[tuple[Report, int, int, Stamp]] = []
-        self.first_epoch: list[Steps] = []  # while it teaches the epoch's length: its steps
+        self.first_epoch = FirstEpoch(loop.members is not None)
         self.finished = False  # the program stopped, or an observer asked to stop
         self.by_observer = False
         # The position the last report read had reached. Reads count from it, not from
         # where a call was asked to begin: after an early stop, calls already queued report
         # the step the run stopped at, behind their begin.
         self.done = begin
-        self.clock = self.taken = time.perf_counter()
-        self.started = False  # whether a call was queued
+        self.clock = Clock()
         self.throughput = Throughput(loop.schedule, costs)
-        self.timed_seconds, self.timed_steps = 0.0, 0  # of the calls read
         self.epoch_figures: dict[int, dict[str, float]] = {}  # by epoch: `Throughput.epoch`
 
     def queued(self, report: Report, begin: int, stop: int, since: float | None = None) -> None:
         """`since`: when the call began, for one that ran before it returned (`drive`)."""
-        if not self.started:  # the device starts on it now (its compilation is done)
-            # From then on the clock runs on: an epoch's seconds are its wall time, the
-            # host's work between calls (callbacks, checkpoints) included.
-            self.clock = self.taken = time.perf_counter() if since is None else since
-            self.started = True
+        self.clock.start(since)
         self.in_flight.append((report, begin, stop, WAITER.stamp(report.step)))
 
     def read(self, keep: int = 0) -> float | None:
@@ -112,55 +209,25 @@ class _Reader:
             report, begin, stop, finished = self.in_flight.pop(0)
             self._take(report, begin, stop, finished)
             steps += stop - begin
-        if not steps:
-            return None
-        now = time.perf_counter()
-        seconds = (now - self.clock) / steps
-        self.clock = now
-        return seconds
-
-    def mean_seconds_per_step(self) -> float | None:
-        """The seconds per step of every call read so far, if any ran a step."""
-        steps = self.timed_steps
-        return self.timed_seconds / steps if steps else None
-
-    @property
-    def _steps_axis(self) -> int:
-        """The steps' axis in a `Steps` record: after the members' of an ensemble."""
-        return 0 if self.loop.members is None else 1
-
-    def first_steps(self, length: int) -> Steps | None:
-        """The record of the first epoch's steps, up to `length` of them, as the calls
-        read so far reported them; `None` before any call.
-        """
-        if not self.first_epoch:
-            return None
-        axis = self._steps_axis
-        joined = [np.concatenate(x, axis=axis) for x in zip(*self.first_epoch)]
-        return Steps(
-            *(np.take(x, np.arange(min(length, x.shape[axis])), axis=axis) for x in joined)
-        )
+        return self.clock.lap(steps) if steps else None
 
     def _take(self, report: Report, call_begin: int, call_stop: int, finished: "Stamp") -> None:
         # A call lasts from the end of the one before it (or from the start) to its own:
         # the host's work between them counts, but not when it got to read the report.
         finished.wait()
-        took, self.taken = max(finished.at - self.taken, 0.0), max(finished.at, self.taken)
-        self.timed_seconds += took
+        took = self.clock.finished(finished.at)
         placement, schedule = self.loop.placement, self.loop.schedule
         self.throughput.schedule = schedule  # learned, maybe, since
         if report.steps is not None:  # the first epoch, while it teaches its length
-            axis = self._steps_axis
             columns = np.arange(call_begin, call_stop) % schedule.columns
-            steps = placement.host(report.steps)
-            self.first_epoch.append(Steps(*(np.take(x, columns, axis=axis) for x in steps)))
+            self.first_epoch.add(placement.host(report.steps), columns)
         host = placement.host((report.step, report.reason, report.epoch_loss, report.epoch_values))
         step, reason, epoch_loss, table = (np.asarray(x) for x in host)
         stopped = bool((reason != Stop.RUNNING).all())
         position = max(int(step.max()), self.done)  # members stopped early are behind
         begin, self.done = self.done, position
         self.throughput.record(begin, position, took)
-        self.timed_steps += position - begin
+        self.clock.steps += position - begin
         ended = []
         # An ensemble's values are its members' mean, leaving out members that stopped.
         rows = table.reshape(-1, *table.shape[-2:])
@@ -201,146 +268,189 @@ def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
     return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
-class Stamp:
-    """When an array became ready (`time.perf_counter()`), as `_Waiter` saw it."""
+class Drive:
+    """One run's drive: the state it carries from call to call, as attributes."""
 
-    def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.at = math.nan
+    def __init__(
+        self,
+        loop: Loop,
+        program: Callable[[Loop], Callable[..., tuple[TrainState, Report]]],
+        state: TrainState | Starting,
+        begin: int,
+        observers: Sequence[Observer],
+        interrupt: Interrupt,
+        costs: Costs | None,
+    ):
+        self.loop, self.program, self.observers = loop, program, observers
+        self.interrupt = interrupt
+        self.reader = _Reader(loop, begin, observers, costs)
+        self.sizer = CallSizer(loop, observers)
+        self.programs = {loop.batch_size: program(loop)}  # and for a smaller last batch's
+        self.starting = state if isinstance(state, Starting) else None
+        self.current = None if isinstance(state, Starting) else state  # once made
+        self.position, self.report = begin, None
+        self.called: set[int] = set()  # the programs called so far (by `id`): a first compiles
+        self.failure: BaseException | None = None
+        self.second_ctrl_c = False
+        self.several = jax.process_count() > 1
 
-    def set(self) -> None:
-        self.at = time.perf_counter()
-        self.ready.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Waits for the array (at most `timeout` seconds); returns whether it is ready."""
-        return self.ready.wait(timeout)
-
-
-class _Waiter:
-    """Waits for device arrays in a thread of its own, in the order asked. The main
-    thread then waits on a lock, which a signal interrupts, so that a second Ctrl-C gets
-    through at once; a blocking wait for the device in the main thread would hold it
-    until the device is done. Since the thread waits on each call's report from when the
-    call is queued, it also tells when the device finished each call (`stamp`), however
-    late the host reads the report: within the thread's wake-up, which one thread keeps
-    in order (a call done before the thread got to it is stamped then).
-    """
-
-    def __init__(self) -> None:
-        self.requests: queue.SimpleQueue[tuple[Any, Stamp]] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
-
-    def wait(self, array: Any, timeout: float | None = None) -> bool:
-        """Waits for `array` (at most `timeout` seconds); returns whether it is ready."""
-        if array.is_ready():
-            return True
-        return self.stamp(array).wait(timeout)
-
-    def stamp(self, array: Any) -> Stamp:
-        """When `array` becomes ready: at once, or once the thread has waited for the
-        arrays asked before it, and for it.
+    def interrupted(self) -> bool:
+        """Whether a signal asks training to stop (with several processes, as they agreed
+        before the last call: see `_agree`).
         """
-        stamp = Stamp()
-        if array.is_ready():
-            stamp.set()
-            return stamp
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._serve, daemon=True)
-                self.thread.start()
-        self.requests.put((array, stamp))
-        return stamp
+        if not self.several:
+            self.interrupt.stopping = self.interrupt.requested
+        return self.interrupt.stopping
 
-    def _serve(self) -> None:
-        while True:
-            array, stamp = self.requests.get()
-            try:
-                array.block_until_ready()
-            except Exception:  # the main thread reads the array and meets the error
-                pass
-            stamp.set()
+    def state(self) -> TrainState:
+        """The training state, made (waiting for `start`'s thread) if it is not yet."""
+        if self.current is None:
+            assert self.starting is not None
+            self.current = self.starting.result()
+        return self.current
 
+    def learn(self, length: int) -> None:
+        """The first epoch has shown the epoch's length: the run goes on as one of
+        epochs of `length` steps, with the steps so far in its record.
+        """
+        self.reader.read()  # the steps of every call so far
+        self.loop = dataclasses.replace(self.loop, schedule=self.loop.schedule.learned(length))
+        self.reader.loop = self.sizer.loop = self.loop
+        current = self.state()
+        learned = learned_state(self.loop, current, self.reader.first_epoch.steps(length))
+        records = ("step_loss", "step_values", "batch_sizes", "epoch_values")
+        placed = self.loop.placement.put(jax.device_put({k: getattr(learned, k) for k in records}))
+        self.current = current._replace(**placed)
+        self.programs = {self.loop.batch_size: self.program(self.loop)}
+        for observer in self.observers:
+            observer.learned(self.loop.schedule)
 
-WAITER = _Waiter()
-
-
-class ReadAhead:
-    """Chunks of streamed data turned into feeds (moved to the device) in a background
-    thread, at most `depth` ahead of the driver.
-
-    The thread checks a stop event between chunks and never blocks on the queue for
-    long; `close()`, which the driver calls on every way out, sets the event and waits a
-    bounded time for it. A loader that blocks forever inside `next` leaves a daemon thread
-    behind, never a hung `fit`.
-    """
-
-    def __init__(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed], depth: int = 2):
-        self.ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._produce, args=(chunks, feed), daemon=True)
-        self.thread.start()
-
-    def _put(self, item: Any) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.ready.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def _produce(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed]) -> None:
+    def call(self, feed: Feed) -> bool:
+        """Makes one call of the program on `feed`, and reads the reports then due;
+        returns whether training goes on in this feed.
+        """
+        interrupt, reader = self.interrupt, self.reader
+        stop = self.sizer.stop(self.position, feed.end, reader.clock.mean())
+        if self.several:  # one call of every process, or none
+            stop, name = _agree(stop, interrupt.signal)
+            if name is not None:  # by what was gathered, not by a later signal
+                interrupt.request(name)
+                interrupt.stopping = True
+                if self.report is not None:
+                    return False
+        if feed.batch_size not in self.programs:
+            piece_loop = dataclasses.replace(self.loop, batch_size=feed.batch_size)
+            self.programs[feed.batch_size] = self.program(piece_loop)
+        call = self.programs[feed.batch_size]
+        if self.current is None:  # traced while `start` compiles
+            assert self.starting is not None
+            self.current = self.starting.ready(call, feed.inputs, np.int32(stop))
+        # XLA's CPU client runs a program that calls the host (`jax.debug.print`,
+        # `jax.debug.callback`) in the calling thread: such a call returns done, its time
+        # spent inside it, and a Ctrl-C is answered once it returns. So a call that returns
+        # done is timed from its dispatch (unless it compiled there, a program's first) and
+        # read at once: calls keep to their half second.
+        compiles = id(call) not in self.called
+        self.called.add(id(call))
+        dispatched = time.perf_counter()
+        with interrupt.held():
+            self.current, self.report = call(self.current, feed.inputs, np.int32(stop))
+            ran = _is_done(self.report.step)
+            since = dispatched if ran and not compiles else None
+            reader.queued(self.report, self.position, stop, since)
+            self.position = stop
         try:
-            for chunk in chunks:
-                if self.stop.is_set() or not self._put(feed(chunk)):
-                    return
-            self._put(_DONE)
-        except BaseException as e:  # surfaced in the training thread
-            self._put(e)
+            for observer in self.observers:
+                observer.after_call(self.position, self.current)
+        except CheckpointError as e:  # the result goes with the error
+            self.failure = e
+            return False
+        # After a signal, no call is queued ahead: a second one then waits for one call
+        # at most.
+        seconds = reader.read(keep=0 if interrupt.requested or ran else 1)
+        if ran and compiles:  # its time was the compilation's: it measures nothing
+            seconds = None
+        self.sizer.measure(seconds, reader.clock.mean())
+        if any(observer.waits(self.position) for observer in self.observers):
+            reader.read()
+        return self.position < feed.end and not reader.finished
 
-    def __iter__(self) -> Iterator[Feed]:
-        while True:
+    def train(self, feeds: Iterator[Feed]) -> None:
+        """Calls the program over the feeds until the run's end, a stop or a signal."""
+        for feed in from_data(feeds):
+            if feed.epoch_length is not None and self.loop.schedule.learning:
+                self.learn(feed.epoch_length)
+            # A call per turn, at least one per feed: a call with nothing to do (a finished
+            # run resumed) still reports where the run stands.
+            while not (self.report is not None and self.interrupted()):
+                if not self.call(feed):
+                    break
+            ended = self.position >= self.loop.schedule.total or self.reader.finished
+            if self.failure is not None or ended or self.interrupt.stopping:
+                break
+        if self.report is None:  # no feed at all: nothing to train on from here
+            raise ValueError("The data yielded no batches to train on.")
+
+    def end(self) -> None:
+        """The last reports read, and the observers told the run's end."""
+        self.read_all()
+        mean = self.reader.clock.mean()
+        if mean is not None:  # the whole run's, for the next run's calls
+            PROGRAM_CACHE.set_fact(run_key(self.loop), "mean_seconds_per_step", mean)
+        if self.failure is None:
             try:
-                item = self.ready.get(timeout=0.05)
-            except queue.Empty:
-                if not self.thread.is_alive() and self.ready.empty():
-                    return
-                continue
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+                for observer in self.observers:
+                    observer.end(self.position, self.state())
+            except CheckpointError as e:  # the result goes with the error
+                self.failure = e
 
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=1.0)
+    def read_all(self) -> None:
+        """Reads every report in flight (for the bar, the callbacks, each epoch's figures);
+        a run stopped in its first epoch learns that the epoch is as long as it went.
+        """
+        self.reader.read()
+        if self.loop.schedule.learning:
+            self.learn(max(self.reader.done, 1))
 
-
-_DONE = object()
-
-
-def feeds(
-    chunks: Iterator[Chunk], template: Inputs, put: Callable[..., Any], streamed: bool
-) -> tuple[Iterator[Feed], Callable[[], None]]:
-    """The program's feeds from a source's chunks, and how to stop making them. Streamed
-    chunks are moved to the device ahead of time, in a background thread.
-    """
-
-    def feed(chunk: Chunk) -> Feed:
-        if chunk.order is None:  # the whole data: the program orders it
-            inputs = template._replace(data=put(chunk.data, sharded=True))
+    def abandon(self, error: BaseException) -> None:
+        """After a second Ctrl-C or an error (a loader that raised, say): the calls in
+        flight (after a Ctrl-C, one of about half a second, or one step) finish, so that
+        the process never exits with the device still running, and the training up to
+        there comes back with the error as its `.result`; else the error is raised.
+        """
+        if self.report is not None:
+            wait_for(self.report.step)
+        returns = isinstance(error, (DataError, KeyboardInterrupt))  # else a bug's, say
+        current = self.current
+        donated = current is not None and any(
+            x.is_deleted() for x in jax.tree.leaves(current) if isinstance(x, jax.Array)
+        )
+        if not returns or self.report is None or current is None or donated:
+            if isinstance(error, DataError):
+                error.error.__suppress_context__ = True  # its own cause is kept
+                raise error.error
+            raise error
+        if isinstance(error, KeyboardInterrupt):
+            self.second_ctrl_c = True
         else:
-            piece = Piece(chunk.order, np.int32(chunk.first), np.int32(chunk.end))
-            inputs = template._replace(data=put(chunk.data, sharded=True), piece=put(piece))
-        return Feed(inputs, chunk.end, chunk.batch_size, chunk.epoch_length)
+            assert isinstance(error, DataError)
+            self.failure = error.error
+        if self.loop.schedule.learning:  # stopped in the first epoch: as long as it went
+            self.read_all()
 
-    if not streamed:
-        return map(feed, chunks), lambda: None
-    ahead = ReadAhead(chunks, feed)
-    return iter(ahead), ahead.close
+    def outcome(self) -> Outcome:
+        assert self.report is not None
+        interrupt = self.interrupt
+        return Outcome(
+            self.loop,
+            self.state(),
+            self.report,
+            stopped_by_callback=self.reader.by_observer,
+            interrupted=self.second_ctrl_c or interrupt.requested,
+            signal=interrupt.signal or ("SIGINT" if self.second_ctrl_c else None),
+            failure=self.failure,
+            epoch_figures=self.reader.epoch_figures,
+        )
 
 
 def drive(
@@ -360,192 +470,25 @@ def drive(
     Each call is queued before the previous one's report is read: the host updates the
     observers while the device works. A call lasts about `SECONDS_PER_CALL` (or less, as
     its observers ask), measured as training goes, ending at the last epoch end it reaches
-    and at every observer's boundary.
+    and at every observer's boundary (`CallSizer`).
 
     **Returns:**
 
     An `Outcome` with the final state and the last call's report.
     """
-    schedule = loop.schedule
-    reader = _Reader(loop, begin, observers, costs)
-    programs = {loop.batch_size: program(loop)}  # and for pieces of a smaller last batch
-    seconds_per_call = min([SECONDS_PER_CALL] + [o.seconds_per_call or 1e9 for o in observers])
-    known = PROGRAM_CACHE.fact(run_key(loop), "seconds_per_step")
-    if known is not None:  # measured by an earlier run of this configuration
-        steps_per_call = max(1, int(seconds_per_call / max(known, 1e-9)))
-    else:
-        steps_per_call = FIRST_CALL_STEPS
-    measured = known is not None
-    # Over a whole earlier run: its last call may have missed the epochs that cost more.
-    known_mean = PROGRAM_CACHE.fact(run_key(loop), "mean_seconds_per_step")
-
-    several = jax.process_count() > 1
-
-    def interrupted() -> bool:
-        """Whether a signal asks training to stop (with several processes, as they agreed
-        before the last call: see `_agree`).
-        """
-        if not several:
-            interrupt.stopping = interrupt.requested
-        return interrupt.stopping
-
-    position, report = begin, None
-    called: set[int] = set()  # the programs called so far (by `id`): a first call compiles
-    failure: BaseException | None = None
-    second_ctrl_c = False
-    starting = state if isinstance(state, Starting) else None
-    current = None if isinstance(state, Starting) else state  # the state, once made
-
-    def learn(length: int) -> None:
-        """The first epoch has shown the epoch's length: the run goes on as one of
-        epochs of `length` steps, with the steps so far in its record.
-        """
-        nonlocal loop, schedule, current, programs
-        reader.read()  # the steps of every call so far
-        loop = dataclasses.replace(loop, schedule=schedule.learned(length))
-        reader.loop, schedule = loop, loop.schedule
-        if current is None:  # learned before the first call
-            assert starting is not None
-            current = starting.result()
-        learned = learned_state(loop, current, reader.first_steps(length))
-        records = ("step_loss", "step_values", "batch_sizes", "epoch_values")
-        placed = loop.placement.put(jax.device_put({k: getattr(learned, k) for k in records}))
-        current = current._replace(**placed)
-        programs = {loop.batch_size: program(loop)}
-        for observer in observers:
-            observer.learned(schedule)
-
+    run = Drive(loop, program, state, begin, observers, interrupt, costs)
     try:
         for observer in observers:  # in the `try`: every way out closes them
             observer.open()
-        for feed in _from_data(feeds):
-            if feed.epoch_length is not None and schedule.learning:
-                learn(feed.epoch_length)
-            # A call per turn, at least one per feed: a call with nothing to do (a finished
-            # run resumed) still reports where the run stands.
-            while not (report is not None and interrupted()):
-                stop = schedule.call_stop(position, steps_per_call, at_epoch_ends=True)
-                # By the slower of this run's mean speed so far and an earlier run's, since
-                # calls queued ahead are not read yet: an epoch that validates may be one.
-                speed = max(reader.mean_seconds_per_step() or 0.0, known_mean or 0.0)
-                if schedule.steps_per_epoch * speed >= SECONDS_PER_TIMED_EPOCH:
-                    stop = min(stop, schedule.next_epoch_end(position))  # timed by itself
-                for observer in observers:
-                    boundary = observer.boundary(position)
-                    if boundary is not None:
-                        stop = min(stop, boundary)
-                stop = max(min(stop, feed.end), position)
-                if several:  # one call of every process, or none
-                    stop, name = _agree(stop, interrupt.signal)
-                    if name is not None:  # by what was gathered, not by a later signal
-                        interrupt.request(name)
-                        interrupt.stopping = True
-                        if report is not None:
-                            break
-                if feed.batch_size not in programs:
-                    piece_loop = dataclasses.replace(loop, batch_size=feed.batch_size)
-                    programs[feed.batch_size] = program(piece_loop)
-                call = programs[feed.batch_size]
-                if current is None:  # traced while `start` compiles
-                    assert starting is not None
-                    current = starting.ready(call, feed.inputs, np.int32(stop))
-                # XLA's CPU client runs a program that calls the host (`jax.debug.print`,
-                # `jax.debug.callback`) in the calling thread: such a call returns done, its
-                # time spent inside it, and a Ctrl-C is answered once it returns. So a call
-                # that returns done is timed from its dispatch (unless it compiled there, a
-                # program's first) and read at once: calls keep to their half second.
-                compiles = id(call) not in called
-                called.add(id(call))
-                dispatched = time.perf_counter()
-                with interrupt.held():
-                    current, report = call(current, feed.inputs, np.int32(stop))
-                    ran = _is_done(report.step)
-                    since = dispatched if ran and not compiles else None
-                    reader.queued(report, position, stop, since)
-                    position = stop
-                try:
-                    for observer in observers:
-                        observer.after_call(position, current)
-                except CheckpointError as e:  # the result goes with the error
-                    failure = e
-                    break
-                # After a signal, no call is queued ahead: a second one then waits for
-                # one call at most.
-                asked = interrupt.requested
-                seconds = reader.read(keep=0 if asked or ran else 1)
-                if ran and compiles:  # its time was the compilation's: it measures nothing
-                    seconds = None
-                if seconds is not None:
-                    steps_per_call = max(1, int(seconds_per_call / max(seconds, 1e-9)))
-                    PROGRAM_CACHE.set_fact(run_key(loop), "seconds_per_step", seconds)
-                    mean = reader.mean_seconds_per_step()
-                    PROGRAM_CACHE.set_fact(run_key(loop), "mean_seconds_per_step", mean)
-                    measured = True
-                elif not measured:
-                    steps_per_call *= 2
-                if any(observer.waits(position) for observer in observers):
-                    reader.read()
-                if position >= feed.end or reader.finished:
-                    break
-            if failure is not None or reader.finished or position >= schedule.total:
-                break
-            if interrupt.stopping:
-                break
-        if report is None:  # no feed at all: nothing to train on from here
-            raise ValueError("The data yielded no batches to train on.")
-        if schedule.learning:  # stopped in the first epoch: it is as long as it went
-            reader.read()
-            learn(max(reader.done, 1))
-        else:  # the last reports: for the bar and callbacks, and each epoch's figures
-            reader.read()
-        mean = reader.mean_seconds_per_step()
-        if mean is not None:  # the whole run's, for the next run's calls
-            PROGRAM_CACHE.set_fact(run_key(loop), "mean_seconds_per_step", mean)
-        if failure is None:
-            assert current is not None
-            try:
-                for observer in observers:
-                    observer.end(position, current)
-            except CheckpointError as e:  # the result goes with the error
-                failure = e
-    except BaseException as error:
-        # A second Ctrl-C, or an error (a loader that raised, say): the calls in flight
-        # (after a Ctrl-C, one of about half a second, or one step) finish, so that the
-        # process never exits with the device still running, and the training up to
-        # there comes back with the error as its `.result`.
-        if report is not None:
-            _wait_for(report.step)
-        returns = isinstance(error, (DataError, KeyboardInterrupt))  # else a bug's, say
-        donated = current is not None and any(
-            x.is_deleted() for x in jax.tree.leaves(current) if isinstance(x, jax.Array)
-        )
-        if not returns or report is None or current is None or donated:
-            if isinstance(error, DataError):
-                error.error.__suppress_context__ = True  # its own cause is kept
-                raise error.error
-            raise
-        if isinstance(error, KeyboardInterrupt):
-            second_ctrl_c = True
-        else:
-            assert isinstance(error, DataError)
-            failure = error.error
-        if schedule.learning:  # stopped in the first epoch: it is as long as it went
-            reader.read()
-            learn(max(reader.done, 1))
+        try:
+            run.train(feeds)
+            run.end()
+        except BaseException as error:
+            run.abandon(error)
     finally:
         for observer in observers:
             observer.close()
-    assert current is not None
-    return Outcome(
-        loop,
-        current,
-        report,
-        stopped_by_callback=reader.by_observer,
-        interrupted=second_ctrl_c or interrupt.requested,
-        signal=interrupt.signal or ("SIGINT" if second_ctrl_c else None),
-        failure=failure,
-        epoch_figures=reader.epoch_figures,
-    )
+    return run.outcome()
 
 
 def _agree(stop: int, signal_name: str | None) -> tuple[int, str | None]:
@@ -565,52 +508,6 @@ def _agree(stop: int, signal_name: str | None) -> tuple[int, str | None]:
     return int(rows[0, 0]), signal.Signals(int(came[0])).name if came.size else None
 
 
-class DataError(Exception):
-    """An error raised while the data was read (a loader that raised, a bad batch)."""
-
-    def __init__(self, error: Exception):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _from_data(feeds: Iterator[Feed]) -> Iterator[Feed]:
-    """`feeds`, with an error raised in reading them wrapped as a `DataError`."""
-    while True:
-        try:
-            feed = next(feeds)
-        except StopIteration:
-            return
-        except Exception as e:
-            raise DataError(e) from e
-        yield feed
-
-
 def _is_done(array: Any) -> bool:
     """Whether the call that makes `array` has finished (`jax.Array.is_ready`)."""
     return array.is_ready()
-
-
-def _wait_for(array: Any) -> bool:
-    """Waits for `array`, the last call's: whether it is ready. A further Ctrl-C stops the
-    wait; then Python waits for it at exit (`_PENDING`), so that the process never exits
-    with the device still running (XLA aborts it).
-    """
-    try:
-        return WAITER.wait(array)
-    except KeyboardInterrupt:
-        _PENDING.append(array)
-        raise
-
-
-# Arrays of calls still running when `fit` raised: waited for before Python exits. JAX is
-# imported first, so this runs before JAX's own exit handlers (they run last first).
-_PENDING: list[Any] = []
-
-
-@atexit.register
-def _wait_for_pending() -> None:
-    for array in _PENDING:
-        try:
-            array.block_until_ready()
-        except Exception:
-            pass

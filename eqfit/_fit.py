@@ -301,6 +301,7 @@ def fit(
         validation_data=validation_data,
         validation_split=validation_split,
         validation_freq=validation_freq,
+        metrics=metrics,
         early_stopping=early_stopping,
         callbacks=callbacks,
         devices=devices,

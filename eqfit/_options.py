@@ -25,6 +25,7 @@ from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
 from ._policy import as_signals, Checkpoint, Profile
 from ._precision import as_precision, Precision
+from ._record import NORMS, record_for, SCALING
 from ._sharding import resolve
 from ._validation import naming_advice, ValidationSets
 
@@ -93,6 +94,48 @@ class Options:
     profile: Profile | None = None  # checked against the run's steps by `check_profile`
 
 
+EARLY_STOPPING = "`early_stopping.monitor`"
+KEEP_BEST = "`checkpoint`'s `keep_best`"
+
+
+def monitor_hint(monitor: str, validation: Validation | None, step: StepOptions) -> str:
+    """Why a run with these options cannot compute the value `monitor`, and which option
+    would, in a sentence; empty where it may (as the loss's aux value, say), which only
+    the run's record tells (`_build.check_monitor`).
+    """
+    sets = None if validation is None else validation.sets
+    if monitor.startswith("val_") and sets is None:
+        return " Give `validation_data` or `validation_split` to compute validation values."
+    if sets and monitor.startswith("val_") and not monitor.startswith(_set_prefixes(sets)):
+        return (
+            " With named validation sets each set's values are `val_<set>_...` (such as "
+            f"{f'val_{sets[0]}_loss'!r}), and there is no plain `val_loss`."
+        )
+    if monitor in [c.name for c in NORMS] and not step.norms:
+        return " Give `norms=True` to record the gradient and update norms."
+    if monitor in [c.name for c in SCALING] and not step.scales:
+        return ' Only float16 (`precision="float16"`) scales the loss.'
+    return ""
+
+
+def _refuse_impossible_monitor(
+    monitor: str, options: "Options", names: tuple[str, ...], what: str
+) -> None:
+    """Refuses, before any data is read, a monitored value that no run with these
+    options computes (`monitor_hint`); `names`: the values known to be computed so far.
+    """
+    hint = monitor_hint(monitor, options.validation, options.step)
+    if hint:
+        raise ValueError(
+            f"{what} is {monitor!r}, which this run does not compute; it computes "
+            f"{list(names)}.{hint}"
+        )
+
+
+def _set_prefixes(sets: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"val_{s}_" for s in sets)
+
+
 def check_options(
     *,
     model: Any,
@@ -108,6 +151,7 @@ def check_options(
     state: Any,
     validation_data: Any,
     validation_split: Any,
+    metrics: Any,
     early_stopping: EarlyStopping | None,
     callbacks: Sequence[Any],
     devices: int | Sequence[Device] | None,
@@ -238,7 +282,7 @@ def check_options(
         validation = Validation(sets, validation_freq, validate_ema)
     if shard is not None and checkpoint is not None:
         require_orbax()
-    return Options(
+    options = Options(
         key=as_key(key),
         epochs=epochs,
         initial_epoch=initial_epoch,
@@ -263,6 +307,21 @@ def check_options(
         schedules=scheduled,
         profile=profile,
     )
+    # The names known before the loss is traced (its aux values) and the optimizer's
+    # state made (its injected hyperparameters), checked as the run's record will be.
+    val_sets = None if validation is None else validation.sets
+    known = record_for(
+        metric_names=tuple(metrics or ()),
+        norms=options.step.norms,
+        scales=options.step.scales,
+        schedule_names=tuple(name for name, _ in scheduled),
+        val_sets=val_sets,
+    ).log_names(val_sets)
+    if early_stopping is not None:
+        _refuse_impossible_monitor(early_stopping.monitor, options, known, EARLY_STOPPING)
+    if policy is not None and policy.keep_best is not None:
+        _refuse_impossible_monitor(policy.keep_best, options, known, KEEP_BEST)
+    return options
 
 
 def _refuse_list_of_sets(validation_data: Any) -> None:

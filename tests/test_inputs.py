@@ -204,7 +204,7 @@ def test_reserved_names_are_refused_for_aux_values_metrics_and_schedules(setup, 
 
 def test_every_name_the_logs_hold_is_reserved():
     from eqfit._observers import Throughput
-    from eqfit._step import BUILT_IN, RESERVED
+    from eqfit._record import BUILT_IN, RESERVED
 
     assert {*BUILT_IN, *Throughput.NAMES, "epoch"} <= set(RESERVED)
 

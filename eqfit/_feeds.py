@@ -1,0 +1,120 @@
+"""The program's feeds: the data of each call as the program takes it. Streamed chunks
+are moved to the device ahead of time, in a background thread (`ReadAhead`) that every
+way out stops.
+"""
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._sources import Chunk
+from ._state import Inputs, Piece
+
+
+class Feed(NamedTuple):
+    """Data for the steps before the global step `end`, as the program takes it."""
+
+    inputs: Inputs
+    end: int
+    batch_size: int
+    epoch_length: int | None = None  # learned from the loader's first pass
+
+
+class ReadAhead:
+    """Chunks of streamed data turned into feeds (moved to the device) in a background
+    thread, at most `depth` ahead of the driver.
+
+    The thread checks a stop event between chunks and never blocks on the queue for
+    long; `close()`, which the driver calls on every way out, sets the event and waits a
+    bounded time for it. A loader that blocks forever inside `next` leaves a daemon thread
+    behind, never a hung `fit`.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed], depth: int = 2):
+        self.ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, args=(chunks, feed), daemon=True)
+        self.thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _produce(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed]) -> None:
+        try:
+            for chunk in chunks:
+                if self.stop.is_set() or not self._put(feed(chunk)):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # surfaced in the training thread
+            self._put(e)
+
+    def __iter__(self) -> Iterator[Feed]:
+        while True:
+            try:
+                item = self.ready.get(timeout=0.05)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.ready.empty():
+                    return
+                continue
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=1.0)
+
+
+_DONE = object()
+
+
+def feeds(
+    chunks: Iterator[Chunk], template: Inputs, put: Callable[..., Any], streamed: bool
+) -> tuple[Iterator[Feed], Callable[[], None]]:
+    """The program's feeds from a source's chunks, and how to stop making them. Streamed
+    chunks are moved to the device ahead of time, in a background thread.
+    """
+
+    def feed(chunk: Chunk) -> Feed:
+        if chunk.order is None:  # the whole data: the program orders it
+            inputs = template._replace(data=put(chunk.data, sharded=True))
+        else:
+            piece = Piece(chunk.order, np.int32(chunk.first), np.int32(chunk.end))
+            inputs = template._replace(data=put(chunk.data, sharded=True), piece=put(piece))
+        return Feed(inputs, chunk.end, chunk.batch_size, chunk.epoch_length)
+
+    if not streamed:
+        return map(feed, chunks), lambda: None
+    ahead = ReadAhead(chunks, feed)
+    return iter(ahead), ahead.close
+
+
+class DataError(Exception):
+    """An error raised while the data was read (a loader that raised, a bad batch)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def from_data(feeds: Iterator[Feed]) -> Iterator[Feed]:
+    """`feeds`, with an error raised in reading them wrapped as a `DataError`."""
+    while True:
+        try:
+            feed = next(feeds)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise DataError(e) from e
+        yield feed
