@@ -452,6 +452,11 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     loader but what opening it reads (its first batch or two), so a generator or one-shot
     iterator given to `plan` is not the one to give `fit` then; nothing trains.
 
+    A Ctrl-C (or a signal of `signals`) while it compiles is answered once XLA's
+    compilation is done, seconds later for a large model, with a `KeyboardInterrupt`;
+    a second Ctrl-C is answered at once, and the compilation goes on in a thread that
+    Python waits for before the process exits.
+
     !!! example
 
         ```python

@@ -1,7 +1,6 @@
 """`eqfit.plan`: the run's own programs, what they need, and throughput and MFU."""
 
 import contextlib
-import logging
 import time
 
 import equinox as eqx
@@ -19,25 +18,26 @@ from eqfit._plan import _bytes, _flops, folded_rows
 
 @contextlib.contextmanager
 def counted_compiles():
-    """Counts the XLA compilations JAX logs (`jax_log_compiles`) inside the block."""
+    """Names the programs JAX compiles, or loads from its persistent cache, inside the
+    block, in any thread (`plan` compiles in threads of its own).
+    """
     names: list[str] = []
 
-    class Count(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if message.startswith("Finished XLA compilation"):
-                names.append(message)
+    def compiled(event: str, duration: float, **fields: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(str(fields.get("fun_name")))
 
-    handler, logger = Count(), logging.getLogger("jax")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)
+    def loaded(event: str, **fields: object) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            names.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    jax.monitoring.register_event_listener(loaded)
     try:
-        with jax.log_compiles(True):
-            yield names
+        yield names
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        jax.monitoring.unregister_event_duration_listener(compiled)
+        jax.monitoring.unregister_event_listener(loaded)
 
 
 def weights(model):
