@@ -302,7 +302,7 @@ def check_options(
         checkpoint=policy,
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
-        precision=as_precision(precision),
+        precision=as_precision(precision, model=model),
         average=average,
         validate_ema=validate_ema,
         norms=bool(norms),

@@ -405,8 +405,8 @@ def test_plan_says_its_precision_policy(getkey):
         "precision: float16 compute, float32 parameters, optimizer state and average, "
         "dynamic loss scaling from 32768 (doubled after 2,000 finite steps in a row)"
     )
-    _, line = precision(eqfit.Precision(jnp.bfloat16, keep=("norm",), loss_scaling=True))
-    assert "float32 for 'norm', dynamic loss scaling" in line
+    _, line = precision(eqfit.Precision(jnp.bfloat16, keep=("weight",), loss_scaling=True))
+    assert "float32 for 'weight', dynamic loss scaling" in line
 
 
 def test_plan_counts_validation_flops(getkey):
