@@ -450,7 +450,8 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     programs `fit` calls, into eqfit's cache: a `fit` with the same arguments (the same
     optimizer and loss objects) afterwards compiles nothing more. Nothing is read from a
     loader but what opening it reads (its first batch or two), so a generator or one-shot
-    iterator given to `plan` is not the one to give `fit` then; nothing trains.
+    iterator given to `plan` is not the one to give `fit` then (`fit` refuses a
+    generator `plan` read from); nothing trains.
 
     A Ctrl-C (or a signal of `signals`) while it compiles is answered once XLA's
     compilation is done, seconds later for a large model, with a `KeyboardInterrupt`;
@@ -511,7 +512,7 @@ def _open(data: Any, validation_data: Any, options: Options) -> tuple[Source, Py
     the validation data (with named sets, `{name: set}`), each set checked to be like the
     training data.
     """
-    source = open_source(data, options)
+    source = open_source(data, options, planning=_PLANNING.get())
     like = sample_shapes(source.like)
     if isinstance(validation_data, ValidationSets):
         sets = {}
