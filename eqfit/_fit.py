@@ -320,7 +320,7 @@ def fit(
         profile=profile,
     )
     # Open the data, plan the run's shape from it, and build its static description.
-    source, val_data = open_data(data, validation_data, options)
+    source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
     schedule = schedule_for(source, options)
     objects = Objects(
         loss, tuple((metrics or {}).items()), plain_optimizer(optimizer), options.schedules
@@ -387,7 +387,13 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     programs `fit` calls, into eqfit's cache: a `fit` with the same arguments (the same
     optimizer and loss objects) afterwards compiles nothing more. Nothing is read from a
     loader but what opening it reads (its first batch or two), so a generator or one-shot
-    iterator given to `plan` is not the one to give `fit` then; nothing trains.
+    iterator given to `plan` is not the one to give `fit` then (`fit` refuses a
+    generator `plan` read from); nothing trains.
+
+    A Ctrl-C (or a signal of `signals`) while it compiles is answered once XLA's
+    compilation is done, seconds later for a large model, with a `KeyboardInterrupt`;
+    a second Ctrl-C is answered at once, and the compilation goes on in a thread that
+    Python waits for before the process exits.
 
     !!! example
 

@@ -15,12 +15,15 @@ from ._sources import open_source, Source
 from ._validation import naming_advice, ValidationSets
 
 
-def open_data(data: Any, validation_data: Any, options: Options) -> tuple[Source, PyTree | None]:
+def open_data(
+    data: Any, validation_data: Any, options: Options, planning: bool = False
+) -> tuple[Source, PyTree | None]:
     """The training data's source, less the rows held out for validation (if asked), and
     the validation data (with named sets, `{name: set}`), each set checked to be like the
-    training data.
+    training data. `planning`: for `eqfit.plan`, which remembers a one-shot iterator it
+    reads from (`open_source`).
     """
-    source = open_source(data, options)
+    source = open_source(data, options, planning=planning)
     like = sample_shapes(source.like)
     if isinstance(validation_data, ValidationSets):
         sets = {}

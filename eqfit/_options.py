@@ -301,7 +301,7 @@ def check_options(
         checkpoint=policy,
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
-        step=StepOptions(on_nan, as_precision(precision), average, bool(norms)),
+        step=StepOptions(on_nan, as_precision(precision, model=model), average, bool(norms)),
         peak_flops=peak,
         signals=as_signals(signals),
         schedules=scheduled,

@@ -675,8 +675,14 @@ def _compile_plan(
     threads: list[concurrent.futures.Future[Any]] = []
     try:
         return _compile_plan_in(loop, model, source, val_data, start_args, options, threads)
-    finally:
+    except KeyboardInterrupt:
+        # A second Ctrl-C: answered at once. The threads compile and trace on; Python
+        # waits for them before it exits (`_in_thread`), so the process never exits with
+        # XLA at work in one.
+        raise
+    except BaseException:
         _join(threads)
+        raise
 
 
 def _compile_plan_in(
@@ -717,8 +723,12 @@ def _compile_plan_in(
     # the run.
     counting = _in_thread(_count_flops, loop, lowered.out_info[0], source.like, val_data, consts)
     threads.append(counting)
-    compiled = run.compile()
+    # Not in this thread: JAX lets a Ctrl-C cut short its wait for a compilation in the
+    # main thread, but XLA compiles on, and a process that exits meanwhile crashes.
+    compiling_run = _in_thread(run.compile)
+    threads.append(compiling_run)
     flops, val_flops = counting.result()
+    compiled = compiling_run.result()
     devices = devices_of(loop)
     peak = _device_peak(loop, model, options, devices)
     start = compiling.result()
@@ -817,7 +827,9 @@ def _state_like(placement: Any, start: Any, start_inputs: tuple[Any, ...]) -> Py
 
 def _in_thread(fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
     """`fn(*args)` called in a thread of its own: XLA compiles without Python's lock, so
-    the host traces on meanwhile.
+    the host traces on meanwhile. The thread is a `ThreadPoolExecutor`'s, which Python
+    waits for as it exits, before any `atexit` handler (JAX's, which tear the backend
+    down, included): a thread left at work by a Ctrl-C never meets a process gone.
     """
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     future = pool.submit(fn, *args)
@@ -826,17 +838,16 @@ def _in_thread(fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future
 
 
 def _join(threads: list["concurrent.futures.Future[Any]"]) -> None:
-    """Waits for the threads that compile or trace, on every way out: a process must not
-    exit with XLA at work in one (it crashes). A further Ctrl-C does not cut the wait
-    short; the one that ends the plan is already on its way.
+    """Waits for the threads that compile or trace, where the plan fails with an error:
+    each ends soon (its own work, or the error it meets). Within a bound: Python waits
+    for what is left before it exits.
     """
-    for future in threads:
-        while True:
-            try:
-                concurrent.futures.wait([future])
-                break
-            except KeyboardInterrupt:
-                continue
+    concurrent.futures.wait(threads, timeout=_JOIN_SECONDS)
+
+
+# How long a failed plan waits for its threads, so that an error does not leave
+# compilations to run on behind it.
+_JOIN_SECONDS = 60.0
 
 
 def _lower(program: Any, *args: Any) -> Any:

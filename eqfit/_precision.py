@@ -73,7 +73,8 @@ class Precision(eqx.Module):
         and their moving average.
     - `keep`: regular expressions over the arrays' paths (`jax.tree_util.keystr`, as
         [`eqfit.sharding.rules`][] match them, with `re.search`): the arrays they match stay
-        in `params` precision in the forward pass (norm layers, say: `(r"norm",)`).
+        in `params` precision in the forward pass (norm layers, say: `(r"norm",)`). A
+        pattern that matches none of the model's floating arrays is refused.
     - `loss_scaling`: dynamic loss scaling, as Keras's `LossScaleOptimizer`: the loss is
         multiplied by a scale before the backward pass and the gradients divided by it, so
         that float16's small gradients do not underflow to zero. A step whose gradient is
@@ -198,9 +199,15 @@ class Precision(eqx.Module):
 PrecisionLike = Precision | Literal["bfloat16", "float16"] | None
 
 
-def as_precision(precision: Any, name: str = "precision") -> Precision | None:
-    """`precision` as a policy: a name, a `Precision`, or `None`; anything else refused."""
-    if precision is None or isinstance(precision, Precision):
+def as_precision(precision: Any, name: str = "precision", model: Any = None) -> Precision | None:
+    """`precision` as a policy: a name, a `Precision`, or `None`; anything else refused,
+    as is a `keep` pattern that matches none of `model`'s floating arrays (if given).
+    """
+    if precision is None:
+        return None
+    if isinstance(precision, Precision):
+        if model is not None:
+            _check_keep(precision, model, name)
         return precision
     if precision == "bfloat16":
         return Precision(jnp.bfloat16)
@@ -209,6 +216,22 @@ def as_precision(precision: Any, name: str = "precision") -> Precision | None:
     raise ValueError(
         f'`{name}` must be None, "bfloat16", "float16" or an `eqfit.Precision`, got {precision!r}.'
     )
+
+
+def _check_keep(policy: Precision, model: Any, name: str) -> None:
+    """Refuses a pattern of `policy.keep` that matches none of `model`'s floating arrays:
+    a typo would leave every array in `compute`, without a word.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(model)
+    paths = [jax.tree_util.keystr(path) for path, x in flat if _is_floating(x)]
+    for pattern in policy.keep:
+        if not any(re.search(pattern, path) for path in paths):
+            shown = ", ".join(repr(path) for path in paths[:4])
+            more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
+            raise ValueError(
+                f"`{name}`'s `keep` holds {pattern!r}, which matches none of the model's "
+                f"floating arrays (`re.search` over their paths: {shown or 'none'}{more})."
+            )
 
 
 def all_finite(tree: ArrayTree) -> Bool[Array, ""]:

@@ -97,7 +97,7 @@ def predict(
     check_alive(model=model, x=x, state=state)
     x_ = as_data(x if not _is_array(x) else (x,), "x")
     check_batch_size(batch_size)
-    policy = as_precision(precision)
+    policy = as_precision(precision, model=model)
     members = ensemble_size(model) if ensemble else None
     key_ = None if key is None else as_key(key)
     with reported_as("predict", "x"):
@@ -219,7 +219,7 @@ def evaluate(
         tuple((metrics or {}).items()),
         state is not None,
         takes_key(loss),
-        precision=as_precision(precision),
+        precision=as_precision(precision, model=model),
     )
     with reported_as("evaluate", "data"):
         batch = jax.tree.map(

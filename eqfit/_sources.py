@@ -15,6 +15,7 @@ import collections.abc
 import itertools
 import json
 import mmap
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -75,8 +76,10 @@ class Source(Protocol):
         ...
 
 
-def open_source(data: Any, options: Options) -> Source:
-    """The source of `data`: arrays in memory, memmaps, or a loader."""
+def open_source(data: Any, options: Options, planning: bool = False) -> Source:
+    """The source of `data`: arrays in memory, memmaps, or a loader. `planning`: for
+    `eqfit.plan`, which remembers a one-shot iterator it reads from, for `fit` to refuse.
+    """
     arrays = (np.ndarray, jax.Array)
     if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
         raise TypeError(
@@ -88,8 +91,25 @@ def open_source(data: Any, options: Options) -> Source:
             return Memmaps(data, options.shuffle, host_seed(options.key))
     elif isinstance(data, Iterable) and not isinstance(data, (*arrays, str, bytes)):
         # A list of batches, a loader, an iterator, a generator.
-        return Loader(data, options)
+        if data in _PLANNED:
+            raise ValueError(
+                "`data` is an iterator that `eqfit.plan` has read its first batches from: "
+                "a run on it would miss them. Pass a fresh iterator (a new generator, "
+                "say) to `fit`, and give `plan` one of its own."
+            )
+        loader = Loader(data, options)
+        if planning and loader.one_shot:
+            try:
+                _PLANNED.add(data)
+            except TypeError:  # not weakly referable (`iter(list)`, `map`): not remembered
+                pass
+        return loader
     return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
+
+
+# The one-shot iterators (generators, say) that `plan` read from, held weakly: a `fit`
+# given one would silently train without the batches `plan` took.
+_PLANNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def host_seed(key: Key[Array, ""]) -> int:

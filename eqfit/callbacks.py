@@ -249,6 +249,7 @@ class MLflowLogger:
 
         self._error = sys.exc_info()[1]
         _check_server(self.tracking_uri or mlflow.get_tracking_uri())
+        _check_store_path(self.tracking_uri or mlflow.get_tracking_uri())
         client = mlflow.MlflowClient(self.tracking_uri)
         run, asks = (
             self.run,
@@ -339,6 +340,32 @@ def _check_server(uri: str, timeout: float = _SERVER_TIMEOUT) -> None:
             "`MLFLOW_TRACKING_URI`). eqfit asks it once as training starts, rather than "
             "wait out MLflow's retries of every request (minutes)."
         ) from None
+
+
+def _check_store_path(uri: str) -> None:
+    """Refuses a local tracking URI (`sqlite:///`, `file:`, a path) whose folder cannot
+    be made because a file stands where a folder of its path should be, naming it:
+    MLflow's own error (`FileExistsError`, `NotADirectoryError`) names neither the
+    argument nor the file.
+    """
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "sqlite":
+        # `sqlite:///relative.db`, `sqlite:////absolute.db`: the database file's folder.
+        folder = Path(uri[len("sqlite:///") :]).parent
+    elif parsed.scheme in ("", "file"):
+        folder = Path(urllib.request.url2pathname(parsed.path) if parsed.scheme else uri)
+    else:
+        return
+    for path in (folder, *folder.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(
+                    f"`MLflowLogger`'s `tracking_uri` (or `MLFLOW_TRACKING_URI`) is {uri!r}, "
+                    f"which keeps its runs in {str(folder)!r}, but {str(path)!r} is a "
+                    "file, not a folder. Give a path whose folders are folders, or can be "
+                    "made."
+                )
+            return
 
 
 def _given(value: Any) -> str:

@@ -17,8 +17,10 @@ Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow | 
   <stop_reason> steps=<steps trained> count=<Adam's step count> changed=<bool>" when `fit`
   raises: the history's steps, the optimizer state's and the model's changes must agree.
 - `plan`: `eqfit.plan` of a deep MLP (seconds of compilation); prints "planning" first,
-  "deferred" once `plan` handles the signals (it traces and compiles from there), then
-  "planned", or "plan raised <type>: <message>" for a Ctrl-C or signal it met.
+  "deferred" once `plan` handles the signals (it traces and compiles from there),
+  "compiling" once the run's program is lowered (XLA compiles it for seconds from there),
+  then "planned", or "plan raised <type>: <message> @<time.monotonic()>" for a Ctrl-C or
+  signal it met.
 - `slow`: an MLP 512-2048x4-512 at batch 256, a real model whose steps take about a
   second here (no host callback), trained with the bar. Every write to stderr is stamped
   `@<time.monotonic()>`; it prints "@<time> raised <type> <steps> steps" when `fit` raises.
@@ -212,8 +214,13 @@ def planned() -> None:
             time.sleep(0.005)
         print("deferred", flush=True)
 
+    def lowered(event: str, duration: float, **fields: object) -> None:
+        if event.endswith("jaxpr_to_mlir_module_duration") and fields.get("fun_name") == "jit(run)":
+            print("compiling", flush=True)
+
     print("planning", flush=True)
     threading.Thread(target=watch, daemon=True).start()
+    jax.monitoring.register_event_duration_secs_listener(lowered)
     try:
         eqfit.plan(
             model,
@@ -227,7 +234,7 @@ def planned() -> None:
         )
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run is over: as in `interrupted`
-        print(f"plan raised {type(e).__name__}: {e}", flush=True)
+        print(f"plan raised {type(e).__name__}: {e} @{time.monotonic():.3f}", flush=True)
         return
     print("planned", flush=True)
 

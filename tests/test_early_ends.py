@@ -221,3 +221,30 @@ def test_a_signal_while_plan_compiles_is_answered_and_the_process_ends_cleanly(s
         out, err = process.communicate(timeout=120)
         assert process.returncode == 0, err[-3000:]  # no -11 (segfault), no -6 (abort)
         assert "plan raised KeyboardInterrupt" in out, out + err[-2000:]
+
+
+@pytest.mark.heavy
+def test_a_second_ctrl_c_while_plan_compiles_is_answered_at_once_and_the_process_ends_cleanly():
+    # Both land while XLA compiles the run (seconds here): the second is raised at once,
+    # and the process, which Python keeps until the compilation is done, must not crash
+    # as it exits (JAX's wait for a compilation in the main thread gives way to a
+    # Ctrl-C, XLA's work does not).
+    for _ in range(3):
+        process = subprocess.Popen(
+            [sys.executable, str(WORKER), "plan"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=worker_env(HERE),
+        )
+        lines = iter(process.stdout.readline, "")
+        assert "compiling" in (line.strip() for line in lines)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]  # no -11 (segfault), no -6 (abort)
+        raised = [line for line in out.splitlines() if line.startswith("plan raised")]
+        assert raised and "KeyboardInterrupt" in raised[0], out + err[-2000:]
+        assert float(raised[0].rsplit("@", 1)[1]) - sent < 1.0, raised[0]

@@ -274,6 +274,25 @@ def test_a_generator_is_used_once(arrays, model):
     assert result.history.stop_reason == "out_of_data" and result.history.epochs == 1
 
 
+def test_fit_refuses_a_generator_that_plan_read_from(arrays, model):
+    x, y = arrays
+
+    def once():
+        for i in range(0, N, BATCH):
+            yield x[i : i + BATCH], y[i : i + BATCH]
+
+    batches, steps = once(), -(-N // BATCH)
+    eqfit.plan(model, batches, epochs=1, steps_per_epoch=steps, **KWARGS)
+    message = r"`data` is an iterator that `eqfit.plan` has read its first batches from"
+    with pytest.raises(ValueError, match=message):
+        eqfit.fit(model, batches, epochs=1, steps_per_epoch=steps, **KWARGS)
+    with pytest.raises(ValueError, match=message):
+        eqfit.plan(model, batches, epochs=1, steps_per_epoch=steps, **KWARGS)
+    # A fresh one trains every batch.
+    result = eqfit.fit(model, once(), epochs=1, steps_per_epoch=steps, **KWARGS)
+    assert (result.history.batch_sizes > 0).sum() == steps
+
+
 def test_batch_size_comes_from_the_loader(arrays, model):
     loader = Batches(*arrays, batch=24)
     result = eqfit.fit(model, loader, epochs=1, **KWARGS)

@@ -59,6 +59,19 @@ def mlflow_store(tmp_path, monkeypatch):
     return (tmp_path / "mlruns").as_uri()
 
 
+@pytest.mark.parametrize("scheme", ["sqlite", "file"])
+def test_mlflow_logger_names_a_tracking_uri_under_a_file(tmp_path, monkeypatch, scheme):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    (tmp_path / "notes").write_text("a file, not a folder")
+    under = tmp_path / "notes" / "runs"
+    uri = f"sqlite:///{under}/mlflow.db" if scheme == "sqlite" else under.as_uri()
+    logger = eqfit.callbacks.MLflowLogger(tracking_uri=uri)
+    with pytest.raises(ValueError, match=r"`tracking_uri`.*'[^']*notes' is a file, not a folder"):
+        logger.on_train_begin({})
+
+
 def metric_history(client, run_id, name):
     """[(step, value)] of a metric, by step."""
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))

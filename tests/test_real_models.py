@@ -267,6 +267,19 @@ def test_keep_leaves_matching_arrays_in_float32(getkey):
     np.testing.assert_allclose(out, jax.vmap(result.model)(x), rtol=2e-2, atol=2e-2)
 
 
+def test_a_keep_pattern_that_matches_no_array_is_refused_before_compiling(getkey):
+    x, y = regression_data(getkey(), 16)
+    model = eqfit.models.MLP(4, "scalar", 8, 2, key=getkey())
+    policy = eqfit.Precision(jnp.bfloat16, keep=(r"\.layers\[0\]", "nomatch_typo"))
+    match = r"`precision`'s `keep` holds 'nomatch_typo'.*'\.layers\[0\]\.weight'"
+    with pytest.raises(ValueError, match=match):
+        eqfit.fit(
+            model, (x, y), loss=eqfit.losses.mse, optimizer=ADAM, key=getkey(), precision=policy
+        )
+    with pytest.raises(ValueError, match=match):
+        eqfit.predict(model, x, precision=policy)
+
+
 def test_a_bfloat16_model_trains_on_a_float32_master_copy(getkey):
     x, y = regression_data(getkey(), 64)
     model = jax.tree.map(
