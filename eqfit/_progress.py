@@ -105,16 +105,24 @@ def duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def epoch_line(epoch: int, epochs: int, logs: dict[str, float]) -> str:
-    """The line of an epoch that ended: its values (`history.values`' row), and its time
-    where it took `SHOWN_EPOCH_SECONDS` or more.
+class EpochLines:
+    """Makes the line of each epoch that ends: its values (`history.values`' row) and,
+    from the first epoch of the run that took `SHOWN_EPOCH_SECONDS` or more on, its
+    time (so that a run's epochs about a second long all show it, or none).
     """
-    shown = " ".join(f"{k}={v:.4g}" for k, v in logs.items() if k not in _FIGURES)
-    line = f"epoch {epoch}/{epochs}: {shown}"
-    seconds = logs.get("epoch_seconds")
-    if seconds is not None and seconds >= SHOWN_EPOCH_SECONDS:
-        line += f" ({duration(seconds)})"
-    return line
+
+    def __init__(self, epochs: int):
+        self.epochs = epochs
+        self.timed = False
+
+    def __call__(self, epoch: int, logs: dict[str, float]) -> str:
+        shown = " ".join(f"{k}={v:.4g}" for k, v in logs.items() if k not in _FIGURES)
+        line = f"epoch {epoch}/{self.epochs}: {shown}"
+        seconds = logs.get("epoch_seconds")  # none for an epoch begun before a resume
+        self.timed = self.timed or (seconds is not None and seconds >= SHOWN_EPOCH_SECONDS)
+        if self.timed and seconds is not None:
+            line += f" ({duration(seconds)})"
+        return line
 
 
 def early_stops(options: Any) -> tuple[str, str]:
@@ -160,6 +168,7 @@ class Bar(Observer):
         self.summary = summary  # the plan's line, printed above the bar
         self.made: Any = None
         self.shown = begin
+        self.epoch_line = EpochLines(schedule.epochs)
 
     def after_call(self, position: int, state: TrainState) -> None:
         if self.made is None:
@@ -190,7 +199,7 @@ class Bar(Observer):
             return False
         epochs = self.schedule.epochs
         for epoch, logs in progress.ended:
-            self._write(epoch_line(epoch, epochs, logs))
+            self._write(self.epoch_line(epoch, logs))
         epoch = min(progress.epoch, epochs)
         self.made.set_description(f"epoch {epoch}/{epochs}", refresh=False)
         postfix = f"loss={progress.epoch_loss:.4g}"
@@ -274,6 +283,7 @@ class Lines(Observer):
         self.schedule, self.summary, self.stream = schedule, summary, stream
         self.newest, self.stops = newest, stops
         self.interval = seconds_per_line()
+        self.epoch_line = EpochLines(schedule.epochs)
         self.position = begin
         self.epoch = 0  # the epoch the last step read was in; 0: none read
         self.stopped = False  # the program stopped the run
@@ -289,7 +299,7 @@ class Lines(Observer):
     def on_progress(self, progress: Progress) -> bool:
         schedule = self.schedule
         for epoch, logs in progress.ended:
-            self._write(epoch_line(epoch, schedule.epochs, logs))
+            self._write(self.epoch_line(epoch, logs))
         self.position, self.stopped = progress.position, progress.stopped
         self.epoch = min(progress.epoch, schedule.epochs)
         inside = schedule.learning or not schedule.is_epoch_end(progress.position)
