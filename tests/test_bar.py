@@ -316,13 +316,16 @@ def test_a_long_epoch_in_a_log_writes_a_line_now_and_then_and_a_signal_is_named(
         found = STEP_LINE.match(line)
         if found is None:  # an epoch's line, soon after its end (by the last lines' speed)
             epochs += 1
-            assert line.startswith(f"epoch {epochs}/3: loss="), line
+            # Its values, and its time: seconds long.
+            assert re.fullmatch(rf"epoch {epochs}/3: loss=\S+ \(\d+\.\d+s\)\n", line), line
             assert len(steps) >= 2, "an epoch shorter than two lines' interval"
             (t1, s1), (t2, s2) = steps[-2:]
             ended = t2 + (epochs * 100000 - s2) * (t2 - t1) / (s2 - s1)
             assert arrived - ended < 1.0, (line, arrived - ended)
             continue
         steps.append((arrived, int(found.group(2))))
-        # At most one line an interval, and one each interval or so: never a frame.
-        assert INTERVAL * 0.8 < arrived - before < INTERVAL + 1.0, (line, arrived - before)
+        # At most one line an interval, never a frame; and lines keep coming (within a
+        # call or so of the interval's end, but this 2-core machine is shared: a call
+        # sized for half a second may take seconds).
+        assert INTERVAL * 0.8 < arrived - before < INTERVAL + 5.0, (line, arrived - before)
     assert epochs == 2 and len(steps) >= 6, body
