@@ -231,6 +231,11 @@ class Checkpoints:
             multihost_utils.sync_global_devices("eqfit checkpoint written")
         return final if self.writer else None
 
+    def newest(self) -> Path | None:
+        """The newest good checkpoint's folder, if there is one."""
+        found = self._checkpoints()
+        return found[0][1] if found else None
+
     def best_value(self) -> float | None:
         """The best monitored value among the checkpoints kept (`best`), if any."""
         best = self._best()

@@ -57,6 +57,7 @@ Data = object
     {
         "key": "a single PRNG key such as `jax.random.key(0)`",
         "profile": "an `eqfit.Profile(directory, start_step, steps)`",
+        "progress": "True, False, 'bar' or 'lines'",
     },
 )
 def fit(
@@ -72,7 +73,7 @@ def fit(
     initial_epoch: int = 0,
     shuffle: bool = True,
     drop_remainder: bool = False,
-    progress: bool = False,
+    progress: bool | Literal["bar", "lines"] = False,
     filter_spec: FilterSpec = eqx.is_inexact_array,
     opt_state: OptState | None = None,
     state: ModelState | None = None,
@@ -211,11 +212,19 @@ def fit(
     *What the host sees:*
 
     - `progress`: `False` runs the training in a few long calls of the compiled program.
-        `True` shows a tqdm bar and calls the same program in shorter pieces; the result
-        is the same, bit for bit. Above the bar it prints the run's plan in one line
+        `True` shows how the run goes, and calls the same program in shorter pieces; the
+        result is the same, bit for bit. It prints the run's plan in one line
         (parameters, memory per device, FLOPs per step; see [`eqfit.plan`][]) and, as
-        each epoch ends, a line of its values (`history.values`' row). The bar shows the
-        running epoch's mean loss and samples per second, within the terminal's width.
+        each epoch ends, a line of its values (`history.values`' row, and the epoch's
+        time where it took a second or more). Where stderr is a terminal (or a
+        notebook) a tqdm bar below them shows the running epoch's mean loss and samples
+        per second, within the terminal's width. Anywhere else (a log file, a pipe, a
+        batch job's output) no bar is drawn: an epoch longer than a minute adds a line
+        about once a minute (the step reached, the running loss, samples per second;
+        the environment variable `EQFIT_LINE_SECONDS` sets another interval), and a
+        last line says how the run ended (done, stopped early, or by which signal), at
+        which step, and where the newest checkpoint is. `"bar"` or `"lines"` asks for
+        one of the two wherever the output goes.
     - `peak_flops`: one device's peak FLOP/s, for the model FLOPs utilisation
         (`history.throughput["mfu"]`) on a device that eqfit's table does not know. In
         FLOP/s, not TFLOP/s (`989e12`): a value below 1e9 is refused as a slip of unit.

@@ -3,15 +3,14 @@
 The driver (`_drive.drive`) calls the compiled run piece by piece; each observer meets
 it through one small protocol, `Observer`: it may bound the next call, ask that reports be
 read before training goes past a position, see each call's (future) state, and read the
-reports. The bar, the user's callbacks, the checkpoints and Ctrl-C are observers, and so
-are the throughput figures each epoch's values carry.
+reports. The bar or a log's lines (`_progress.py`), the user's callbacks, the checkpoints,
+the profile (`_profiling.py`) and Ctrl-C are observers, and so are the throughput figures
+each epoch's values carry.
 """
 
 import collections
 import contextlib
 import math
-import sys
-import textwrap
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,17 +23,11 @@ from jaxtyping import PyTree
 
 from ._checkpoint import Checkpoints, Writer
 from ._identity import learned_config
-from ._loop import Loop
-from ._options import Options
-from ._policy import Checkpoint, Profile
+from ._policy import Checkpoint
 from ._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
 from ._schedule import Schedule
 from ._signals import Interrupt
 from ._state import TrainState
-
-
-# The bar redraws about this often: its calls last at most this long.
-SECONDS_PER_BAR_CALL = 0.2
 
 
 @runtime_checkable
@@ -158,125 +151,6 @@ class Observer:
 
     def finished(self) -> None:
         pass
-
-
-# The bar's line, fullest first: the first that leaves the bar `MIN_BAR_CELLS` cells
-# on the terminal's line is drawn (the last where none does). tqdm shrinks only the
-# bar to fit, and cuts what is still too long at the line's end, so each drops what
-# the line can best spare: the percentage, the times, the epoch (which the epochs'
-# lines name too). tqdm writes `{desc}` as "epoch 3/10: " and `{postfix}` as
-# ", loss=..., samples/s=...".
-BAR_FORMATS = (
-    "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
-    "{desc}|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
-    "{desc}|{bar}| {n_fmt}/{total_fmt}{postfix}",
-    "|{bar}| {n_fmt}/{total_fmt}{postfix}",
-)
-MIN_BAR_CELLS = 10
-
-
-class Bar(Observer):
-    """The tqdm bar, and a line for each epoch that ends. It starts when the first call
-    is queued (after compilation, so its rate is the training's).
-
-    The bar names the epoch the last step was in, and shows that epoch's mean loss so far
-    (at its end, `history.loss`'s value) and the samples per second of the last calls;
-    it keeps to the terminal's line, whatever its width. When an epoch ends, a line
-    above the bar gives all its values (its row of `history.values`), broken between
-    values to the terminal's width.
-    """
-
-    seconds_per_call = SECONDS_PER_BAR_CALL
-
-    def __init__(self, schedule: Schedule, begin: int, summary: str | None = None):
-        self.schedule, self.begin = schedule, begin
-        self.summary = summary  # the plan's line, printed above the bar
-        self.made: Any = None
-        self.shown = begin
-
-    def after_call(self, position: int, state: TrainState) -> None:
-        if self.made is None:
-            from tqdm.auto import tqdm
-
-            schedule = self.schedule
-            # No tqdm rate: a step's rate means little, and tqdm's is of the last
-            # redraw alone. The postfix shows samples per second over the last calls.
-            self.made = tqdm(
-                total=None if schedule.learning else schedule.total - schedule.begin,
-                initial=self.begin - schedule.begin,
-                unit="step",
-                dynamic_ncols=True,
-                bar_format=BAR_FORMATS[0],
-            )
-            if self.summary is not None:
-                self._write(self.summary)
-
-    def learned(self, schedule: Schedule) -> None:
-        self.schedule = schedule
-        if self.made is not None:
-            self.made.total = schedule.total - schedule.begin
-            self._fit_line()
-            self.made.refresh()
-
-    def on_progress(self, progress: Progress) -> bool:
-        if self.made is None or progress.position <= self.shown:
-            return False
-        epochs = self.schedule.epochs
-        for epoch, logs in progress.ended:
-            shown = " ".join(f"{k}={v:.4g}" for k, v in logs.items() if k not in Throughput.NAMES)
-            self._write(f"epoch {epoch}/{epochs}: {shown}")
-        epoch = min(progress.epoch, epochs)
-        self.made.set_description(f"epoch {epoch}/{epochs}", refresh=False)
-        values = {"loss": f"{progress.epoch_loss:.4g}"}
-        if progress.samples_per_second is not None:
-            values["samples/s"] = f"{progress.samples_per_second:.4g}"
-        self.made.set_postfix(values, refresh=False)
-        self._fit_line()
-        self.made.update(progress.position - self.shown)
-        self.shown = progress.position
-        return False
-
-    def close(self) -> None:
-        if self.made is not None:
-            self._fit_line()  # its last line, with the run's time
-            self.made.close()
-
-    def _write(self, line: str) -> None:
-        """Prints `line` above the bar, broken to the terminal's width."""
-        self.made.write(wrapped(line, self._width()), file=sys.stderr)
-
-    def _width(self) -> int | None:
-        """The columns tqdm draws in now (one less than the terminal's: it leaves the
-        last free); `None` where the bar is not in a terminal (a file, a notebook).
-        """
-        width = self.made.format_dict["ncols"]
-        return width if isinstance(width, int) and width > 0 else None
-
-    def _fit_line(self) -> None:
-        """Sets the fullest of `BAR_FORMATS` that fits the line with the bar's values."""
-        made, width = self.made, self._width()
-        chosen = BAR_FORMATS[0]
-        if width is not None:
-            meter = made.format_dict
-            for chosen in BAR_FORMATS:
-                text = chosen.replace("{bar}", "")  # the line without its bar
-                rest = made.format_meter(**{**meter, "bar_format": text, "ncols": None})
-                if len(rest) + MIN_BAR_CELLS <= width:
-                    break
-        made.bar_format = chosen
-
-
-def wrapped(line: str, width: int | None) -> str:
-    """`line` broken at its spaces into lines of at most `width` characters (all of it on
-    one line where `width` is `None`), each after the first indented by two spaces. A
-    word longer than a line is not cut: it has a line of its own.
-    """
-    if width is None:
-        return line
-    lines = textwrap.wrap(
-        line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
-    )
-    return "\n".join(lines)
 
 
 class Callbacks(Observer):
@@ -458,7 +332,7 @@ class Checkpointing(Observer):
         row = schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
         taken = self.take(state)
         if self.background:
-            snapshot = _copy(taken)  # queued behind the call: the device copies it
+            snapshot = copy_taken(taken)  # queued behind the call: the device copies it
             self.writer.submit(lambda: self._write(snapshot, due, row))
         else:
             self.writer.wait()
@@ -488,71 +362,6 @@ class Checkpointing(Observer):
         return value < best if self.policy.mode == "min" else value > best
 
 
-class Profiling(Observer):
-    """Traces a `Profile`'s steps with `jax.profiler`, as MaxText's `profile_cleanly`
-    does: calls end at the stretch's two edges, and at each the host waits for the
-    device before it starts or stops the trace, so that the trace holds the work of
-    those steps and of no others. The calls between go on as usual.
-    """
-
-    def __init__(self, profile: Profile, begin: int):
-        # Resumed inside the stretch: what is left of it.
-        self.start, self.stop = max(profile.start_step, begin), profile.stop_step
-        self.profile, self.begin = profile, begin
-        self.tracing = self.traced = False
-
-    def open(self) -> None:
-        if self.start == self.begin < self.stop:  # no call ends at the first edge
-            self._start()
-
-    def boundary(self, position: int) -> int | None:
-        if self.traced or position >= self.stop:
-            return None
-        return self.stop if self.tracing else self.start
-
-    def after_call(self, position: int, state: TrainState) -> None:
-        if not self.traced and not self.tracing and self.start <= position < self.stop:
-            jax.block_until_ready(state)  # the steps before the stretch are done
-            self._start()
-        elif self.tracing and position >= self.stop:
-            jax.block_until_ready(state)  # the stretch's steps are all in the trace
-            self._stop()
-
-    def end(self, position: int, state: TrainState) -> None:
-        if self.tracing:  # the run ended inside the stretch
-            jax.block_until_ready(state)
-            self._stop()
-        elif not self.traced:
-            profile = self.profile
-            warnings.warn(
-                f"`profile` asked for steps {profile.start_step} to {profile.stop_step - 1}, "
-                f"but this run trained steps {self.begin} to {position - 1} only: no trace "
-                "was written.",
-                stacklevel=2,
-            )
-
-    def close(self) -> None:
-        # On every way out (an error, a second Ctrl-C) the trace stops, so that the next
-        # one can start; an error of its own must not hide the run's.
-        if self.tracing:
-            with contextlib.suppress(Exception):
-                self._stop()
-
-    def _start(self) -> None:
-        try:
-            jax.profiler.start_trace(str(self.profile.directory))
-        except RuntimeError as e:  # one process traces one thing at a time
-            raise RuntimeError(
-                f"`profile` could not start its trace: {e}. Is another trace running in "
-                "this process (`jax.profiler.start_trace`, `jax.profiler.trace`)?"
-            ) from e
-        self.tracing = True
-
-    def _stop(self) -> None:
-        self.tracing, self.traced = False, True
-        jax.profiler.stop_trace()
-
-
 def _local(x: Any) -> np.ndarray:
     """`x` (replicated) as numpy, from this process's copy where it is global."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -572,7 +381,7 @@ def agreed(flag: bool) -> bool:
 
 
 @jax.jit
-def _copy(tree: PyTree) -> PyTree:
+def copy_taken(tree: PyTree) -> PyTree:
     """New buffers holding `tree`'s arrays, laid out as they are."""
     return jax.tree.map(jnp.copy, tree)
 
@@ -646,100 +455,3 @@ class Throughput:
             if costs.peak_flops is not None:
                 figures["mfu"] = figures["flops_per_second"] / costs.peak_flops
         return figures
-
-
-def observers_for(
-    options: Options,
-    loop: Loop,
-    *,
-    begin: int,
-    store: Checkpoints | None,
-    interrupt: Interrupt,
-    model_of: Callable[[PyTree], Any],
-    summary: str | None = None,
-) -> list[Observer]:
-    """The run's observers, as its options ask: the bar (with the plan's `summary` above
-    it), the callbacks (which see the models that `model_of` makes of trained arrays),
-    the checkpoints (which take the state off the devices to write it, with `keep_best`'s
-    value from the record), and the profile.
-    """
-    schedule, placement = loop.schedule, loop.placement
-    observers: list[Observer] = []
-    if options.progress:
-        observers.append(Bar(schedule, begin, summary))
-    if options.callbacks:
-
-        def make(taken: PyTree) -> tuple[Any, Any]:
-            params, average = taken
-            return model_of(params), None if average is None else model_of(average)
-
-        take = lambda state: _copy(placement.get((state.params, state.average)))  # noqa: E731
-        config = train_config(options, loop)
-        models = EpochModels(take, make)
-        observers.append(Callbacks(options.callbacks, schedule, config, models))
-    if store is not None:
-        assert options.checkpoint is not None
-
-        def host(state: PyTree) -> PyTree:
-            if store.collective:  # every process writes its own shards
-                return state
-            return jax.device_get(state)
-
-        policy = options.checkpoint
-        monitor = None if policy.keep_best is None else loop.log_names.index(policy.keep_best)
-        take = placement.get
-        observers.append(Checkpointing(store, policy, schedule, interrupt, take, host, monitor))
-    if options.profile is not None:
-        observers.append(Profiling(options.profile, begin))
-    return observers
-
-
-def train_config(options: Options, loop: Loop) -> dict[str, Any]:
-    """The run's arguments as plain JSON-able values, for the callbacks' `on_train_begin`
-    (the loggers' run config): what `fit` was asked, not the model or the data.
-    """
-    schedule, step, validation = loop.schedule, options.step, options.validation
-    policy, average, placement = step.precision, step.average, options.placement
-    mesh = getattr(placement, "mesh", None)
-    if mesh is not None:
-        devices = int(mesh.devices.size)
-    else:
-        devices = len(getattr(placement, "devices", ())) or 1
-    checkpoint, precision, profile = options.checkpoint, None, options.profile
-    if policy is not None:  # by its dtypes' names
-        compute, params = np.dtype(policy.compute_dtype), np.dtype(policy.params_dtype)
-        precision = {"compute": compute.name, "params": params.name}
-    return {
-        "epochs": schedule.epochs,
-        "initial_epoch": options.initial_epoch,
-        "batch_size": schedule.batch_size,
-        "steps_per_epoch": None if schedule.learning else schedule.steps_per_epoch,
-        "shuffle": options.shuffle,
-        "drop_remainder": options.drop_remainder,
-        "on_nan": step.on_nan,
-        "metrics": list(loop.metric_names),
-        "validation": validation is not None,
-        "validation_split": options.validation_split,
-        "validation_sets": None if validation is None else list(validation.sets) or None,
-        "validation_freq": 1 if validation is None else validation.freq,
-        "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
-        "precision": precision,
-        "ema": None if average is None else average.momentum,
-        "validate_ema": validation is not None and validation.ema,
-        "norms": step.norms,
-        "ensemble_members": options.members,
-        "devices": devices,
-        "checkpoint": None if checkpoint is None else str(checkpoint.directory),
-        "checkpoint_every": None if checkpoint is None else checkpoint.every_epochs,
-        "checkpoint_every_steps": None if checkpoint is None else checkpoint.every_steps,
-        "checkpoint_every_seconds": None if checkpoint is None else checkpoint.every_seconds,
-        "signals": [s.name for s in options.signals],
-        "schedules": [name for name, _ in options.schedules],
-        "profile": None
-        if profile is None
-        else {
-            "directory": str(profile.directory),
-            "start_step": profile.start_step,
-            "steps": profile.steps,
-        },
-    }

@@ -78,7 +78,7 @@ class Options:
     batch_size_given: bool
     shuffle: bool
     drop_remainder: bool
-    progress: bool
+    progress: bool | Literal["bar", "lines"]
     members: int | None  # an ensemble's size
     stateful: bool
     validation_split: float | None
@@ -146,7 +146,7 @@ def check_options(
     batch_size: Any,
     shuffle: bool,
     drop_remainder: bool,
-    progress: bool,
+    progress: bool | Literal["bar", "lines"],
     on_nan: OnNan,
     state: Any,
     validation_data: Any,
@@ -217,6 +217,8 @@ def check_options(
             )
     _whole("checkpoint_every", checkpoint_every, 1)
     policy = as_checkpoint(checkpoint, checkpoint_every)
+    if not isinstance(progress, bool | str) or progress not in (True, False, "bar", "lines"):
+        raise ValueError(f"`progress` must be True, False, 'bar' or 'lines', got {progress!r}.")
     if on_nan not in ("raise", "stop", "skip"):
         raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {on_nan!r}.")
     if validation_data is not None and validation_split is not None:

@@ -3,20 +3,27 @@ there is one), the feeds, the observers, the drive itself, and the finish.
 """
 
 import contextlib
+import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
+import numpy as np
 from jaxtyping import PyTree
 
+from ._checkpoint import Checkpoints
 from ._checks import reported_as
 from ._compile import Starting
 from ._drive import drive, feeds
 from ._identity import run_config
 from ._loop import Loop
-from ._observers import Costs, observers_for
+from ._observers import Callbacks, Checkpointing, copy_taken, Costs, EpochModels, Observer
 from ._options import Options
 from ._parallel import OneDevice
 from ._plan import Plan
+from ._profiling import Profiling
 from ._program import run_program, start_program
+from ._progress import Bar, early_stops, Lines, progress_kind
 from ._result import finish, FitResult, model_from
 from ._resume import open_store, resume
 from ._signals import Interrupt
@@ -112,3 +119,106 @@ def train(
     for observer in observers:
         observer.finished()
     return result
+
+
+def observers_for(
+    options: Options,
+    loop: Loop,
+    *,
+    begin: int,
+    store: Checkpoints | None,
+    interrupt: Interrupt,
+    model_of: Callable[[PyTree], Any],
+    summary: str | None = None,
+) -> list[Observer]:
+    """The run's observers, as its options ask: the bar or a log's lines (`_progress`,
+    either with the plan's `summary` first), the callbacks (which see the models that
+    `model_of` makes of trained arrays), the checkpoints (which take the state off the
+    devices to write it, with `keep_best`'s value from the record), and the profile
+    (`_profiling`).
+    """
+    schedule, placement = loop.schedule, loop.placement
+    observers: list[Observer] = []
+    kind = progress_kind(options.progress, sys.stderr)
+    if kind == "bar":
+        observers.append(Bar(schedule, begin, summary))
+    elif kind == "lines":
+        newest = None if store is None else store.newest
+        stops = early_stops(options)
+        observers.append(Lines(schedule, begin, summary, sys.stderr, newest, stops))
+    if options.callbacks:
+
+        def make(taken: PyTree) -> tuple[Any, Any]:
+            params, average = taken
+            return model_of(params), None if average is None else model_of(average)
+
+        take = lambda state: copy_taken(placement.get((state.params, state.average)))  # noqa: E731
+        config = train_config(options, loop)
+        models = EpochModels(take, make)
+        observers.append(Callbacks(options.callbacks, schedule, config, models))
+    if store is not None:
+        assert options.checkpoint is not None
+
+        def host(state: PyTree) -> PyTree:
+            if store.collective:  # every process writes its own shards
+                return state
+            return jax.device_get(state)
+
+        policy = options.checkpoint
+        monitor = None if policy.keep_best is None else loop.log_names.index(policy.keep_best)
+        take = placement.get
+        observers.append(Checkpointing(store, policy, schedule, interrupt, take, host, monitor))
+    if options.profile is not None:
+        observers.append(Profiling(options.profile, begin))
+    return observers
+
+
+def train_config(options: Options, loop: Loop) -> dict[str, Any]:
+    """The run's arguments as plain JSON-able values, for the callbacks' `on_train_begin`
+    (the loggers' run config): what `fit` was asked, not the model or the data.
+    """
+    schedule, step, validation = loop.schedule, options.step, options.validation
+    policy, average, placement = step.precision, step.average, options.placement
+    mesh = getattr(placement, "mesh", None)
+    if mesh is not None:
+        devices = int(mesh.devices.size)
+    else:
+        devices = len(getattr(placement, "devices", ())) or 1
+    checkpoint, precision, profile = options.checkpoint, None, options.profile
+    if policy is not None:  # by its dtypes' names
+        compute, params = np.dtype(policy.compute_dtype), np.dtype(policy.params_dtype)
+        precision = {"compute": compute.name, "params": params.name}
+    return {
+        "epochs": schedule.epochs,
+        "initial_epoch": options.initial_epoch,
+        "batch_size": schedule.batch_size,
+        "steps_per_epoch": None if schedule.learning else schedule.steps_per_epoch,
+        "shuffle": options.shuffle,
+        "drop_remainder": options.drop_remainder,
+        "on_nan": step.on_nan,
+        "metrics": list(loop.metric_names),
+        "validation": validation is not None,
+        "validation_split": options.validation_split,
+        "validation_sets": None if validation is None else list(validation.sets) or None,
+        "validation_freq": 1 if validation is None else validation.freq,
+        "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
+        "precision": precision,
+        "ema": None if average is None else average.momentum,
+        "validate_ema": validation is not None and validation.ema,
+        "norms": step.norms,
+        "ensemble_members": options.members,
+        "devices": devices,
+        "checkpoint": None if checkpoint is None else str(checkpoint.directory),
+        "checkpoint_every": None if checkpoint is None else checkpoint.every_epochs,
+        "checkpoint_every_steps": None if checkpoint is None else checkpoint.every_steps,
+        "checkpoint_every_seconds": None if checkpoint is None else checkpoint.every_seconds,
+        "signals": [s.name for s in options.signals],
+        "schedules": [name for name, _ in options.schedules],
+        "profile": None
+        if profile is None
+        else {
+            "directory": str(profile.directory),
+            "start_step": profile.start_step,
+            "steps": profile.steps,
+        },
+    }

@@ -4,26 +4,33 @@ Usage: python early_end_worker.py (raising-loader | raising-len-loader | slow | 
            [progress]
        python early_end_worker.py interrupted (memory | stream) EPOCHS STEPS [progress]
            [host-callback]
+       python early_end_worker.py log DIRECTORY STEPS
 
 - `raising-loader`: a generator that raises after 25 batches. Prints "raised <type>
   after <epochs> epochs, <steps> steps" and exits 0 when `fit` raises the loader's error
   with the training so far. `raising-len-loader`: the same from a loader with `len` (a
   re-iterable, as PyTorch's `DataLoader`) whose second pass raises after 5 of its 8.
 - `interrupted`: a tiny MLP trained on arrays in memory or a loader with `len` (streamed),
-  EPOCHS epochs of STEPS steps, until Ctrl-C. With `host-callback` its loss prints every
-  step (`jax.debug.print`, to stdout). `eqfit.plan` compiles the run first; stderr then
-  gets "fitting" as `fit` begins and, stamped with
-  `@<time.monotonic()>` where the bar wrote, every write of the bar. Prints "raised <type>
-  <stop_reason> steps=<steps trained> count=<Adam's step count> changed=<bool>" when `fit`
-  raises: the history's steps, the optimizer state's and the model's changes must agree.
+  EPOCHS epochs of STEPS steps, until Ctrl-C (with `progress`, the bar). With
+  `host-callback` its loss prints every step (`jax.debug.print`, to stdout).
+  `eqfit.plan` compiles the run first; stderr then gets "fitting" as `fit` begins and,
+  stamped with `@<time.monotonic()>` where the bar wrote, every write of the bar. Prints
+  "raised <type> <stop_reason> steps=<steps trained> count=<Adam's step count>
+  changed=<bool>" when `fit` raises: the history's steps, the optimizer state's and the
+  model's changes must agree.
+- `log`: the tiny MLP of `interrupted`, 3 epochs of STEPS steps with `progress=True` and
+  checkpoints in DIRECTORY, until a signal. `eqfit.plan` compiles the run first; stdout
+  then gets "fitting", and "raised <type> <signal> steps=<steps trained>" when `fit`
+  raises.
 - `plan`: `eqfit.plan` of a deep MLP (seconds of compilation); prints "planning" first,
   "deferred" once `plan` handles the signals (it traces and compiles from there),
   "compiling" once the run's program is lowered (XLA compiles it for seconds from there),
   then "planned", or "plan raised <type>: <message> @<time.monotonic()>" for a Ctrl-C or
   signal it met.
 - `slow`: an MLP 512-2048x4-512 at batch 256, a real model whose steps take about a
-  second here (no host callback), trained with the bar. Every write to stderr is stamped
-  `@<time.monotonic()>`; it prints "@<time> raised <type> <steps> steps" when `fit` raises.
+  second here (no host callback), trained with the bar (`progress="bar"`). Every write
+  to stderr is stamped `@<time.monotonic()>`; it prints "@<time> raised <type> <steps>
+  steps" when `fit` raises.
 """
 
 import signal
@@ -133,7 +140,7 @@ def interrupted(data: str, epochs: int, steps: int, progress: bool, host_callbac
         epochs=epochs,
         steps_per_epoch=steps,
         batch_size=32,
-        progress=progress,
+        progress="bar" if progress else False,  # stderr is a pipe: the bar, as asked
     )
     # The run's programs are compiled first: `fit` then compiles nothing, and a Ctrl-C
     # sent soon after it begins lands in training, not in XLA's compiler.
@@ -159,6 +166,30 @@ def interrupted(data: str, epochs: int, steps: int, progress: bool, host_callbac
             file=stderr,
             flush=True,
         )
+
+
+def logged(directory: str, steps: int) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32)
+    model = eqfit.models.MLP(8, 1, 32, 2, key=jax.random.key(0))
+    data = (x, x.sum(axis=1, keepdims=True))
+    arguments = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.adam(1e-3),
+        key=jax.random.key(1),
+        epochs=3,
+        steps_per_epoch=steps,
+        batch_size=32,
+        checkpoint=directory,
+        progress=True,
+    )
+    eqfit.plan(model, data, **arguments)  # `fit` then trains from its start
+    print("fitting", flush=True)
+    try:
+        eqfit.fit(model, data, **arguments)
+    except eqfit.TrainingInterrupted as e:
+        trained = int((e.result.history.batch_sizes > 0).sum())
+        print(f"raised {type(e).__name__} {e.signal} steps={trained}", flush=True)
 
 
 class Stamped:
@@ -193,7 +224,7 @@ def slow() -> None:
             key=jax.random.key(1),
             epochs=3,
             batch_size=256,
-            progress=True,
+            progress="bar",  # stderr is a pipe: the bar, as asked
         )
     except KeyboardInterrupt as e:
         result = getattr(e, "result", None)
@@ -247,6 +278,8 @@ if __name__ == "__main__":
     elif sys.argv[1] == "interrupted":
         data, epochs, steps, *flags = sys.argv[2:]
         interrupted(data, int(epochs), int(steps), "progress" in flags, "host-callback" in flags)
+    elif sys.argv[1] == "log":
+        logged(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "plan":
         planned()
     else:

@@ -62,7 +62,7 @@ def test_each_member_trains_as_it_would_alone(ensemble, progress):
 def test_ensemble_over_devices(ensemble, parallel):
     models, data, key, kwargs, alone = ensemble
     extra = {"devices": 8} if parallel == "devices" else {"mesh": jax.make_mesh((8,), ("b",))}
-    many = eqfit.fit(models, data, key=key, ensemble=True, progress=True, **extra, **kwargs)
+    many = eqfit.fit(models, data, key=key, ensemble=True, progress="bar", **extra, **kwargs)
     for i, one in enumerate(alone):
         assert_trees_close(member(many.model, i), one.model)
 

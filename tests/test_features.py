@@ -19,7 +19,7 @@ ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled 
 def both_paths(model, data, **kwargs):
     """Runs `fit` compiled and with the bar, checks they agree bitwise, returns one."""
     compiled = eqfit.fit(model, data, progress=False, **kwargs)
-    bar = eqfit.fit(model, data, progress=True, **kwargs)
+    bar = eqfit.fit(model, data, progress="bar", **kwargs)
     assert_trees_equal(compiled.model, bar.model)
     assert_trees_equal(compiled.state, bar.state)
     assert compiled.history.values.keys() == bar.history.values.keys()
@@ -196,7 +196,7 @@ def test_the_bar_counts_the_steps_run_when_early_stopping_ends_a_run(getkey, cap
         batch_size=4,
         validation_data=val,
         early_stopping=eqfit.EarlyStopping(patience=2),
-        progress=True,
+        progress="bar",
     )
     assert result.history.epochs == 4
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]

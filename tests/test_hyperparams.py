@@ -118,7 +118,7 @@ def test_compiled_and_with_the_bar_agree_and_callbacks_see_them(problem):
     logs = Logs()
     kwargs = dict(schedules={"twice": lambda count: 2 * SCHEDULE(count)})
     whole = train(problem, optimizer, callbacks=[logs], **kwargs)
-    bar = train(problem, optimizer, progress=True, **kwargs)
+    bar = train(problem, optimizer, progress="bar", **kwargs)
     for name in ("learning_rate", "twice"):
         np.testing.assert_array_equal(
             whole.history.step_values[name], bar.history.step_values[name]

@@ -243,7 +243,7 @@ def test_a_label_error_outside_eqfit_raises_at_run_time():
 def test_the_bar_shows_the_epoch_it_names(capsys, validation):
     x, y = _arrays()
     kw = dict(validation_data=(x[:16], y[:16])) if validation else {}
-    result = _fit((x, y), epochs=5, steps_per_epoch=None, batch_size=BATCH, progress=True, **kw)
+    result = _fit((x, y), epochs=5, steps_per_epoch=None, batch_size=BATCH, progress="bar", **kw)
     err = capsys.readouterr().err
     last = err.strip().split("\r")[-1]
     assert "epoch 5/5" in last
