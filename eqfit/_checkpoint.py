@@ -42,7 +42,7 @@ def versions() -> dict[str, str]:
     }
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -72,7 +72,7 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.close(fd)
     _write(Path(tmp), data)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def position(state: Any) -> int:
@@ -339,7 +339,7 @@ class Checkpoints:
             if not self.writer:
                 return manifest
             _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # the same point saved again (after a resume): replace it
                 old = Path(tempfile.mkdtemp(prefix=".old-", dir=self.directory))
                 os.replace(final, old / final.name)
@@ -347,7 +347,7 @@ class Checkpoints:
                 shutil.rmtree(old)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             return manifest
         finally:
             if self.writer and tmp.exists():

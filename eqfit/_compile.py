@@ -134,7 +134,9 @@ class Starting:
         self.shapes: TrainState = jax.eval_shape(program, *args)[0]
         self.made: tuple[TrainState, Any] | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._make, args=(program, args), daemon=True)
+        # Not a daemon: Python waits for it before it exits, so that no exit (a third
+        # Ctrl-C while `fit` waits for it, say) leaves XLA compiling in the process.
+        self.thread = threading.Thread(target=self._make, args=(program, args))
         self.thread.start()
 
     def _make(self, program: Callable[..., tuple[TrainState, Any]], args: tuple[Any, ...]):

@@ -206,16 +206,30 @@ class _Reader:
         """
         steps = 0
         while len(self.in_flight) > keep:
-            report, begin, stop, finished = self.in_flight.pop(0)
-            self._take(report, begin, stop, finished)
-            steps += stop - begin
+            calls = [self.in_flight.pop(0)]
+            calls[0][3].wait()
+            # Calls queued after it that were stamped done no later than it (the waiter's
+            # thread woke late for it, on a busy machine, and they were done when queued):
+            # the device finished them all by then, so they are timed as one call, their
+            # seconds shared by their steps, rather than the first taking them all and
+            # the others none.
+            while self.in_flight and _done_by(self.in_flight[0][3], calls[-1][3]):
+                calls.append(self.in_flight.pop(0))
+            # A call lasts from the end of the one before it (or from the start) to its
+            # own: the host's work between them counts, but not when it got to read it.
+            took = self.clock.finished(min(finished.at for *_, finished in calls))
+            end = max(self._position(calls[-1][0]), self.done)
+            self.throughput.record(self.done, end, took)
+            for report, begin, stop, _ in calls:
+                self._take(report, begin, stop)
+                steps += stop - begin
         return self.clock.lap(steps) if steps else None
 
-    def _take(self, report: Report, call_begin: int, call_stop: int, finished: "Stamp") -> None:
-        # A call lasts from the end of the one before it (or from the start) to its own:
-        # the host's work between them counts, but not when it got to read the report.
-        finished.wait()
-        took = self.clock.finished(finished.at)
+    def _position(self, report: Report) -> int:
+        """The position a report says the run reached (an ensemble's furthest member's)."""
+        return int(np.asarray(self.loop.placement.host(report.step)).max())
+
+    def _take(self, report: Report, call_begin: int, call_stop: int) -> None:
         placement, schedule = self.loop.placement, self.loop.schedule
         self.throughput.schedule = schedule  # learned, maybe, since
         if report.steps is not None:  # the first epoch, while it teaches its length
@@ -226,7 +240,6 @@ class _Reader:
         stopped = bool((reason != Stop.RUNNING).all())
         position = max(int(step.max()), self.done)  # members stopped early are behind
         begin, self.done = self.done, position
-        self.throughput.record(begin, position, took)
         self.clock.steps += position - begin
         ended = []
         # An ensemble's values are its members' mean, leaving out members that stopped.
@@ -511,3 +524,8 @@ def _agree(stop: int, signal_name: str | None) -> tuple[int, str | None]:
 def _is_done(array: Any) -> bool:
     """Whether the call that makes `array` has finished (`jax.Array.is_ready`)."""
     return array.is_ready()
+
+
+def _done_by(later: Stamp, earlier: Stamp) -> bool:
+    """Whether the call stamped `later` was seen done no later than `earlier`'s."""
+    return later.ready.is_set() and later.at <= earlier.at

@@ -20,7 +20,8 @@ from ._observers import Callback
 from ._open import open_data, schedule_for
 from ._options import check_options, plain_optimizer
 from ._parallel import Device
-from ._plan import make_plan, Plan, run_costs
+from ._plan import Plan
+from ._planner import make_plan, run_costs
 from ._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._precision import PrecisionLike
 from ._result import FitResult

@@ -168,3 +168,15 @@ def raise_found(error: Any, ensemble: bool = False) -> None:
     if ensemble:
         text = f"member {i}: " + text
     raise ValueError(text)
+
+
+def same_shape(out: Array, y: Array, name: str) -> Array:
+    """`out`, refused unless shaped as the targets `y` (in loss or metric `name`)."""
+    if out.shape != y.shape:
+        # Broadcasting (batch, 1) against (batch,) would silently give a (batch, batch)
+        # loss; refuse it instead.
+        raise ValueError(
+            f"`{name}`: the model's outputs have shape {tuple(out.shape)} but `y` has "
+            f"shape {tuple(y.shape)}; they must match."
+        )
+    return out

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import _fsync_dir, Checkpoints, NotLike, position
+from ._checkpoint import Checkpoints, fsync_dir, NotLike, position
 from ._extras import require_orbax
 from ._policy import KEEP
 
@@ -327,5 +327,5 @@ def _digest(root: Path, *, sync: bool = False) -> str:
                 os.fsync(f.fileno())
     if sync:
         for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-            _fsync_dir(folder)
+            fsync_dir(folder)
     return digest.hexdigest()

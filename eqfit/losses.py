@@ -23,7 +23,7 @@ import optax
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
-from ._labels import check_labels
+from ._labels import check_labels, same_shape
 from ._step import takes_key
 from ._typing import ArrayTree, PRNGKey
 
@@ -94,17 +94,6 @@ def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, An
     )
 
 
-def _like(out: Array, y: Array, name: str) -> Array:
-    if out.shape != y.shape:
-        # Broadcasting (batch, 1) against (batch,) would silently give a (batch, batch)
-        # loss; refuse it instead.
-        raise ValueError(
-            f"`{name}`: the model's outputs have shape {tuple(out.shape)} but `y` has "
-            f"shape {tuple(y.shape)}; they must match."
-        )
-    return out
-
-
 def _returns(value: Array, state: State | None) -> Any:
     return value if state is None else (value, state)
 
@@ -144,7 +133,7 @@ def _mse(
     key: PRNGKey | None,
 ) -> Any:
     out, state = outputs(model, x, state, key)
-    value = jnp.mean(optax.squared_error(_like(out, y, "mse"), y))
+    value = jnp.mean(optax.squared_error(same_shape(out, y, "mse"), y))
     return _returns(value, state)
 
 
@@ -231,7 +220,9 @@ def _binary_cross_entropy(
     key: PRNGKey | None,
 ) -> Any:
     logits, state = outputs(model, x, state, key)
-    logits = check_labels(_like(logits, y, "binary_cross_entropy"), y, None, "binary_cross_entropy")
+    logits = check_labels(
+        same_shape(logits, y, "binary_cross_entropy"), y, None, "binary_cross_entropy"
+    )
     labels = y.astype(logits.dtype)
     value = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, labels))
     return _returns(value, state)

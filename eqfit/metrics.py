@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
-from ._labels import check_labels
-from .losses import _like, Model, outputs, split_state, State
+from ._labels import check_labels, same_shape
+from .losses import Model, outputs, split_state, State
 
 
 @overload
@@ -69,7 +69,7 @@ def _binary_accuracy(
     y: Int[Array, "batch ..."] | Bool[Array, "batch ..."] | Float[Array, "batch ..."],
 ) -> Float[Array, ""]:
     logits, _ = outputs(model, x, state)
-    logits = check_labels(_like(logits, y, "binary_accuracy"), y, None, "binary_accuracy")
+    logits = check_labels(same_shape(logits, y, "binary_accuracy"), y, None, "binary_accuracy")
     return jnp.mean((logits > 0) == (y > 0.5))
 
 
@@ -97,4 +97,4 @@ def _mae(
     y: Float[Array, "batch ..."],
 ) -> Float[Array, ""]:
     out, _ = outputs(model, x, state)
-    return jnp.mean(jnp.abs(_like(out, y, "mae") - y))
+    return jnp.mean(jnp.abs(same_shape(out, y, "mae") - y))
