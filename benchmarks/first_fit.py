@@ -9,7 +9,7 @@ N = 8100 (each epoch's last batch has 4 samples) with `validation_data` of 1,000
 (the same regression function), evaluated after each epoch.
 
 1. `compiled`: `eqfit.fit(..., progress=False)`.
-2. `progress`: `eqfit.fit(..., progress=True)`, the bar written to os.devnull.
+2. `progress`: `eqfit.fit(..., progress="bar")`, the bar written to os.devnull.
 3. `cached`: `compiled` with `eqfit.enable_compilation_cache()` on and warm (a process
    before the timed ones filled it).
 4. `keras`: Keras 3's `model.fit` of the same model (JAX backend), if Keras is installed
@@ -238,7 +238,7 @@ def worker(variant: str, cache_dir: str) -> dict[str, Any]:
             key=key,
             epochs=EPOCHS,
             batch_size=BATCH,
-            progress=variant == "progress",
+            progress="bar" if variant == "progress" else False,
             validation_data=validation,
         )
         jax.block_until_ready(result.model)

@@ -4,7 +4,7 @@ Trains an MLP 16->64->64->1 with Adam(1e-3) and MSE on N=8192 synthetic samples 
 epochs, at batch sizes 32 and 256, with a new shuffle every epoch, four ways:
 
 1. `compiled`: `eqfit.fit(..., progress=False)`.
-2. `progress`: `eqfit.fit(..., progress=True)`, the bar written to os.devnull.
+2. `progress`: `eqfit.fit(..., progress="bar")`, the bar written to os.devnull.
 3. `floor`: a hand-written `jax.jit` of a `lax.scan` over epochs of a `lax.scan` over
    batches, shuffling with eqfit's own shuffle (`eqfit._data.epoch_order`, the same work)
    and gathering each batch with the same in-bounds promise eqfit makes.
@@ -99,7 +99,7 @@ def eqfit_run(
     # Only the bar writes: the compiled path is timed without the redirection.
     quiet = contextlib.redirect_stderr(_DEVNULL) if progress else contextlib.nullcontext()
     with quiet:
-        return eqfit.fit(model, data, progress=progress, **kwargs)
+        return eqfit.fit(model, data, progress="bar" if progress else False, **kwargs)
 
 
 def check_ready(runs: dict[str, Run]) -> dict[str, bool]:

@@ -56,7 +56,7 @@ def child() -> None:
             key=jax.random.key(1),
             epochs=3,
             batch_size=256,
-            progress=True,
+            progress="bar",
         )
     except KeyboardInterrupt as e:
         sys.stderr = sys.stderr.stream

@@ -54,6 +54,7 @@ def test_an_injected_schedule_is_recorded_at_every_step(problem):
     np.testing.assert_array_equal(history["b1"], np.float32(0.9))
 
 
+@pytest.mark.heavy
 def test_inside_chain_multi_transform_and_multi_steps(problem):
     inject = optax.inject_hyperparams(optax.sgd)
     chained = optax.chain(optax.clip_by_global_norm(1.0), inject(learning_rate=SCHEDULE))

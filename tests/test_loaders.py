@@ -143,6 +143,7 @@ def test_a_generator_with_one_epoch_trains_to_its_end(model, progress):
     np.testing.assert_allclose(result.history.loss, [np.sum(sizes * steps) / 301], rtol=1e-5)
 
 
+@pytest.mark.heavy
 def test_an_ensemble_learns_its_epoch_and_stops_inside_it(model):
     """Members each keep their steps while the length is learned; a run stopped by a
     NaN inside the first epoch ends as the run with `len` does.

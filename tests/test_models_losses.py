@@ -30,6 +30,7 @@ def test_mlp(getkey):
     assert len(model.layers) == 3
 
 
+@pytest.mark.heavy
 def test_ready_models_have_equinox_initial_parameters():
     # The layers are made in one compiled program; their parameters must be those that
     # Equinox's layers give, made one operation at a time, from the same keys.

@@ -246,6 +246,7 @@ def run_python(script: str, *args: str, timeout: float = 120) -> subprocess.Comp
     )
 
 
+@pytest.mark.heavy
 def test_importing_eqfit_imports_no_orbax():
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", "import eqfit, eqfit._orbax"],
@@ -278,6 +279,7 @@ ORBAX_ALONE = """
 """
 
 
+@pytest.mark.heavy
 def test_orbax_alone_reads_it_on_one_device(tmp_path):
     state = host_state(5)
     [path] = save(tmp_path / "run", 5)
@@ -317,6 +319,7 @@ FULL_DISK = """
 """
 
 
+@pytest.mark.heavy
 def test_a_full_disk_is_an_error_naming_the_directory_and_bytes(tmp_path):
     done = run_python(FULL_DISK, str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -93,6 +93,7 @@ def test_plan_flops_are_six_per_weight_and_sample(getkey):
     assert plan.devices == 1 and plan.memory_limit is None and plan.fits is None
 
 
+@pytest.mark.heavy
 def test_plan_shows_what_precision_and_accumulation_save(getkey):
     """The issue's MLP of 12 layers of 256 at batch 8192: bfloat16 needs fewer temporary
     bytes than float32, and the same update as 8 microbatches of 1024
@@ -455,6 +456,7 @@ def layouts(plan):
     return [row[start:end].strip() for row in rows]
 
 
+@pytest.mark.heavy
 def test_replicated_reads_alike_with_and_without_shard(getkey):
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     x, y = regression_data(getkey(), n=256, features=16)

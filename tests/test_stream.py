@@ -201,6 +201,7 @@ def test_streaming_an_ensemble_equals_in_memory(getkey, small_chunks, on_disk):
     assert streamed.history.loss.shape == (3, 3)
 
 
+@pytest.mark.heavy
 def test_validation_split_on_a_memmap_holds_out_the_same_rows(getkey, small_chunks, on_disk):
     memory, mapped = on_disk
     model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
