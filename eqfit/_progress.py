@@ -94,7 +94,11 @@ def per_second(rate: float) -> str:
 
 
 def duration(seconds: float) -> str:
-    """`seconds` as a person reads a time: `0.05s`, `1.23s`, `42.5s`, `3m07s`, `2h05m`."""
+    """`seconds` as a person reads a time: `4.2ms`, `0.35s`, `1.23s`, `42.5s`, `3m07s`,
+    `2h05m`.
+    """
+    if seconds < 0.0995:  # a short run: `0.00s` would say it took no time
+        return f"{seconds * 1e3:.2g}ms"
     if seconds < 9.995:
         return f"{seconds:.2f}s"
     if seconds < 59.95:
