@@ -29,6 +29,10 @@ import eqfit
 from eqfit._progress import wrapped
 
 
+# A short run's time, as the last line writes it: `2.4ms`, or `1.23s` from 0.1 s.
+DURATION = r"(\d+(\.\d+)?ms|\d+\.\d\ds)"
+
+
 HERE = Path(__file__).parent
 WORKER = HERE / "bar_worker.py"
 WIDTHS = (50, 80, 120)  # 50: the bar drops all it can spare
@@ -171,7 +175,7 @@ def _check_lines(text: str, values: dict[str, list[float]]) -> None:
         assert [name for name, _ in pairs] == list(values), line  # the history's, in order
         for name, number in pairs:
             assert number == f"{values[name][epoch - 1]:.4g}", (name, line)
-    assert re.fullmatch(r"training done at epoch 3/3, step 12/12, in \d+\.\d\ds", lines[4])
+    assert re.fullmatch(rf"training done at epoch 3/3, step 12/12, in {DURATION}", lines[4])
 
 
 def _check_screen(text: str, values: dict[str, float], columns: int) -> None:
@@ -251,7 +255,7 @@ def test_a_log_says_where_and_why_a_run_stopped_early(tmp_path, capsys):
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in lines[1:3]] == ["epoch 1/10", "epoch 2/10"]
     assert re.fullmatch(
-        r"training stopped early \(early_stopping\) at epoch 2/10, step 6/30, in \d+\.\d\ds; "
+        rf"training stopped early \(early_stopping\) at epoch 2/10, step 6/30, in {DURATION}; "
         f"checkpoint: {re.escape(str(tmp_path))}/ckpt-000002-000000",
         lines[-1],
     ), lines
