@@ -72,7 +72,7 @@ class TrainState(NamedTuple):
     label_error: LabelError  # the first label out of range met, if any
     # One row per epoch of this run:
     step_loss: Float[Array, "epochs steps"]  # NaN where no step ran
-    step_values: Float[Array, "epochs steps values"]  # `Loop.step_names`' values
+    step_values: Float[Array, "epochs steps values"]  # the record's columns (`Record`)
     batch_sizes: Int[Array, "epochs steps"]  # 0 where no step ran
     epoch_values: Float[Array, "epochs logs"]  # `Loop.log_names` of each finished epoch
     # The epoch in progress: its finite steps' losses weighted by their batch sizes,
