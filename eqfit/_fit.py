@@ -127,8 +127,11 @@ def fit(
         arrays, averaged), such as `{"kl": kl}`; with `state=`, `((value, aux),
         new_state)`. Only `value` is differentiated; each aux value is recorded under its
         name per step and per epoch, and on the validation data as `val_<name>`.
-    - `optimizer`: any optax `GradientTransformation` (or `optax.MultiSteps`). Those that
-        read the loss (`optax.contrib.reduce_on_plateau`) receive it as `value`.
+    - `optimizer`: any optax `GradientTransformation` (or `optax.MultiSteps`). Each gets
+        the extra arguments its `update` takes: the loss as `value` (read by
+        `optax.contrib.reduce_on_plateau`), and `grad_fn`, the gradient at other
+        parameters on the step's batch (asked for by `optax.contrib.sam(...,
+        opaque_mode=True)`).
     - `key`: a PRNG key, `jax.random.key(seed)`. It drives the shuffle, the per-step keys
         and `validation_split`.
     - `epochs`: the number of the last epoch, counted from 1: how many epochs to train,

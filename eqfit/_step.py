@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Key, PyTree, TypeCheckError
 from ._average import Average
 from ._hyperparams import injected_values, schedule_values
 from ._labels import collecting, either, first_of, LabelError
+from ._optimizer import extra_args
 from ._precision import all_finite, LossScale, Precision
 from ._record import GRAD_NORM, Kind, LOSS_SCALE, Record, SKIPPED_STEPS, UPDATE_NORM
 
@@ -491,9 +492,11 @@ class Step(eqx.Module):
         # metrics and a skipped step each get their own copy.
         kept = clone(model_state)
 
-        def value(p: PyTree) -> tuple[Float[Array, ""], tuple[Any, ...]]:
+        def value(
+            p: PyTree, state: PyTree = model_state
+        ) -> tuple[Float[Array, ""], tuple[Any, ...]]:
             model = self.combine(p)
-            loss, aux, new_state, labels = self.objective.value(model, model_state, batch, key)
+            loss, aux, new_state, labels = self.objective.value(model, state, batch, key)
             scaled = loss if policy is None else policy.scale(loss, loss_scale)
             return scaled, (loss, aux, model, new_state, labels)
 
@@ -517,9 +520,21 @@ class Step(eqx.Module):
         if self.lay_out is not None:
             # The gradients as the parameters are laid out: XLA reduce-scatters them.
             grads, _ = self.lay_out(grads, None)
-        # `value=` lets optax transformations that read the loss (reduce_on_plateau)
-        # work unchanged; with_extra_args_support makes plain ones ignore it.
+
+        def grad_fn(p: PyTree, _: Any) -> PyTree:
+            """The gradient at `p` on this step's batch, as `grads` is at `params`."""
+            g = jax.grad(lambda q: value(q, clone(model_state))[0])(p)
+            if policy is not None:
+                g = policy.unscale(g, loss_scale)
+            if self.axis_name is not None:
+                g = jax.lax.pmean(g, self.axis_name)
+            return g if self.lay_out is None else self.lay_out(g, None)[0]
+
+        # `value=` lets optax transformations that read the loss (reduce_on_plateau) work
+        # unchanged, and `grad_fn=` those that take further gradients (SAM's opaque mode);
+        # with_extra_args_support makes plain ones ignore them.
         optimizer = optax.with_extra_args_support(self.optimizer)
+        extra = extra_args(optimizer.update, value=loss, grad_fn=grad_fn)
         finite = jnp.isfinite(loss)
         applies = finite
         record = self.record
@@ -540,7 +555,7 @@ class Step(eqx.Module):
 
         def apply(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             params, opt_state, *_ = carry
-            updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
+            updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
             params = eqx.apply_updates(params, updates)
             if self.lay_out is not None:
                 params, opt_state = self.lay_out(params, opt_state)

@@ -417,6 +417,48 @@ def test_optax_reduce_on_plateau_reads_the_loss(getkey):
     assert float(result.opt_state[1].scale) < 1.0
 
 
+def test_sam_in_opaque_mode_equals_a_hand_loop_that_calls_it_so(getkey, problem):
+    """SAM's opaque mode asks for a `grad_fn`, the gradient at other parameters on the
+    step's batch, and refuses the `value` that eqfit gives optimizers that read the loss:
+    each optimizer gets the extra arguments it takes.
+    """
+    model, (x, y), _ = problem
+    x, y = x[:48], y[:48]
+
+    def sam() -> optax.GradientTransformationExtraArgs:
+        return optax.contrib.sam(optax.sgd(0.05), optax.sgd(0.02), sync_period=3, opaque_mode=True)
+
+    result = eqfit.fit(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=sam(),
+        key=getkey(),
+        epochs=2,
+        batch_size=12,
+        shuffle=False,
+    )
+    optimizer = sam()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    state = optimizer.init(params)
+
+    def loss(params, xb, yb):
+        return eqfit.losses.mse(eqx.combine(params, static), xb, yb)
+
+    for _ in range(2):
+        for i in range(0, 48, 12):
+            xb, yb = x[i : i + 12], y[i : i + 12]
+            grads = jax.grad(loss)(params, xb, yb)
+            grad_fn = lambda p, _: jax.grad(loss)(p, xb, yb)  # noqa: B023, E731
+            updates, state = optimizer.update(grads, state, params, grad_fn=grad_fn)
+            params = optax.apply_updates(params, updates)
+    assert_trees_close(result.model, eqx.combine(params, static), rtol=1e-5, atol=1e-6)
+    assert not jnp.allclose(
+        jax.tree.leaves(eqx.filter(result.model, eqx.is_array))[0],
+        jax.tree.leaves(eqx.filter(model, eqx.is_array))[0],
+    )
+
+
 def test_history_exports(getkey, problem, tmp_path):
     model, data, val = problem
     result = eqfit.fit(
