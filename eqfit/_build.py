@@ -17,12 +17,12 @@ from ._compile import PROGRAMS
 from ._data import describe, is_dtype, not_a_stack
 from ._hyperparams import check_schedules, injected_names
 from ._loop import Loop
+from ._objective import find_aux_names, Objective, takes_key
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
 from ._record import Record, record_for
 from ._schedule import Schedule
 from ._skeleton import split_arrays
 from ._state import Consts, Objects, StartArgs
-from ._step import find_aux_names, Objective, takes_key
 
 
 def make_loop(

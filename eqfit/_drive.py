@@ -169,10 +169,8 @@ class FirstEpoch:
         if not self.calls:
             return None
         joined = [np.concatenate(x, axis=self.axis) for x in zip(*self.calls)]
-        first = np.arange
-        return Steps(
-            *(np.take(x, first(min(length, x.shape[self.axis])), axis=self.axis) for x in joined)
-        )
+        kept = [np.arange(min(length, x.shape[self.axis])) for x in joined]
+        return Steps(*(np.take(x, k, axis=self.axis) for x, k in zip(joined, kept)))
 
 
 class _Reader:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Key, PyTree
 
 from ._labels import either, LabelError
-from ._step import clone, needs_key, Objective
+from ._objective import clone, needs_key, Objective
 
 
 def evaluation_needs_key(objective: Objective, model: PyTree) -> bool:

@@ -18,13 +18,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._early_stopping import EarlyStopping
+from ._objective import Objective
 from ._options import StepOptions, Validation
 from ._parallel import OneDevice, param_specs, Placement
 from ._record import Kind, Record
 from ._schedule import Schedule
 from ._skeleton import Skeleton, unwrap
 from ._state import Consts
-from ._step import Objective, Step
+from ._step import Step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,8 @@ from ._data import (
 from ._evaluate import evaluate_batches
 from ._jit import cached_jit
 from ._labels import raise_found
+from ._objective import find_aux_names, Objective, takes_key
 from ._precision import as_precision, Precision, PrecisionLike
-from ._step import find_aux_names, Objective, takes_key
 from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState, PRNGKey
 from .losses import outputs
 

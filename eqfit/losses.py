@@ -24,7 +24,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
 from ._labels import check_labels, same_shape
-from ._step import takes_key
+from ._objective import takes_key
 from ._typing import ArrayTree, PRNGKey
 
 

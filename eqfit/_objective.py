@@ -1,0 +1,436 @@
+"""How eqfit calls the user's loss and metrics (`Objective`): with or without model state,
+under a precision policy, with a key where the loss takes one; what a loss returns
+(`split_output`, `aux_value`) and the aux names it returns (`find_aux_names`); and notes
+that name the call when the user's function fails while traced.
+"""
+
+import contextlib
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Key, PyTree, TypeCheckError
+
+from ._labels import collecting, first_of, LabelError
+from ._precision import Precision
+
+
+Metrics = Mapping[str, Callable[..., Any]]
+
+
+def takes_key(fn: object) -> bool:
+    """Whether `fn` accepts a keyword argument `key` (for dropout and the like); `False`
+    for what is not callable (a model may be any PyTree).
+    """
+    return _key_parameter(fn) is not None
+
+
+def needs_key(fn: object) -> bool:
+    """Whether `fn` requires a keyword argument `key` (one without a default); `False`
+    for what is not callable.
+    """
+    param = _key_parameter(fn)
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def _key_parameter(fn: object) -> inspect.Parameter | None:
+    try:
+        return _cached_key_parameter(fn)  # `inspect.signature` is slow next to a small `fit`
+    except TypeError:  # unhashable: a Module with a list field, say
+        return _cached_key_parameter.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_key_parameter(fn: object) -> inspect.Parameter | None:
+    if not callable(fn):
+        return None
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    param = parameters.get("key")
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return param if param is not None and param.kind in kinds else None
+
+
+def check_scalar(value: Any, what: str) -> Float[Array, ""]:
+    """Refuses a loss or metric that is not a float scalar, giving what it returned."""
+    if not isinstance(value, jax.Array) or value.shape != ():
+        shape = getattr(value, "shape", None)
+        got = f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
+        raise ValueError(
+            f"{what} must return a scalar, but it returned {got}. "
+            "Reduce it over the batch, e.g. with `jnp.mean`."
+        )
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        if jnp.issubdtype(value.dtype, jnp.number) or value.dtype == jnp.bool_:
+            if what.startswith("metric"):
+                return value.astype(jnp.float32)
+        raise TypeError(f"{what} must return a float scalar, got dtype {value.dtype}.")
+    return value
+
+
+def batch_args(batch: PyTree) -> tuple[Any, ...]:
+    """How a batch is passed on: a tuple is unpacked (`loss(model, *batch)`), any other
+    PyTree (a dict, say) is passed whole (`loss(model, batch)`).
+    """
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def _check_signature(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], what: str, stateful: bool
+) -> None:
+    """Refuses a loss or metric that cannot take the arguments eqfit passes, saying which
+    it passes, rather than failing with Python's bare `TypeError` (runs while tracing).
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or the like: let the call speak
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        expected = "(model, state, *batch)" if stateful else "(model, *batch)"
+        got = ", ".join(type(a).__name__ for a in args)
+        raise TypeError(
+            f"{what} is called as fn{expected}, here with {len(args)} arguments ({got}), "
+            f"which its signature {signature} does not take: {e}."
+        ) from None
+
+
+# Words of the errors that a model called on a whole batch raises: `dot_general requires
+# contracting dimensions to have the same shape`, `Input to Conv needs to have rank 3`,
+# `Incompatible shapes for broadcasting`.
+_SHAPE_ERROR = re.compile(r"shape|dimension|\brank\b|broadcast", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def noting_call(
+    name: str, fn: Callable[..., Any], args: tuple[Any, ...], stateful: bool
+) -> Iterator[None]:
+    """Notes on an error raised while the user's `fn` (the loss, or metric `name`) is
+    traced: the call, with the shapes of the batch it was given, since the traceback shows
+    only tracers; and, for an Equinox model and an error such as calling it on the whole
+    batch gives, that the model is called on one example and should be vmapped.
+    """
+    try:
+        yield
+    except Exception as e:
+        first = 2 if stateful else 1
+        call, shapes = _described_call(fn, args[first:], ("model", "state")[:first])
+        e.add_note(f"while eqfit traced `{name}{call}` with {shapes} (one batch)")
+        if isinstance(args[0], eqx.Module) and _whole_batch_error(e, fn, args[first:]):
+            e.add_note(
+                "Equinox models are called on one example, `model(x[i])`: if the loss calls "
+                "the model on the whole batch, `jax.vmap` it over the batch, "
+                "`jax.vmap(model)(x)`, as `eqfit.losses` do."
+            )
+        raise
+
+
+def _whole_batch_error(error: Exception, fn: Callable[..., Any], batch: tuple[Any, ...]) -> bool:
+    """Whether `error` looks like that of a model called on the whole batch: an error about
+    shapes, or a runtime type check that met an array with the batch's leading size.
+    """
+    if getattr(fn, "__module__", "").startswith("eqfit."):
+        return False  # eqfit's losses and metrics vmap the model themselves
+    if not isinstance(error, TypeCheckError):
+        return _SHAPE_ERROR.search(str(error)) is not None
+    leaves = [x for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0) > 0]
+    if not leaves:
+        return False
+    return re.search(rf"Actual value: \w+\[{leaves[0].shape[0]}[,\]]", str(error)) is not None
+
+
+def _described_call(
+    fn: Callable[..., Any], batch: tuple[Any, ...], before: tuple[str, ...]
+) -> tuple[str, str]:
+    """`(model, x, y)` with `fn`'s own names for the batch's arguments (else `(model,
+    *batch)`), and each argument's arrays as `x: float32[32, 16]`.
+    """
+    names = None
+    with contextlib.suppress(TypeError, ValueError):
+        parameters = list(inspect.signature(fn).parameters.values())[len(before) :]
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if len(parameters) >= len(batch) and all(
+            p.kind in positional for p in parameters[: len(batch)]
+        ):
+            names = [p.name for p in parameters[: len(batch)]]
+    if names is None:
+        call = f"({', '.join([*before, '*batch'])})"
+        names = [f"batch[{i}]" for i in range(len(batch))]
+    else:
+        call = f"({', '.join([*before, *names])})"
+    shapes = [
+        f"{name}{jax.tree_util.keystr(path)}: {_shape(leaf)}"
+        for name, arg in zip(names, batch)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arg)
+    ]
+    return call, ", ".join(shapes) or "no arrays"
+
+
+def _shape(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{x.dtype}[{', '.join(map(str, x.shape))}]"
+    return type(x).__name__
+
+
+class Objective(eqx.Module):
+    """How to call the user's loss and metrics on a batch, with or without model state,
+    under a precision policy (or none).
+
+    A loss returns its value, or `(value, aux)` with `aux` a dict of scalars (or of
+    arrays, averaged) that the run records under their names; with state, `(value,
+    new_state)` or `((value, aux), new_state)`. `aux_names` are the names it returns,
+    found before the run (`find_aux_names`).
+    """
+
+    loss: Callable[..., Any]
+    metrics: tuple[tuple[str, Callable[..., Any]], ...] = ()
+    stateful: bool = False
+    use_key: bool = False
+    aux_names: tuple[str, ...] = ()
+    precision: Precision | None = None
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.metrics)
+
+    @property
+    def value_names(self) -> tuple[str, ...]:
+        """What `evaluate` reports, in order: the loss, the aux values, the metrics."""
+        return ("loss", *self.aux_names, *self.metric_names)
+
+    def _arguments(self, model: PyTree, model_state: PyTree, batch: PyTree) -> tuple[Any, ...]:
+        args = batch_args(batch)
+        if self.precision is not None:  # cast here, inside the step, array by array
+            model = self.precision.cast(model)
+            # The inputs: `x` of `(x, y, ...)`; the targets and weights stay as they are.
+            # A batch passed whole (a dict) is cast whole.
+            args = (self.precision.cast_batch(args[0]), *args[1:])
+        return (model, model_state, *args) if self.stateful else (model, *args)
+
+    def call(
+        self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
+    ) -> tuple[Any, list[LabelError]]:
+        """What the loss returns, as it returns it, and the label checks it made."""
+        args = self._arguments(model, model_state, batch)
+        kwargs = {"key": key} if self.use_key and key is not None else {}
+        _check_signature(self.loss, args, kwargs, "`loss`", self.stateful)
+        with collecting() as checks, noting_call("loss", self.loss, args, self.stateful):
+            out = self.loss(*args, **kwargs)
+        return out, checks
+
+    def value(
+        self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
+    ) -> tuple[Float[Array, ""], Float[Array, " aux"], PyTree, LabelError | None]:
+        """The loss, its aux values in `aux_names`' order (float32), the model state
+        after the batch (`None` without state), and the first label out of range that the
+        loss met (see `eqfit._labels`).
+        """
+        # Read before the call: a stateful layer marks the state it is given as used up.
+        dtypes = []
+        if self.precision is not None:
+            dtypes = [getattr(x, "dtype", None) for x in jax.tree.leaves(model_state)]
+        out, checks = self.call(model, model_state, batch, key)
+        value, aux, new_state = split_output(out, self.stateful)
+        value = check_scalar(value, "`loss(model, *batch)`")
+        if self.precision is not None:
+            value = value.astype(jnp.float32)
+            # The state stays in its own dtypes, whatever the cast model computed it in.
+            leaves, treedef = jax.tree.flatten(new_state)
+            if len(leaves) == len(dtypes):
+                leaves = [
+                    x.astype(d) if d is not None and eqx.is_array(x) else x
+                    for x, d in zip(leaves, dtypes)
+                ]
+                new_state = jax.tree.unflatten(treedef, leaves)
+        return value, self._aux_values(aux), new_state, first_of(checks)
+
+    def _aux_values(self, aux: Mapping[str, Any] | None) -> Float[Array, " aux"]:
+        given = () if aux is None else tuple(aux)
+        if set(given) != set(self.aux_names):
+            raise ValueError(
+                f"`loss` returned aux values {list(given)}, but before the run it returned "
+                f"{list(self.aux_names)}: a loss must return the same aux names every call."
+            )
+        if not self.aux_names:
+            return jnp.zeros(0)
+        assert aux is not None
+        values = [
+            jnp.mean(aux_value(name, aux[name])).astype(jnp.float32) for name in self.aux_names
+        ]
+        return jnp.stack(values)
+
+    def metric_values(
+        self, model: PyTree, model_state: PyTree, batch: PyTree
+    ) -> tuple[Float[Array, " metrics"], LabelError | None]:
+        """Each metric on the batch, in order (an empty vector without metrics), and the
+        first label out of range that they met.
+        """
+        if not self.metrics:
+            return jnp.zeros(0), None
+        args = self._arguments(model, model_state, batch)
+        values = []
+        with collecting() as checks:
+            for name, fn in self.metrics:
+                _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
+                with noting_call(f"metrics[{name!r}]", fn, args, self.stateful):
+                    value = fn(*args)
+                values.append(check_scalar(value, f"metric {name!r}").astype(jnp.float32))
+        return jnp.stack(values), first_of(checks)
+
+
+def aux_value(name: str, value: Any) -> Array:
+    """The loss's aux value `name` as an array of real numbers, which the run averages and
+    records in float32: a JAX array, or a numpy or Python number (a constant). Refuses a
+    complex one (float32 would drop its imaginary part), bools and PRNG keys, and what is
+    not a number, naming the aux value and what it is.
+    """
+    what = f"`loss`'s aux value {name!r}"
+    if isinstance(value, int | float | np.number | np.ndarray) and not isinstance(
+        value, bool | np.bool_
+    ):
+        value = jnp.asarray(value)  # a numpy scalar or array, or a Python number
+    if not isinstance(value, jax.Array):
+        raise TypeError(
+            f"{what} must be an array of numbers (a scalar, or an array that is averaged), "
+            f"got {_described(value)}."
+        )
+    dtype = value.dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{what} is complex ({_shape(value)}), but the run records its values as float32, "
+            "which would drop the imaginary part: record a real value (`jnp.abs(v)`, or "
+            "`v.real` and `v.imag` as two aux values)."
+        )
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"{what} is a PRNG key ({_shape(value)}), not a number: a key cannot be averaged "
+            "and recorded. Leave it out of `aux`."
+        )
+    if dtype == jnp.bool_:
+        raise TypeError(
+            f"{what} is an array of bools ({_shape(value)}): record a number, such as "
+            "`v.astype(jnp.float32)`, whose average is the fraction that are true."
+        )
+    if not jnp.issubdtype(dtype, jnp.number):
+        raise TypeError(
+            f"{what} must be an array of numbers (a scalar, or an array that is averaged), "
+            f"got {_shape(value)}."
+        )
+    return value
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, bool | np.bool_):
+        return f"a bool ({value!r}): record a number, such as `float(v)`"
+    return f"a {type(value).__name__}"
+
+
+def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | None, PyTree]:
+    """A loss's output as `(value, aux, new_state)`: `aux` `None` where it returned
+    none, `new_state` `None` without state.
+    """
+    new_state = None
+    if isinstance(out, list):  # told apart from a loss not reduced over its batch
+        fix = (
+            "`return value, new_state` (or `return (value, aux), new_state`)"
+            if stateful
+            else "`return value` (a scalar), or `return value, aux` (a tuple)"
+        )
+        parts = ", ".join(_shape(x) if hasattr(x, "dtype") else type(x).__name__ for x in out)
+        raise TypeError(
+            f"`loss` returned a list of {len(out)} ([{parts}]), but a loss returns its value, "
+            f"or its value and a dict of aux values as a tuple, not a list: {fix}."
+        )
+    if stateful:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                "With `state=`, `loss(model, state, *batch)` must return `(value, new_state)` "
+                f"(or `((value, aux), new_state)`), got {type(out).__name__}."
+            )
+        out, new_state = out
+    if isinstance(out, tuple):
+        if len(out) == 2 and isinstance(out[1], Mapping):
+            return out[0], out[1], new_state
+        form = "`((value, aux), new_state)`" if stateful else "`(value, aux)`"
+        raise ValueError(
+            f"`loss` returned a tuple of {len(out)}, but a loss returns its value, or {form} "
+            "with `aux` a dict of named values to record (`{'acc': acc}`)."
+        )
+    return out, None, new_state
+
+
+def find_aux_names(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    always: bool = False,
+) -> tuple[str, ...]:
+    """The names of the aux values that the loss returns, found by tracing it once on
+    abstract arrays (nothing runs or compiles), and remembered for the same loss on
+    arrays of the same shapes, so that a second `fit` traces nothing. eqfit's own losses
+    return none, and are not traced unless `always`.
+    """
+    if not always and getattr(objective.loss, "__module__", "").startswith("eqfit."):
+        return ()
+    try:
+        cache_key = (
+            objective.loss,
+            objective.stateful,
+            objective.use_key,
+            objective.precision,
+            *map(_abstract, (model, model_state, batch)),
+        )
+        hash(cache_key)
+    except TypeError:  # a loss or model that cannot be hashed: traced every time
+        cache_key = None
+    if cache_key is not None and cache_key in _AUX_NAMES:
+        return _AUX_NAMES[cache_key]
+    key = jax.random.key(0) if objective.use_key else None
+    found: list[tuple[str, ...]] = []
+
+    def names(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
+        out, _ = objective.call(model, model_state, batch, key)
+        _, aux, _ = split_output(out, objective.stateful)
+        found.append(() if aux is None else tuple(aux))
+
+    eqx.filter_eval_shape(names, model, model_state, batch)
+    for name in found[0]:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`loss`'s aux values must be named by strings, got {name!r}.")
+    if cache_key is not None:
+        if len(_AUX_NAMES) >= 64:
+            _AUX_NAMES.pop(next(iter(_AUX_NAMES)))
+        _AUX_NAMES[cache_key] = found[0]
+    return found[0]
+
+
+# The aux names found for a loss on arrays of given shapes (`find_aux_names`).
+_AUX_NAMES: dict[Any, tuple[str, ...]] = {}
+
+
+def _abstract(tree: PyTree) -> tuple[Any, ...]:
+    """`tree` as a hashable key: its structure, its arrays' shapes and dtypes, and its
+    other leaves.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") and hasattr(x, "dtype") else x
+        for x in leaves
+    ]
+    return (treedef, tuple(shapes))
+
+
+def clone(state: PyTree) -> PyTree:
+    """A new `eqx.nn.State` object with the same arrays (one a layer has not used up)."""
+    leaves, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, leaves)
