@@ -298,10 +298,16 @@ def test_a_long_epoch_in_a_log_writes_a_line_now_and_then_and_a_signal_is_named(
             assert process.poll() is None and time.monotonic() < deadline, lines[-5:]
             time.sleep(0.02)
         process.send_signal(signal.SIGTERM)
-        out, _ = process.communicate(timeout=60)
+        # Not `communicate`: it reads stderr too, racing the reader for the last lines.
+        process.wait(timeout=60)
+        assert process.stdout is not None
+        out = process.stdout.read()  # two short lines: the pipe never filled
     finally:
         process.kill()
-    reader.join(timeout=10)
+    reader.join(timeout=10)  # the pipe ends with the process
+    for pipe in (process.stdout, process.stderr):
+        assert pipe is not None
+        pipe.close()
     assert process.returncode == 0, (out, lines[-5:])
     text = "".join(line for _, line in lines)
     assert "\r" not in text and "\n\n" not in text
