@@ -13,6 +13,11 @@ from ._compile import (
     enable_compilation_cache as enable_compilation_cache,
 )
 from ._early_stopping import EarlyStopping as EarlyStopping
+from ._execution import (
+    Execution as Execution,
+    PerStep as PerStep,
+    WholeRun as WholeRun,
+)
 from ._fit import fit as fit, plan as plan
 from ._history import History as History
 from ._observers import Callback as Callback, ModelCallback as ModelCallback

@@ -15,10 +15,12 @@ from jaxtyping import Array, PyTree
 
 from ._compile import PROGRAMS
 from ._data import describe, is_dtype, not_a_stack
+from ._execution import choose, loss_convolves
 from ._hyperparams import check_schedules, injected_names
 from ._loop import Loop
 from ._objective import find_aux_names, Objective, takes_key
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
+from ._parallel import placement_devices
 from ._record import Record, record_for
 from ._schedule import Schedule
 from ._skeleton import split_arrays
@@ -97,6 +99,16 @@ def make_loop(
     if schedules:
         check_schedules(schedules, opt_shapes)
     loop = dataclasses.replace(loop, record=record)
+    convolves = functools.partial(
+        _convolves, objective, model, model_state, like, schedule.batch_size, options
+    )
+    execution, why = choose(
+        options.execution,
+        platform=placement_devices(options.placement)[0].platform,
+        steps_per_epoch=None if schedule.learning else schedule.steps_per_epoch,
+        convolves=convolves,
+    )
+    loop = dataclasses.replace(loop, execution=execution, execution_why=why)
     if loop.early_stopping is not None:
         check_monitor(loop.early_stopping.monitor, loop)
     policy = options.checkpoint
@@ -128,16 +140,11 @@ def _opt_state_shape(
     return opt_state, injected_names(opt_state)
 
 
-def _aux_names(
-    objective: Objective,
-    model: PyTree,
-    model_state: PyTree,
-    like: PyTree,
-    batch_size: int,
-    options: Options,
-) -> tuple[str, ...]:
-    """The names of the aux values the loss returns, traced on abstract arrays: a batch
-    of `batch_size` samples like `like`'s, one member's model and state in an ensemble.
+def _abstract_call(
+    model: PyTree, model_state: PyTree, like: PyTree, batch_size: int, options: Options
+) -> tuple[PyTree, PyTree, PyTree]:
+    """What the loss is traced on: one member's model and state (in an ensemble) and a
+    batch of `batch_size` samples like `like`'s, as abstract arrays.
     """
 
     def abstract(x: Any, drop: int = 0, lead: tuple[int, ...] = ()) -> Any:
@@ -149,6 +156,40 @@ def _aux_names(
     batch = jax.tree.map(lambda x: abstract(x, 1, (batch_size,)), like)
     member = jax.tree.map(lambda x: abstract(x, drop), model)
     state = jax.tree.map(lambda x: abstract(x, drop), model_state)
+    return member, state, batch
+
+
+def _convolves(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    like: PyTree,
+    batch_size: int,
+    options: Options,
+) -> bool:
+    """Whether the loss convolves (`loss_convolves`), traced as `_aux_names` traces it;
+    `False` for a loss that fails to trace, which the run's own trace then reports, with
+    the batch that it meets.
+    """
+    member, state, batch = _abstract_call(model, model_state, like, batch_size, options)
+    try:
+        return loss_convolves(objective, member, state, batch)
+    except Exception:
+        return False
+
+
+def _aux_names(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    like: PyTree,
+    batch_size: int,
+    options: Options,
+) -> tuple[str, ...]:
+    """The names of the aux values the loss returns, traced on abstract arrays: a batch
+    of `batch_size` samples like `like`'s, one member's model and state in an ensemble.
+    """
+    member, state, batch = _abstract_call(model, model_state, like, batch_size, options)
     if options.members is None:
         return find_aux_names(objective, member, state, batch)
     # An ensemble: one member is traced whatever the loss, so that a single model taken

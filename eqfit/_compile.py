@@ -145,14 +145,14 @@ class Starting:
         except BaseException as e:  # raised in the training thread, by `ready`
             self.error = e
 
-    def ready(self, run: Callable[..., Any], *args: Any) -> TrainState:
-        """The state, once `run` (a `jax.jit` program) is traced for it with `args`."""
-        trace = getattr(run, "trace", None)
-        if trace is not None:
-            try:
-                trace(self.shapes, *args).lower()  # the call then finds it in JAX's caches
-            except Exception:  # the call itself raises it, with eqfit's notes
-                pass
+    def ready(self, run: Any, *args: Any) -> TrainState:
+        """The state, once the run's program (`_program.Program`) is lowered for it with
+        `args`.
+        """
+        try:
+            run.lower(self.shapes, *args)  # the call then finds it in JAX's caches
+        except Exception:  # the call itself raises it, with eqfit's notes
+            pass
         return self.result()
 
     def join(self) -> None:

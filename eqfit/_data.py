@@ -256,9 +256,31 @@ def epoch_order(
 
     The sample indices in the order the epoch visits them.
     """
-    index = jnp.arange(num_samples, dtype=jnp.uint32)
+    return order_at(seed, epoch, num_samples, shuffle, jnp.arange(num_samples, dtype=jnp.uint32))
+
+
+def order_at(
+    seed: UInt32[Array, ""],
+    epoch: Int[Array, ""],
+    num_samples: int,
+    shuffle: bool,
+    positions: UInt32[Array, " m"],
+) -> UInt32[Array, " m"]:
+    """`epoch_order(seed, epoch, num_samples, shuffle)[positions]`, computed for those
+    positions only (each position's sample is its own walk of the cipher): a program of
+    one step gathers its batch without ordering the whole pass.
+
+    **Arguments:**
+
+    - `seed`, `epoch`, `num_samples`, `shuffle`: as `epoch_order`'s.
+    - `positions`: places in the epoch's order, each in `[0, N)`.
+
+    **Returns:**
+
+    The sample index at each place.
+    """
     if not shuffle or num_samples == 1:
-        return index
+        return positions
     a, b = _domain(num_samples)
     epoch_bits = lax.convert_element_type(epoch, jnp.uint32)
     epoch_key = _hash32(xor(seed, _hash32(add(epoch_bits, _U32(_GOLDEN)))))
@@ -275,9 +297,9 @@ def epoch_order(
         return jnp.asarray(False), x
 
     if a * b == num_samples:
-        return feistel(index, round_keys, a, b)
+        return feistel(positions, round_keys, a, b)
     # One copy of the cipher in the program: the first pass is the loop's first turn.
-    _, order = jax.lax.while_loop(walking, walk, (jnp.asarray(True), index))
+    _, order = jax.lax.while_loop(walking, walk, (jnp.asarray(True), positions))
     return order
 
 

@@ -21,7 +21,7 @@ from ._compile import PROGRAM_CACHE, Starting
 from ._feeds import DataError, Feed, feeds as feeds, from_data
 from ._loop import Loop
 from ._observers import Costs, Observer, Progress, Throughput
-from ._program import learned_state, run_key
+from ._program import learned_state, Program, run_key
 from ._signals import Interrupt
 from ._state import Report, Steps, Stop, TrainState
 from ._waiter import Stamp, wait_for, WAITER
@@ -285,7 +285,7 @@ class Drive:
     def __init__(
         self,
         loop: Loop,
-        program: Callable[[Loop], Callable[..., tuple[TrainState, Report]]],
+        program: Callable[[Loop], Program],
         state: TrainState | Starting,
         begin: int,
         observers: Sequence[Observer],
@@ -355,7 +355,7 @@ class Drive:
         call = self.programs[feed.batch_size]
         if self.current is None:  # traced while `start` compiles
             assert self.starting is not None
-            self.current = self.starting.ready(call, feed.inputs, np.int32(stop))
+            self.current = self.starting.ready(call, feed.inputs, stop)
         # XLA's CPU client runs a program that calls the host (`jax.debug.print`,
         # `jax.debug.callback`) in the calling thread: such a call returns done, its time
         # spent inside it, and a Ctrl-C is answered once it returns. So a call that returns
@@ -365,7 +365,7 @@ class Drive:
         self.called.add(id(call))
         dispatched = time.perf_counter()
         with interrupt.held():
-            self.current, self.report = call(self.current, feed.inputs, np.int32(stop))
+            self.current, self.report = call(self.current, feed.inputs, self.position, stop)
             ran = _is_done(self.report.step)
             since = dispatched if ran and not compiles else None
             reader.queued(self.report, self.position, stop, since)
@@ -466,7 +466,7 @@ class Drive:
 
 def drive(
     loop: Loop,
-    program: Callable[[Loop], Callable[..., tuple[TrainState, Report]]],
+    program: Callable[[Loop], Program],
     state: TrainState | Starting,
     feeds: Iterator[Feed],
     begin: int,

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from ._build import make_loop
 from ._checks import checked
 from ._early_stopping import EarlyStopping
+from ._execution import Execution
 from ._observers import Callback
 from ._open import open_data, schedule_for
 from ._options import check_options, plain_optimizer
@@ -59,6 +60,7 @@ Data = object
         "key": "a single PRNG key such as `jax.random.key(0)`",
         "profile": "an `eqfit.Profile(directory, start_step, steps)`",
         "progress": "True, False, 'bar' or 'lines'",
+        "execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`",
     },
 )
 def fit(
@@ -99,6 +101,7 @@ def fit(
     schedules: Schedules | None = None,
     peak_flops: Number | None = None,
     profile: Profile | None = None,
+    execution: Execution | Literal["auto"] = "auto",
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -242,6 +245,14 @@ def fit(
         (counted from the run's first step ever) are traced with `jax.profiler` into
         `directory`, the device waited for at both ends; the results are the same, bit
         for bit.
+    - `execution`: how the steps run: [`eqfit.WholeRun`][]`()`, every step inside one
+        compiled loop, or [`eqfit.PerStep`][]`(unroll=1)`, programs of `unroll` steps
+        with no loop in them, called one after another from Python. By default
+        (`"auto"`) `fit` takes `PerStep` where XLA compiles the step worse inside a loop
+        (a loss that convolves, on the CPU backend) and `WholeRun` elsewhere;
+        `eqfit.plan` shows the choice and why. The history, the model and the
+        checkpoints agree between the two to float tolerance (only XLA's fusion
+        differs), and a checkpoint written in one resumes in the other.
 
     *Where it runs:*
 
@@ -331,6 +342,7 @@ def fit(
         signals=signals,
         schedules=schedules,
         profile=profile,
+        execution=execution,
     )
     # Open the data, plan the run's shape from it, and build its static description.
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())

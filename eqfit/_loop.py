@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._early_stopping import EarlyStopping
+from ._execution import Execution, WholeRun
 from ._objective import Objective
 from ._options import StepOptions, Validation
 from ._parallel import OneDevice, param_specs, Placement
@@ -55,6 +56,9 @@ class Loop:
     # With a precision policy or an average: the dtype of each trained array as the model
     # holds it, to give the result back in (the master copy and the average may be wider).
     trained_dtypes: tuple[np.dtype, ...] | None = None
+    # How the steps run (`_execution`), and why, for `eqfit.plan`.
+    execution: Execution = WholeRun()
+    execution_why: str = ""
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:

@@ -21,6 +21,7 @@ from ._average import as_average, Average
 from ._checks import as_real
 from ._data import as_key, check_alive, ensemble_size
 from ._early_stopping import EarlyStopping
+from ._execution import Execution
 from ._extras import require_orbax
 from ._parallel import choose_placement, Device, Placement
 from ._policy import as_signals, Checkpoint, Profile
@@ -92,6 +93,7 @@ class Options:
     signals: tuple[signal.Signals, ...] = ()  # besides SIGINT, those that stop training
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
     profile: Profile | None = None  # checked against the run's steps by `check_profile`
+    execution: Execution | Literal["auto"] = "auto"  # checked against the run by `choose`
 
 
 EARLY_STOPPING = "`early_stopping.monitor`"
@@ -168,6 +170,7 @@ def check_options(
     signals: Any = (),
     schedules: Any = None,
     profile: Any = None,
+    execution: Execution | Literal["auto"] = "auto",
     validation_freq: Any = 1,
     data: Any = None,
     opt_state: Any = None,
@@ -308,6 +311,7 @@ def check_options(
         signals=as_signals(signals),
         schedules=scheduled,
         profile=profile,
+        execution=execution,
     )
     # The names known before the loss is traced (its aux values) and the optimizer's
     # state made (its injected hyperparameters), checked as the run's record will be.

@@ -208,6 +208,15 @@ class Sharded:
 Placement = OneDevice | Pmap | Sharded
 
 
+def placement_devices(placement: Placement) -> list[Any]:
+    """The devices that train under `placement`."""
+    if isinstance(placement, Pmap):
+        return list(placement.devices)
+    if isinstance(placement, Sharded):
+        return list(placement.mesh.devices.flat)
+    return [jax.devices()[0]]
+
+
 def choose_placement(
     devices: int | Sequence[Device] | None,
     mesh: Mesh | None,

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from ._execution import Execution
 from ._precision import Precision
 
 
@@ -154,6 +155,9 @@ class Plan:
         (`jax.Device.memory_stats()`, on GPUs and TPUs); else `None`.
     - `peak_flops`: each device's peak FLOP/s at the run's compute dtype, from eqfit's
         table of common GPUs and TPUs or `fit(..., peak_flops=)`; else `None`.
+    - `execution`: how the steps run (`fit(..., execution=)`): an [`eqfit.WholeRun`][]
+        or an [`eqfit.PerStep`][], as asked or as `fit` chooses by default.
+    - `execution_why`: why, in words.
     - `compiled`: the run's compiled program (`jax.stages.Compiled`, or
         Equinox's for `devices=`): `plan.compiled.as_text()` shows its HLO.
     """
@@ -171,6 +175,8 @@ class Plan:
     precision: Precision | None
     memory_limit: int | None
     peak_flops: float | None
+    execution: Execution
+    execution_why: str
     compiled: Any = dataclasses.field(repr=False, compare=False)
 
     @property
@@ -243,6 +249,7 @@ class Plan:
             + (f", {self.split} of {len(self.arrays)} arrays split" if self.sharded else ""),
             f"devices: {on}",
             f"precision: {_precision(self.precision)}",
+            f"steps run as: {self.execution.describe()} ({self.execution_why})",
             f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
         if self.memory_limit is not None:

@@ -23,7 +23,7 @@ from ._early_stopping import StoppingState
 from ._evaluate import evaluate_batches
 from ._loop import Loop
 from ._observers import Costs
-from ._parallel import OneDevice, param_specs, Pmap, Sharded
+from ._parallel import OneDevice, param_specs, placement_devices, Pmap, Sharded
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
 from ._program import run_key, run_program, start_program
 from ._sources import Source
@@ -108,12 +108,7 @@ def _labels(avals: PyTree) -> PyTree:
 
 def devices_of(loop: Loop) -> list[Any]:
     """The devices that train: the placement's."""
-    placement = loop.placement
-    if isinstance(placement, Pmap):
-        return list(placement.devices)
-    if isinstance(placement, Sharded):
-        return list(placement.mesh.devices.flat)
-    return [jax.devices()[0]]
+    return placement_devices(loop.placement)
 
 
 def memory_limit(devices: Sequence[Any]) -> int | None:
@@ -336,17 +331,17 @@ def _compile_plan_in(
     if source.streamed:
         piece = Piece(np.zeros(_chunk_rows(source, loop), np.uint32), np.int32(0), np.int32(0))
         inputs = inputs._replace(piece=placement.put(piece))
-    run = _lower(run_program(loop), state, inputs, np.int32(schedule.begin))
+    runs = run_program(loop).lower(state, inputs, schedule.begin)
     # The step and a validation pass are traced to count their FLOPs while XLA compiles
     # the run.
     counting = _in_thread(_count_flops, loop, lowered.out_info[0], source.like, val_data, consts)
     threads.append(counting)
     # Not in this thread: JAX lets a Ctrl-C cut short its wait for a compilation in the
     # main thread, but XLA compiles on, and a process that exits meanwhile crashes.
-    compiling_run = _in_thread(run.compile)
-    threads.append(compiling_run)
+    compiling_runs = [_in_thread(run.compile) for run in runs]
+    threads.extend(compiling_runs)
     flops, val_flops = counting.result()
-    compiled = compiling_run.result()
+    compiled = [compiling.result() for compiling in compiling_runs][0]  # the most steps
     devices = devices_of(loop)
     peak = _device_peak(loop, model, options, devices)
     start = compiling.result()
@@ -365,6 +360,8 @@ def _compile_plan_in(
         precision=loop.step.precision,
         memory_limit=memory_limit(devices),
         peak_flops=peak,
+        execution=loop.execution,
+        execution_why=loop.execution_why,
         compiled=compiled,
     )
 

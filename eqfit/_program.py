@@ -13,7 +13,7 @@ batches; `_Run.close_epoch` ends an epoch (its values, validation, early stoppin
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +21,13 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
 from ._compile import PROGRAM_CACHE
-from ._data import epoch_order, shuffle_seed
+from ._data import epoch_order, order_at, shuffle_seed
 from ._early_stopping import StoppingState
 from ._evaluate import evaluate_batches, evaluation_needs_key
+from ._execution import PerStep
 from ._labels import LabelError
 from ._loop import lay_out_state, Loop, Parts
-from ._state import Consts, Inputs, Report, Steps, Stop, TrainState
+from ._state import Consts, Inputs, Report, Steps, Stop, TrainState, Until
 
 
 def start(
@@ -102,14 +103,108 @@ START_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def run_key(loop: Loop) -> tuple[str, Loop]:
-    """Where `run` compiled for `loop` is cached (with its speed)."""
+    """Where the run's program compiled for `loop` is cached (with its speed)."""
     return ("run", loop)
 
 
-def run_program(loop: Loop) -> Callable[..., tuple[TrainState, Report]]:
-    """`run` compiled for `loop` by its placement, the state donated (cached)."""
-    compile = loop.placement.compile
-    return PROGRAM_CACHE.get(run_key(loop), lambda: compile(functools.partial(run, loop), (0,)))
+def run_program(loop: Loop) -> "Program":
+    """The run's program for `loop`, as its `execution` runs the steps (cached)."""
+    execution = loop.execution
+    if isinstance(execution, PerStep):
+        make = lambda: StepCalls(loop, execution.unroll)  # noqa: E731
+    else:
+        make = lambda: WholeRunCalls(loop)  # noqa: E731
+    return cast(Program, PROGRAM_CACHE.get(run_key(loop), make))
+
+
+class Program:
+    """The run's program as the drive calls it: trains from `begin` (the state's
+    position) to the global step `stop`, or until stopped, and reports.
+    """
+
+    def __call__(
+        self, state: TrainState, inputs: Inputs, begin: int, stop: int
+    ) -> tuple[TrainState, Report]:
+        raise NotImplementedError
+
+    def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
+        """Its compiled programs lowered for a call to `stop`, the one that runs most
+        steps first: what `eqfit.plan` compiles, and what `fit` traces while `start`
+        compiles.
+        """
+        raise NotImplementedError
+
+
+class WholeRunCalls(Program):
+    """`WholeRun`'s: `run`, compiled by the placement, the state donated."""
+
+    def __init__(self, loop: Loop):
+        self.compiled: Any = loop.placement.compile(functools.partial(run, loop), (0,))
+
+    def __call__(
+        self, state: TrainState, inputs: Inputs, begin: int, stop: int
+    ) -> tuple[TrainState, Report]:
+        del begin  # the state knows it
+        return self.compiled(state, inputs, np.int32(stop))
+
+    def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
+        return [self.compiled.lower(state, inputs, np.int32(stop))]
+
+
+class StepCalls(Program):
+    """`PerStep`'s: calls of `unrolled`, each of `unroll` steps or of a pass's smaller
+    last batch, dispatched one after the other with no wait between them; the host
+    follows the run's position by the schedule (a run that stops makes the calls after
+    it no-ops, and its report says where it stopped).
+    """
+
+    def __init__(self, loop: Loop, unroll: int):
+        self.loop, self.unroll = loop, unroll
+        compile = loop.placement.compile
+        self.full: Any = compile(functools.partial(unrolled, loop, unroll, False), (0,))
+        self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
+
+    def __call__(
+        self, state: TrainState, inputs: Inputs, begin: int, stop: int
+    ) -> tuple[TrainState, Report]:
+        schedule, position, fresh = self.loop.schedule, begin, True
+        if not schedule.learning:
+            stop = min(stop, schedule.total)
+        while True:
+            last, reached = self.next_call(position, stop, inputs.piece is not None)
+            closes = reached > position and schedule.is_epoch_end(reached)
+            until = Until(np.int32(reached), np.bool_(fresh), np.bool_(closes))
+            state, report = (self.last if last else self.full)(state, inputs, until)
+            fresh = False
+            if reached >= stop or reached == position:
+                return state, report
+            position = reached
+
+    def next_call(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
+        """Whether the call from `position` is the pass's smaller last batch's, and the
+        position it reaches: `unroll` steps on, or at `stop`, the epoch's end or the
+        pass's full batches' end if sooner.
+        """
+        schedule, passes = self.loop.schedule, self.loop.schedule.passes
+        end = min(stop, schedule.next_epoch_end(position))
+        if streamed or passes is None:  # a piece's batches are all alike
+            return False, max(min(position + self.unroll, end), position)
+        first = schedule.pass_start(schedule.pass_of(position))
+        remainder = schedule.remainder_step(schedule.pass_of(position))
+        if (remainder is not None and position == remainder) or not passes.num_full:
+            return True, max(min(position + 1, end), position)
+        end = min(end, first + passes.num_full)
+        return False, max(min(position + self.unroll, end), position)
+
+    def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
+        until = Until(np.int32(stop), np.bool_(True), np.bool_(True))
+        passes = self.loop.schedule.passes
+        lowered = []
+        if inputs.piece is not None or passes is None or passes.num_full:
+            lowered.append(self.full.lower(state, inputs, until))
+        if inputs.piece is None and passes is not None and passes.remainder:
+            lowered.append(self.last.lower(state, inputs, until))
+        return lowered
 
 
 def run(
@@ -132,6 +227,24 @@ def run(
     return jax.vmap(one)(state, inputs.key)
 
 
+def unrolled(
+    loop: Loop, unroll: int, remainder: bool, state: TrainState, inputs: Inputs, until: Until
+) -> tuple[TrainState, Report]:
+    """`unroll` steps from `state.step`, written out with no loop around them, towards
+    `until.stop` (`_Run.unrolled`); with `remainder`, the pass's smaller last batch.
+    """
+    parts = loop.parts(inputs.consts)
+
+    def one(state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
+        return _Run(loop, parts, inputs, key, jnp.asarray(until.stop)).unrolled(
+            state, until, unroll, remainder
+        )
+
+    if loop.members is None:
+        return one(state, inputs.key)
+    return jax.vmap(one)(state, inputs.key)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """One member's run, while tracing: the loop's pieces with their shared arguments."""
@@ -146,15 +259,8 @@ class _Run:
         loop, schedule = self.loop, self.loop.schedule
         stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
         if schedule.learning:  # each call's steps are recorded afresh, for the host
-            state = state._replace(
-                step_loss=jnp.full_like(state.step_loss, jnp.nan),
-                step_values=jnp.full_like(state.step_values, jnp.nan),
-                batch_sizes=jnp.zeros_like(state.batch_sizes),
-            )
-        # One key per global step, so a step's key does not depend on how the run is cut
-        # into pieces. (Derived only if the loss asks for one: threefry is costly to
-        # compile.)
-        step_key = jax.random.fold_in(self.key, 1) if loop.use_key else None
+            state = _fresh_record(state)
+        step_key = self.step_key()
         piece, passes = self.inputs.piece, schedule.passes
         if piece is not None:  # streamed: this piece's rows
             end = jnp.minimum(stop, piece.end)
@@ -179,7 +285,82 @@ class _Run:
                 return self.run_steps(state, order, first, end, remainder, step_key)
 
             state = jax.lax.while_loop(more, one_pass, state)
-        if loop.param_shardings() is not None:  # the outputs laid out as `shard=` asks
+        return self.finish(state)
+
+    def unrolled(
+        self, state: TrainState, until: Until, unroll: int, remainder: bool
+    ) -> tuple[TrainState, Report]:
+        """`PerStep`'s program: `unroll` steps written out (each a no-op once the run
+        has reached `until.stop`, the epoch's end or the pass's full batches' end, or has
+        stopped), then the epoch's close if `until.closes`. With `remainder`, one step:
+        the pass's smaller last batch, if the state is at it.
+        """
+        loop, schedule = self.loop, self.loop.schedule
+        if schedule.learning:  # each call of the drive's steps are recorded afresh
+            fresh = _fresh_record(state)
+            state = jax.tree.map(lambda a, b: jnp.where(until.fresh, a, b), fresh, state)
+        step_key = self.step_key()
+        begin = state.step
+        epoch_end = schedule.next_epoch_end(begin)
+        end = jnp.minimum(jnp.minimum(until.stop, schedule.total), epoch_end)
+        piece, passes = self.inputs.piece, schedule.passes
+        if piece is not None:  # streamed: this piece's rows
+            first, order = piece.first, jnp.asarray(piece.order)
+            end, size = jnp.minimum(end, piece.end), loop.batch_size
+            full, safe = loop.batch_size == schedule.batch_size, first
+
+            def rows(t: Int[Array, ""]) -> UInt32[Array, " batch"]:
+                start = (t - first) * loop.batch_size
+                return jax.lax.dynamic_slice(order, (start,), (size,), allow_negative_indices=False)
+
+        else:
+            assert passes is not None
+            seed, index = shuffle_seed(self.key), schedule.pass_of(begin)
+            first = schedule.pass_start(index)
+            if remainder:  # the pass's last step, on its remaining samples
+                safe = schedule.remainder_step(index)
+                end, size, full = jnp.minimum(end, safe + 1), passes.remainder, False
+            else:
+                end = jnp.minimum(end, first + passes.num_full)
+                safe, size, full = first, loop.batch_size, True
+
+            def rows(t: Int[Array, ""]) -> UInt32[Array, " batch"]:
+                start = ((t - first) * loop.batch_size).astype(jnp.uint32)
+                positions = start + jnp.arange(size, dtype=jnp.uint32)
+                return order_at(seed, index, passes.num_samples, loop.shuffle, positions)
+
+        for _ in range(unroll):
+            # Straight-line code, no loop and no `cond` around the step (XLA compiles a
+            # convolution in either worse): a step past the end is computed and dropped,
+            # on rows in range (`safe`'s).
+            active = (state.step < end) & _running(state)
+            if remainder:
+                active = active & (state.step == safe)
+            t = jnp.where(active, state.step, safe)
+            stepped = self.step_at(state._replace(step=t), rows(t), full, step_key)
+            state = jax.tree.map(lambda a, b: jnp.where(active, a, b), stepped, state)
+
+        def close(state: TrainState) -> TrainState:
+            closes = (state.step == epoch_end) & (state.step > begin) & _running(state)
+            closed = self.close_epoch(state)
+            return jax.tree.map(lambda a, b: jnp.where(closes, a, b), closed, state)
+
+        # On the host's word, so that a call that ends no epoch holds no validation (a
+        # `cond` on the state would run both branches in an ensemble's `vmap`).
+        state = jax.lax.cond(until.closes, close, lambda s: s, state)
+        return self.finish(state)
+
+    def step_key(self) -> Key[Array, ""] | None:
+        """The key the steps' keys are folded from: one key per global step, so that a
+        step's key does not depend on how the run is cut into calls. (Derived only if
+        the loss asks for one: threefry is costly to compile.)
+        """
+        return jax.random.fold_in(self.key, 1) if self.loop.use_key else None
+
+    def finish(self, state: TrainState) -> tuple[TrainState, Report]:
+        """The state at the call's end, laid out as `shard=` asks, and its report."""
+        loop = self.loop
+        if loop.param_shardings() is not None:
             params, opt_state = lay_out_state(
                 loop, self.parts.optimizer, state.params, state.opt_state
             )
@@ -204,59 +385,11 @@ class _Run:
         the pass's last step, on the smaller batch of its remaining samples.
         """
         loop, schedule = self.loop, self.loop.schedule
-        data = self.inputs.data
-        running = lambda state: state.reason == Stop.RUNNING  # noqa: E731
 
         def batch_step(state: TrainState, size: int, full: bool) -> TrainState:
-            t = state.step
-            start = (t - first) * loop.batch_size  # in range: `t` is in the piece
+            start = (state.step - first) * loop.batch_size  # in range: in the piece
             index = jax.lax.dynamic_slice(order, (start,), (size,), allow_negative_indices=False)
-            placement = loop.placement
-            if full:
-                batch, step = placement.full_batch(data, index), self.parts.step
-            else:  # never split over devices (it need not divide evenly): no pmean
-                batch = placement.remainder_batch(data, index)
-                step = dataclasses.replace(self.parts.step, axis_name=None)
-            key = None if step_key is None else jax.random.fold_in(step_key, t)
-            out = step(
-                state.params,
-                state.opt_state,
-                state.model_state,
-                state.average,
-                state.loss_scale,
-                batch,
-                key,
-            )
-            row, column = schedule.record_row(t), schedule.record_column(t)
-            nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
-            reason, label_error = state.reason, state.label_error
-            why: Any = Stop.NON_FINITE_LOSS
-            if out.labels is not None:  # the loss or the metrics check labels
-                label_error = label_error.or_else(
-                    out.labels._replace(step=jnp.asarray(t, jnp.int32))
-                )
-                why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
-            if loop.step.on_nan != "skip":
-                reason = jnp.where(out.finite, reason, why)
-            state = state._replace(
-                params=out.params,
-                opt_state=out.opt_state,
-                model_state=out.model_state,
-                average=out.average,
-                loss_scale=out.loss_scale,
-                step=t + 1,
-                reason=reason,
-                nan_step=nan_step,
-                label_error=label_error,
-                step_loss=_put(state.step_loss, out.loss, row, column),
-                running=state.running
-                + jnp.where(out.finite, jnp.stack([out.loss * size, size]), 0.0),
-                batch_sizes=_put(state.batch_sizes, size, row, column),
-            )
-            if loop.record.names:
-                values = _put(state.step_values, out.values, row, column)
-                state = state._replace(step_values=values)
-            return state
+            return self.step_at(state, index, full, step_key)
 
         def between_epoch_ends(state: TrainState) -> TrainState:
             epoch_end = schedule.next_epoch_end(state.step)
@@ -264,7 +397,7 @@ class _Run:
             full_limit = limit if remainder_step is None else jnp.minimum(limit, remainder_step)
 
             def more_full(state: TrainState) -> Bool[Array, ""]:
-                return (state.step < full_limit) & running(state)
+                return (state.step < full_limit) & _running(state)
 
             passes = schedule.passes
             if passes is None or passes.num_full:  # else all is the remainder
@@ -277,13 +410,13 @@ class _Run:
                 # A loop that runs once or not at all, not a `cond`: XLA compiles a step
                 # inside a conditional more slowly than inside a loop.
                 def remainder_due(state: TrainState) -> Bool[Array, ""]:
-                    return (state.step == remainder_step) & (state.step < limit) & running(state)
+                    return (state.step == remainder_step) & (state.step < limit) & _running(state)
 
                 remainder = passes.remainder
                 state = jax.lax.while_loop(
                     remainder_due, lambda s: batch_step(s, remainder, False), state
                 )
-            closes = (state.step == epoch_end) & running(state)
+            closes = (state.step == epoch_end) & _running(state)
             return jax.lax.cond(closes, self.close_epoch, lambda s: s, state)
 
         if schedule.epochs_end_at_pass_ends:
@@ -294,9 +427,67 @@ class _Run:
             return between_epoch_ends(state)
 
         def more(state: TrainState) -> Bool[Array, ""]:
-            return (state.step < end) & running(state)
+            return (state.step < end) & _running(state)
 
         return jax.lax.while_loop(more, between_epoch_ends, state)
+
+    def step_at(
+        self,
+        state: TrainState,
+        index: UInt32[Array, " batch"],
+        full: bool,
+        step_key: Key[Array, ""] | None,
+    ) -> TrainState:
+        """One step, at `state.step`, on the rows `index` of the data: a full batch
+        (split over devices), or a pass's smaller last one (never split, as it need not
+        divide evenly: no pmean).
+        """
+        loop, schedule = self.loop, self.loop.schedule
+        t = state.step
+        size = index.shape[0]
+        placement, data = loop.placement, self.inputs.data
+        if full:
+            batch, step = placement.full_batch(data, index), self.parts.step
+        else:
+            batch = placement.remainder_batch(data, index)
+            step = dataclasses.replace(self.parts.step, axis_name=None)
+        key = None if step_key is None else jax.random.fold_in(step_key, t)
+        out = step(
+            state.params,
+            state.opt_state,
+            state.model_state,
+            state.average,
+            state.loss_scale,
+            batch,
+            key,
+        )
+        row, column = schedule.record_row(t), schedule.record_column(t)
+        nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
+        reason, label_error = state.reason, state.label_error
+        why: Any = Stop.NON_FINITE_LOSS
+        if out.labels is not None:  # the loss or the metrics check labels
+            label_error = label_error.or_else(out.labels._replace(step=jnp.asarray(t, jnp.int32)))
+            why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
+        if loop.step.on_nan != "skip":
+            reason = jnp.where(out.finite, reason, why)
+        state = state._replace(
+            params=out.params,
+            opt_state=out.opt_state,
+            model_state=out.model_state,
+            average=out.average,
+            loss_scale=out.loss_scale,
+            step=t + 1,
+            reason=reason,
+            nan_step=nan_step,
+            label_error=label_error,
+            step_loss=_put(state.step_loss, out.loss, row, column),
+            running=state.running + jnp.where(out.finite, jnp.stack([out.loss * size, size]), 0.0),
+            batch_sizes=_put(state.batch_sizes, size, row, column),
+        )
+        if loop.record.names:
+            values = _put(state.step_values, out.values, row, column)
+            state = state._replace(step_values=values)
+        return state
 
     def close_epoch(self, state: TrainState) -> TrainState:
         """The end of the epoch just finished: its values, validation, early stopping."""
@@ -397,6 +588,19 @@ class _Run:
             if self.loop.schedule.learning
             else None,
         )
+
+
+def _running(state: TrainState) -> Bool[Array, ""]:
+    return state.reason == Stop.RUNNING
+
+
+def _fresh_record(state: TrainState) -> TrainState:
+    """`state` with its record of steps emptied: NaN, and no batch."""
+    return state._replace(
+        step_loss=jnp.full_like(state.step_loss, jnp.nan),
+        step_values=jnp.full_like(state.step_values, jnp.nan),
+        batch_sizes=jnp.zeros_like(state.batch_sizes),
+    )
 
 
 def _put(record: Array, value: Any, *index: Any) -> Array:

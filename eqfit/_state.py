@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optax
-from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
 from ._early_stopping import StoppingState
 from ._labels import LabelError
@@ -99,6 +99,18 @@ class Inputs(NamedTuple):
     key: Key[Array, "*members"]
     consts: Consts
     piece: Piece | None = None  # streamed data: where `data` sits in the run
+
+
+class Until(NamedTuple):
+    """How far a call of a `PerStep` program goes, from the host: the step it stops at
+    (if nothing stops the run before), whether it begins a call of the drive (whose
+    record of steps, while the epoch's length is learned, it starts afresh), and whether
+    its last step ends an epoch, closed there (validation, early stopping).
+    """
+
+    stop: Int[ArrayLike, ""]
+    fresh: Bool[ArrayLike, ""]
+    closes: Bool[ArrayLike, ""]
 
 
 class Steps(NamedTuple):

@@ -1,0 +1,182 @@
+"""How the steps run: inside one compiled loop (`WholeRun`), or as programs of a few
+steps written out, which Python calls one after another (`PerStep`); and which of the two
+a run gets (`choose`).
+
+Both run the same arithmetic, with the same shuffle, keys and record; only XLA's fusion
+of it differs. Why two: XLA compiles some operations worse inside a loop's body than in
+straight-line code. On its CPU backend, a convolution outside a loop is laid out for its
+fast convolution kernels, while inside a `while` body it keeps the loop-carried layout and
+becomes a naive loop nest, several times slower (jax issue #12868). Such a step trains
+faster called from Python, each call dispatched while the one before it runs, than
+scanned; every other step trains faster scanned, where a call per step would cost the
+host more than the step.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import equinox as eqx
+import jax
+from jaxtyping import PyTree
+
+from ._objective import _abstract, Objective
+
+
+class Execution(eqx.Module):
+    """How `fit` runs the training steps: `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`,
+    given as `fit(..., execution=...)`. By default (`"auto"`) `fit` chooses, and
+    `eqfit.plan` says which and why.
+    """
+
+    def describe(self) -> str:
+        """The way, in words."""
+        raise NotImplementedError
+
+
+class WholeRun(Execution):
+    """Every step inside one compiled loop: the whole run is one XLA program (called in
+    pieces for the bar, checkpoints and streamed data), so the host does nothing per
+    step. The fastest way for nearly every model, and the default but on the CPU backend
+    for a loss that convolves.
+    """
+
+    def describe(self) -> str:
+        return "the whole run in one compiled loop"
+
+
+class PerStep(Execution):
+    """Programs of `unroll` steps written out one after the other, with no loop in them,
+    that `fit` calls again and again, each call dispatched while the one before it runs
+    (the host never waits for the device between calls). The shuffle, the keys, the
+    record, validation, early stopping, checkpoints, signals and the bar are the same as
+    in `WholeRun`. It suits a step that XLA compiles worse inside a loop (a convolution
+    on the CPU backend) or a step long enough that the host's work per call is nothing
+    next to it.
+
+    **Arguments:**
+
+    - `unroll`: the steps of each program (at least 1). More steps cost fewer calls and a
+        longer compilation (the step is compiled `unroll` times over); a call never goes
+        past an epoch's end or a pass's smaller last batch, which has a program of its own.
+    """
+
+    unroll: int = 1
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.unroll, int) or self.unroll < 1:
+            raise ValueError(f"`PerStep(unroll=...)` must be at least 1, got {self.unroll!r}.")
+
+    def describe(self) -> str:
+        steps = "one step" if self.unroll == 1 else f"{self.unroll} steps"
+        return f"a program of {steps} called from Python"
+
+
+class Choice(NamedTuple):
+    """The way a run's steps run, and why (for `eqfit.plan`)."""
+
+    execution: Execution
+    why: str
+
+
+CONVOLUTION = "conv_general_dilated"
+
+
+def choose(
+    asked: Execution | Literal["auto"],
+    *,
+    platform: str,
+    steps_per_epoch: int | None,
+    convolves: Callable[[], bool],
+) -> Choice:
+    """The way the run's steps run: `asked`, checked against the run; or by default
+    `PerStep(1)` where the loss convolves on the CPU backend, else `WholeRun()`.
+
+    **Arguments:**
+
+    - `asked`: `fit`'s `execution`.
+    - `platform`: the training devices' platform (`"cpu"`, `"gpu"`, `"tpu"`).
+    - `steps_per_epoch`: the epoch's steps (`None`: not yet known, a loader's).
+    - `convolves`: whether the loss convolves (asked only where it decides).
+
+    **Returns:**
+
+    The `Choice`.
+    """
+    if isinstance(asked, PerStep):
+        if steps_per_epoch is not None and asked.unroll > steps_per_epoch:
+            raise ValueError(
+                f"`execution=PerStep(unroll={asked.unroll})` asks for programs of "
+                f"{asked.unroll} steps, but an epoch of this run has {steps_per_epoch}, "
+                "and a call never goes past an epoch's end: the steps past it would be "
+                f"compiled and never run. Give `unroll` at most {steps_per_epoch}."
+            )
+        return Choice(asked, "as `execution=` asks")
+    if isinstance(asked, WholeRun):
+        return Choice(asked, "as `execution=` asks")
+    if platform == "cpu" and convolves():
+        why = (
+            "the loss convolves, on the CPU backend, where XLA compiles a convolution "
+            "inside a loop as a naive loop nest (jax #12868)"
+        )
+        return Choice(PerStep(1), why)
+    if platform == "cpu":
+        return Choice(WholeRun(), "no convolution: nothing XLA compiles worse in a loop")
+    return Choice(WholeRun(), f"on {platform}, a step runs as fast in a loop")
+
+
+def loss_convolves(objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree) -> bool:
+    """Whether the loss (the model's forward pass, metrics included) convolves, from its
+    trace on abstract arrays (nothing runs or compiles); remembered for the same loss on
+    arrays of the same shapes.
+    """
+    try:
+        cache_key = (
+            objective.loss,
+            objective.metrics,
+            objective.stateful,
+            objective.use_key,
+            *map(_abstract, (model, model_state, batch)),
+        )
+        hash(cache_key)
+    except TypeError:  # a loss or model that cannot be hashed: traced every time
+        return _traced_convolves(objective, model, model_state, batch)
+    return _cached_convolves(cache_key, objective, model, model_state, batch)
+
+
+_CONVOLVES: dict[Any, bool] = {}
+
+
+def _cached_convolves(
+    cache_key: Any, objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree
+) -> bool:
+    if cache_key not in _CONVOLVES:
+        if len(_CONVOLVES) >= 64:
+            _CONVOLVES.pop(next(iter(_CONVOLVES)))
+        _CONVOLVES[cache_key] = _traced_convolves(objective, model, model_state, batch)
+    return _CONVOLVES[cache_key]
+
+
+def _traced_convolves(
+    objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree
+) -> bool:
+    key = jax.random.key(0) if objective.use_key else None
+
+    def forward(model: PyTree, model_state: PyTree, batch: PyTree) -> Any:
+        out, _ = objective.call(model, model_state, batch, key)
+        return out
+
+    jaxpr = eqx.filter_make_jaxpr(forward)(model, model_state, batch)[0]
+    return _has_primitive(jaxpr.jaxpr, CONVOLUTION)
+
+
+def _has_primitive(jaxpr: Any, name: str) -> bool:
+    """Whether `jaxpr`, or a jaxpr inside it (a loop's body, a branch), applies `name`."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return True
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a closed jaxpr's own
+                if hasattr(inner, "eqns") and _has_primitive(inner, name):
+                    return True
+    return False
