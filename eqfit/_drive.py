@@ -365,7 +365,13 @@ class Drive:
         self.called.add(id(call))
         dispatched = time.perf_counter()
         with interrupt.held():
-            self.current, self.report = call(self.current, feed.inputs, self.position, stop)
+            # With one process, a program of few steps a call stops at a signal (with
+            # several, every process makes the same calls, agreed at each call).
+            stopping = None if self.several else lambda: interrupt.requested
+            current, self.report, stop = call(
+                self.current, feed.inputs, self.position, stop, stopping
+            )
+            self.current = current
             ran = _is_done(self.report.step)
             since = dispatched if ran and not compiles else None
             reader.queued(self.report, self.position, stop, since)

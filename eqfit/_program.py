@@ -10,6 +10,7 @@ same compiled program, and the pieces agree with one whole run bit for bit.
 batches; `_Run.close_epoch` ends an epoch (its values, validation, early stopping).
 """
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -123,8 +124,17 @@ class Program:
     """
 
     def __call__(
-        self, state: TrainState, inputs: Inputs, begin: int, stop: int
-    ) -> tuple[TrainState, Report]:
+        self,
+        state: TrainState,
+        inputs: Inputs,
+        begin: int,
+        stop: int,
+        stopping: Callable[[], bool] | None = None,
+    ) -> tuple[TrainState, Report, int]:
+        """Returns the state, the report, and the position the call goes to: `stop`, or
+        less where `stopping()` turned true on the way (a signal), where a program of
+        few steps a call sees it.
+        """
         raise NotImplementedError
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
@@ -142,13 +152,23 @@ class WholeRunCalls(Program):
         self.compiled: Any = loop.placement.compile(functools.partial(run, loop), (0,))
 
     def __call__(
-        self, state: TrainState, inputs: Inputs, begin: int, stop: int
-    ) -> tuple[TrainState, Report]:
-        del begin  # the state knows it
-        return self.compiled(state, inputs, np.int32(stop))
+        self,
+        state: TrainState,
+        inputs: Inputs,
+        begin: int,
+        stop: int,
+        stopping: Callable[[], bool] | None = None,
+    ) -> tuple[TrainState, Report, int]:
+        del begin, stopping  # the state knows where it is; one call, to `stop`
+        return *self.compiled(state, inputs, np.int32(stop)), stop
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
         return [self.compiled.lower(state, inputs, np.int32(stop))]
+
+
+# How many calls of a `PerStep` program the host queues ahead of the device: enough
+# that the device never waits for the host between steps.
+AHEAD = 2
 
 
 class StepCalls(Program):
@@ -165,11 +185,19 @@ class StepCalls(Program):
         self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
 
     def __call__(
-        self, state: TrainState, inputs: Inputs, begin: int, stop: int
-    ) -> tuple[TrainState, Report]:
+        self,
+        state: TrainState,
+        inputs: Inputs,
+        begin: int,
+        stop: int,
+        stopping: Callable[[], bool] | None = None,
+    ) -> tuple[TrainState, Report, int]:
         schedule, position, fresh = self.loop.schedule, begin, True
         if not schedule.learning:
             stop = min(stop, schedule.total)
+        # The device runs at most `AHEAD` calls behind the host: a signal then stops
+        # training within a few steps, as the host sees it between calls.
+        in_flight: collections.deque[Array] = collections.deque()
         while True:
             last, reached = self.next_call(position, stop, inputs.piece is not None)
             closes = reached > position and schedule.is_epoch_end(reached)
@@ -177,8 +205,13 @@ class StepCalls(Program):
             state, report = (self.last if last else self.full)(state, inputs, until)
             fresh = False
             if reached >= stop or reached == position:
-                return state, report
+                return state, report, reached
             position = reached
+            in_flight.append(report.step)
+            if len(in_flight) > AHEAD:
+                in_flight.popleft().block_until_ready()
+            if stopping is not None and stopping():
+                return state, report, position
 
     def next_call(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
         """Whether the call from `position` is the pass's smaller last batch's, and the

@@ -1,14 +1,15 @@
 """A training run for test_checkpoint.py to kill, interrupt or starve.
 
 Usage: python checkpoint_worker.py DIRECTORY|- (compiled | progress)
-    [limit BYTES | nobody | long | nosignals | steps N | epochs E]...
+    [limit BYTES | nobody | long | nosignals | steps N | epochs E | perstep]...
 
 It prints "epoch N" after each epoch, and how it ended: "finished", "interrupted after N
 epochs, S steps, by SIGNAL" (exit code 3) or "checkpoint error: ..." (exit code 4). With
 `limit`, files over BYTES cannot be written (RLIMIT_FSIZE); with `nobody`, it drops root's
 privileges first; with `long`, its epochs are a million steps (minutes), not one pass of
 the test problem; with `nosignals`, `fit` handles no signal but Ctrl-C; with `steps N`, a
-checkpoint falls every N steps too; `epochs E` trains E epochs (200).
+checkpoint falls every N steps too; `epochs E` trains E epochs (200); `perstep` runs the
+steps as `eqfit.PerStep()`, a call each.
 """
 
 import os
@@ -44,6 +45,8 @@ epochs = int(flags[flags.index("epochs") + 1]) if "epochs" in flags else 200
 model, data, kwargs = checkpoint_problem(epochs)
 if "long" in flags:
     kwargs.update(epochs=2, steps_per_epoch=10**6)
+if "perstep" in flags:
+    kwargs.update(execution=eqfit.PerStep())
 if "nosignals" in flags:
     kwargs.update(signals=())
 checkpoint = None if directory == "-" else directory

@@ -1,0 +1,317 @@
+"""The ways of running the steps (`fit(..., execution=)`): every way trains the same run.
+
+`WholeRun` scans every step inside one compiled loop; `PerStep(unroll)` calls programs of
+`unroll` steps written out, one after another. The arithmetic of a step is the same, so
+their runs agree to float tolerance (XLA may fuse the two programs differently); within
+one way, the compiled run and the bar's run, cut into other calls, agree bit for bit.
+"""
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, assert_trees_equal, worker_env
+
+import eqfit
+
+
+HERE = Path(__file__).parent
+ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
+N, BATCH = 200, 16  # 13 steps a pass: 12 of 16 samples, then one of 8
+PER_STEP = [eqfit.PerStep(), eqfit.PerStep(3)]
+
+
+def arrays():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 3)).astype(np.float32)
+    y = x @ np.array([1.0, -2.0, 0.5], np.float32) + np.sin(x[:, 0])
+    return x, y
+
+
+class Batches:
+    """A loader: the same batches every pass, with `len` or without."""
+
+    def __init__(self, sized):
+        self.x, self.y = arrays()
+        self.sized = sized
+
+    def __iter__(self):
+        for start in range(0, N, BATCH):
+            yield self.x[start : start + BATCH], self.y[start : start + BATCH]
+
+    def __len__(self):
+        if not self.sized:
+            raise TypeError("no len")
+        return -(-N // BATCH)
+
+
+def mae(model, x, y):
+    return jnp.abs(jax.vmap(model)(x) - y).mean()
+
+
+def train(execution, kind="arrays", tmp_path=None, progress=False, **kwargs):
+    """An MLP trained on `kind` of data for 3 epochs, validated and with a metric."""
+    x, y = arrays()
+    if kind == "arrays":
+        data = (x, y)
+    elif kind == "memmap":
+        assert tmp_path is not None
+        np.save(tmp_path / "x.npy", x)
+        np.save(tmp_path / "y.npy", y)
+        data = (
+            np.load(tmp_path / "x.npy", mmap_mode="r"),
+            np.load(tmp_path / "y.npy", mmap_mode="r"),
+        )
+    else:
+        data = Batches(sized=kind == "loader")
+    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1))
+    settings = dict(
+        loss=eqfit.losses.mse,
+        optimizer=ADAM,
+        key=jax.random.key(2),
+        epochs=3,
+        batch_size=BATCH,
+        validation_data=(x[:40], y[:40]),
+        metrics={"mae": mae},
+        execution=execution,
+        progress=progress,
+    )
+    return eqfit.fit(model, data, **{**settings, **kwargs})
+
+
+def assert_runs_close(a, b):
+    assert_trees_close(a.model, b.model)
+    assert_trees_close(a.opt_state, b.opt_state)
+    np.testing.assert_array_equal(a.history.batch_sizes, b.history.batch_sizes)
+    np.testing.assert_allclose(a.history.step_loss, b.history.step_loss, rtol=1e-5, atol=1e-6)
+    for name in ("loss", "val_loss", "mae", "val_mae"):
+        np.testing.assert_allclose(a.history[name], b.history[name], rtol=1e-5, atol=1e-6)
+
+
+def assert_runs_equal(a, b):
+    assert_trees_equal(a.model, b.model)
+    assert_trees_equal(a.opt_state, b.opt_state)
+    np.testing.assert_array_equal(a.history.step_loss, b.history.step_loss)
+    for name in ("loss", "val_loss", "mae", "val_mae"):
+        np.testing.assert_array_equal(a.history[name], b.history[name])
+
+
+CONFIGURATIONS = {
+    "arrays": dict(),
+    # Epochs of 5 steps, inside and across passes of 13.
+    "epochs-inside-passes": dict(steps_per_epoch=5, epochs=6),
+    "unsized-loader": dict(kind="unsized"),
+    "early-stopping": dict(
+        epochs=8, early_stopping=eqfit.EarlyStopping(patience=1, min_delta=0.5, restore_best=True)
+    ),
+    # The same paths again, with other options (the whole suite only).
+    "no-shuffle": dict(shuffle=False),
+    "loader": dict(kind="loader"),
+    "ema-and-norms": dict(ema=0.9, norms=True),
+}
+HEAVY = ("no-shuffle", "loader", "ema-and-norms")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in CONFIGURATIONS],
+)
+def test_every_way_trains_the_same_run(name):
+    settings = CONFIGURATIONS[name]
+    whole = train(eqfit.WholeRun(), **settings)
+    # Programs of one step; and of three, whose calls stop short at epoch and pass ends.
+    for execution in PER_STEP if name == "arrays" else PER_STEP[1:]:
+        compiled = train(execution, **settings)
+        assert_runs_close(compiled, whole)
+        # The bar's calls cut the run elsewhere: within a way, the same bits.
+        assert_runs_equal(train(execution, progress="bar", **settings), compiled)
+        if name == "early-stopping":  # it did stop early, at the same epoch in every way
+            assert whole.history.epochs < 8 and whole.history.stop_reason == "early_stopping"
+            assert compiled.history.epochs == whole.history.epochs
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(kind="memmap"),
+        dict(devices=2),
+        dict(mesh="mesh"),
+        dict(mesh="mesh", shard=eqfit.sharding.fsdp("batch", min_bytes=0)),
+    ],
+    ids=["memmap", "devices", "mesh", "shard"],
+)
+def test_every_way_trains_the_same_run_on_memmaps_and_devices(tmp_path, settings):
+    if settings.get("mesh") == "mesh":
+        settings = {**settings, "mesh": jax.make_mesh((8,), ("batch",))}
+    settings = {"tmp_path": tmp_path, "batch_size": 32, **settings}
+    whole = train(eqfit.WholeRun(), **settings)
+    compiled = train(eqfit.PerStep(), **settings)
+    assert_runs_close(compiled, whole)
+    assert_runs_equal(train(eqfit.PerStep(), progress="bar", **settings), compiled)
+
+
+@pytest.mark.heavy
+def test_every_way_trains_an_ensemble_the_same():
+    def make(key):
+        return eqfit.models.MLP(3, "scalar", 8, 1, key=key)
+
+    x, y = arrays()
+    models = eqx.filter_vmap(make)(jax.random.split(jax.random.key(3), 3))
+    settings = dict(
+        loss=eqfit.losses.mse,
+        optimizer=ADAM,
+        key=jax.random.key(4),
+        epochs=2,
+        batch_size=BATCH,
+        validation_data=(x[:40], y[:40]),
+        ensemble=True,
+    )
+    whole = eqfit.fit(models, (x, y), execution=eqfit.WholeRun(), **settings)
+    per_step = eqfit.fit(models, (x, y), execution=eqfit.PerStep(2), **settings)
+    assert_trees_close(per_step.model, whole.model)
+    np.testing.assert_allclose(per_step.history.val_loss, whole.history.val_loss, rtol=1e-5)
+
+
+def test_a_run_stopped_by_a_nan_stops_at_its_step_in_every_way():
+    x, y = arrays()
+    y[7] = np.nan  # in some batch of the first pass, wherever the shuffle puts it
+    raised = []
+    for execution in (eqfit.WholeRun(), eqfit.PerStep(3)):
+        with pytest.raises(eqfit.NonFiniteLossError) as error:
+            eqfit.fit(
+                eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1)),
+                (x, y),
+                loss=eqfit.losses.mse,
+                optimizer=ADAM,
+                key=jax.random.key(2),
+                epochs=2,
+                batch_size=BATCH,
+                execution=execution,
+            )
+        raised.append(error.value)
+    whole, per_step = raised
+    assert str(per_step) == str(whole)
+    trained = [int((e.result.history.batch_sizes > 0).sum()) for e in raised]  # type: ignore
+    assert trained[0] == trained[1] < 13  # inside the first pass
+    assert_trees_close(per_step.result.model, whole.result.model)  # type: ignore
+
+
+@pytest.mark.parametrize("first, then", [("per-step", "whole"), ("whole", "per-step")])
+def test_a_checkpoint_written_in_one_way_resumes_in_the_other(tmp_path, first, then):
+    ways = {"per-step": eqfit.PerStep(), "whole": eqfit.WholeRun()}
+    uninterrupted = train(ways[then], epochs=4)
+    policy = eqfit.Checkpoint(tmp_path / "all", every_epochs=None, every_steps=5, keep=100)
+    train(ways[first], epochs=4, checkpoint=policy)
+    # Inside the second epoch, after the first pass's smaller last batch.
+    name = "ckpt-000001-000007"
+    assert (tmp_path / "all" / name).is_dir()
+    alone = tmp_path / "alone"
+    shutil.copytree(tmp_path / "all" / name, alone / name)
+    resumed = train(ways[then], epochs=4, checkpoint=alone)
+    assert_runs_close(resumed, uninterrupted)
+    assert resumed.history.epochs == 4
+
+
+class ConvNet(eqx.Module):
+    """A small CNN of Equinox's layers, as in Equinox's MNIST example."""
+
+    conv: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 4, 3, padding=1, key=k1)
+        self.head = eqx.nn.Linear(4, 3, key=k2)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.conv(x)).mean(axis=(1, 2)))
+
+
+def conv_problem():
+    rng = np.random.default_rng(5)
+    images = rng.normal(size=(48, 1, 6, 6)).astype(np.float32)
+    labels = rng.integers(0, 3, 48).astype(np.int32)
+    model = ConvNet(jax.random.key(6))
+    settings = dict(
+        loss=eqfit.losses.softmax_cross_entropy,
+        optimizer=ADAM,
+        key=jax.random.key(7),
+        epochs=2,
+        batch_size=8,
+    )
+    return model, (images, labels), settings
+
+
+def test_fit_chooses_per_step_for_a_convolution_on_the_cpu_and_the_loop_for_an_mlp():
+    model, data, settings = conv_problem()
+    planned = eqfit.plan(model, data, **settings)
+    assert planned.execution == eqfit.PerStep(1)
+    assert "convolves" in planned.execution_why and "CPU" in planned.execution_why
+    assert "steps run as: a program of one step called from Python" in str(planned)
+    x, y = arrays()
+    mlp = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1))
+    planned = eqfit.plan(mlp, (x, y), loss=eqfit.losses.mse, optimizer=ADAM, key=jax.random.key(2))
+    assert planned.execution == eqfit.WholeRun()
+    assert "no convolution" in planned.execution_why
+    # Asked for, either way is taken.
+    forced = eqfit.plan(model, data, execution=eqfit.WholeRun(), **settings)
+    assert forced.execution == eqfit.WholeRun() and "asks" in forced.execution_why
+
+
+def test_a_conv_net_trains_the_same_in_the_way_chosen_and_in_the_loop():
+    model, data, settings = conv_problem()
+    chosen = eqfit.fit(model, data, progress="bar", **settings)  # PerStep(1), as planned
+    whole = eqfit.fit(model, data, execution=eqfit.WholeRun(), **settings)
+    assert_trees_close(chosen.model, whole.model)
+    np.testing.assert_allclose(chosen.history.step_loss, whole.history.step_loss, rtol=1e-5)
+
+
+def test_a_way_that_cannot_run_is_refused_before_compiling():
+    with pytest.raises(ValueError, match=r"`PerStep\(unroll=...\)` must be at least 1, got 0"):
+        eqfit.PerStep(0)
+    with pytest.raises(
+        ValueError,
+        match=r"`execution=PerStep\(unroll=20\)` asks for programs of 20 steps, but an epoch "
+        r"of this run has 13.*at most 13",
+    ):
+        train(eqfit.PerStep(20))
+    with pytest.raises(TypeError, match="`execution`"):
+        train("fast")
+
+
+@pytest.mark.heavy
+def test_a_sigterm_in_the_per_step_way_stops_within_steps_with_its_checkpoint(tmp_path):
+    """An epoch of a million steps, each a call: SIGTERM stops training a few steps on,
+    with the checkpoint at the step the result reached.
+    """
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "checkpoint_worker.py"), str(tmp_path), "compiled"]
+        + ["long", "perstep"],
+        env=worker_env(HERE),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().startswith("starting")
+        time.sleep(4)  # compiled, and training
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 3, err[-3000:]
+    words = out.split("interrupted after ")[1].split()
+    steps, by = int(words[2]), words[5]
+    assert by == "SIGTERM" and 0 < steps < 10**6
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*"))[-1] == f"ckpt-000000-{steps:06d}"
