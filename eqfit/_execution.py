@@ -121,7 +121,7 @@ def choose(
         return Choice(PerStep(1), why)
     if platform == "cpu":
         return Choice(WholeRun(), "no convolution: nothing XLA compiles worse in a loop")
-    return Choice(WholeRun(), f"on {platform}, a step runs as fast in a loop")
+    return Choice(WholeRun(), f"on {platform}, no operation known to compile worse in a loop")
 
 
 def loss_convolves(objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree) -> bool:

@@ -159,7 +159,9 @@ class Plan:
         or an [`eqfit.PerStep`][], as asked or as `fit` chooses by default.
     - `execution_why`: why, in words.
     - `compiled`: the run's compiled program (`jax.stages.Compiled`, or
-        Equinox's for `devices=`): `plan.compiled.as_text()` shows its HLO.
+        Equinox's for `devices=`): `plan.compiled.as_text()` shows its HLO. With
+        `PerStep`, the program of full batches' steps that `fit` calls again and again
+        (`memory` is its).
     """
 
     memory: Memory
