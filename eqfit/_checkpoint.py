@@ -65,13 +65,17 @@ class _Stream:
 
     def __init__(self, file: io.BufferedIOBase | None):
         self.file, self.crc, self.size = file, 0, 0
+        self.error: OSError | None = None  # the file's, which equinox wraps in its own
 
     def write(self, data: Any) -> int:
         size = memoryview(data).nbytes
         if self.file is not None:  # else only counted
-            # The CRC where the bytes are already in the cache: one pass over memory.
             self.crc = zlib.crc32(data, self.crc)
-            self.file.write(data)
+            try:
+                self.file.write(data)
+            except OSError as e:
+                self.error = e
+                raise
         self.size += size
         return size
 
@@ -105,7 +109,12 @@ def write_leaves(file: io.BufferedIOBase | None, tree: PyTree) -> _Stream:
     What went through: `.crc` (its CRC32) and `.size` (its length in bytes).
     """
     stream = _Stream(file)
-    eqx.tree_serialise_leaves(stream, tree, filter_spec=stream.leaf)
+    try:
+        eqx.tree_serialise_leaves(stream, tree, filter_spec=stream.leaf)
+    except Exception:
+        if stream.error is not None:  # a full disk, say: as the file raised it
+            raise stream.error from None
+        raise
     return stream
 
 
