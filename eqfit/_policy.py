@@ -48,8 +48,9 @@ class Checkpoint:
         the checkpoint's step, while the device waits. `None` (the default) chooses by
         where the state lives: in the background on a GPU or TPU, whose host's cores are
         free while it computes, and in the training thread on the CPU backend, where a
-        writer thread would compete with XLA's computation for the same cores and cost
-        the run more than the write itself. Either way a checkpoint is fsynced and
+        writer thread would take its cores from XLA's computation: there the background
+        saves nothing, and the training thread needs no copy of the state and commits
+        each checkpoint at its step. Either way a checkpoint is fsynced and
         renamed into place whole, and a failed write raises
         [`eqfit.CheckpointError`][] with the training so far. With several processes
         (`jax.distributed`) it is written in the training thread whatever this says:
