@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,7 +28,7 @@ from ._schedule import epochs_and_steps
 from ._version import __version__
 
 
-FORMAT = 2  # 2: a sequence number orders checkpoints
+FORMAT = 3  # 2: a sequence number orders checkpoints; 3: a CRC32, where 2 had a SHA-256
 _NAME = re.compile(r"^ckpt-(\d{6})-(\d{6})$")
 
 
@@ -57,22 +58,101 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def serialise(tree: PyTree) -> bytes:
-    """`tree`'s leaves as `eqx.tree_serialise_leaves` writes them, in memory: a `BytesIO`
-    hands its buffer over without a copy, where reading a spooled file back copies it.
+class _Stream:
+    """A file that `eqx.tree_serialise_leaves` writes to, which keeps the CRC32 and the
+    length of what goes through it; `leaf` is its filter spec.
     """
-    buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(buffer, tree)
-    return buffer.getvalue()
+
+    def __init__(self, file: io.BufferedIOBase | None):
+        self.file, self.crc, self.size = file, 0, 0
+        self.error: OSError | None = None  # the file's, which equinox wraps in its own
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if self.file is not None:  # else only counted
+            self.crc = zlib.crc32(data, self.crc)
+            try:
+                self.file.write(data)
+            except OSError as e:
+                self.error = e
+                raise
+        self.size += size
+        return size
+
+    def leaf(self, f: Any, x: Any) -> None:
+        """`x` as `eqx.default_serialise_filter_spec` writes it (`np.save`'s bytes), an
+        array of a numpy dtype straight from its own buffer: `np.save` to anything but a
+        real file copies it (`tobytes`), and a real file's `tofile` would pass by the CRC.
+        """
+        if isinstance(x, jax.Array):
+            x = np.asarray(x)  # the buffer itself on a CPU, once the device is done
+        if not (isinstance(x, np.ndarray) and x.dtype.isbuiltin == 1 and x.flags.c_contiguous):
+            eqx.default_serialise_filter_spec(f, x)  # bfloat16, Python scalars, ...
+            return
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(x))
+        f.write(header.getvalue())
+        f.write(x.reshape(-1).view(np.uint8))  # a view: no copy
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Writes `path` through a fsynced temporary file and a rename."""
+def write_leaves(file: io.BufferedIOBase | None, tree: PyTree) -> _Stream:
+    """Writes `tree`'s leaves to `file` as `eqx.tree_serialise_leaves` does, byte for
+    byte, with no copy of an array on the way.
+
+    **Arguments:**
+
+    - `file`: a file open for writing; `None` to count the bytes alone.
+    - `tree`: the PyTree (of numpy arrays, usually: the state on the host).
+
+    **Returns:**
+
+    What went through: `.crc` (its CRC32) and `.size` (its length in bytes).
+    """
+    stream = _Stream(file)
+    try:
+        eqx.tree_serialise_leaves(stream, tree, filter_spec=stream.leaf)
+    except Exception:
+        if stream.error is not None:  # a full disk, say: as the file raised it
+            raise stream.error from None
+        raise
+    return stream
+
+
+def write_atomically(path: Path, prefix: bytes, tree: PyTree) -> None:
+    """Writes `prefix` then `tree`'s leaves (`write_leaves`) to `path`, through a
+    fsynced temporary file and a rename.
+    """
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    os.close(fd)
-    _write(Path(tmp), data)
+    with os.fdopen(fd, "wb") as f:
+        f.write(prefix)
+        write_leaves(f, tree)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+# A checkpoint's checksum of its state file, by its name in the manifest: CRC32, which
+# runs at the speed of memory, and SHA-256, which checkpoints of eqfit before FORMAT 3
+# carry (read and checked still). They guard against a damaged or truncated file, not
+# against tampering.
+CHECKSUMS = ("crc32", "sha256")
+
+
+def file_checksum(path: Path, kind: str) -> str:
+    """The checksum `kind` (one of `CHECKSUMS`) of the file at `path`, as a manifest
+    holds it (hexadecimal).
+    """
+    crc, digest = 0, hashlib.sha256()
+    chunk = bytearray(1 << 22)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(chunk):
+            part = memoryview(chunk)[:size]
+            if kind == "crc32":
+                crc = zlib.crc32(part, crc)
+            else:
+                digest.update(part)
+    return f"{crc:08x}" if kind == "crc32" else digest.hexdigest()
 
 
 def position(state: Any) -> int:
@@ -99,9 +179,10 @@ class Checkpoints:
     Each checkpoint is a folder `ckpt-<epoch>-<step>` (the epochs done and the steps into
     the next) holding `state.eqx` (the training state and record, by
     `eqx.tree_serialise_leaves`) and `manifest.json` (a sequence number, the run's
-    configuration, versions and the state file's SHA-256). It is written into a temporary
-    folder, fsynced, then renamed into place, so a crash mid-write never leaves a partial
-    checkpoint under a checkpoint's name.
+    configuration, versions and the state file's CRC32; an earlier eqfit's SHA-256 is
+    checked still). It is written into a temporary folder, fsynced, then renamed into
+    place, so a crash mid-write never leaves a partial checkpoint under a checkpoint's
+    name.
 
     Checkpoints are ordered by their sequence number, the order they were completed in,
     never by folder name. A folder whose manifest cannot be read, or whose files do not
@@ -371,15 +452,18 @@ class Checkpoints:
                 self._warn(folder, f"its state does not read back ({type(e).__name__}: {e})")
         return None
 
-    # How the state is kept: one file, `state.eqx`, written by the writer from a host copy.
+    # How the state is kept: one file, `state.eqx`, written by the writer from the state on
+    # the host.
 
     def _position(self, state: PyTree) -> int:
         """Where `state` stands (see `position`), which names its checkpoint."""
         return position(state)
 
     def _encode(self, state: PyTree) -> Any:
-        """What `_write_state` writes, made once per checkpoint (a retry writes it again)."""
-        return serialise(state)
+        """What `_write_state` writes, made once per checkpoint (a retry writes it again):
+        here the state itself, whose arrays are written from their own buffers.
+        """
+        return state
 
     def _temporary(self, final: Path) -> Path:
         """A new temporary folder in the directory, to be renamed to `final`."""
@@ -390,26 +474,29 @@ class Checkpoints:
 
         **Returns:**
 
-        The manifest's fields that describe it, its checksum (`sha256`) among them.
+        The manifest's fields that describe it, its checksum (`crc32`) among them.
         """
-        _write(folder / "state.eqx", payload)
-        return {"sha256": hashlib.sha256(payload).hexdigest()}
+        with open(folder / "state.eqx", "wb") as f:
+            crc = write_leaves(f, payload).crc
+            f.flush()
+            os.fsync(f.fileno())
+        return {"crc32": f"{crc:08x}"}
 
     def _size(self, payload: Any, head: dict[str, Any]) -> int:
         """The bytes a checkpoint takes, for the message of a full disk."""
-        fields = {"sha256": hashlib.sha256(payload).hexdigest()}
-        manifest = {**head, **fields, "config": self.config, "versions": versions()}
-        return len(payload) + len(json.dumps(manifest, indent=1).encode())
+        manifest = {**head, "crc32": "0" * 8, "config": self.config, "versions": versions()}
+        return write_leaves(None, payload).size + len(json.dumps(manifest, indent=1).encode())
 
     def _check_state(self, folder: Path, manifest: dict[str, Any]) -> None:
         """Refuses (`ValueError`) a checkpoint whose state file is missing or does not
-        match its manifest.
+        match its manifest's checksum (`crc32`, or an earlier eqfit's `sha256`).
         """
+        kind = next(kind for kind in CHECKSUMS if kind in manifest)
         try:
-            data = (folder / "state.eqx").read_bytes()
+            checksum = file_checksum(folder / "state.eqx", kind)
         except OSError as e:
             raise ValueError(f"its state cannot be read ({e.strerror})") from None
-        if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        if checksum != manifest[kind]:
             raise ValueError("its contents do not match the checksum in its manifest")
 
     def _read_state(self, folder: Path, manifest: dict[str, Any], like: PyTree) -> PyTree:
@@ -457,11 +544,14 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
         raise ValueError("its manifest is not JSON (a write cut short?)") from None
     if not isinstance(manifest, dict):
         raise ValueError(f"its manifest is a JSON {type(manifest).__name__}, not an object")
-    kinds = {"sequence": int, "epoch": int, "step": int, "sha256": str, "config": dict}
+    kinds = {"sequence": int, "epoch": int, "step": int, "config": dict}
     for name, kind in kinds.items():
         value = manifest.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ValueError(f"its manifest has no {kind.__name__} {name!r}")
+    sums = [kind for kind in CHECKSUMS if kind in manifest]
+    if not sums or not all(isinstance(manifest[kind], str) for kind in sums):
+        raise ValueError("its manifest has no checksum (a str 'crc32' or 'sha256')")
     return manifest
 
 

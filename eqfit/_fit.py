@@ -278,8 +278,9 @@ def fit(
 
     - `checkpoint`: a directory, or an [`eqfit.Checkpoint`][] policy with one (by
         epochs, steps or wall seconds; the newest `keep` kept, and the best by a value).
-        The whole training state is written there atomically, in a background thread
-        while training goes on, every `checkpoint_every` epochs (or as the policy says),
+        The whole training state is written there atomically (in a background thread
+        on a GPU or TPU, in the training thread on a CPU: the policy's `background`),
+        every `checkpoint_every` epochs (or as the policy says),
         at the run's end and at the step where a signal stopped it; `fit` returns once
         the last is committed. Calling `fit` again with the same directory resumes from
         the newest good checkpoint, inside an epoch or at its end, and ends with the

@@ -245,11 +245,14 @@ class Checkpointing(Observer):
     step where a signal stopped the run.
 
     At a checkpoint the state (`take`n off the placement: one replica of `devices=`) is
-    copied on the device (new buffers, which the next call's donation leaves alone) and a
-    background `Writer` takes it to the host (`host`) and writes it while training goes
-    on; the next checkpoint waits for it, and `end` for the last (under `shard=`, Orbax
-    writes the copy's shards from that thread). Where several processes take part, the
-    write is made in the training thread instead, all processes together.
+    written where the policy's `background` says (`in_background`). In the background,
+    it is copied on the device (new buffers, which the next call's donation leaves alone)
+    and a `Writer` takes it to the host (`host`) and writes it while training goes on;
+    the next checkpoint waits for it, and `end` for the last (under `shard=`, Orbax
+    writes the copy's shards from that thread). In the training thread, the state itself
+    is taken to the host (on a CPU, its own buffers) and written before the next call is
+    queued, so no copy is made. Where several processes take part, the write is made in
+    the training thread, all processes together.
     """
 
     def __init__(
@@ -266,9 +269,7 @@ class Checkpointing(Observer):
         self.interrupt = interrupt
         self.take, self.host = take, host
         self.monitor = monitor  # `keep_best`'s column in `TrainState.epoch_values`
-        # With several processes every one takes part in a write (Orbax's shards, the
-        # barrier after it), which must be in step with the training's collectives.
-        self.background = jax.process_count() == 1
+        self.background: bool | None = None  # decided at the first checkpoint
         self.writer = Writer()
         self.relearned = False  # the epoch's length learned, the store not yet told
         self.saved_at: int | None = None  # the position of the last checkpoint
@@ -331,6 +332,8 @@ class Checkpointing(Observer):
         schedule = self.schedule
         row = schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
         taken = self.take(state)
+        if self.background is None:
+            self.background = in_background(self.policy.background, taken)
         if self.background:
             snapshot = copy_taken(taken)  # queued behind the call: the device copies it
             self.writer.submit(lambda: self._write(snapshot, due, row))
@@ -360,6 +363,26 @@ class Checkpointing(Observer):
         if best is None:
             return True
         return value < best if self.policy.mode == "min" else value > best
+
+
+def in_background(asked: bool | None, state: PyTree) -> bool:
+    """Whether checkpoints of `state` are written in a background thread: as `asked`
+    (`Checkpoint.background`), else unless it lives on the CPU backend, where the
+    writer would take cores from XLA's computation; never with several processes.
+    """
+    # With several processes every one takes part in a write (Orbax's shards, the
+    # barrier after it), which must be in step with the training's collectives.
+    if jax.process_count() > 1:
+        return False
+    if asked is not None:
+        return asked
+    platforms = {
+        device.platform
+        for x in jax.tree.leaves(state)
+        if isinstance(x, jax.Array)
+        for device in x.devices()
+    }
+    return bool(platforms - {"cpu"})
 
 
 def _local(x: Any) -> np.ndarray:

@@ -212,7 +212,7 @@ class ShardedCheckpoints(Checkpoints):
             digest = _digest(folder / "state")
         except OSError as e:
             raise ValueError(f"its state cannot be read ({e.strerror})") from None
-        if digest != manifest["sha256"]:
+        if digest != manifest.get("sha256"):  # Orbax's state has a SHA-256 alone
             raise ValueError("its contents do not match the checksum in its manifest")
 
     def _read_state(self, folder: Path, manifest: dict[str, Any], like: PyTree) -> PyTree:

@@ -23,7 +23,7 @@ class Checkpoint:
     end, a multiple of `every_steps` steps, `every_seconds` of wall time since the last
     one), at the run's end, and at the step where a signal stopped it (Ctrl-C, SIGTERM,
     SIGUSR1). It may fall inside an epoch: a run resumed from it goes on bit for bit.
-    Each is written in a background thread while training goes on; `fit` returns once the
+    Each is written where it costs the run least (`background`); `fit` returns once the
     last is committed.
 
     **Arguments:**
@@ -41,6 +41,20 @@ class Checkpoint:
         the checkpoint of the best epoch by it, never rotated out. Each epoch whose value
         is the best so far is written at its end, due or not.
     - `mode`: `"min"` or `"max"`: whether `keep_best`'s best is its lowest or highest.
+    - `background`: where a checkpoint is written. `True`: in a background thread while
+        training goes on (the state is copied on the device first, which takes device
+        memory for one more training state); the device waits for a write only when
+        the next checkpoint comes before it ends. `False`: in the training thread, at
+        the checkpoint's step, while the device waits. `None` (the default) chooses by
+        where the state lives: in the background on a GPU or TPU, whose host's cores are
+        free while it computes, and in the training thread on the CPU backend, where a
+        writer thread would take its cores from XLA's computation: there the background
+        saves nothing, and the training thread needs no copy of the state and commits
+        each checkpoint at its step. Either way a checkpoint is fsynced and
+        renamed into place whole, and a failed write raises
+        [`eqfit.CheckpointError`][] with the training so far. With several processes
+        (`jax.distributed`) it is written in the training thread whatever this says:
+        every process takes part, in step with the training's collectives.
     """
 
     directory: Any
@@ -50,6 +64,7 @@ class Checkpoint:
     keep: int = KEEP
     keep_best: str | None = None
     mode: Literal["min", "max"] = "min"
+    background: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str | os.PathLike):
@@ -94,6 +109,11 @@ class Checkpoint:
             )
         if self.mode not in ("min", "max"):
             raise ValueError(f"`Checkpoint`'s `mode` must be 'min' or 'max', got {self.mode!r}.")
+        if self.background is not None and not isinstance(self.background, bool):
+            raise TypeError(
+                "`Checkpoint`'s `background` must be `True`, `False` or `None` (chosen by "
+                f"the backend), got {self.background!r}."
+            )
 
     def next_due(self, position: int, steps_per_epoch: int) -> int | None:
         """The first position after `position` where a period falls due (not counting

@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._checkpoint import CheckpointError, serialise, versions, write_atomically
+from ._checkpoint import CheckpointError, versions, write_atomically
 from ._checks import checked
 from ._drive import Outcome
 from ._history import History, StopReason
@@ -295,8 +295,8 @@ def save(path: PathLike, result: FitResult[Any]) -> None:
         "versions": versions(),
         "structure": {part: _structure(getattr(result, part)) for part, _ in _PARTS},
     }
-    leaves = serialise((result.model, result.opt_state, result.state, result.ema_model))
-    write_atomically(Path(path), _MAGIC + json.dumps(header).encode() + b"\n" + leaves)
+    leaves = (result.model, result.opt_state, result.state, result.ema_model)
+    write_atomically(Path(path), _MAGIC + json.dumps(header).encode() + b"\n", leaves)
 
 
 @overload

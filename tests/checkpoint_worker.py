@@ -1,15 +1,16 @@
 """A training run for test_checkpoint.py to kill, interrupt or starve.
 
 Usage: python checkpoint_worker.py DIRECTORY|- (compiled | progress)
-    [limit BYTES | nobody | long | nosignals | steps N | epochs E | perstep]...
+    [limit BYTES | nobody | long | nosignals | steps N | epochs E | background | perstep]...
 
 It prints "epoch N" after each epoch, and how it ended: "finished", "interrupted after N
 epochs, S steps, by SIGNAL" (exit code 3) or "checkpoint error: ..." (exit code 4). With
 `limit`, files over BYTES cannot be written (RLIMIT_FSIZE); with `nobody`, it drops root's
 privileges first; with `long`, its epochs are a million steps (minutes), not one pass of
 the test problem; with `nosignals`, `fit` handles no signal but Ctrl-C; with `steps N`, a
-checkpoint falls every N steps too; `epochs E` trains E epochs (200); `perstep` runs the
-steps as `eqfit.PerStep()`, a call each.
+checkpoint falls every N steps too; `epochs E` trains E epochs (200); with `background`,
+checkpoints are written in a background thread (on a CPU the default is the training
+thread); `perstep` runs the steps as `eqfit.PerStep()`, a call each.
 """
 
 import os
@@ -49,10 +50,11 @@ if "perstep" in flags:
     kwargs.update(execution=eqfit.PerStep())
 if "nosignals" in flags:
     kwargs.update(signals=())
-checkpoint = None if directory == "-" else directory
-if "steps" in flags:
-    every = int(flags[flags.index("steps") + 1])
-    checkpoint = eqfit.Checkpoint(directory, every_steps=every)
+checkpoint = None
+if directory != "-":
+    every = int(flags[flags.index("steps") + 1]) if "steps" in flags else None
+    background = True if "background" in flags else None
+    checkpoint = eqfit.Checkpoint(directory, every_steps=every, background=background)
 print("starting", flush=True)
 try:
     eqfit.fit(

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,12 +120,22 @@ def resume_from(tmp_path, name, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "kind, progress",
-    [("arrays", False), ("arrays", True), ("memmap", False), ("loader", True), ("unsized", False)],
+    "kind, progress, background",
+    [
+        ("arrays", False, None),
+        ("arrays", True, None),
+        ("memmap", False, None),
+        ("loader", True, None),
+        ("unsized", False, None),
+        ("arrays", True, True),  # the default here is the training thread (a CPU)
+        ("unsized", False, True),
+    ],
 )
-def test_a_checkpoint_inside_an_epoch_resumes_bit_for_bit(tmp_path, kind, progress):
+def test_a_checkpoint_inside_an_epoch_resumes_bit_for_bit(tmp_path, kind, progress, background):
     whole = train(data_of(kind, tmp_path), progress=progress)
-    policy = eqfit.Checkpoint(tmp_path / "all", every_epochs=None, every_steps=5, keep=100)
+    policy = eqfit.Checkpoint(
+        tmp_path / "all", every_epochs=None, every_steps=5, keep=100, background=background
+    )
     checkpointed = train(data_of(kind, tmp_path), progress=progress, checkpoint=policy)
     assert_same_run(checkpointed, whole)  # checkpoints change nothing
     names = folders(tmp_path / "all")
@@ -174,10 +185,11 @@ def test_a_checkpoint_inside_an_epoch_resumes_under_shard(tmp_path):
     assert_same_run(resumed, whole)
 
 
-def test_keep_best_keeps_the_best_epoch_beside_the_newest(tmp_path):
+@pytest.mark.parametrize("background", [None, True])
+def test_keep_best_keeps_the_best_epoch_beside_the_newest(tmp_path, background):
     x, y = arrays()
     # A rate that overshoots: the validation loss does not fall every epoch.
-    policy = eqfit.Checkpoint(tmp_path, keep=1, keep_best="val_loss")
+    policy = eqfit.Checkpoint(tmp_path, keep=1, keep_best="val_loss", background=background)
     result = train((x, y), epochs=8, checkpoint=policy, optimizer=OVERSHOOTS)
     losses = result.history.val_loss
     best = int(np.argmin(losses)) + 1
@@ -213,6 +225,70 @@ def test_every_seconds_writes_inside_epochs(tmp_path):
     assert_same_run(resumed, result)  # the run was over: resumed, it trains nothing more
 
 
+class SeesCheckpoints:
+    """A callback that notes, at each epoch's end, whether its checkpoint is there."""
+
+    def __init__(self, directory):
+        self.directory, self.seen = directory, []
+
+    def on_epoch_end(self, epoch, logs):
+        self.seen.append((self.directory / f"ckpt-{epoch:06d}-000000").is_dir())
+
+
+@pytest.mark.parametrize("background", [None, False, True])
+def test_background_says_which_thread_writes(tmp_path, monkeypatch, background):
+    """In the training thread (`False`, and the default on the CPU backend) a checkpoint
+    is committed before training goes past its step, so the callback of its epoch sees
+    it; with `True` a background thread writes every one, the last before `fit` returns.
+    """
+    from eqfit._checkpoint import Checkpoints
+
+    in_main_thread = []
+    save = Checkpoints.save
+
+    def noted(self, *args, **kwargs):
+        in_main_thread.append(threading.current_thread() is threading.main_thread())
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoints, "save", noted)
+    x, y = arrays()
+    directory = tmp_path / "run"
+    policy = eqfit.Checkpoint(directory, keep=100, background=background)
+    sees = SeesCheckpoints(directory)
+    result = train((x, y), epochs=4, checkpoint=policy, callbacks=[sees])
+    assert_same_run(result, train((x, y), epochs=4))
+    assert folders(directory) == [f"ckpt-{e:06d}-000000" for e in range(1, 5)]
+    assert len(in_main_thread) == 4
+    if background:
+        assert not any(in_main_thread)
+    else:
+        assert all(in_main_thread) and sees.seen == [True] * 4
+
+
+class MovesTheDirectory:
+    """A callback that moves the checkpoint directory away after the first epoch, so
+    that every later write fails.
+    """
+
+    def __init__(self, directory):
+        self.directory = directory
+
+    def on_epoch_end(self, epoch, logs):
+        if epoch == 1:
+            self.directory.rename(self.directory.with_name("moved"))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failed_write_raises_with_the_result_in_either_thread(tmp_path, background):
+    x, y = arrays()
+    directory = tmp_path / "run"
+    policy = eqfit.Checkpoint(directory, background=background)
+    with pytest.raises(eqfit.CheckpointError, match=r"Cannot write the checkpoint") as caught:
+        train((x, y), epochs=6, checkpoint=policy, callbacks=[MovesTheDirectory(directory)])
+    result = caught.value.result
+    assert result is not None and 1 <= result.history.epochs < 6
+
+
 def test_checkpoint_every_is_a_policy_of_epochs(tmp_path):
     x, y = arrays()
     train((x, y), epochs=4, checkpoint=tmp_path, checkpoint_every=2)
@@ -235,7 +311,7 @@ def test_a_bad_policy_is_refused_naming_its_argument(tmp_path, arguments, error,
         eqfit.Checkpoint(tmp_path, **arguments)
 
 
-@pytest.mark.parametrize("arguments", [{"mode": "lowest"}, {"keep_best": 3}])
+@pytest.mark.parametrize("arguments", [{"mode": "lowest"}, {"keep_best": 3}, {"background": "yes"}])
 def test_a_policy_of_the_wrong_type_is_refused_naming_its_argument(tmp_path, arguments):
     # Under the suite's runtime type checks (jaxtyping's hook) the annotation refuses it
     # first; without them, the policy's own check, with its message.
@@ -293,14 +369,25 @@ def wait_for(process, text, timeout=120):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
-@pytest.mark.parametrize("mode", ["compiled", "progress"])
-def test_a_preemption_signal_checkpoints_the_step_reached_and_stops_soon(tmp_path, name, mode):
+@pytest.mark.parametrize(
+    "name, mode, where",
+    [
+        ("SIGTERM", "compiled", ""),
+        ("SIGTERM", "progress", ""),
+        ("SIGUSR1", "compiled", ""),
+        ("SIGUSR1", "progress", ""),
+        ("SIGTERM", "compiled", "background"),
+    ],
+)
+def test_a_preemption_signal_checkpoints_the_step_reached_and_stops_soon(
+    tmp_path, name, mode, where
+):
     """An epoch of a million steps: the signal is answered within a call (half a second)
     and the checkpoint's write, not at the epoch's end; the checkpoint is at the step the
-    result reached, and a rerun of the same script resumes from it.
+    result reached, and a rerun of the same script resumes from it. Written in the
+    training thread (the default on a CPU) or in the background.
     """
-    with start(tmp_path, mode, "long") as process:
+    with start(tmp_path, mode, "long", *([where] if where else [])) as process:
         wait_for(process, "starting")
         time.sleep(4)  # compiled, and training
         process.send_signal(getattr(signal, name))
@@ -328,9 +415,10 @@ def test_signals_switched_off_leave_sigterm_to_kill(tmp_path):
 
 @pytest.mark.heavy
 def test_sigkill_at_random_points_of_a_run_checkpointed_every_few_steps(tmp_path):
-    """Killed at random moments (during background writes too), or stopped by SIGTERM
-    (which checkpoints the step reached, between the every-7-steps ones), rerun each time:
-    the run that finishes at last equals the uninterrupted one bit for bit.
+    """Killed at random moments (during writes too: in the training thread for the first
+    three rounds, then in the background), or stopped by SIGTERM (which checkpoints the
+    step reached, between the every-7-steps ones), rerun each time: the run that
+    finishes at last equals the uninterrupted one bit for bit.
     """
     from shared_problem import checkpoint_problem
 
@@ -338,7 +426,8 @@ def test_sigkill_at_random_points_of_a_run_checkpointed_every_few_steps(tmp_path
     kills = terms = 0
     for round in range(6):
         name = "SIGTERM" if round % 2 else "SIGKILL"
-        with start(tmp_path, "compiled", "steps", "7", "epochs", "40") as process:
+        where = ["background"] if round >= 3 else []  # SIGKILL in rounds 0, 2 and 4
+        with start(tmp_path, "compiled", "steps", "7", "epochs", "40", *where) as process:
             wait_for(process, "starting")
             time.sleep(float(rng.uniform(1.5, 4.0)))
             if process.poll() is not None:  # the run finished first (its pipes close here)

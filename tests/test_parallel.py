@@ -1,12 +1,12 @@
 """Several devices: `devices=` (filter_pmap) and `mesh=` (sharding) give the one-device answer."""
 
-import hashlib
 import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import equinox as eqx
@@ -295,4 +295,4 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_one_step(tmp_path):
     assert newest == f"ckpt-000000-{steps[0]:06d}"
     manifest = json.loads((directory / newest / "manifest.json").read_text())
     state = (directory / newest / "state.eqx").read_bytes()
-    assert hashlib.sha256(state).hexdigest() == manifest["sha256"]  # whole
+    assert f"{zlib.crc32(state):08x}" == manifest["crc32"]  # whole
