@@ -5,6 +5,7 @@ the loss returns, the names the run records, the optimizer's state.
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -198,6 +199,42 @@ def _aux_names(
         return find_aux_names(objective, member, state, batch, always=True)
     except Exception as e:
         raise not_a_stack(options.members, "`fit`", e) from e
+
+
+def trained_parts(model: PyTree, trains: Callable[[Any], Any], filter_spec: Any) -> PyTree:
+    """`fit`'s `trains` as a filter spec: a PyTree of bools shaped as `model`, `True`
+    inside the parts `trains(model)` picks (as `eqx.tree_at`'s `where`) and `False`
+    elsewhere. Refuses `trains` beside a `filter_spec` of the caller's, a `trains` that
+    picks nothing of the model, and one that picks no floating-point array.
+    """
+    if filter_spec is not eqx.is_inexact_array:
+        raise ValueError(
+            "`trains` and `filter_spec` both say what trains: give one of them (`trains` "
+            "picks parts of the model by name, `filter_spec` is `eqx.partition`'s)."
+        )
+    nothing = jax.tree.map(lambda _: False, model)
+
+    def everything(part: Any) -> Any:
+        return jax.tree.map(lambda _: True, part)
+
+    try:
+        spec = eqx.tree_at(trains, nothing, replace_fn=everything)
+    except Exception as e:
+        raise ValueError(
+            "`trains` must pick parts of the model, as `eqx.tree_at`'s `where` does "
+            f"(`lambda m: m.student`), but calling it on the model failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    chosen = [
+        bool(s) and eqx.is_inexact_array(a)
+        for s, a in zip(jax.tree.leaves(spec), jax.tree.leaves(model))
+    ]
+    if not any(chosen):
+        raise ValueError(
+            "`trains` picks no floating-point array of the model, so training would change "
+            "nothing: pick the parts that hold its weights (`lambda m: m.student`)."
+        )
+    return spec
 
 
 def check_monitor(monitor: str, loop: Loop, what: str = EARLY_STOPPING) -> None:

@@ -13,7 +13,7 @@ from typing import Any, cast, Literal, ParamSpec
 import equinox as eqx
 from jax.sharding import Mesh
 
-from ._build import make_loop
+from ._build import make_loop, trained_parts
 from ._checks import checked
 from ._early_stopping import EarlyStopping
 from ._execution import Execution
@@ -61,6 +61,16 @@ Data = object
         "profile": "an `eqfit.Profile(directory, start_step, steps)`",
         "progress": "True, False, 'bar' or 'lines'",
         "execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`",
+        "optimizer": (
+            "one optax `GradientTransformation` (to train parts of the model at once, each "
+            "by an optimizer of its own, combine them with `optax.multi_transform`; updates "
+            "of two losses in turn, as a GAN's, are not in `fit` yet)"
+        ),
+        "loss": (
+            "one function `loss(model, *batch)` returning a scalar (for several terms, "
+            "return their sum, and the terms as aux values: `(total, {'kl': kl, ...})`)"
+        ),
+        "trains": "a function that picks parts of the model, as `lambda m: m.student`",
     },
 )
 def fit(
@@ -78,6 +88,7 @@ def fit(
     drop_remainder: bool = False,
     progress: bool | Literal["bar", "lines"] = False,
     filter_spec: FilterSpec = eqx.is_inexact_array,
+    trains: Callable[[Any], Any] | None = None,
     opt_state: OptState | None = None,
     state: ModelState | None = None,
     validation_data: Arrays | ValidationSets | None = None,
@@ -162,6 +173,11 @@ def fit(
 
     - `filter_spec`: which leaves of `model` train, as in `eqx.partition`. Leaves that
         are not floating-point arrays never train.
+    - `trains`: the parts of `model` that train, picked as `eqx.tree_at`'s `where` picks
+        them: `lambda m: m.student`, or `lambda m: (m.encoder, m.head)`. Every
+        floating-point array inside them trains and the rest of the model is frozen (a
+        teacher, a pretrained body): a `filter_spec` said by the parts' names. Give
+        `trains` or a `filter_spec`, not both.
     - `opt_state`: an optimizer state to continue from, such as a previous result's.
     - `state`: the `eqx.nn.State` of a stateful model (BatchNorm and the like).
 
@@ -345,6 +361,8 @@ def fit(
         profile=profile,
         execution=execution,
     )
+    if trains is not None:
+        filter_spec = trained_parts(model, trains, filter_spec)
     # Open the data, plan the run's shape from it, and build its static description.
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
     schedule = schedule_for(source, options)
