@@ -62,9 +62,10 @@ Data = object
         "progress": "True, False, 'bar' or 'lines'",
         "execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`",
         "optimizer": (
-            "one optax `GradientTransformation` (to train parts of the model at once, each "
-            "by an optimizer of its own, combine them with `optax.multi_transform`; updates "
-            "of two losses in turn, as a GAN's, are not in `fit` yet)"
+            "one optax `GradientTransformation`, such as `optax.adam(1e-3)` (`optax.adam` "
+            "itself makes one when called; to train parts of the model at once, each by an "
+            "optimizer of its own, combine them with `optax.multi_transform`; updates of two "
+            "losses in turn, as a GAN's, are not in `fit` yet)"
         ),
         "loss": (
             "one function `loss(model, *batch)` returning a scalar (for several terms, "

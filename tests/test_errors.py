@@ -106,7 +106,11 @@ def test_not_a_key(setup, key):
 def test_optimizer_factory_instead_of_optimizer(setup):
     model, x, y, kwargs = setup
     kwargs["optimizer"] = optax.sgd
-    with pytest.raises(TypeCheckError, match=r"`fit`'s argument `optimizer` has the wrong type"):
+    with pytest.raises(
+        TypeCheckError,
+        match=r"`fit`'s argument `optimizer` must be one optax `GradientTransformation`, such "
+        r"as `optax.adam\(1e-3\)` \(`optax.adam` itself makes one when called",
+    ):
         eqfit.fit(model, (x, y), **kwargs)
 
 

@@ -110,15 +110,15 @@ CONFIGURATIONS = {
     # Epochs of 5 steps, inside and across passes of 13.
     "epochs-inside-passes": dict(steps_per_epoch=5, epochs=6),
     "unsized-loader": dict(kind="unsized"),
+    # The same paths again, with other options (the whole suite only).
     "early-stopping": dict(
         epochs=8, early_stopping=eqfit.EarlyStopping(patience=1, min_delta=0.5, restore_best=True)
     ),
-    # The same paths again, with other options (the whole suite only).
     "no-shuffle": dict(shuffle=False),
     "loader": dict(kind="loader"),
     "ema-and-norms": dict(ema=0.9, norms=True),
 }
-HEAVY = ("no-shuffle", "loader", "ema-and-norms")
+HEAVY = ("early-stopping", "no-shuffle", "loader", "ema-and-norms")
 
 
 @pytest.mark.parametrize(

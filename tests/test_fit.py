@@ -431,6 +431,7 @@ def test_bfloat16_inputs_train(getkey):
     assert result.history.loss[-1] < result.history.loss[0]
 
 
+@pytest.mark.heavy
 def test_wall_time_covers_the_training(getkey):
     """The run is dispatched asynchronously; the wall time must still include it."""
     import time

@@ -362,6 +362,7 @@ def test_pytree_batches_are_passed_whole(arrays, model, progress):
     np.testing.assert_allclose(out, x.sum(1) + y, rtol=1e-5)
 
 
+@pytest.mark.heavy
 def test_a_real_grain_pipeline_reshuffled_each_pass(model):
     import grain
 

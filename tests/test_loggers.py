@@ -128,6 +128,7 @@ def test_mlflow_logger_continues_a_run_and_logs_into_an_active_one(problem, mlfl
         mlflow.set_tracking_uri(None)
 
 
+@pytest.mark.heavy
 def test_mlflow_run_ends_however_training_ends(problem, mlflow_store):
     import mlflow
 
@@ -202,6 +203,7 @@ def wandb_records(run_dir):
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
 
+@pytest.mark.heavy
 def test_wandb_logger_logs_each_epoch_and_the_arguments(problem, offline_wandb):
     logger = eqfit.callbacks.WandbLogger(
         project="eqfit-test", name="linear", dir=offline_wandb, config={"lr": 0.05}

@@ -37,7 +37,7 @@ def test_eight_simulated_devices():
 @pytest.mark.parametrize(
     "n, progress, parallel",
     [
-        (256, False, "devices"),
+        pytest.param(256, False, "devices", marks=pytest.mark.heavy),
         (256, False, "mesh"),
         (256, True, "devices"),
         (256, True, "mesh"),

@@ -192,6 +192,7 @@ def test_a_plain_fit_on_an_unknown_device_does_not_count_flops(getkey):
     assert set(history.throughput) == {"epoch_seconds", "steps_per_second", "samples_per_second"}
 
 
+@pytest.mark.heavy
 def test_samples_per_second_agree_with_the_epochs_wall_time(getkey):
     """Each epoch's samples per second are its samples over its seconds, and those are
     wall time: a callback that holds training at each epoch's end sees the ends on the
@@ -420,6 +421,7 @@ def test_plan_says_its_precision_policy(getkey):
     assert "float32 for 'weight', dynamic loss scaling" in line
 
 
+@pytest.mark.heavy
 def test_plan_counts_validation_flops(getkey):
     """A validation pass is a forward pass over the validation set: 2 FLOPs per weight
     and sample; the run's FLOPs add one per validated epoch.

@@ -187,6 +187,7 @@ def test_streaming_over_eight_devices_equals_in_memory(getkey, small_chunks, on_
     np.testing.assert_allclose(streamed.history.step_loss, expected.history.step_loss, rtol=1e-5)
 
 
+@pytest.mark.heavy
 def test_streaming_an_ensemble_equals_in_memory(getkey, small_chunks, on_disk):
     import equinox as eqx
     import jax

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
+import pytest
 from helpers import regression_data
 
 import eqfit
@@ -16,6 +17,7 @@ import eqfit
 ADAM = optax.adam(1e-3)  # one object for the module: fits share their compiled programs
 
 
+@pytest.mark.heavy
 def test_a_validated_epoch_is_timed_by_itself(getkey):
     """Every other epoch validates a set far larger than its training: those epochs take
     longer, each by its own time. (Calls that hold several epochs, their seconds shared
@@ -40,6 +42,7 @@ def test_a_validated_epoch_is_timed_by_itself(getkey):
     assert np.median(validated) > 3 * np.median(trained_only)
 
 
+@pytest.mark.heavy
 def test_epoch_seconds_add_up_to_the_training_and_mfu_stays_below_one(getkey):
     x, y = regression_data(getkey(), n=1024, features=32)
     model = eqfit.models.MLP(32, "scalar", 256, 2, key=getkey())
