@@ -146,7 +146,7 @@ class Starting:
             self.error = e
 
     def ready(self, run: Any, *args: Any) -> TrainState:
-        """The state, once the run's program (`_program.Program`) is lowered for it with
+        """The state, once the run's program (`_calls.Program`) is lowered for it with
         `args`.
         """
         try:

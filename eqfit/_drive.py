@@ -16,12 +16,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ._calls import Program, run_key
 from ._checkpoint import CheckpointError
 from ._compile import PROGRAM_CACHE, Starting
 from ._feeds import DataError, Feed, feeds as feeds, from_data
 from ._loop import Loop
 from ._observers import Costs, Observer, Progress, Throughput
-from ._program import learned_state, Program, run_key
+from ._program import learned_state
 from ._signals import Interrupt
 from ._state import Report, Steps, Stop, TrainState
 from ._waiter import Stamp, wait_for, WAITER
@@ -120,7 +121,7 @@ class Clock:
     """
 
     def __init__(self) -> None:
-        self.lapped = self.taken = time.perf_counter()
+        self.taken = time.perf_counter()
         self.started = False  # whether a call was queued
         self.seconds, self.steps = 0.0, 0  # of the calls read
 
@@ -129,7 +130,7 @@ class Clock:
         `since` if it ran before it returned.
         """
         if not self.started:
-            self.lapped = self.taken = time.perf_counter() if since is None else since
+            self.taken = time.perf_counter() if since is None else since
             self.started = True
 
     def finished(self, at: float) -> float:
@@ -139,12 +140,6 @@ class Clock:
         took, self.taken = max(at - self.taken, 0.0), max(at, self.taken)
         self.seconds += took
         return took
-
-    def lap(self, steps: int) -> float:
-        """The seconds per step since the last lap, over `steps` steps read since."""
-        now = time.perf_counter()
-        seconds, self.lapped = (now - self.lapped) / steps, now
-        return seconds
 
     def mean(self) -> float | None:
         """The seconds per step of every call read so far, if any ran a step."""
@@ -200,9 +195,11 @@ class _Reader:
 
     def read(self, keep: int = 0) -> float | None:
         """Reads every report in flight but the last `keep`; returns the seconds per step
-        of the calls read (each read waits for its call to finish), if any.
+        of the calls read (each read waits for its call to finish), if any: by when the
+        device finished them, not by when the host read them (a host that waited for the
+        device meanwhile, writing a checkpoint, reads a call long done).
         """
-        steps = 0
+        steps, seconds = 0, 0.0
         while len(self.in_flight) > keep:
             calls = [self.in_flight.pop(0)]
             calls[0][3].wait()
@@ -216,12 +213,13 @@ class _Reader:
             # A call lasts from the end of the one before it (or from the start) to its
             # own: the host's work between them counts, but not when it got to read it.
             took = self.clock.finished(min(finished.at for *_, finished in calls))
+            seconds += took
             end = max(self._position(calls[-1][0]), self.done)
             self.throughput.record(self.done, end, took)
             for report, begin, stop, _ in calls:
                 self._take(report, begin, stop)
                 steps += stop - begin
-        return self.clock.lap(steps) if steps else None
+        return seconds / steps if steps else None
 
     def _position(self, report: Report) -> int:
         """The position a report says the run reached (an ensemble's furthest member's)."""

@@ -11,8 +11,9 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import Checkpoints, fsync_dir, NotLike, position
+from ._checkpoint import Checkpoints, NotLike, position
 from ._extras import require_orbax
+from ._files import fsync_dir
 from ._policy import KEEP
 
 

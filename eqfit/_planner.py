@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._calls import run_key, run_program
 from ._compile import PROGRAM_CACHE
 from ._early_stopping import StoppingState
 from ._evaluate import evaluate_batches
@@ -25,7 +26,7 @@ from ._loop import Loop
 from ._observers import Costs
 from ._parallel import OneDevice, param_specs, placement_devices, Pmap, Sharded
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
-from ._program import run_key, run_program, start_program
+from ._program import start_program
 from ._sources import Source
 from ._state import Consts, Inputs, Piece, StartArgs, TrainState
 

@@ -13,9 +13,10 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._checkpoint import CheckpointError, versions, write_atomically
+from ._checkpoint import CheckpointError, versions
 from ._checks import checked
 from ._drive import Outcome
+from ._files import write_atomically
 from ._history import History, StopReason
 from ._labels import raise_found
 from ._loop import Loop

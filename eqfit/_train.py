@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._calls import run_program
 from ._checkpoint import Checkpoints
 from ._checks import reported_as
 from ._compile import Starting
@@ -22,7 +23,7 @@ from ._options import Options
 from ._parallel import OneDevice
 from ._plan import Plan
 from ._profiling import Profiling
-from ._program import run_program, start_program
+from ._program import start_program
 from ._progress import Bar, early_stops, Lines, progress_kind
 from ._result import finish, FitResult, model_from
 from ._resume import open_store, resume

@@ -85,6 +85,7 @@ def test_members_have_their_own_dropout_keys(getkey):
     assert not np.allclose(result.model.layers[0].weight[0], result.model.layers[0].weight[1])
 
 
+@pytest.mark.heavy
 def test_ensemble_with_state_and_early_stopping(getkey):
     from test_features import batchnorm_loss, BatchNormNet
 

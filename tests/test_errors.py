@@ -186,7 +186,7 @@ def test_labels_checked_by_every_ready_function(classes, getkey):
     [
         ({9: 5, 6: 4}, "label 4 (at (2,)"),
         ({13: 7}, "label 7 (at (1,)"),
-        ({13: 7, 2: 3}, "label 3 (at (2,)"),
+        pytest.param({13: 7, 2: 3}, "label 3 (at (2,)", marks=pytest.mark.heavy),
     ],
 )
 def test_evaluation_reports_the_first_bad_label_of_any_batch(getkey, bad, reported):

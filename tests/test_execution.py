@@ -21,37 +21,15 @@ import optax
 import pytest
 from helpers import assert_trees_close, assert_trees_equal, worker_env
 
+# The problem of test_long_runs: N = 200 at batch 16, 13 steps a pass (12 of 16, one of 8).
+from test_long_runs import arrays, BATCH, Batches
+
 import eqfit
 
 
 HERE = Path(__file__).parent
 ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
-N, BATCH = 200, 16  # 13 steps a pass: 12 of 16 samples, then one of 8
 PER_STEP = [eqfit.PerStep(), eqfit.PerStep(3)]
-
-
-def arrays():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N, 3)).astype(np.float32)
-    y = x @ np.array([1.0, -2.0, 0.5], np.float32) + np.sin(x[:, 0])
-    return x, y
-
-
-class Batches:
-    """A loader: the same batches every pass, with `len` or without."""
-
-    def __init__(self, sized):
-        self.x, self.y = arrays()
-        self.sized = sized
-
-    def __iter__(self):
-        for start in range(0, N, BATCH):
-            yield self.x[start : start + BATCH], self.y[start : start + BATCH]
-
-    def __len__(self):
-        if not self.sized:
-            raise TypeError("no len")
-        return -(-N // BATCH)
 
 
 def mae(model, x, y):
@@ -72,7 +50,7 @@ def train(execution, kind="arrays", tmp_path=None, progress=False, **kwargs):
             np.load(tmp_path / "y.npy", mmap_mode="r"),
         )
     else:
-        data = Batches(sized=kind == "loader")
+        data = Batches(with_len=kind == "loader")
     model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1))
     settings = dict(
         loss=eqfit.losses.mse,

@@ -125,7 +125,7 @@ def resume_from(tmp_path, name, **kwargs):
         ("arrays", False, None),
         ("arrays", True, None),
         ("memmap", False, None),
-        ("loader", True, None),
+        pytest.param("loader", True, None, marks=pytest.mark.heavy),
         ("unsized", False, None),
         ("arrays", True, True),  # the default here is the training thread (a CPU)
         ("unsized", False, True),

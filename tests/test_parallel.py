@@ -99,6 +99,7 @@ def dropout_run(getkey):
     return model, data, kwargs
 
 
+@pytest.mark.heavy
 def test_pmap_progress_equals_pmap_compiled(getkey):
     model, data, kwargs = dropout_run(getkey)
     compiled = eqfit.fit(model, data, **kwargs)

@@ -125,6 +125,7 @@ def test_plan_shows_what_precision_and_accumulation_save(getkey):
     assert accumulated <= 0.35 * float32
 
 
+@pytest.mark.heavy
 def test_plan_table_under_fsdp_names_each_arrays_layout(getkey):
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     x, y = regression_data(getkey(), n=256, features=16)

@@ -1,0 +1,130 @@
+"""A checkpoint's files: its arrays written from their own buffers with a CRC32 taken on
+the way, files fsynced and renamed into place, and the checksums a manifest holds.
+"""
+
+import hashlib
+import io
+import os
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+
+def fsync_dir(path: Path) -> None:
+    """Fsyncs the directory `path`: a rename or a new file in it is then on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` and fsyncs it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Stream:
+    """A file that `eqx.tree_serialise_leaves` writes to, which keeps the CRC32 and the
+    length of what goes through it; `leaf` is its filter spec.
+    """
+
+    def __init__(self, file: io.BufferedIOBase | None):
+        self.file, self.crc, self.size = file, 0, 0
+        self.error: OSError | None = None  # the file's, which equinox wraps in its own
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if self.file is not None:  # else only counted
+            self.crc = zlib.crc32(data, self.crc)
+            try:
+                self.file.write(data)
+            except OSError as e:
+                self.error = e
+                raise
+        self.size += size
+        return size
+
+    def leaf(self, f: Any, x: Any) -> None:
+        """`x` as `eqx.default_serialise_filter_spec` writes it (`np.save`'s bytes), an
+        array of a numpy dtype straight from its own buffer: `np.save` to anything but a
+        real file copies it (`tobytes`), and a real file's `tofile` would pass by the CRC.
+        """
+        if isinstance(x, jax.Array):
+            x = np.asarray(x)  # the buffer itself on a CPU, once the device is done
+        if not (isinstance(x, np.ndarray) and x.dtype.isbuiltin == 1 and x.flags.c_contiguous):
+            eqx.default_serialise_filter_spec(f, x)  # bfloat16, Python scalars, ...
+            return
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(x))
+        f.write(header.getvalue())
+        f.write(x.reshape(-1).view(np.uint8))  # a view: no copy
+
+
+def write_leaves(file: io.BufferedIOBase | None, tree: PyTree) -> _Stream:
+    """Writes `tree`'s leaves to `file` as `eqx.tree_serialise_leaves` does, byte for
+    byte, with no copy of an array on the way.
+
+    **Arguments:**
+
+    - `file`: a file open for writing; `None` to count the bytes alone.
+    - `tree`: the PyTree (of numpy arrays, usually: the state on the host).
+
+    **Returns:**
+
+    What went through: `.crc` (its CRC32) and `.size` (its length in bytes).
+    """
+    stream = _Stream(file)
+    try:
+        eqx.tree_serialise_leaves(stream, tree, filter_spec=stream.leaf)
+    except Exception:
+        if stream.error is not None:  # a full disk, say: as the file raised it
+            raise stream.error from None
+        raise
+    return stream
+
+
+def write_atomically(path: Path, prefix: bytes, tree: PyTree) -> None:
+    """Writes `prefix` then `tree`'s leaves (`write_leaves`) to `path`, through a
+    fsynced temporary file and a rename.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(prefix)
+        write_leaves(f, tree)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# A checkpoint's checksum of its state file, by its name in the manifest: CRC32, which
+# runs at the speed of memory, and SHA-256, which checkpoints of eqfit before FORMAT 3
+# carry (read and checked still). They guard against a damaged or truncated file, not
+# against tampering.
+CHECKSUMS = ("crc32", "sha256")
+
+
+def file_checksum(path: Path, kind: str) -> str:
+    """The checksum `kind` (one of `CHECKSUMS`) of the file at `path`, as a manifest
+    holds it (hexadecimal).
+    """
+    crc, digest = 0, hashlib.sha256()
+    chunk = bytearray(1 << 22)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(chunk):
+            part = memoryview(chunk)[:size]
+            if kind == "crc32":
+                crc = zlib.crc32(part, crc)
+            else:
+                digest.update(part)
+    return f"{crc:08x}" if kind == "crc32" else digest.hexdigest()
