@@ -65,7 +65,9 @@ def make_loop(
         takes_key(objects.loss),
         precision=step.precision,
     )
-    aux_names = _aux_names(objective, model, model_state, like, schedule.batch_size, options)
+    # What the loss is traced on, to find its aux values and whether it convolves.
+    traced = _abstract_call(model, model_state, like, schedule.batch_size, options)
+    aux_names = _aux_names(objective, traced, options)
     loop = Loop(
         model=skeleton,
         trains=trains,
@@ -100,9 +102,7 @@ def make_loop(
     if schedules:
         check_schedules(schedules, opt_shapes)
     loop = dataclasses.replace(loop, record=record)
-    convolves = functools.partial(
-        _convolves, objective, model, model_state, like, schedule.batch_size, options
-    )
+    convolves = functools.partial(_convolves, objective, traced)
     execution, why = choose(
         options.execution,
         platform=placement_devices(options.placement)[0].platform,
@@ -160,37 +160,24 @@ def _abstract_call(
     return member, state, batch
 
 
-def _convolves(
-    objective: Objective,
-    model: PyTree,
-    model_state: PyTree,
-    like: PyTree,
-    batch_size: int,
-    options: Options,
-) -> bool:
-    """Whether the loss convolves (`loss_convolves`), traced as `_aux_names` traces it;
+def _convolves(objective: Objective, traced: tuple[PyTree, PyTree, PyTree]) -> bool:
+    """Whether the loss convolves (`loss_convolves`), traced on `traced` (`_abstract_call`'s);
     `False` for a loss that fails to trace, which the run's own trace then reports, with
     the batch that it meets.
     """
-    member, state, batch = _abstract_call(model, model_state, like, batch_size, options)
     try:
-        return loss_convolves(objective, member, state, batch)
+        return loss_convolves(objective, *traced)
     except Exception:
         return False
 
 
 def _aux_names(
-    objective: Objective,
-    model: PyTree,
-    model_state: PyTree,
-    like: PyTree,
-    batch_size: int,
-    options: Options,
+    objective: Objective, traced: tuple[PyTree, PyTree, PyTree], options: Options
 ) -> tuple[str, ...]:
-    """The names of the aux values the loss returns, traced on abstract arrays: a batch
-    of `batch_size` samples like `like`'s, one member's model and state in an ensemble.
+    """The names of the aux values the loss returns, traced on `traced` (`_abstract_call`'s:
+    one member's model and state in an ensemble, and a batch).
     """
-    member, state, batch = _abstract_call(model, model_state, like, batch_size, options)
+    member, state, batch = traced
     if options.members is None:
         return find_aux_names(objective, member, state, batch)
     # An ensemble: one member is traced whatever the loss, so that a single model taken
