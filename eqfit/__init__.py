@@ -38,5 +38,10 @@ from ._result import (
     TrainingInterrupted as TrainingInterrupted,
 )
 from ._typing import ModelState as ModelState, OptState as OptState
+from ._updates import (
+    AbstractUpdate as AbstractUpdate,
+    Applied as Applied,
+    Update as Update,
+)
 from ._validation import ValidationSets as ValidationSets
 from ._version import __version__ as __version__

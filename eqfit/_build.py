@@ -18,14 +18,15 @@ from ._compile import PROGRAMS
 from ._data import describe, is_dtype, not_a_stack
 from ._execution import choose, loss_convolves
 from ._hyperparams import check_schedules, injected_names
-from ._loop import Loop
+from ._loop import Loop, UpdateInfo
 from ._objective import find_aux_names, Objective, takes_key
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
-from ._parallel import placement_devices
-from ._record import Record, record_for
+from ._parallel import param_specs, placement_devices, Pmap
+from ._record import Record, record_for, UpdateRecord
 from ._schedule import Schedule
 from ._skeleton import split_arrays
 from ._state import Consts, Objects, StartArgs
+from ._updates import AbstractUpdate, trained_spec, Update
 
 
 def make_loop(
@@ -48,7 +49,14 @@ def make_loop(
     arguments.
     """
     arrays, skeleton = split_arrays(model)
-    trains = _trains(model, arrays, filter_spec)
+    if objects.updates:
+        check_update_options(objects.updates, options)
+    # With several updates, what each trains (`trained_spec`) and so which arrays.
+    specs = [
+        trained_spec(model, u.trains, f"update {u.name!r}'s `trains`") for u in objects.updates
+    ]
+    picked = [update_picks(model, arrays, spec) for spec in specs]
+    trains = tuple(map(any, zip(*picked))) if picked else _trains(model, arrays, filter_spec)
     if not any(trains):
         raise ValueError(
             "`model` has no floating-point arrays that `filter_spec` chooses to train, so "
@@ -58,16 +66,22 @@ def make_loop(
     frozen = [a for a, t in zip(arrays, trains) if not t]
     object_arrays, objects_skeleton = split_arrays(objects)
     step = options.step
-    objective = Objective(
-        objects.loss,
-        objects.metrics,
-        options.stateful,
-        takes_key(objects.loss),
-        precision=step.precision,
-    )
     # What the loss is traced on, to find its aux values and whether it convolves.
     traced = _abstract_call(model, model_state, like, schedule.batch_size, options)
-    aux_names = _aux_names(objective, traced, options)
+    infos: tuple[UpdateInfo, ...] = ()
+    if objects.updates:
+        infos = tuple(
+            _update_info(u, spec, [p for p, t in zip(picks, trains) if t], traced, options)
+            for u, spec, picks in zip(objects.updates, specs, picked)
+        )
+        use_key = any(i.losses is None or takes_key(u.loss) for i, u in zip(infos, objects.updates))
+    else:
+        use_key = takes_key(objects.loss)
+    objective = Objective(
+        objects.loss, objects.metrics, options.stateful, use_key, precision=step.precision
+    )
+    # Several updates' losses are traced one by one (`_update_info`).
+    aux_names = () if infos else _aux_names(objective, traced, options)
     loop = Loop(
         model=skeleton,
         trains=trains,
@@ -80,16 +94,27 @@ def make_loop(
         validation=options.validation,
         members=options.members,
         stateful=options.stateful,
-        use_key=objective.use_key,
+        use_key=use_key,
         placement=options.placement,
         early_stopping=options.early_stopping,
         trained_dtypes=None
         if step.precision is None and step.average is None
         else tuple(np.dtype(a.dtype) for a in params),
+        updates=infos,
     )
+    consts = Consts(frozen, object_arrays)
     shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
-    opt_shapes, hyperparams = _opt_state_shape(loop, objects.optimizer, shapes)
+    optimizer = objects.optimizer if objects.optimizer is not None else loop.parts(consts).optimizer
+    opt_shapes, hyperparams = _opt_state_shape(loop, optimizer, shapes)
     schedules = dict(objects.schedules)
+    if infos:  # each update's hyperparameters, under its name
+        infos = tuple(
+            i._replace(
+                hyperparams=tuple(f"{i.name}_{n}" for n in injected_names(opt_shapes[i.name]))
+            )
+            for i in infos
+        )
+        loop = dataclasses.replace(loop, updates=infos)
     record = record_for(
         aux_names=aux_names,
         metric_names=objective.metric_names,
@@ -98,6 +123,18 @@ def make_loop(
         hyperparams=hyperparams,
         schedule_names=tuple(schedules),
         val_sets=loop.val_sets,
+        updates=tuple(
+            UpdateRecord(
+                i.name,
+                ()
+                if i.losses is None
+                else (f"{i.name}_loss", *(f"{i.name}_{a}" for a in i.losses)),
+                i.values,
+                i.hyperparams,
+                i.every,
+            )
+            for i in infos
+        ),
     )
     if schedules:
         check_schedules(schedules, opt_shapes)
@@ -115,7 +152,6 @@ def make_loop(
     policy = options.checkpoint
     if policy is not None and policy.keep_best is not None:
         check_monitor(policy.keep_best, loop, what=KEEP_BEST)
-    consts = Consts(frozen, object_arrays)
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
     return loop, StartArgs(params, opt_state, model_state, options.key, consts)
@@ -186,6 +222,88 @@ def _aux_names(
         return find_aux_names(objective, member, state, batch, always=True)
     except Exception as e:
         raise not_a_stack(options.members, "`fit`", e) from e
+
+
+def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) -> None:
+    """Refuses the options that several updates do not take, before anything is traced,
+    saying why.
+    """
+    if param_specs(options.placement) is not None:
+        raise ValueError(
+            "`shard=` with `updates=`: each update would lay out its own optimizer's state "
+            "over the mesh, which eqfit does not do yet; train several updates without "
+            "`shard=` (`mesh=` alone splits the batch), or one update with it."
+        )
+    if options.step.scales:
+        raise ValueError(
+            "`precision=` with a loss scale (float16) and `updates=`: the loss scale is the "
+            "run's one, but each update's loss would need its own; use bfloat16 "
+            "(`precision='bfloat16'`), which needs no scaling."
+        )
+    if options.schedules:
+        raise ValueError(
+            "`schedules=` with `updates=`: a schedule is evaluated at one optimizer's count, "
+            "and each update has its own; wrap an update's optimizer in "
+            "`optax.inject_hyperparams`, whose values each update records as "
+            "`<name>_<hyperparameter>`."
+        )
+    custom = [u.name for u in updates if not isinstance(u, Update)]
+    if custom and isinstance(options.placement, Pmap):
+        raise ValueError(
+            f"`devices=` with update {custom[0]!r} of your own: under `devices=` each device "
+            "runs the step on its share of the batch, and an update of your own would see "
+            "only that share. Use `mesh=` (the program sees the whole batch), or no devices."
+        )
+
+
+def update_picks(model: PyTree, arrays: list[Any], spec: PyTree) -> tuple[bool, ...]:
+    """For each array of `model` (`arrays`, in order): whether `spec` (an update's
+    `trained_spec`) picks it.
+    """
+    leaves = jax.tree.leaves(model)
+    picks = tuple(bool(s) for s, x in zip(jax.tree.leaves(spec), leaves) if eqx.is_array(x))
+    assert len(picks) == len(arrays)
+    return picks
+
+
+def _update_info(
+    update: AbstractUpdate,
+    spec: PyTree,
+    picks: list[bool],
+    traced: tuple[PyTree, PyTree, PyTree],
+    options: Options,
+) -> UpdateInfo:
+    """What a run keeps of an update, static: for a loss's update the aux names its loss
+    returns; for a user's own the names of the values its `apply` records (traced once,
+    on abstract arrays).
+    """
+    member, state, batch = traced
+    if isinstance(update, Update):
+        objective = Objective(
+            update.loss,
+            (),
+            options.stateful,
+            takes_key(update.loss),
+            precision=options.step.precision,
+        )
+        aux = _aux_names(objective, traced, options)
+        return UpdateInfo(update.name, update.every, tuple(picks), aux)
+
+    def values(model: PyTree, model_state: PyTree, batch: PyTree) -> list[str]:
+        own = update.init(eqx.filter(model, spec))
+        out = update.apply(model, own, batch, model_state=model_state, key=jax.random.key(0))
+        return sorted(out.values)
+
+    names: list[str] = []
+    eqx.filter_eval_shape(lambda *a: names.extend(values(*a)), member, state, batch)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"update {update.name!r}'s `apply` records values named by strings, got {name!r}."
+            )
+    return UpdateInfo(
+        update.name, update.every, tuple(picks), None, tuple(f"{update.name}_{n}" for n in names)
+    )
 
 
 def trained_parts(model: PyTree, trains: Callable[[Any], Any], filter_spec: Any) -> PyTree:

@@ -45,6 +45,7 @@ from ._typing import (
     PRNGKey,
     Schedules,
 )
+from ._updates import AbstractUpdate, check_updates, Losses, Update
 from ._validation import ValidationSets
 
 
@@ -64,22 +65,27 @@ Data = object
         "optimizer": (
             "one optax `GradientTransformation`, such as `optax.adam(1e-3)` (`optax.adam` "
             "itself makes one when called; to train parts of the model at once, each by an "
-            "optimizer of its own, combine them with `optax.multi_transform`; updates of two "
-            "losses in turn, as a GAN's, are not in `fit` yet)"
+            "optimizer of its own, combine them with `optax.multi_transform`; for updates of "
+            "several losses in turn, as a GAN's, pass `updates=[eqfit.Update(...), ...]`)"
         ),
         "loss": (
             "one function `loss(model, *batch)` returning a scalar (for several terms, "
             "return their sum, and the terms as aux values: `(total, {'kl': kl, ...})`)"
         ),
         "trains": "a function that picks parts of the model, as `lambda m: m.student`",
+        "updates": (
+            "a list of updates, run in turn each step: "
+            "`[eqfit.Update('d', d_loss, opt_d, trains=lambda m: m.discriminator), ...]`, "
+            "or `eqfit.AbstractUpdate`s of your own"
+        ),
     },
 )
 def fit(
     model: Model,
     data: Data,
     *,
-    loss: Loss,
-    optimizer: Optimizer,
+    loss: Loss | None = None,
+    optimizer: Optimizer | None = None,
     key: PRNGKey,
     epochs: int = 1,
     batch_size: int | None = None,
@@ -114,6 +120,7 @@ def fit(
     peak_flops: Number | None = None,
     profile: Profile | None = None,
     execution: Execution | Literal["auto"] = "auto",
+    updates: Sequence[AbstractUpdate] | None = None,
 ) -> FitResult[Model]:
     """Trains `model` on `data` by minibatch gradient descent, compiled end to end.
 
@@ -181,6 +188,16 @@ def fit(
         `trains` or a `filter_spec`, not both.
     - `opt_state`: an optimizer state to continue from, such as a previous result's.
     - `state`: the `eqx.nn.State` of a stateful model (BatchNorm and the like).
+    - `updates`: instead of `loss` and `optimizer`, several updates run in turn on each
+        step's batch, each on the model (and state) the one before it left: a GAN's
+        discriminator and then its generator, `[eqfit.Update("d", d_loss, opt_d,
+        trains=lambda m: m.discriminator), eqfit.Update("g", g_loss, opt_g, trains=lambda
+        m: m.generator)]`. Each records its loss and aux values under its name (`d_loss`,
+        `g_<aux>`, `val_d_loss`; `history.loss` is the sum of the losses of the updates
+        that ran in the step), and keeps its optimizer's state in `result.opt_state[name]`.
+        An [`eqfit.Update`][] may run on every `every`-th step only; an
+        [`eqfit.AbstractUpdate`][] is an update of your own. Not with `shard=`, float16's
+        loss scale or `schedules=`; see the guide "Research training".
 
     *What is measured, and when to stop:*
 
@@ -362,14 +379,37 @@ def fit(
         profile=profile,
         execution=execution,
     )
+    if updates is not None:
+        updates = check_updates_form(updates, loss, optimizer, trains, filter_spec)
+    elif loss is None or optimizer is None:
+        missing = " and ".join(
+            n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is None
+        )
+        raise TypeError(
+            f"`fit` needs `{missing}`: a loss and an optimizer "
+            "(one update each step), or `updates=[eqfit.Update(name, loss, optimizer), ...]` "
+            "(several in turn)."
+        )
     if trains is not None:
         filter_spec = trained_parts(model, trains, filter_spec)
     # Open the data, plan the run's shape from it, and build its static description.
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
     schedule = schedule_for(source, options)
-    objects = Objects(
-        loss, tuple((metrics or {}).items()), plain_optimizer(optimizer), options.schedules
-    )
+    if updates is not None:
+        builtin = tuple(u for u in updates if isinstance(u, Update))
+        objects = Objects(
+            Losses(builtin, options.stateful),
+            tuple((metrics or {}).items()),
+            None,
+            options.schedules,
+            updates,
+        )
+        loss = objects.loss
+    else:
+        assert loss is not None and optimizer is not None  # refused above
+        objects = Objects(
+            loss, tuple((metrics or {}).items()), plain_optimizer(optimizer), options.schedules
+        )
     loop, start = make_loop(
         model, filter_spec, objects, schedule, options, source.like, state, opt_state
     )
@@ -472,3 +512,25 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     finally:
         _PLANNING.reset(token)
     raise AssertionError("`fit` trained while planning")
+
+
+def check_updates_form(
+    updates: Any, loss: Any, optimizer: Any, trains: Any, filter_spec: Any
+) -> tuple[AbstractUpdate, ...]:
+    """Refuses `updates=` beside the options that say the same of one update (`loss`,
+    `optimizer`, `trains`, `filter_spec`), and `updates` that are not updates.
+    """
+    given = [n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is not None]
+    if given:
+        raise ValueError(
+            f"`updates` and `{'` and `'.join(given)}` both say how the model trains: give "
+            "`loss=` and `optimizer=` for one update each step, or `updates=` for several "
+            "(each an `eqfit.Update(name, loss, optimizer)` with its own)."
+        )
+    if trains is not None or filter_spec is not eqx.is_inexact_array:
+        what = "trains" if trains is not None else "filter_spec"
+        raise ValueError(
+            f"`updates` and `{what}` both say what trains: with `updates=`, each update "
+            "says what it trains (`eqfit.Update(..., trains=lambda m: m.generator)`)."
+        )
+    return check_updates(updates)

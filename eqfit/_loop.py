@@ -19,14 +19,15 @@ from jaxtyping import PyTree
 
 from ._early_stopping import EarlyStopping
 from ._execution import Execution, WholeRun
-from ._objective import Objective
+from ._objective import Objective, takes_key
 from ._options import StepOptions, Validation
 from ._parallel import OneDevice, param_specs, Placement
 from ._record import Kind, Record
 from ._schedule import Schedule
-from ._skeleton import Skeleton, unwrap
+from ._skeleton import Skeleton, split_arrays, unwrap
 from ._state import Consts
-from ._step import Step
+from ._step import Rule, Step
+from ._updates import AbstractUpdate, Update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Loop:
     # How the steps run (`_execution`), and why, for `eqfit.plan`.
     execution: Execution = WholeRun()
     execution_why: str = ""
+    # With several updates (`fit(..., updates=)`): each one's static part, in order.
+    updates: tuple["UpdateInfo", ...] = ()
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:
@@ -88,7 +91,7 @@ class Loop:
 
     def parts(self, consts: Consts) -> "Parts":
         """The run's objects, rebuilt inside the program from the static skeletons."""
-        loss, metrics, optimizer, schedules = unwrap(self.objects.fill(consts.objects))
+        loss, metrics, optimizer, schedules, updates = unwrap(self.objects.fill(consts.objects))
         objective = Objective(
             loss, metrics, self.stateful, self.use_key, self.aux_names, self.step.precision
         )
@@ -99,6 +102,15 @@ class Loop:
             trained, fixed = iter(jax.tree.leaves(params)), iter(frozen)
             arrays = [next(trained) if t else next(fixed) for t in self.trains]
             return unwrap(self.model.fill(arrays))
+
+        rules = tuple(self._rule(info, u) for info, u in zip(self.updates, updates))
+        if rules:
+            optimizer = by_name(rules)
+
+        def split(model: PyTree) -> PyTree:
+            """The trained arrays of a whole model (the inverse of `combine`)."""
+            arrays, _ = split_arrays(model)
+            return self.params_tree([a for a, t in zip(arrays, self.trains) if t])
 
         lay_out = None
         if self.param_shardings() is not None:
@@ -112,8 +124,34 @@ class Loop:
             lay_out=lay_out,
             average=self.step.average,
             schedules=tuple(schedule for _, schedule in schedules),
+            rules=rules,
+            split=split if rules else None,
         )
         return Parts(objective, optimizer, combine, step)
+
+    def _rule(self, info: "UpdateInfo", update: AbstractUpdate) -> Rule:
+        """One of several updates as the step runs it."""
+        if info.losses is None:  # a user's own
+            return Rule(info.name, info.every, info.picks, custom=update, aux_names=info.values)
+        assert isinstance(update, Update)
+        objective = Objective(
+            update.loss,
+            (),
+            self.stateful,
+            takes_key(update.loss),
+            info.losses,
+            self.step.precision,
+        )
+        return Rule(
+            info.name,
+            info.every,
+            info.picks,
+            objective=objective,
+            optimizer=update.optimizer,
+            aux_names=(f"{info.name}_loss", *(f"{info.name}_{a}" for a in info.losses)),
+            hyperparams=info.hyperparams,
+            norms=self.step.norms,
+        )
 
     def param_shardings(self) -> PyTree | None:
         """With `shard=`, each trained array's `NamedSharding`, in `params_tree`'s
@@ -135,6 +173,41 @@ class Loop:
         arrays = iter(chosen)
         leaves = [next(arrays) if x is None else None for x in self.model.leaves]
         return jax.tree.unflatten(self.model.treedef, leaves)
+
+
+class UpdateInfo(NamedTuple):
+    """The static part of one of several updates: its name, how often it runs, which of
+    the trained arrays it trains, and the names it records.
+    """
+
+    name: str
+    every: int
+    picks: tuple[bool, ...]  # for each array that trains, in order
+    losses: tuple[str, ...] | None  # a loss's update: its loss's aux names; else `None`
+    values: tuple[str, ...] = ()  # a user's own: the record's names of its values
+    hyperparams: tuple[str, ...] = ()  # the record's names of its optimizer's injected ones
+
+
+def by_name(rules: tuple[Rule, ...]) -> optax.GradientTransformation:
+    """The state of several updates as one optimizer's: `init` makes each update's state
+    on the arrays it trains, in a dict by name. (The step runs the updates themselves.)
+    """
+
+    def init(params: PyTree) -> dict[str, PyTree]:
+        states = {}
+        for rule in rules:
+            mine, _ = rule.select(params)
+            if rule.custom is not None:
+                states[rule.name] = rule.custom.init(mine)
+            else:
+                assert rule.optimizer is not None
+                states[rule.name] = rule.optimizer.init(mine)
+        return states
+
+    def update(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("eqfit's step runs several updates one by one (`Step.rule`).")
+
+    return optax.GradientTransformation(init, update)
 
 
 class Parts(NamedTuple):

@@ -172,7 +172,7 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
         step = dataclasses.replace(loop.parts(consts).step, axis_name=None)
         key = jax.random.key(0) if loop.use_key else None
         args = (state.params, state.opt_state, state.model_state, state.average)
-        return step(*args, state.loss_scale, batch, key)
+        return step(*args, state.loss_scale, batch, key, state.step)
 
     flops = _lowered_flops(loop, one_step, state, batch, consts)
     PROGRAM_CACHE.set_fact(run_key(loop), "flops_per_step", flops)

@@ -354,6 +354,7 @@ class _Run:
             state.loss_scale,
             batch,
             key,
+            t,
         )
         row, column = schedule.record_row(t), schedule.record_column(t)
         nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)

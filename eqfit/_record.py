@@ -9,7 +9,7 @@ names. Recording one more value is one `Column` here, written by name where it i
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -42,6 +42,7 @@ class Kind(enum.Enum):
     SCALE = "the loss scaling (float16)"
     HYPERPARAM = "the optimizer's injected hyperparameter"
     SCHEDULE = "the schedule"
+    UPDATE = "an update's value (`eqfit.AbstractUpdate`)"
 
 
 class Column(NamedTuple):
@@ -52,6 +53,9 @@ class Column(NamedTuple):
     reduce: Reduce
     # A nonzero value marks a step whose update was not applied (`Reduce.APPLIED_MEAN`).
     skips: bool = False
+    # NaN on the steps where it is not computed (an update's, with `every` above 1): the
+    # epoch reduces it over the steps where it is.
+    sometimes: bool = False
 
 
 LOSS = Column("loss", Kind.LOSS, Reduce.BATCH_MEAN)
@@ -164,17 +168,22 @@ class Record:
         loss = jnp.dot(weights, jnp.where(counts, step_loss, 0.0), precision=precision)[None]
         if not self.columns:
             return loss
-        by_samples = [i for i, c in enumerate(self.columns) if c.reduce is Reduce.BATCH_MEAN]
-        # One product for all of them (a slice where they lead, as the aux values and
-        # metrics do).
-        if by_samples == list(range(len(by_samples))):
-            block = values[:, : len(by_samples)]
-        else:
-            block = values[:, np.asarray(by_samples, np.int32)]
-        means = jnp.dot(weights, jnp.where(counts[:, None], block, 0.0), precision=precision)
+        by_samples = [
+            i
+            for i, c in enumerate(self.columns)
+            if c.reduce is Reduce.BATCH_MEAN and not c.sometimes
+        ]
         out: list[Any] = [None] * len(self.columns)
-        for j, i in enumerate(by_samples):
-            out[i] = means[j : j + 1]
+        if by_samples:
+            # One product for all of them (a slice where they lead, as the aux values and
+            # metrics do).
+            if by_samples == list(range(len(by_samples))):
+                block = values[:, : len(by_samples)]
+            else:
+                block = values[:, np.asarray(by_samples, np.int32)]
+            means = jnp.dot(weights, jnp.where(counts[:, None], block, 0.0), precision=precision)
+            for j, i in enumerate(by_samples):
+                out[i] = means[j : j + 1]
         ran = all_sizes > 0
         applied = counts
         for i, column in enumerate(self.columns):
@@ -182,16 +191,34 @@ class Record:
                 applied = applied & (values[:, i] == 0)
         for i, column in enumerate(self.columns):
             value = values[:, i]
-            if column.reduce is Reduce.APPLIED_MEAN:
-                w = jnp.where(applied, all_sizes, 0.0)
-                mean = jnp.dot(w / jnp.sum(w), jnp.where(applied, value, 0.0), precision=precision)
+            # Where it was computed, for a column computed on some steps only.
+            here = ~jnp.isnan(value) if column.sometimes else True
+            if column.reduce is Reduce.BATCH_MEAN and column.sometimes:
+                w = jnp.where(counts & here, all_sizes, 0.0)
+                mean = jnp.dot(w / jnp.sum(w), jnp.where(w > 0, value, 0.0), precision=precision)
+                out[i] = mean[None]
+            elif column.reduce is Reduce.APPLIED_MEAN:
+                w = jnp.where(applied & here, all_sizes, 0.0)
+                mean = jnp.dot(w / jnp.sum(w), jnp.where(w > 0, value, 0.0), precision=precision)
                 out[i] = mean[None]
             elif column.reduce is Reduce.SUM:
-                out[i] = jnp.sum(jnp.where(ran, value, 0.0))[None]
+                out[i] = jnp.sum(jnp.where(ran & here, value, 0.0))[None]
             elif column.reduce is Reduce.LAST:
-                last = jnp.argmax(jnp.where(ran, jnp.arange(value.shape[0]), -1))
+                last = jnp.argmax(jnp.where(ran & here, jnp.arange(value.shape[0]), -1))
                 out[i] = value[last][None]
         return jnp.concatenate([loss, *out])
+
+
+class UpdateRecord(NamedTuple):
+    """What one of several updates (`fit(..., updates=)`) records, by the history's names
+    (each beginning with the update's name).
+    """
+
+    name: str
+    losses: tuple[str, ...]  # a loss's update: its loss and aux values (`d_loss`, `d_acc`)
+    values: tuple[str, ...]  # a user's own update: the values it names
+    hyperparams: tuple[str, ...]  # its optimizer's injected ones (`d_learning_rate`)
+    every: int
 
 
 def record_for(
@@ -203,12 +230,18 @@ def record_for(
     hyperparams: tuple[str, ...] = (),
     schedule_names: tuple[str, ...] = (),
     val_sets: tuple[str, ...] | None = None,
+    updates: tuple[UpdateRecord, ...] = (),
 ) -> Record:
     """The run's record: the loss's aux values and the metrics (means over samples), the
     norms, the loss scaling, then the hyperparameters of `inject_hyperparams` states and
     the schedules' (each the epoch's last step's). Refuses two values of one name, and a
     name that the run keeps for itself, naming both.
+
+    With several updates (`updates`), each update's values, norms and hyperparameters,
+    under its name; on the steps an update is not due (`every` above 1) they are NaN.
     """
+    if updates:
+        return _updates_record(updates, metric_names, norms, val_sets)
     check_names(aux_names, metric_names, hyperparams, schedule_names)
     columns = [Column(n, Kind.AUX, Reduce.BATCH_MEAN) for n in aux_names]
     columns += [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
@@ -286,3 +319,76 @@ def check_names(
                 "the history; rename the schedule (or leave it out: an injected "
                 "hyperparameter is recorded by itself)."
             )
+
+
+def _updates_record(
+    updates: tuple[UpdateRecord, ...],
+    metric_names: tuple[str, ...],
+    norms: bool,
+    val_sets: tuple[str, ...] | None,
+) -> Record:
+    """`record_for`'s record of several updates: their losses' values (recorded as aux
+    values, which validation computes too), the metrics, the user's updates' values, the
+    norms of the loss updates, their hyperparameters.
+    """
+    check_names(metric_names=metric_names)
+    # Each update's columns with its name, by kind, in the order they are recorded.
+    aux: list[tuple[Column, str]] = []
+    own: list[tuple[Column, str]] = []
+    norm: list[tuple[Column, str]] = []
+    hyper: list[tuple[Column, str]] = []
+    for u in updates:
+        sometimes = u.every > 1
+        aux += [
+            (Column(n, Kind.AUX, Reduce.BATCH_MEAN, sometimes=sometimes), u.name) for n in u.losses
+        ]
+        own += [
+            (Column(n, Kind.UPDATE, Reduce.BATCH_MEAN, sometimes=sometimes), u.name)
+            for n in u.values
+        ]
+        if norms and u.losses:
+            norm += [
+                (
+                    Column(
+                        f"{u.name}_{c.name}", Kind.NORM, Reduce.APPLIED_MEAN, sometimes=sometimes
+                    ),
+                    u.name,
+                )
+                for c in NORMS
+            ]
+        hyper += [
+            (Column(n, Kind.HYPERPARAM, Reduce.LAST, sometimes=sometimes), u.name)
+            for n in u.hyperparams
+        ]
+    check_update_names([(c.name, u) for c, u in aux + own + norm + hyper], metric_names)
+    metrics = [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
+    record = Record(tuple([c for c, _ in aux] + metrics + [c for c, _ in own + norm + hyper]))
+    if val_sets is not None:
+        aux_names = record.names_of(Kind.AUX)
+        check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)
+    return record
+
+
+def check_update_names(columns: Sequence[tuple[str, str]], metric_names: Sequence[str]) -> None:
+    """Refuses an update's recorded name (each `(name, update)` of `columns`) that the
+    history keeps for itself, that a metric has, or that two updates' values share.
+    """
+    taken: dict[str, str] = {}
+    for name, update in columns:
+        what = reserved_for(name)
+        if what is not None:
+            raise ValueError(
+                f"`updates`: update {update!r} records {name!r}, a name the run gives to "
+                f"{what}; rename the update. Reserved: {reserved_names()}."
+            )
+        if name in metric_names:
+            raise ValueError(
+                f"`updates`: update {update!r} records {name!r}, and `metrics` has a metric "
+                f"{name!r}: the history would hold both under one name; rename one."
+            )
+        if name in taken:
+            raise ValueError(
+                f"`updates`: update {update!r} and update {taken[name]!r} both record "
+                f"{name!r}; rename one of them."
+            )
+        taken[name] = update

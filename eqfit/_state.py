@@ -26,13 +26,15 @@ class Stop(enum.IntEnum):
 
 class Objects(NamedTuple):
     """What the run calls: the loss, the metrics, the optimizer (a plain one) and the
-    schedules whose values it records.
+    schedules whose values it records; or, with several updates, the updates (and as the
+    loss, their losses as one, which validation computes: `_updates.Losses`).
     """
 
     loss: Callable[..., Any]
     metrics: tuple[tuple[str, Callable[..., Any]], ...]
-    optimizer: optax.GradientTransformation
+    optimizer: optax.GradientTransformation | None
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
+    updates: tuple[Any, ...] = ()  # `AbstractUpdate`s
 
 
 class Consts(NamedTuple):
