@@ -25,6 +25,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
         pytest.param("data_parallel.py", "largest parameter difference", marks=pytest.mark.heavy),
         pytest.param("sweep.py", "wrote sweep.png", marks=pytest.mark.heavy),
         pytest.param("transformer_lm.py", "sample:", marks=pytest.mark.heavy),
+        pytest.param("gan.py", "generated after epoch 10", marks=pytest.mark.heavy),
     ],
 )
 def test_example_runs(script, expected, tmp_path):
