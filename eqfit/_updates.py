@@ -44,15 +44,23 @@ class AbstractUpdate(eqx.Module):
     step's), after the updates listed before it in `fit(..., updates=[...])`.
 
     Subclass it for an update of your own (a target network moved by Polyak averaging,
-    an update that takes two gradients): give it a `name`, the parts it `trains`, `every`,
-    and the two methods below. `fit` keeps only the arrays of the parts it trains from the
-    model `apply` returns, carries its state from step to step (and in checkpoints), and
-    records its values. `eqfit.Update` is the built-in one.
+    an update that takes two gradients): give it a `name` and the two methods below, and
+    where they differ from the defaults the parts it `trains` (as `eqx.tree_at`'s
+    `where`; `None`, the default: every floating-point array) and `every` (run on steps
+    `every`, `2 * every`, ... counted from 1; default 1). `fit` keeps only the arrays of
+    the parts it trains from the model `apply` returns, carries its state from step to
+    step (and in checkpoints), and records its values. `eqfit.Update` is the built-in
+    one.
     """
 
     name: eqx.AbstractVar[str]
-    trains: eqx.AbstractVar[Callable[[Any], Any] | None]
-    every: eqx.AbstractVar[int]
+    # Keyword-only, so that a subclass's own fields come first in its constructor's
+    # arguments (`eqfit.Update(name, loss, optimizer, trains=..., every=...)`).
+    trains: Callable[[Any], Any] | None = eqx.field(default=None, kw_only=True)
+    every: int = eqx.field(default=1, kw_only=True)
+
+    def __check_init__(self) -> None:
+        check_every(self.name, self.every)
 
     @abc.abstractmethod
     def init(self, params: ArrayTree) -> ArrayTree:
@@ -132,11 +140,6 @@ class Update(AbstractUpdate):
     name: str
     loss: Callable[..., Any]
     optimizer: optax.GradientTransformation
-    trains: Callable[[Any], Any] | None = None
-    every: int = 1
-
-    def __check_init__(self) -> None:
-        check_every(self.name, self.every)
 
     def init(self, params: ArrayTree) -> ArrayTree:
         return self.optimizer.init(params)

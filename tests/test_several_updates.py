@@ -5,6 +5,8 @@ checkpoint between an update's steps; an update of the user's own; and the refus
 """
 
 import shutil
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -170,8 +172,7 @@ class Polyak(eqfit.AbstractUpdate):
     """A target network moved towards the online one by Polyak averaging."""
 
     name: str = "target"
-    trains: object = lambda m: m.b
-    every: int = 1
+    trains: Callable[[Pair], Any] | None = lambda m: m.b
     tau: float = 0.25
 
     def init(self, params):

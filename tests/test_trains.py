@@ -71,7 +71,9 @@ def test_trains_that_cannot_be_followed_is_refused_naming_it():
 def test_several_optimizers_or_losses_are_refused_with_what_to_use_instead():
     model, data, settings = problem()
     adam = optax.adam(1e-3)
-    with pytest.raises(TypeError, match=r"`optimizer`.*optax.multi_transform.*GAN"):
+    with pytest.raises(
+        TypeError, match=r"`optimizer`.*optax.multi_transform.*GAN.*updates=\[eqfit.Update"
+    ):
         eqfit.fit(model, data, **{**settings, "optimizer": (adam, adam)})
     with pytest.raises(TypeError, match=r"`optimizer`.*optax.multi_transform"):
         eqfit.fit(model, data, **{**settings, "optimizer": {"d": adam, "g": adam}})

@@ -159,3 +159,43 @@ def stateful(model: Stateful, state: eqx.nn.State) -> None:
     x = np.zeros((16, 2), np.float32)
     # Given `state=`, the model returns `(output, state)` and `predict` the outputs.
     assert_type(eqfit.predict(model, x, state=state), Float[Array, " 3"])
+
+
+class Twin(eqx.Module):
+    online: eqx.nn.Linear
+    target: eqx.nn.Linear
+
+
+class Polyak(eqfit.AbstractUpdate):
+    """An update of one's own: the target moved towards the online network."""
+
+    name: str = "target"
+    tau: float = 0.01
+
+    def init(self, params: Any) -> None:
+        return None
+
+    def apply(
+        self, model: Any, state: Any, batch: Any, *, model_state: Any, key: Array
+    ) -> eqfit.Applied:
+        target = jax.tree.map(
+            lambda t, o: (1 - self.tau) * t + self.tau * o, model.target, model.online
+        )
+        model = eqx.tree_at(lambda m: m.target, model, target)
+        return eqfit.Applied(model, state, model_state, {})
+
+
+def several_updates(twin: Twin, x: Array, y: Array) -> None:
+    def online_loss(model: Twin, x: Array, y: Array) -> Array:
+        return jnp.mean((jax.vmap(model.online)(x) - y) ** 2)
+
+    result = eqfit.fit(
+        twin,
+        (x, y),
+        key=jax.random.key(0),
+        updates=[
+            eqfit.Update("q", online_loss, optax.adam(1e-3), trains=lambda m: m.online),
+            Polyak(trains=lambda m: m.target, every=2),
+        ],
+    )
+    assert_type(result.model, Twin)
