@@ -20,6 +20,7 @@ from ._execution import (
 )
 from ._fit import fit as fit, plan as plan
 from ._history import History as History
+from ._mean import Mean as Mean
 from ._observers import Callback as Callback, ModelCallback as ModelCallback
 from ._plan import (
     ArgumentBytes as ArgumentBytes,

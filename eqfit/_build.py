@@ -19,7 +19,7 @@ from ._data import describe, is_dtype, not_a_stack
 from ._execution import choose, loss_convolves
 from ._hyperparams import check_schedules, injected_names
 from ._loop import Loop, UpdateInfo
-from ._objective import find_aux_names, Objective, takes_key
+from ._objective import find_outputs, Objective, Outputs, takes_key
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
 from ._parallel import param_specs, placement_devices, Pmap
 from ._record import Record, record_for, UpdateRecord
@@ -81,7 +81,7 @@ def make_loop(
         objects.loss, objects.metrics, options.stateful, use_key, precision=step.precision
     )
     # Several updates' losses are traced one by one (`_update_info`).
-    aux_names = () if infos else _aux_names(objective, traced, options)
+    outputs = Outputs((), ()) if infos else _outputs(objective, traced, options)
     loop = Loop(
         model=skeleton,
         trains=trains,
@@ -116,7 +116,8 @@ def make_loop(
         )
         loop = dataclasses.replace(loop, updates=infos)
     record = record_for(
-        aux_names=aux_names,
+        aux_names=outputs.aux_names,
+        means=outputs.means,
         metric_names=objective.metric_names,
         norms=step.norms,
         scales=step.scales,
@@ -207,19 +208,20 @@ def _convolves(objective: Objective, traced: tuple[PyTree, PyTree, PyTree]) -> b
         return False
 
 
-def _aux_names(
+def _outputs(
     objective: Objective, traced: tuple[PyTree, PyTree, PyTree], options: Options
-) -> tuple[str, ...]:
-    """The names of the aux values the loss returns, traced on `traced` (`_abstract_call`'s:
-    one member's model and state in an ensemble, and a batch).
+) -> Outputs:
+    """The names of the aux values the loss returns, and which values are `eqfit.Mean`s,
+    traced on `traced` (`_abstract_call`'s: one member's model and state in an ensemble,
+    and a batch).
     """
     member, state, batch = traced
     if options.members is None:
-        return find_aux_names(objective, member, state, batch)
+        return find_outputs(objective, member, state, batch)
     # An ensemble: one member is traced whatever the loss, so that a single model taken
     # for a stack is refused here, saying so, not deep inside the run's trace.
     try:
-        return find_aux_names(objective, member, state, batch, always=True)
+        return find_outputs(objective, member, state, batch, always=True)
     except Exception as e:
         raise not_a_stack(options.members, "`fit`", e) from e
 
@@ -286,8 +288,15 @@ def _update_info(
             takes_key(update.loss),
             precision=options.step.precision,
         )
-        aux = _aux_names(objective, traced, options)
-        return UpdateInfo(update.name, update.every, tuple(picks), aux)
+        outputs = _outputs(objective, traced, options)
+        if outputs.means:
+            raise ValueError(
+                f"`updates`: update {update.name!r}'s loss returns an `eqfit.Mean` (for "
+                f"{', '.join(map(repr, outputs.means))}), which several updates do not take "
+                "yet: return its value, `total / weight`, whose epoch means weigh each "
+                "batch by its size."
+            )
+        return UpdateInfo(update.name, update.every, tuple(picks), outputs.aux_names)
 
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> list[str]:
         own = update.init(eqx.filter(model, spec))

@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Key, PyTree
 
 from ._labels import either, LabelError
@@ -30,8 +31,9 @@ def evaluate_batches(
     nothing checks labels). The objective's precision policy casts the model and batches.
 
     It runs a scan over full batches and one smaller last batch, weighting each batch's
-    value by its size, so for a loss that is a mean over the batch this is the mean over
-    the whole data: what one full-batch call would give, without its memory.
+    value by its size, so for a loss that is a mean over the batch's examples this is the
+    mean over the whole data: what one full-batch call would give, without its memory. A
+    weighted mean (`eqfit.Mean`) is the sum of its totals over the sum of its weights.
 
     Where the loss gets a key (`evaluation_needs_key`), batch `b` (counted from 0) gets
     `jax.random.fold_in(key, b)`; without `key`, every batch gets `jax.random.key(0)`.
@@ -48,23 +50,36 @@ def evaluate_batches(
 
     def values(
         batch: PyTree, key: Key[Array, ""] | None
-    ) -> tuple[Float[Array, " values"], LabelError | None]:
-        loss, aux, _, labels = objective.value(model, clone(model_state), batch, key)
-        metrics, metric_labels = objective.metric_values(model, clone(model_state), batch)
-        values = jnp.concatenate([loss[None].astype(jnp.float32), aux, metrics])
-        return values, either(labels, metric_labels)
+    ) -> tuple[Float[Array, "2 values"], LabelError | None]:
+        """The batch's totals and weights: a plain value times the batch's size, and the
+        size; a weighted mean's (`eqfit.Mean`) own total and weight.
+        """
+        v = objective.value(model, clone(model_state), batch, key)
+        metrics, metric_weights, metric_labels = objective.metric_values(
+            model, clone(model_state), batch
+        )
+        totals = jnp.concatenate([v.loss[None].astype(jnp.float32), v.aux, metrics])
+        weights = jnp.concatenate([v.weight[None], v.aux_weights, metric_weights])
+        size = jax.tree.leaves(batch)[0].shape[0]
+        if objective.means:
+            mean = np.isin(np.asarray(objective.value_names), objective.means)
+            totals = jnp.where(mean, totals, totals * size)
+            weights = jnp.where(mean, weights, size)
+        else:
+            totals, weights = totals * size, jnp.full_like(weights, size)
+        return jnp.stack([totals, weights]), either(v.labels, metric_labels)
 
-    total, labels = jnp.zeros(len(objective.value_names)), None
+    total, labels = jnp.zeros((2, len(objective.value_names))), None
     if num_full:
         full = jax.tree.map(
             lambda a: a[: num_full * batch_size].reshape(num_full, batch_size, *a.shape[1:]),
             data,
         )
 
-        def add(total: Float[Array, " values"], batch: tuple[Array, PyTree]):
+        def add(total: Float[Array, "2 values"], batch: tuple[Array, PyTree]):
             b, batch_ = batch
             batch_values, batch_labels = values(batch_, batch_key(b))
-            return total + batch_values * batch_size, batch_labels
+            return total + batch_values, batch_labels
 
         # Each batch's label check is an output of the scan (none where nothing checks
         # labels), the first found picked after it.
@@ -75,5 +90,6 @@ def evaluate_batches(
     if remainder:
         last = jax.tree.map(lambda a: a[num_full * batch_size :], data)
         last_values, last_labels = values(last, batch_key(num_full))
-        total, labels = total + last_values * remainder, either(labels, last_labels)
-    return total / num, labels
+        total, labels = total + last_values, either(labels, last_labels)
+    # A sum over a sum: the mean over the whole data (NaN, 0 / 0, where weights sum to 0).
+    return total[0] / total[1], labels

@@ -93,7 +93,13 @@ class Loop:
         """The run's objects, rebuilt inside the program from the static skeletons."""
         loss, metrics, optimizer, schedules, updates = unwrap(self.objects.fill(consts.objects))
         objective = Objective(
-            loss, metrics, self.stateful, self.use_key, self.aux_names, self.step.precision
+            loss,
+            metrics,
+            self.stateful,
+            self.use_key,
+            self.aux_names,
+            self.step.precision,
+            self.record.means,
         )
         frozen = consts.frozen
 

@@ -1,7 +1,8 @@
 """How eqfit calls the user's loss and metrics (`Objective`): with or without model state,
 under a precision policy, with a key where the loss takes one; what a loss returns
-(`split_output`, `aux_value`) and the aux names it returns (`find_aux_names`); and notes
-that name the call when the user's function fails while traced.
+(`split_output`, `aux_value`), the aux names it returns and which of its values and the
+metrics' are weighted means (`find_outputs`); and notes that name the call when the
+user's function fails while traced.
 """
 
 import contextlib
@@ -9,7 +10,7 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Key, PyTree, TypeCheckError
 
 from ._labels import collecting, first_of, LabelError
+from ._mean import Mean
 from ._precision import Precision
 
 
@@ -181,6 +183,19 @@ def _shape(x: Any) -> str:
     return type(x).__name__
 
 
+class Value(NamedTuple):
+    """What the loss gives on a batch (`Objective.value`). Each value is a pair: a
+    `Mean`'s total and weight, or a plain value and 1.
+    """
+
+    loss: Float[Array, ""]
+    weight: Float[Array, ""]
+    aux: Float[Array, " aux"]  # in `aux_names`' order, float32
+    aux_weights: Float[Array, " aux"]
+    state: PyTree  # the model state after the batch (`None` without state)
+    labels: LabelError | None  # the first label out of range the loss met
+
+
 class Objective(eqx.Module):
     """How to call the user's loss and metrics on a batch, with or without model state,
     under a precision policy (or none).
@@ -188,7 +203,8 @@ class Objective(eqx.Module):
     A loss returns its value, or `(value, aux)` with `aux` a dict of scalars (or of
     arrays, averaged) that the run records under their names; with state, `(value,
     new_state)` or `((value, aux), new_state)`. `aux_names` are the names it returns,
-    found before the run (`find_aux_names`).
+    found before the run (`find_outputs`), and `means` those of `value_names` that are
+    weighted means (`eqfit.Mean`).
     """
 
     loss: Callable[..., Any]
@@ -197,6 +213,7 @@ class Objective(eqx.Module):
     use_key: bool = False
     aux_names: tuple[str, ...] = ()
     precision: Precision | None = None
+    means: tuple[str, ...] = ()
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -229,10 +246,10 @@ class Objective(eqx.Module):
 
     def value(
         self, model: PyTree, model_state: PyTree, batch: PyTree, key: Key[Array, ""] | None
-    ) -> tuple[Float[Array, ""], Float[Array, " aux"], PyTree, LabelError | None]:
-        """The loss, its aux values in `aux_names`' order (float32), the model state
-        after the batch (`None` without state), and the first label out of range that the
-        loss met (see `eqfit._labels`).
+    ) -> Value:
+        """The loss and its aux values on the batch, each as a pair (`Value`), the model
+        state after the batch, and the first label out of range that the loss met (see
+        `eqfit._labels`).
         """
         # Read before the call: a stateful layer marks the state it is given as used up.
         dtypes = []
@@ -240,9 +257,9 @@ class Objective(eqx.Module):
             dtypes = [getattr(x, "dtype", None) for x in jax.tree.leaves(model_state)]
         out, checks = self.call(model, model_state, batch, key)
         value, aux, new_state = split_output(out, self.stateful)
-        value = check_scalar(value, "`loss(model, *batch)`")
+        loss, weight = self._pair("loss", value, "`loss(model, *batch)`")
         if self.precision is not None:
-            value = value.astype(jnp.float32)
+            loss = loss.astype(jnp.float32)
             # The state stays in its own dtypes, whatever the cast model computed it in.
             leaves, treedef = jax.tree.flatten(new_state)
             if len(leaves) == len(dtypes):
@@ -251,9 +268,27 @@ class Objective(eqx.Module):
                     for x, d in zip(leaves, dtypes)
                 ]
                 new_state = jax.tree.unflatten(treedef, leaves)
-        return value, self._aux_values(aux), new_state, first_of(checks)
+        aux_values, aux_weights = self._aux_values(aux)
+        return Value(loss, weight, aux_values, aux_weights, new_state, first_of(checks))
 
-    def _aux_values(self, aux: Mapping[str, Any] | None) -> Float[Array, " aux"]:
+    def _pair(self, name: str, value: Any, what: str) -> tuple[Array, Array]:
+        """A value as `(total, weight)`: a `Mean`'s, or a plain scalar's and 1. Refuses
+        one whose kind changed since the run traced it (`means`).
+        """
+        if isinstance(value, Mean) != (name in self.means):
+            kind = "an `eqfit.Mean`" if isinstance(value, Mean) else "a plain value"
+            raise ValueError(
+                f"{what} returned {kind} for {name!r}, but not before the run: a loss or "
+                "metric must return a Mean, or not, every call."
+            )
+        if isinstance(value, Mean):
+            total = check_scalar(value.total, what)
+            return total, value.weight.astype(jnp.float32)
+        return check_scalar(value, what), jnp.ones((), jnp.float32)
+
+    def _aux_values(
+        self, aux: Mapping[str, Any] | None
+    ) -> tuple[Float[Array, " aux"], Float[Array, " aux"]]:
         given = () if aux is None else tuple(aux)
         if set(given) != set(self.aux_names):
             raise ValueError(
@@ -261,30 +296,41 @@ class Objective(eqx.Module):
                 f"{list(self.aux_names)}: a loss must return the same aux names every call."
             )
         if not self.aux_names:
-            return jnp.zeros(0)
+            return jnp.zeros(0), jnp.zeros(0)
         assert aux is not None
-        values = [
-            jnp.mean(aux_value(name, aux[name])).astype(jnp.float32) for name in self.aux_names
-        ]
-        return jnp.stack(values)
+        pairs = []
+        for name in self.aux_names:
+            value = aux[name]
+            if isinstance(value, Mean) or name in self.means:
+                total, weight = self._pair(name, value, f"`loss`'s aux value {name!r}")
+                pairs.append((total.astype(jnp.float32), weight))
+            else:
+                pairs.append((jnp.mean(aux_value(name, value)).astype(jnp.float32), jnp.ones(())))
+        return jnp.stack([t for t, _ in pairs]), jnp.stack([w for _, w in pairs])
 
     def metric_values(
         self, model: PyTree, model_state: PyTree, batch: PyTree
-    ) -> tuple[Float[Array, " metrics"], LabelError | None]:
-        """Each metric on the batch, in order (an empty vector without metrics), and the
-        first label out of range that they met.
+    ) -> tuple[Float[Array, " metrics"], Float[Array, " metrics"], LabelError | None]:
+        """Each metric on the batch, in order, as totals and weights (a `Mean`'s, or a
+        plain value's and 1; empty vectors without metrics), and the first label out of
+        range that they met.
         """
         if not self.metrics:
-            return jnp.zeros(0), None
+            return jnp.zeros(0), jnp.zeros(0), None
         args = self._arguments(model, model_state, batch)
-        values = []
+        totals, weights = [], []
         with collecting() as checks:
             for name, fn in self.metrics:
                 _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
                 with noting_call(f"metrics[{name!r}]", fn, args, self.stateful):
                     value = fn(*args)
-                values.append(check_scalar(value, f"metric {name!r}").astype(jnp.float32))
-        return jnp.stack(values), first_of(checks)
+                if isinstance(value, Mean) or name in self.means:
+                    total, weight = self._pair(name, value, f"metric {name!r}")
+                else:
+                    total, weight = check_scalar(value, f"metric {name!r}"), jnp.ones(())
+                totals.append(total.astype(jnp.float32))
+                weights.append(weight)
+        return jnp.stack(totals), jnp.stack(weights), first_of(checks)
 
 
 def aux_value(name: str, value: Any) -> Array:
@@ -368,23 +414,40 @@ def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | Non
     return out, None, new_state
 
 
-def find_aux_names(
+class Outputs(NamedTuple):
+    """What a loss and metrics return, found before the run (`find_outputs`)."""
+
+    aux_names: tuple[str, ...]  # the loss's aux values' names
+    means: tuple[str, ...]  # those of the loss, aux values and metrics that are `Mean`s
+
+
+def _own(fn: object) -> bool:
+    return getattr(fn, "__module__", "").startswith("eqfit.")
+
+
+def find_outputs(
     objective: Objective,
     model: PyTree,
     model_state: PyTree,
     batch: PyTree,
     always: bool = False,
-) -> tuple[str, ...]:
-    """The names of the aux values that the loss returns, found by tracing it once on
-    abstract arrays (nothing runs or compiles), and remembered for the same loss on
+) -> Outputs:
+    """The names of the aux values that the loss returns, and which of its values and
+    the metrics' are weighted means (`eqfit.Mean`), found by tracing them once on
+    abstract arrays (nothing runs or compiles), and remembered for the same functions on
     arrays of the same shapes, so that a second `fit` traces nothing. eqfit's own losses
-    return none, and are not traced unless `always`.
+    and metrics return no aux values, and a `Mean` where the batch holds weights (`(x, y,
+    weights)`); they are not traced unless `always`.
     """
-    if not always and getattr(objective.loss, "__module__", "").startswith("eqfit."):
-        return ()
+    weighted = len(batch_args(batch)) > 2
+    own = _own(objective.loss) and all(_own(fn) for _, fn in objective.metrics)
+    if not always and own:
+        names = ("loss", *objective.metric_names) if weighted else ()
+        return Outputs((), names)
     try:
         cache_key = (
             objective.loss,
+            objective.metrics,
             objective.stateful,
             objective.use_key,
             objective.precision,
@@ -393,29 +456,42 @@ def find_aux_names(
         hash(cache_key)
     except TypeError:  # a loss or model that cannot be hashed: traced every time
         cache_key = None
-    if cache_key is not None and cache_key in _AUX_NAMES:
-        return _AUX_NAMES[cache_key]
+    if cache_key is not None and cache_key in _OUTPUTS:
+        return _OUTPUTS[cache_key]
     key = jax.random.key(0) if objective.use_key else None
-    found: list[tuple[str, ...]] = []
+    found: list[Outputs] = []
 
-    def names(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
+    def trace(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
         out, _ = objective.call(model, model_state, batch, key)
-        _, aux, _ = split_output(out, objective.stateful)
-        found.append(() if aux is None else tuple(aux))
+        value, aux, _ = split_output(out, objective.stateful)
+        aux = aux or {}
+        means = ["loss"] if isinstance(value, Mean) else []
+        means += [name for name, v in aux.items() if isinstance(v, Mean)]
+        args = objective._arguments(model, model_state, batch)
+        for name, fn in objective.metrics:
+            if _own(fn):
+                if weighted:
+                    means.append(name)
+                continue
+            _check_signature(fn, args, {}, f"metric {name!r}", objective.stateful)
+            with collecting(), noting_call(f"metrics[{name!r}]", fn, args, objective.stateful):
+                if isinstance(fn(*args), Mean):
+                    means.append(name)
+        found.append(Outputs(tuple(aux), tuple(means)))
 
-    eqx.filter_eval_shape(names, model, model_state, batch)
-    for name in found[0]:
+    eqx.filter_eval_shape(trace, model, model_state, batch)
+    for name in found[0].aux_names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"`loss`'s aux values must be named by strings, got {name!r}.")
     if cache_key is not None:
-        if len(_AUX_NAMES) >= 64:
-            _AUX_NAMES.pop(next(iter(_AUX_NAMES)))
-        _AUX_NAMES[cache_key] = found[0]
+        if len(_OUTPUTS) >= 64:
+            _OUTPUTS.pop(next(iter(_OUTPUTS)))
+        _OUTPUTS[cache_key] = found[0]
     return found[0]
 
 
-# The aux names found for a loss on arrays of given shapes (`find_aux_names`).
-_AUX_NAMES: dict[Any, tuple[str, ...]] = {}
+# What a loss and metrics return on arrays of given shapes (`find_outputs`).
+_OUTPUTS: dict[Any, Outputs] = {}
 
 
 def _abstract(tree: PyTree) -> tuple[Any, ...]:

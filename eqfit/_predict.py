@@ -23,7 +23,7 @@ from ._data import (
 from ._evaluate import evaluate_batches
 from ._jit import cached_jit
 from ._labels import raise_found
-from ._objective import find_aux_names, Objective, takes_key
+from ._objective import find_outputs, Objective, takes_key
 from ._precision import as_precision, Precision, PrecisionLike
 from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState, PRNGKey
 from .losses import outputs
@@ -188,7 +188,9 @@ def evaluate(
     """The loss and metrics of `model` over all of `data`, in batches, in inference mode.
 
     Each batch's value is weighted by its size, so for a loss that is a mean over the
-    batch the result equals the full-batch value, without its memory.
+    batch's examples the result equals the full-batch value, without its memory. A value
+    that is an `eqfit.Mean` (a masked or token-weighted loss) is the sum of its totals
+    over the sum of its weights, the whole data's weighted mean (NaN if they sum to 0).
 
     **Arguments:**
 
@@ -226,9 +228,8 @@ def evaluate(
             lambda a: jax.ShapeDtypeStruct((min(batch_size, a.shape[0]), *a.shape[1:]), a.dtype),
             data_,
         )
-        objective = dataclasses.replace(
-            objective, aux_names=find_aux_names(objective, model, state, batch)
-        )
+        outputs = find_outputs(objective, model, state, batch)
+        objective = dataclasses.replace(objective, aux_names=outputs.aux_names, means=outputs.means)
         key_ = None if key is None else as_key(key)
         values_, labels = _evaluate(objective, model, state, data_, batch_size, key_)
         values = np.asarray(values_).tolist()

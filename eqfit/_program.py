@@ -27,6 +27,7 @@ from ._evaluate import evaluate_batches, evaluation_needs_key
 from ._labels import LabelError
 from ._loop import lay_out_state, Loop, Parts
 from ._state import Consts, Inputs, Report, Steps, Stop, TrainState, Until
+from ._step import StepResult
 
 
 def start(
@@ -376,7 +377,7 @@ class _Run:
             nan_step=nan_step,
             label_error=label_error,
             step_loss=_put(state.step_loss, out.loss, row, column),
-            running=state.running + jnp.where(out.finite, jnp.stack([out.loss * size, size]), 0.0),
+            running=state.running + jnp.where(out.finite, _running_pair(out, size), 0.0),
             batch_sizes=_put(state.batch_sizes, size, row, column),
         )
         if loop.record.names:
@@ -483,6 +484,15 @@ class _Run:
             if self.loop.schedule.learning
             else None,
         )
+
+
+def _running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
+    """What the step adds to the bar's running mean: its loss times its weight (the
+    batch size, or a weighted mean's weight), and the weight.
+    """
+    if out.weight is None:
+        return jnp.stack([out.loss * size, size])
+    return jnp.stack([jnp.where(out.weight > 0, out.loss * out.weight, 0.0), out.weight])
 
 
 def _running(state: TrainState) -> Bool[Array, ""]:

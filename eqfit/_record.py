@@ -43,6 +43,7 @@ class Kind(enum.Enum):
     HYPERPARAM = "the optimizer's injected hyperparameter"
     SCHEDULE = "the schedule"
     UPDATE = "an update's value (`eqfit.AbstractUpdate`)"
+    WEIGHT = "a weighted mean's weight (`eqfit.Mean`)"
 
 
 class Column(NamedTuple):
@@ -56,6 +57,14 @@ class Column(NamedTuple):
     # NaN on the steps where it is not computed (an update's, with `every` above 1): the
     # epoch reduces it over the steps where it is.
     sometimes: bool = False
+    # A weighted mean (`eqfit.Mean`): the column of its step weights (`Kind.WEIGHT`),
+    # which the epoch weighs its steps by, not their batch sizes.
+    weight: str | None = None
+
+
+def weight_column(name: str) -> Column:
+    """The column of the step weights of the weighted mean `name`: not in the history."""
+    return Column(f"{name}:weight", Kind.WEIGHT, Reduce.SUM)
 
 
 LOSS = Column("loss", Kind.LOSS, Reduce.BATCH_MEAN)
@@ -111,8 +120,18 @@ class Record:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The step's values' names, besides the loss."""
+        """The step's values' names, besides the loss, weights included (`pack`'s)."""
         return tuple(c.name for c in self.columns)
+
+    @property
+    def shown(self) -> tuple[str, ...]:
+        """The step's values' names that the history and the logs hold: not weights."""
+        return tuple(c.name for c in self.columns if c.kind is not Kind.WEIGHT)
+
+    @property
+    def means(self) -> tuple[str, ...]:
+        """The values that are weighted means (`eqfit.Mean`), the loss among them."""
+        return tuple(c.name.removesuffix(":weight") for c in self.columns if c.kind is Kind.WEIGHT)
 
     def names_of(self, kind: Kind) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if c.kind is kind)
@@ -132,7 +151,7 @@ class Record:
         """The values each epoch records, in order: the loss and the steps' values, then
         the validation values (`val_names`).
         """
-        return (LOSS.name, *self.names, *self.val_names(val_sets))
+        return (LOSS.name, *self.shown, *self.val_names(val_sets))
 
     def pack(self, values: Mapping[str, Any]) -> Float[Array, " values"]:
         """The step's values, written by name, as one float32 vector in `columns`' order."""
@@ -161,17 +180,26 @@ class Record:
         """
         counts = jnp.isfinite(step_loss)  # NaN where no step ran, so this is false there too
         all_sizes = sizes.astype(jnp.float32)
-        weights = jnp.where(counts, all_sizes, 0.0)
-        weights = weights / jnp.sum(weights)
+        where = {c.name: i for i, c in enumerate(self.columns)}
         # Full float32 precision: on GPUs a default-precision dot may round through TF32.
         precision = jax.lax.Precision.HIGHEST
-        loss = jnp.dot(weights, jnp.where(counts, step_loss, 0.0), precision=precision)[None]
+
+        def mean(w: Array, value: Array) -> Array:  # NaN (0 / 0) if no step counts
+            return jnp.dot(w / jnp.sum(w), jnp.where(w > 0, value, 0.0), precision=precision)
+
+        loss_weight = f"{LOSS.name}:weight"
+        if loss_weight in where:  # a weighted mean: the sum of totals over that of weights
+            loss = mean(jnp.where(counts, values[:, where[loss_weight]], 0.0), step_loss)[None]
+        else:
+            loss = mean(jnp.where(counts, all_sizes, 0.0), step_loss)[None]
         if not self.columns:
             return loss
+        weights = jnp.where(counts, all_sizes, 0.0)
+        weights = weights / jnp.sum(weights)
         by_samples = [
             i
             for i, c in enumerate(self.columns)
-            if c.reduce is Reduce.BATCH_MEAN and not c.sometimes
+            if c.reduce is Reduce.BATCH_MEAN and not c.sometimes and c.weight is None
         ]
         out: list[Any] = [None] * len(self.columns)
         if by_samples:
@@ -193,20 +221,21 @@ class Record:
             value = values[:, i]
             # Where it was computed, for a column computed on some steps only.
             here = ~jnp.isnan(value) if column.sometimes else True
-            if column.reduce is Reduce.BATCH_MEAN and column.sometimes:
-                w = jnp.where(counts & here, all_sizes, 0.0)
-                mean = jnp.dot(w / jnp.sum(w), jnp.where(w > 0, value, 0.0), precision=precision)
-                out[i] = mean[None]
+            if column.kind is Kind.WEIGHT:
+                continue  # not in the history: it weighs its mean's steps
+            if column.weight is not None:
+                w = jnp.where(counts & here, values[:, where[column.weight]], 0.0)
+                out[i] = mean(w, value)[None]
+            elif column.reduce is Reduce.BATCH_MEAN and column.sometimes:
+                out[i] = mean(jnp.where(counts & here, all_sizes, 0.0), value)[None]
             elif column.reduce is Reduce.APPLIED_MEAN:
-                w = jnp.where(applied & here, all_sizes, 0.0)
-                mean = jnp.dot(w / jnp.sum(w), jnp.where(w > 0, value, 0.0), precision=precision)
-                out[i] = mean[None]
+                out[i] = mean(jnp.where(applied & here, all_sizes, 0.0), value)[None]
             elif column.reduce is Reduce.SUM:
                 out[i] = jnp.sum(jnp.where(ran & here, value, 0.0))[None]
             elif column.reduce is Reduce.LAST:
                 last = jnp.argmax(jnp.where(ran & here, jnp.arange(value.shape[0]), -1))
                 out[i] = value[last][None]
-        return jnp.concatenate([loss, *out])
+        return jnp.concatenate([loss, *[o for o in out if o is not None]])
 
 
 class UpdateRecord(NamedTuple):
@@ -231,6 +260,7 @@ def record_for(
     schedule_names: tuple[str, ...] = (),
     val_sets: tuple[str, ...] | None = None,
     updates: tuple[UpdateRecord, ...] = (),
+    means: tuple[str, ...] = (),
 ) -> Record:
     """The run's record: the loss's aux values and the metrics (means over samples), the
     norms, the loss scaling, then the hyperparameters of `inject_hyperparams` states and
@@ -245,13 +275,16 @@ def record_for(
     check_names(aux_names, metric_names, hyperparams, schedule_names)
     columns = [Column(n, Kind.AUX, Reduce.BATCH_MEAN) for n in aux_names]
     columns += [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
+    # A weighted mean's steps weigh by the weights it returns: a column of them each.
+    weights = [weight_column(n) for n in (LOSS.name, *aux_names, *metric_names) if n in means]
+    columns = [c._replace(weight=f"{c.name}:weight") if c.name in means else c for c in columns]
     if norms:
         columns += NORMS
     if scales:
         columns += SCALING
     columns += [Column(n, Kind.HYPERPARAM, Reduce.LAST) for n in hyperparams]
     columns += [Column(n, Kind.SCHEDULE, Reduce.LAST) for n in schedule_names]
-    record = Record(tuple(columns))
+    record = Record(tuple(columns + weights))
     if val_sets is not None:
         check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)
     return record

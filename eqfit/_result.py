@@ -214,6 +214,7 @@ def _result(
         {
             name: squeeze(step_values[:, :rows, :, i]).copy()
             for i, name in enumerate(loop.record.names)
+            if name in loop.record.shown  # a weighted mean's weights are not shown
         },
         _throughput(outcome.epoch_figures, schedule.first_epoch, rows),
     )

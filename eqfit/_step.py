@@ -34,6 +34,7 @@ class StepResult(NamedTuple):
     values: Float[Array, " values"]  # the record's columns (`Record.pack`)
     finite: Bool[Array, ""]  # the loss is finite
     labels: LabelError | None  # the first label out of range; `None`: nothing checked
+    weight: Float[Array, ""] | None = None  # a weighted mean loss's (`eqfit.Mean`) weight
 
 
 class Rule(eqx.Module):
@@ -84,6 +85,9 @@ class Descent(NamedTuple):
     norms: tuple[Float[Array, ""], Float[Array, ""]] | None  # the gradient's, the update's
     labels: LabelError | None
     metrics: Float[Array, " metrics"]  # the objective's, on the model before the step
+    # The weights of those values that are weighted means (`eqfit.Mean`), summed over the
+    # devices, by the record's names (`<name>:weight`).
+    weights: dict[str, Array]
 
 
 class RuleResult(NamedTuple):
@@ -161,6 +165,7 @@ class Step(eqx.Module):
         metrics = d.metrics
         reported = dict(zip(record.names_of(Kind.AUX), d.aux))
         reported |= dict(zip(record.names_of(Kind.METRIC), metrics))
+        reported |= d.weights
         if d.norms is not None:
             reported[GRAD_NORM.name], reported[UPDATE_NORM.name] = d.norms
         if loss_scale is not None:
@@ -181,6 +186,7 @@ class Step(eqx.Module):
             record.pack(reported),
             d.finite,
             d.labels,
+            d.weights.get("loss:weight"),
         )
 
     def descend(
@@ -211,27 +217,54 @@ class Step(eqx.Module):
         # metrics and a skipped step each get their own copy.
         kept = clone(model_state)
 
+        weighted = "loss" in objective.means  # a weighted mean (`eqfit.Mean`)
+
         def value(
             p: PyTree, state: PyTree = model_state
         ) -> tuple[Float[Array, ""], tuple[Any, ...]]:
             model = self.combine(merge(p))
-            loss, aux, new_state, labels = objective.value(model, state, batch, key)
+            v = objective.value(model, state, batch, key)
+            loss = v.loss
+            if weighted:  # the total over the weight (over every device's weight)
+                weight = jax.lax.stop_gradient(v.weight)
+                if self.axis_name is not None:
+                    weight = jax.lax.pmean(weight, self.axis_name)
+                loss = loss / jnp.where(weight == 0, 1.0, weight)
             scaled = loss if policy is None else policy.scale(loss, loss_scale)
-            return scaled, (loss, aux, model, new_state, labels)
+            return scaled, (loss, v, model)
 
         # One forward pass: the aux values ride out of it with the loss.
-        (_, (loss, aux, model, new_state, labels)), grads = jax.value_and_grad(value, has_aux=True)(
-            trained
-        )
+        (_, (loss, v, model)), grads = jax.value_and_grad(value, has_aux=True)(trained)
+        aux, new_state, labels = v.aux, v.state, v.labels
         if policy is not None:
             grads = policy.unscale(grads, loss_scale)
-        metrics, metric_labels = objective.metric_values(model, clone(new_state), batch)
+        metrics, metric_weights, metric_labels = objective.metric_values(
+            model, clone(new_state), batch
+        )
         labels = either(labels, metric_labels)
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
-            # the per-device means is the mean over the whole batch.
+            # the per-device means is the mean over the whole batch. A weighted mean's
+            # totals and weights are averaged alike, and divided below: a sum over a sum.
             loss, aux, grads, metrics = jax.lax.pmean((loss, aux, grads, metrics), self.axis_name)
             labels = _on_any_device(labels, self.axis_name)
+        weights: dict[str, Array] = {}
+        finite = jnp.isfinite(loss)
+        empty = jnp.asarray(False)  # a weighted mean loss's batch of weight 0
+        if objective.means:
+            pairs = (v.weight, v.aux_weights, metric_weights)
+            if self.axis_name is not None:
+                summed = jax.lax.psum(pairs, self.axis_name)
+                n = jax.lax.psum(1, self.axis_name)
+                aux_w, metric_w = summed[1] / n, summed[2] / n
+            else:
+                summed, (_, aux_w, metric_w) = pairs, pairs
+            aux, metrics = aux / aux_w, metrics / metric_w  # a plain value's weight is 1
+            names = ("loss", *objective.aux_names, *objective.metric_names)
+            every = jnp.concatenate([summed[0][None], summed[1], summed[2]])
+            weights = {f"{n}:weight": w for n, w in zip(names, every) if n in objective.means}
+            if weighted:  # a batch of weight 0 records NaN (0 / 0), and trains on 0
+                empty = summed[0] == 0
         if self.lay_out is not None:
             # The gradients as the parameters are laid out: XLA reduce-scatters them.
             grads, _ = self.lay_out(grads, None)
@@ -250,7 +283,6 @@ class Step(eqx.Module):
         # with_extra_args_support makes plain ones ignore them.
         optimizer = optax.with_extra_args_support(optimizer)
         extra = extra_args(optimizer.update, value=loss, grad_fn=grad_fn)
-        finite = jnp.isfinite(loss)
         applies = finite
         grad_norm = optax.tree.norm(grads) if norms else None
         if loss_scale is not None:
@@ -286,13 +318,14 @@ class Step(eqx.Module):
             opt_state=opt_state,
             model_state=model_state,
             loss_scale=new_scale,
-            loss=loss,
+            loss=jnp.where(empty, jnp.nan, loss) if weighted else loss,
             aux=aux,
             finite=finite,
             applies=applies,
             norms=None if grad_norm is None else (grad_norm, update_norm[0]),
             labels=labels,
             metrics=metrics,
+            weights=weights,
         )
 
     def _averaged(self, average: PyTree, params: PyTree, applies: Bool[Array, ""]) -> PyTree:
@@ -322,7 +355,7 @@ class Step(eqx.Module):
         """
         record = self.record
         # Metrics see the model before the step's first update.
-        metrics, labels = self.objective.metric_values(
+        metrics, _, labels = self.objective.metric_values(
             self.combine(params), clone(model_state), batch
         )
         if self.axis_name is not None:

@@ -1,5 +1,9 @@
 """Batch-level losses, each `loss(model, x, y) -> scalar`, vmapping the model over the batch.
 
+Given a batch `(x, y, weights)`, each returns the weighted mean as an `eqfit.Mean`:
+`weights` per example or per label, a mask or class weights (`class_weights[y]`), which
+`fit` averages as a sum over a sum (a masked sequence loss's mean over tokens).
+
 The model is called on one example at a time, `model(x[i])`, as Equinox models are. Each
 loss also takes:
 
@@ -24,6 +28,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
 from ._labels import check_labels, same_shape
+from ._mean import Mean
 from ._objective import takes_key
 from ._typing import ArrayTree, PRNGKey
 
@@ -78,23 +83,48 @@ def _check_takes_state(model: Any) -> None:
         ) from None
 
 
-def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, Any]:
-    """`(x, y)` or `(state, x, y)`: the arguments after the model, as `fit` passes them;
-    `x` and `y` as JAX arrays (numpy ones are taken too).
+def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, Any, Any]:
+    """`(x, y)`, `(x, y, weights)`, or either after a `state`: the arguments after the
+    model, as `fit` passes them; `x`, `y` and `weights` as JAX arrays (numpy ones are
+    taken too); `weights` `None` where none are given.
     """
-    if len(args) == 2:
-        return None, jax.tree.map(jnp.asarray, args[0]), jnp.asarray(args[1])
-    if len(args) == 3 and isinstance(args[0], eqx.nn.State):
-        return args[0], jax.tree.map(jnp.asarray, args[1]), jnp.asarray(args[2])
+    state = None
+    if args and isinstance(args[0], eqx.nn.State):
+        state, args = args[0], args[1:]
+    if len(args) in (2, 3):
+        weights = jnp.asarray(args[2]) if len(args) == 3 else None
+        return state, jax.tree.map(jnp.asarray, args[0]), jnp.asarray(args[1]), weights
     raise TypeError(
-        f"`{name}` takes `(model, x, y)`, or `(model, state, x, y)` for a stateful model "
-        f"(an `eqx.nn.State`); got {len(args)} arguments after the model"
-        + (f", the first a {type(args[0]).__name__}" if args else "")
+        f"`{name}` takes `(model, x, y)` or `(model, x, y, weights)`, with a model state "
+        f"after the model for a stateful model (an `eqx.nn.State`); got "
+        f"{len(args) + (state is not None)} arguments after the model"
+        + (f", the first a {type(args[0]).__name__}" if args and state is None else "")
         + "."
     )
 
 
-def _returns(value: Array, state: State | None) -> Any:
+def reduce(values: Array, weights: Array | None, name: str) -> Any:
+    """The mean of `values` (a loss or a score per output, shaped `(batch, ...)`): plain
+    without `weights`; with them, an `eqfit.Mean` of each example's (or each position's)
+    value weighted by its weight. `weights` are shaped `(batch,)`, or as `values`'
+    leading axes (`(batch, time)` for sequence targets); a value's trailing axes beyond
+    them are averaged first. A mask of bools is a weight of 0 or 1.
+    """
+    if weights is None:
+        return jnp.mean(values)
+    if weights.shape != values.shape[: weights.ndim] or weights.ndim == 0:
+        raise ValueError(
+            f"`{name}`: `weights` must have shape (batch,) or a leading part of the "
+            f"per-output values' shape {tuple(values.shape)}, but it has shape "
+            f"{tuple(weights.shape)}."
+        )
+    if not (jnp.issubdtype(weights.dtype, jnp.number) or weights.dtype == jnp.bool_):
+        raise TypeError(f"`{name}`: `weights` must be numbers or bools, got {weights.dtype}.")
+    per = jnp.mean(values, axis=tuple(range(weights.ndim, values.ndim)))
+    return Mean.of(per.astype(jnp.float32), weights.astype(jnp.float32))
+
+
+def _returns(value: Array | Mean, state: State | None) -> Any:
     return value if state is None else (value, state)
 
 
@@ -104,6 +134,12 @@ def mse(model: Model, x: Any, y: Any, /, *, key: Any = None) -> Float[Array, ""]
 def mse(
     model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
 ) -> tuple[Float[Array, ""], State]: ...
+@overload
+def mse(model: Model, x: Any, y: Any, weights: Any, /, *, key: Any = None) -> Any: ...  # a Mean
+@overload
+def mse(
+    model: Model, state: State, x: Any, y: Any, weights: Any, /, *, key: Any = None
+) -> tuple[Mean, State]: ...
 def mse(model: Model, *args: Any, key: PRNGKey | None = None) -> Any:
     """Mean squared error of `model` on a batch.
 
@@ -113,15 +149,18 @@ def mse(model: Model, *args: Any, key: PRNGKey | None = None) -> Any:
     - `state`: optional, for a stateful model.
     - `x`: the batch of inputs.
     - `y`: the targets (floating point).
+    - `weights`: optional: a weight per example, `(batch,)`, or per output (`y`'s
+        shape, or its leading axes); a mask of bools is a weight of 0 or 1.
     - `key`: optional: per-example keys for a model that takes one (dropout).
 
     **Returns:**
 
-    `mean((model(x_i) - y_i) ** 2)` over the batch and every output; with a state, that
-    and the new state.
+    `mean((model(x_i) - y_i) ** 2)` over the batch and every output; with `weights`, the
+    weighted mean as an `eqfit.Mean`, which `fit` sums over sums; with a state, that and
+    the new state.
     """
-    state, x, y = split_state(args, "mse")
-    return _mse(model, state, x, y, key)
+    state, x, y, weights = split_state(args, "mse")
+    return _mse(model, state, x, y, weights, key)
 
 
 @jaxtyped(typechecker=beartype)
@@ -130,10 +169,11 @@ def _mse(
     state: State | None,
     x: PyTree[Shaped[Array, "batch ..."]],
     y: Float[Array, "batch ..."],
+    weights: Shaped[Array, "batch ..."] | None,
     key: PRNGKey | None,
 ) -> Any:
     out, state = outputs(model, x, state, key)
-    value = jnp.mean(optax.squared_error(same_shape(out, y, "mse"), y))
+    value = reduce(optax.squared_error(same_shape(out, y, "mse"), y), weights, "mse")
     return _returns(value, state)
 
 
@@ -145,6 +185,14 @@ def softmax_cross_entropy(
 def softmax_cross_entropy(
     model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
 ) -> tuple[Float[Array, ""], State]: ...
+@overload
+def softmax_cross_entropy(
+    model: Model, x: Any, y: Any, weights: Any, /, *, key: Any = None
+) -> Any: ...  # an `eqfit.Mean`
+@overload
+def softmax_cross_entropy(
+    model: Model, state: State, x: Any, y: Any, weights: Any, /, *, key: Any = None
+) -> tuple[Mean, State]: ...
 def softmax_cross_entropy(model: Model, *args: Any, key: PRNGKey | None = None) -> Any:
     """Softmax cross-entropy against integer class labels.
 
@@ -153,15 +201,20 @@ def softmax_cross_entropy(model: Model, *args: Any, key: PRNGKey | None = None) 
     - `model`: called on one example, returning unnormalised logits of shape `(classes,)`.
     - `state`: optional, for a stateful model.
     - `x`: the batch of inputs.
-    - `y`: integer labels in `[0, classes)`.
+    - `y`: integer labels in `[0, classes)`, `(batch,)`, or `(batch, time)` (and so on)
+        for a model that returns logits `(time, classes)` per example.
+    - `weights`: optional: a weight per example, `(batch,)`, or per label (`y`'s shape):
+        a mask of bools (padding tokens out), or class weights as `class_weights[y]`.
     - `key`: optional: per-example keys for a model that takes one (dropout).
 
     **Returns:**
 
-    The mean cross-entropy over the batch; with a state, that and the new state.
+    The mean cross-entropy over the batch (and positions); with `weights`, the weighted
+    mean as an `eqfit.Mean`, which `fit` sums over sums; with a state, that and the new
+    state.
     """
-    state, x, y = split_state(args, "softmax_cross_entropy")
-    return _softmax_cross_entropy(model, state, x, y, key)
+    state, x, y, weights = split_state(args, "softmax_cross_entropy")
+    return _softmax_cross_entropy(model, state, x, y, weights, key)
 
 
 @jaxtyped(typechecker=beartype)
@@ -169,17 +222,23 @@ def _softmax_cross_entropy(
     model: Model,
     state: State | None,
     x: PyTree[Shaped[Array, "batch ..."]],
-    y: Int[Array, " batch"],
+    y: Int[Array, "batch ..."],
+    weights: Shaped[Array, "batch ..."] | None,
     key: PRNGKey | None,
 ) -> Any:
     logits, state = outputs(model, x, state, key)
-    if logits.ndim != 2:
+    if logits.ndim != y.ndim + 1 or logits.shape[:-1] != y.shape:
         raise ValueError(
             "`softmax_cross_entropy`: the model must return a vector of logits per "
-            f"example, but the batch of outputs has shape {tuple(logits.shape)}."
+            f"label, but the batch of outputs has shape {tuple(logits.shape)} for labels "
+            f"of shape {tuple(y.shape)}."
         )
     logits = check_labels(logits, y, logits.shape[-1], "softmax_cross_entropy")
-    value = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    value = reduce(
+        optax.softmax_cross_entropy_with_integer_labels(logits, y),
+        weights,
+        "softmax_cross_entropy",
+    )
     return _returns(value, state)
 
 
@@ -191,6 +250,14 @@ def binary_cross_entropy(
 def binary_cross_entropy(
     model: Model, state: State, x: Any, y: Any, /, *, key: Any = None
 ) -> tuple[Float[Array, ""], State]: ...
+@overload
+def binary_cross_entropy(
+    model: Model, x: Any, y: Any, weights: Any, /, *, key: Any = None
+) -> Any: ...  # an `eqfit.Mean`
+@overload
+def binary_cross_entropy(
+    model: Model, state: State, x: Any, y: Any, weights: Any, /, *, key: Any = None
+) -> tuple[Mean, State]: ...
 def binary_cross_entropy(model: Model, *args: Any, key: PRNGKey | None = None) -> Any:
     """Binary cross-entropy on logits, for labels in {0, 1} (or probabilities).
 
@@ -200,15 +267,17 @@ def binary_cross_entropy(model: Model, *args: Any, key: PRNGKey | None = None) -
     - `state`: optional, for a stateful model.
     - `x`: the batch of inputs.
     - `y`: the labels.
+    - `weights`: optional: a weight per example, `(batch,)`, or per output (`y`'s
+        shape, or its leading axes); a mask of bools is a weight of 0 or 1.
     - `key`: optional: per-example keys for a model that takes one (dropout).
 
     **Returns:**
 
-    The mean sigmoid cross-entropy over the batch and every output; with a state, that
-    and the new state.
+    The mean sigmoid cross-entropy over the batch and every output; with `weights`, the
+    weighted mean as an `eqfit.Mean`; with a state, that and the new state.
     """
-    state, x, y = split_state(args, "binary_cross_entropy")
-    return _binary_cross_entropy(model, state, x, y, key)
+    state, x, y, weights = split_state(args, "binary_cross_entropy")
+    return _binary_cross_entropy(model, state, x, y, weights, key)
 
 
 @jaxtyped(typechecker=beartype)
@@ -217,6 +286,7 @@ def _binary_cross_entropy(
     state: State | None,
     x: PyTree[Shaped[Array, "batch ..."]],
     y: Float[Array, "batch ..."] | Int[Array, "batch ..."] | Bool[Array, "batch ..."],
+    weights: Shaped[Array, "batch ..."] | None,
     key: PRNGKey | None,
 ) -> Any:
     logits, state = outputs(model, x, state, key)
@@ -224,5 +294,7 @@ def _binary_cross_entropy(
         same_shape(logits, y, "binary_cross_entropy"), y, None, "binary_cross_entropy"
     )
     labels = y.astype(logits.dtype)
-    value = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, labels))
+    value = reduce(
+        optax.sigmoid_binary_cross_entropy(logits, labels), weights, "binary_cross_entropy"
+    )
     return _returns(value, state)

@@ -199,3 +199,17 @@ def several_updates(twin: Twin, x: Array, y: Array) -> None:
         ],
     )
     assert_type(result.model, Twin)
+
+
+def weighted_mean(model: eqfit.models.MLP, x: Array, y: Array, mask: Array) -> None:
+    def masked(model: eqfit.models.MLP, x: Array, y: Array, mask: Array) -> eqfit.Mean:
+        squared = (jax.vmap(model)(x) - y) ** 2
+        return eqfit.Mean(jnp.sum(squared * mask), jnp.sum(mask))
+
+    result = eqfit.fit(
+        model, (x, y, mask), loss=masked, optimizer=optax.sgd(0.1), key=jax.random.key(0)
+    )
+    assert_type(result.model, eqfit.models.MLP)
+    mean = eqfit.Mean.of(jnp.ones(3), mask[:3])
+    assert_type(mean.value, Float[Array, ""])
+    assert_type(mean, eqfit.Mean)

@@ -1,0 +1,80 @@
+"""A weighted mean that a loss, an aux value or a metric returns as its sum and its weight
+(`Mean`), so that the run divides a sum by a sum: over an epoch, over validation's
+batches, across devices.
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+
+class Mean(eqx.Module):
+    """A weighted mean, as its sum and its weight: what a loss, an aux value or a metric
+    returns when its batches' values do not weigh the same, as a masked or token-weighted
+    loss's do. `Mean(jnp.sum(mask * ce), jnp.sum(mask))`, or `Mean.of(ce, mask)`.
+
+    The step differentiates `total / weight`. An epoch's value, a validation value and
+    `eqfit.evaluate`'s are the sum of the totals over the sum of the weights, not a mean
+    of batch means; across devices (`devices=`, `mesh=`) the totals and the weights are
+    summed before dividing, in the gradient too.
+
+    A batch whose weight is 0 (every target masked) trains with a zero gradient (the
+    optimizer still steps, as on any zero gradient) and records NaN as its step's value
+    (0 / 0), which the epoch leaves out; an epoch (or a validation set) whose weights
+    sum to 0 records NaN, never 0.
+
+    **Arguments:**
+
+    - `total`: the weighted sum, a scalar.
+    - `weight`: the sum of the weights, a scalar (a count of tokens, say).
+    """
+
+    total: Float[Array, ""]
+    weight: Float[Array, ""]
+
+    def __init__(self, total: ArrayLike, weight: ArrayLike):
+        self.total = _scalar(total, "total")
+        self.weight = _scalar(weight, "weight")
+
+    @classmethod
+    def of(cls, values: ArrayLike, weights: ArrayLike | None = None) -> "Mean":
+        """The weighted mean of `values`: `Mean(sum(weights * values), sum(weights))`.
+
+        **Arguments:**
+
+        - `values`: an array of values (per example, per token).
+        - `weights`: an array of `values`' shape, or one that broadcasts to it (a mask of
+            bools, say); `None`: every value weighs 1.
+
+        **Returns:**
+
+        The `Mean`.
+        """
+        values = jnp.asarray(values)
+        if weights is None:
+            return cls(jnp.sum(values), jnp.asarray(values.size, values.dtype))
+        w = jnp.broadcast_to(jnp.asarray(weights), values.shape).astype(values.dtype)
+        return cls(jnp.sum(w * values), jnp.sum(w))
+
+    @property
+    def value(self) -> Float[Array, ""]:
+        """`total / weight`."""
+        return self.total / self.weight
+
+
+def _scalar(x: Any, name: str) -> Array:
+    """`x` as a float scalar, or a refusal naming the field, the shape wanted and given."""
+    if not hasattr(x, "shape"):
+        x = jnp.asarray(x)
+    if x.shape != ():
+        raise ValueError(
+            f"`eqfit.Mean`'s `{name}` must be a scalar (shape ()), but it has shape "
+            f"{tuple(x.shape)}: reduce it over the batch, e.g. `Mean(jnp.sum(mask * ce), "
+            "jnp.sum(mask))`, or use `eqfit.Mean.of(values, weights)`."
+        )
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(jnp.float32)
+    return x
