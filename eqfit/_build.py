@@ -250,6 +250,12 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             "`<name>_<hyperparameter>`."
         )
     custom = [u.name for u in updates if not isinstance(u, Update)]
+    if custom and options.step.microbatches > 1:
+        raise ValueError(
+            f"`microbatches=` with update {custom[0]!r} of your own: its `apply` takes the "
+            "whole batch, which eqfit would not split; split it there, or train without "
+            "`microbatches=`."
+        )
     if custom and isinstance(options.placement, Pmap):
         raise ValueError(
             f"`devices=` with update {custom[0]!r} of your own: under `devices=` each device "

@@ -116,6 +116,7 @@ def fit(
     ema: Number | None = None,
     validate_ema: bool = False,
     norms: Flag = False,
+    microbatches: int = 1,
     schedules: Schedules | None = None,
     peak_flops: Number | None = None,
     profile: Profile | None = None,
@@ -241,6 +242,15 @@ def fit(
         metrics and early stopping on them).
     - `norms`: record the global L2 norm of each step's gradient (unscaled, before the
         optimizer) and of its update as `"grad_norm"` and `"update_norm"`.
+    - `microbatches`: compute each batch as this many microbatches of `batch_size /
+        microbatches` rows, one after another, and step once on their summed gradient:
+        gradient accumulation that gives the step of the whole batch (to float
+        rounding), holding one microbatch's activations. Each value weighs as its rows,
+        an [`eqfit.Mean`][] as its weight, so a masked token mean is the whole batch's.
+        The model state (BatchNorm) passes from each microbatch to the next, and each
+        gets its own key. Unlike `optax.MultiSteps` (and Keras's
+        `gradient_accumulation_steps`), `batch_size` is the batch the step trains on,
+        and a step is one update.
     - `schedules`: `{name: schedule}`, such as `{"learning_rate": schedule}` for
         `optax.adam(schedule)`: each step records `schedule(count)` under `name`, the
         count being the one the step's update uses (the optimizer state's first `count`
@@ -373,6 +383,7 @@ def fit(
         ema=ema,
         validate_ema=validate_ema,
         norms=norms,
+        microbatches=microbatches,
         peak_flops=peak_flops,
         signals=signals,
         schedules=schedules,

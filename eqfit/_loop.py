@@ -21,7 +21,7 @@ from ._early_stopping import EarlyStopping
 from ._execution import Execution, WholeRun
 from ._objective import Objective, takes_key
 from ._options import StepOptions, Validation
-from ._parallel import OneDevice, param_specs, Placement
+from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
 from ._record import Kind, Record
 from ._schedule import Schedule
 from ._skeleton import Skeleton, split_arrays, unwrap
@@ -132,8 +132,17 @@ class Loop:
             schedules=tuple(schedule for _, schedule in schedules),
             rules=rules,
             split=split if rules else None,
+            microbatch=self.microbatch(),
         )
         return Parts(objective, optimizer, combine, step)
+
+    def microbatch(self, rows: int | None = None) -> int | None:
+        """With `microbatches=`, the rows of one microbatch of what the step sees of a
+        full batch (`rows=None`) or of a smaller last batch of `rows`; else `None`.
+        """
+        # The run's batch size: a streamed run's smaller pieces are never full batches.
+        batch_size = self.schedule.batch_size
+        return microbatch_rows(self.placement, batch_size, self.step.microbatches, rows)
 
     def _rule(self, info: "UpdateInfo", update: AbstractUpdate) -> Rule:
         """One of several updates as the step runs it."""

@@ -38,8 +38,9 @@ class Callback(Protocol):
     the run's arguments as plain JSON-able values (`train_config`'s: epochs,
     initial_epoch, batch_size, steps_per_epoch, shuffle, drop_remainder, on_nan, metrics,
     validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
-    ensemble_members, devices, checkpoint, checkpoint_every, checkpoint_every_steps,
-    checkpoint_every_seconds, signals, schedules, profile); `on_train_end(logs)`,
+    microbatches, ensemble_members, devices, checkpoint, checkpoint_every,
+    checkpoint_every_steps, checkpoint_every_seconds, signals, schedules, profile);
+    `on_train_end(logs)`,
     called once when training ends (however it ends, `on_train_begin` called or not) with
     the last epoch's values; and a class attribute `stops_training = False` if it never
     returns `True`: then the device is not held up for it, and it sees each epoch once the

@@ -90,7 +90,7 @@ def schedule_for(source: Source, options: Options) -> Schedule:
             )
     shape = shape._replace(num_samples=global_rows(options.placement, shape.num_samples))
     schedule = make_schedule(shape, options)
-    check_batch_split(options.placement, schedule.batch_size)
+    check_batch_split(options.placement, schedule.batch_size, options.step.microbatches)
     check_profile(options, schedule)
     if not schedule.learning:
         warn_if_short(options.step.average, schedule.total - schedule.begin)

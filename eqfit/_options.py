@@ -41,13 +41,15 @@ OnNan = Literal["raise", "stop", "skip"]
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """What each step does besides its loss and optimizer: `on_nan=`, `precision=`,
-    `ema=`, `norms=`. Hashable: the run's static description holds it whole.
+    `ema=`, `norms=`, `microbatches=`. Hashable: the run's static description holds it
+    whole.
     """
 
     on_nan: OnNan = "raise"
     precision: Precision | None = None
     average: Average | None = None  # `ema=`
     norms: bool = False
+    microbatches: int = 1  # each batch computed in this many parts, one after another
 
     @property
     def scales(self) -> bool:
@@ -166,6 +168,7 @@ def check_options(
     ema: Any = None,
     validate_ema: bool = False,
     norms: Any = False,
+    microbatches: Any = 1,
     peak_flops: Any = None,
     signals: Any = (),
     schedules: Any = None,
@@ -219,6 +222,7 @@ def check_options(
                 f"the device), got {batch_size}."
             )
     _whole("checkpoint_every", checkpoint_every, 1)
+    _whole("microbatches", microbatches, 1)
     policy = as_checkpoint(checkpoint, checkpoint_every)
     if not isinstance(progress, bool | str) or progress not in (True, False, "bar", "lines"):
         raise ValueError(f"`progress` must be True, False, 'bar' or 'lines', got {progress!r}.")
@@ -306,7 +310,9 @@ def check_options(
         checkpoint=policy,
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
-        step=StepOptions(on_nan, as_precision(precision, model=model), average, bool(norms)),
+        step=StepOptions(
+            on_nan, as_precision(precision, model=model), average, bool(norms), microbatches
+        ),
         peak_flops=peak,
         signals=as_signals(signals),
         schedules=scheduled,

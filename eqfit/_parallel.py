@@ -268,20 +268,56 @@ def param_specs(placement: Placement) -> tuple[P, ...] | None:
     return placement.specs if isinstance(placement, Sharded) else None
 
 
-def check_batch_split(placement: Placement, batch_size: int) -> None:
-    """Refuses a `batch_size` that does not split evenly over the placement's devices."""
+def split_count(placement: Placement) -> int:
+    """How many shares a full batch is split into: one per device that trains."""
     if isinstance(placement, Pmap):
-        count, what = len(placement.devices), "the devices"
-    elif isinstance(placement, Sharded):
-        count, what = placement.num_devices, f"the mesh axis {placement.axis!r}"
-    else:
-        return
+        return len(placement.devices)
+    if isinstance(placement, Sharded):
+        return placement.num_devices
+    return 1
+
+
+def check_batch_split(placement: Placement, batch_size: int, microbatches: int = 1) -> None:
+    """Refuses a `batch_size` that does not split evenly over the placement's devices,
+    and, with `microbatches=k`, each device's share into `k` microbatches.
+    """
+    count = split_count(placement)
+    what = f"the mesh axis {placement.axis!r}" if isinstance(placement, Sharded) else "the devices"
     if batch_size % count:
         lower, upper = (batch_size // count) * count, -(-batch_size // count) * count
         raise ValueError(
             f"`batch_size`={batch_size} does not split evenly over {count} devices "
             f"({what}); use a multiple of {count}, such as {lower or upper} or {upper}."
         )
+    parts = count * microbatches
+    if batch_size % parts:
+        lower, upper = (batch_size // parts) * parts, -(-batch_size // parts) * parts
+        over = f" on each of {count} devices" if count > 1 else ""
+        raise ValueError(
+            f"`microbatches`={microbatches} does not split `batch_size`={batch_size} "
+            f"evenly{over}; use a batch size that is a multiple of {parts}, such as "
+            f"{lower or upper} or {upper}."
+        )
+
+
+def microbatch_rows(
+    placement: Placement, batch_size: int, microbatches: int, rows: int | None = None
+) -> int | None:
+    """With `microbatches=k`, the rows of one microbatch of the batch the step sees: of a
+    full batch (`rows=None`), `batch_size / k` (each device's share of it under
+    `devices=`); of a pass's smaller last batch of `rows` rows, as many rows per device as
+    a full batch's microbatch has, on each device that computes it whole. `None`: no
+    microbatches.
+    """
+    if microbatches == 1:
+        return None
+    count = split_count(placement)
+    per_device = batch_size // (count * microbatches)
+    if isinstance(placement, Pmap):  # the step sees a device's share
+        return per_device
+    if isinstance(placement, Sharded) and (rows is None or rows % count == 0):
+        return per_device * count  # the step sees the batch, split over the devices
+    return per_device
 
 
 def _count(devices: Any) -> int:

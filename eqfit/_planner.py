@@ -167,9 +167,10 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
     )
 
     def one_step(state: TrainState, batch: PyTree, consts: Consts) -> Any:
-        # The whole batch on one device: the same arithmetic as the placement's, without
-        # the collectives that split it.
-        step = dataclasses.replace(loop.parts(consts).step, axis_name=None)
+        # The whole batch on one device, in one pass: the same arithmetic as the
+        # placement's, without the collectives that split it, nor the loop over
+        # microbatches, whose body XLA would count once.
+        step = dataclasses.replace(loop.parts(consts).step, axis_name=None, microbatch=None)
         key = jax.random.key(0) if loop.use_key else None
         args = (state.params, state.opt_state, state.model_state, state.average)
         return step(*args, state.loss_scale, batch, key, state.step)

@@ -345,7 +345,9 @@ class _Run:
             batch, step = placement.full_batch(data, index), self.parts.step
         else:
             batch = placement.remainder_batch(data, index)
-            step = dataclasses.replace(self.parts.step, axis_name=None)
+            step = dataclasses.replace(
+                self.parts.step, axis_name=None, microbatch=loop.microbatch(size)
+            )
         key = None if step_key is None else jax.random.fold_in(step_key, t)
         out = step(
             state.params,

@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PyTree
 from ._average import Average
 from ._hyperparams import injected_values, schedule_values
 from ._labels import either, LabelError
-from ._objective import clone, Objective
+from ._objective import clone, Objective, Value
 from ._optimizer import extra_args
 from ._precision import all_finite, LossScale
 from ._record import GRAD_NORM, Kind, LOSS_SCALE, Record, SKIPPED_STEPS, UPDATE_NORM
@@ -90,6 +90,19 @@ class Descent(NamedTuple):
     weights: dict[str, Array]
 
 
+class Measured(NamedTuple):
+    """A loss's forward and backward pass on a batch (`Step.measure`), or several summed
+    as one (`microbatches=`).
+    """
+
+    loss: Float[Array, ""]  # what the step differentiates, unscaled (a `Mean`'s quotient)
+    grads: PyTree  # its gradient, unscaled
+    value: Value  # the loss's pairs, and the model state after the batch
+    metrics: Float[Array, " metrics"]  # the metrics' pairs (empty where not measured)
+    metric_weights: Float[Array, " metrics"]
+    labels: LabelError | None  # the first label out of range the loss or metrics met
+
+
 class RuleResult(NamedTuple):
     """What one of several updates gives back (`Step.rule`)."""
 
@@ -131,6 +144,9 @@ class Step(eqx.Module):
     rules: tuple[Rule, ...] = ()  # several updates; `()`: `objective` and `optimizer`
     # The trained arrays of a whole model (with `rules`: what a custom update returns).
     split: Callable[[PyTree], PyTree] | None = None
+    # With `microbatches=`: the rows of one microbatch of the batch this step sees, which
+    # it computes one microbatch after another (`Step.measure`); `None`: all at once.
+    microbatch: int | None = None
 
     def __call__(
         self,
@@ -216,32 +232,11 @@ class Step(eqx.Module):
         # A stateful layer marks the state it was given as used up, so the loss, the
         # metrics and a skipped step each get their own copy.
         kept = clone(model_state)
-
         weighted = "loss" in objective.means  # a weighted mean (`eqfit.Mean`)
-
-        def value(
-            p: PyTree, state: PyTree = model_state
-        ) -> tuple[Float[Array, ""], tuple[Any, ...]]:
-            model = self.combine(merge(p))
-            v = objective.value(model, state, batch, key)
-            loss = v.loss
-            if weighted:  # the total over the weight (over every device's weight)
-                weight = jax.lax.stop_gradient(v.weight)
-                if self.axis_name is not None:
-                    weight = jax.lax.pmean(weight, self.axis_name)
-                loss = loss / jnp.where(weight == 0, 1.0, weight)
-            scaled = loss if policy is None else policy.scale(loss, loss_scale)
-            return scaled, (loss, v, model)
-
-        # One forward pass: the aux values ride out of it with the loss.
-        (_, (loss, v, model)), grads = jax.value_and_grad(value, has_aux=True)(trained)
-        aux, new_state, labels = v.aux, v.state, v.labels
-        if policy is not None:
-            grads = policy.unscale(grads, loss_scale)
-        metrics, metric_weights, metric_labels = objective.metric_values(
-            model, clone(new_state), batch
-        )
-        labels = either(labels, metric_labels)
+        m = self.measure(objective, trained, merge, model_state, loss_scale, batch, key)
+        loss, grads, v = m.loss, m.grads, m.value
+        aux, new_state, labels = v.aux, v.state, m.labels
+        metrics, metric_weights = m.metrics, m.metric_weights
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
             # the per-device means is the mean over the whole batch. A weighted mean's
@@ -265,18 +260,12 @@ class Step(eqx.Module):
             weights = {f"{n}:weight": w for n, w in zip(names, every) if n in objective.means}
             if weighted:  # a batch of weight 0 records NaN (0 / 0), and trains on 0
                 empty = summed[0] == 0
-        if self.lay_out is not None:
-            # The gradients as the parameters are laid out: XLA reduce-scatters them.
-            grads, _ = self.lay_out(grads, None)
 
         def grad_fn(p: PyTree, _: Any) -> PyTree:
             """The gradient at `p` on this step's batch, as `grads` is at `params`."""
-            g = jax.grad(lambda q: value(q, clone(model_state))[0])(p)
-            if policy is not None:
-                g = policy.unscale(g, loss_scale)
-            if self.axis_name is not None:
-                g = jax.lax.pmean(g, self.axis_name)
-            return g if self.lay_out is None else self.lay_out(g, None)[0]
+            state = clone(model_state)
+            g = self.measure(objective, p, merge, state, loss_scale, batch, key, False).grads
+            return g if self.axis_name is None else jax.lax.pmean(g, self.axis_name)
 
         # `value=` lets optax transformations that read the loss (reduce_on_plateau) work
         # unchanged, and `grad_fn=` those that take further gradients (SAM's opaque mode);
@@ -327,6 +316,160 @@ class Step(eqx.Module):
             metrics=metrics,
             weights=weights,
         )
+
+    def measure(
+        self,
+        objective: Objective,
+        trained: PyTree,
+        merge: Callable[[PyTree], PyTree],
+        model_state: PyTree,
+        loss_scale: LossScale | None,
+        batch: PyTree,
+        key: Key[Array, ""] | None,
+        metrics: bool = True,
+    ) -> Measured:
+        """The loss, its gradient with respect to `trained` and its aux values on `batch`,
+        and (with `metrics`) the metrics on the model the loss saw, with the state after
+        it. With `microbatch`, one microbatch after another, each summed into the whole:
+        the same values as in one pass, holding one microbatch's activations.
+        """
+        policy = objective.precision
+        weighted = "loss" in objective.means  # a weighted mean (`eqfit.Mean`)
+
+        def value(
+            p: PyTree, state: PyTree, batch: PyTree, key: Key[Array, ""] | None
+        ) -> tuple[Float[Array, ""], tuple[Any, ...]]:
+            model = self.combine(merge(p))
+            v = objective.value(model, state, batch, key)
+            loss = v.loss
+            if weighted:  # the total over the weight (over every device's weight)
+                loss = loss / _nonzero(self._device_mean(jax.lax.stop_gradient(v.weight)))
+            scaled = loss if policy is None else policy.scale(loss, loss_scale)
+            return scaled, (loss, v, model)
+
+        def once(state: PyTree, batch: PyTree, key: Key[Array, ""] | None) -> Measured:
+            # One forward pass: the aux values ride out of it with the loss.
+            (_, (loss, v, model)), grads = jax.value_and_grad(value, has_aux=True)(
+                trained, state, batch, key
+            )
+            if policy is not None:
+                grads = policy.unscale(grads, loss_scale)
+            if self.lay_out is not None:
+                # The gradients as the parameters are laid out: XLA reduce-scatters them.
+                grads, _ = self.lay_out(grads, None)
+            if metrics:
+                values, weights, metric_labels = objective.metric_values(
+                    model, clone(v.state), batch
+                )
+            else:
+                values, weights, metric_labels = jnp.zeros(0), jnp.zeros(0), None
+            labels = either(v.labels, metric_labels)
+            return Measured(loss, grads, v._replace(labels=None), values, weights, labels)
+
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        size = self.microbatch
+        if size is None or rows <= size:
+            return once(model_state, batch, key)
+        return self._in_microbatches(objective, once, model_state, batch, key, size)
+
+    def _in_microbatches(
+        self,
+        objective: Objective,
+        once: Callable[[PyTree, PyTree, Key[Array, ""] | None], Measured],
+        model_state: PyTree,
+        batch: PyTree,
+        key: Key[Array, ""] | None,
+        size: int,
+    ) -> Measured:
+        """`once` over microbatches of `size` rows, in turn (a `lax.scan`, then a smaller
+        last one), the model state carried from each to the next, summed as one batch's:
+        each value weighs as its rows, or a `Mean` as its weight. Microbatch `j` takes rows
+        `j, j + n, j + 2n, ...` of the first `n * size`: spread over the devices as the
+        batch is, so that no device sends another its rows.
+        """
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        n, tail = divmod(rows, size)
+        weighted = "loss" in objective.means
+        aux_means = jnp.asarray([a in objective.means for a in objective.aux_names], bool)
+        metric_means = jnp.asarray([a in objective.means for a in objective.metric_names], bool)
+
+        def micro_key(j: Any) -> Key[Array, ""] | None:
+            return None if key is None else jax.random.fold_in(key, j)
+
+        def add(total: Measured, part: Measured, count: Array, rows: int) -> tuple[Any, ...]:
+            """`total` (sums) and `count` (the loss's weights) with `part` added."""
+            v, t = part.value, total.value
+            # The loss's weight among the microbatches: a `Mean`'s, over every device
+            # (the divisor `part.loss` was taken over), or its rows.
+            weight = self._device_mean(v.weight) if weighted else jnp.asarray(rows, jnp.float32)
+            aux = jnp.where(aux_means, v.aux, rows * v.aux)
+            aux_weights = jnp.where(aux_means, v.aux_weights, rows)
+            metrics = jnp.where(metric_means, part.metrics, rows * part.metrics)
+            metric_weights = jnp.where(metric_means, part.metric_weights, rows)
+            summed = Measured(
+                total.loss + weight * part.loss,
+                jax.tree.map(
+                    lambda a, b: (a + weight * b).astype(a.dtype), total.grads, part.grads
+                ),
+                Value(
+                    t.loss,
+                    t.weight + v.weight,
+                    t.aux + aux,
+                    t.aux_weights + aux_weights,
+                    v.state,
+                    None,
+                ),
+                total.metrics + metrics,
+                total.metric_weights + metric_weights,
+                either(total.labels, part.labels),
+            )
+            return summed, count + weight
+
+        # Rows `j, j + n, ...` are microbatch `j`: sliced from the batch as it is, in
+        # the loop, not copied out into a stack of microbatches before it.
+        stacked = jax.tree.map(lambda x: x[: n * size].reshape(size, n, *x.shape[1:]), batch)
+
+        def microbatch(j: Any) -> PyTree:
+            return jax.tree.map(
+                lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), stacked
+            )
+
+        shapes = jax.eval_shape(once, model_state, microbatch(0), micro_key(0))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        labels = None if shapes.labels is None else LabelError.none()
+        init = zeros._replace(value=zeros.value._replace(state=model_state), labels=labels)
+
+        def body(carry: tuple[Measured, Array], j: Array) -> tuple[Any, None]:
+            total, count = carry
+            part = once(clone(total.value.state), microbatch(j), micro_key(j))
+            return add(total, part, count, size), None
+
+        carry = (init, jnp.zeros((), jnp.float32))
+        (total, count), _ = jax.lax.scan(body, carry, jnp.arange(n))
+        if tail:
+            last = jax.tree.map(lambda x: x[n * size :], batch)
+            part = once(clone(total.value.state), last, micro_key(n))
+            total, count = add(total, part, count, tail)
+        v = total.value
+        # A plain value's mean over the rows, weight 1; a `Mean`'s sums stay sums.
+        aux = jnp.where(aux_means, v.aux, v.aux / v.aux_weights)
+        aux_weights = jnp.where(aux_means, v.aux_weights, 1.0)
+        metrics = jnp.where(metric_means, total.metrics, total.metrics / total.metric_weights)
+        metric_weights = jnp.where(metric_means, total.metric_weights, 1.0)
+        divisor = _nonzero(count)
+        weight = v.weight if weighted else jnp.ones((), jnp.float32)
+        return Measured(
+            total.loss / divisor,
+            jax.tree.map(lambda g: g / divisor, total.grads),
+            Value(total.loss / divisor, weight, aux, aux_weights, v.state, None),
+            metrics,
+            metric_weights,
+            total.labels,
+        )
+
+    def _device_mean(self, x: Array) -> Array:
+        """`x`'s mean over the devices (`x` itself on one)."""
+        return x if self.axis_name is None else jax.lax.pmean(x, self.axis_name)
 
     def _averaged(self, average: PyTree, params: PyTree, applies: Bool[Array, ""]) -> PyTree:
         """The moving average after the step. Outside the update's `cond`, which would
@@ -466,6 +609,12 @@ def _not_due(
         {name: jnp.full(v.shape, jnp.nan, v.dtype) for name, v in shapes.values.items()},
         None if shapes.labels is None else LabelError.none(),
     )
+
+
+def _nonzero(x: Array) -> Array:
+    """`x`, or 1 where it is 0: a divisor for a weight that may sum to 0 (whose total is
+    then 0 too)."""
+    return jnp.where(x == 0, 1.0, x)
 
 
 def _on_any_device(labels: LabelError | None, axis_name: str) -> LabelError | None:

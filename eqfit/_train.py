@@ -207,6 +207,7 @@ def train_config(options: Options, loop: Loop) -> dict[str, Any]:
         "ema": None if average is None else average.momentum,
         "validate_ema": validation is not None and validation.ema,
         "norms": step.norms,
+        "microbatches": step.microbatches,
         "ensemble_members": options.members,
         "devices": devices,
         "checkpoint": None if checkpoint is None else str(checkpoint.directory),

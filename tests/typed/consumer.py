@@ -87,7 +87,8 @@ def train(directory: Path) -> None:
     )
     assert_type(more, eqfit.FitResult[Affine])
 
-    # Real models: mixed precision, a moving average (of the model's own type), norms.
+    # Real models: mixed precision, a moving average (of the model's own type), norms,
+    # gradient accumulation.
     averaged = eqfit.fit(
         model,
         (x, y),
@@ -97,6 +98,8 @@ def train(directory: Path) -> None:
         precision=eqfit.Precision(jnp.bfloat16, keep=(r"norm",)),
         ema=0.999,
         norms=True,
+        batch_size=32,
+        microbatches=4,
     )
     assert_type(averaged.ema_model, Affine | None)
     assert_type(averaged.history.step_values, dict[str, np.ndarray])
