@@ -133,6 +133,7 @@ def make_loop(
                 i.values,
                 i.hyperparams,
                 i.every,
+                tuple(f"{i.name}_{n}" for n in i.means),
             )
             for i in infos
         ),
@@ -295,14 +296,9 @@ def _update_info(
             precision=options.step.precision,
         )
         outputs = _outputs(objective, traced, options)
-        if outputs.means:
-            raise ValueError(
-                f"`updates`: update {update.name!r}'s loss returns an `eqfit.Mean` (for "
-                f"{', '.join(map(repr, outputs.means))}), which several updates do not take "
-                "yet: return its value, `total / weight`, whose epoch means weigh each "
-                "batch by its size."
-            )
-        return UpdateInfo(update.name, update.every, tuple(picks), outputs.aux_names)
+        return UpdateInfo(
+            update.name, update.every, tuple(picks), outputs.aux_names, means=outputs.means
+        )
 
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> list[str]:
         own = update.init(eqx.filter(model, spec))

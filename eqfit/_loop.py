@@ -156,6 +156,7 @@ class Loop:
             takes_key(update.loss),
             info.losses,
             self.step.precision,
+            info.means,
         )
         return Rule(
             info.name,
@@ -201,6 +202,9 @@ class UpdateInfo(NamedTuple):
     losses: tuple[str, ...] | None  # a loss's update: its loss's aux names; else `None`
     values: tuple[str, ...] = ()  # a user's own: the record's names of its values
     hyperparams: tuple[str, ...] = ()  # the record's names of its optimizer's injected ones
+    # A loss's update: those of its loss (`"loss"`) and aux values that are weighted means
+    # (`eqfit.Mean`).
+    means: tuple[str, ...] = ()
 
 
 def by_name(rules: tuple[Rule, ...]) -> optax.GradientTransformation:

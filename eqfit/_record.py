@@ -248,6 +248,7 @@ class UpdateRecord(NamedTuple):
     values: tuple[str, ...]  # a user's own update: the values it names
     hyperparams: tuple[str, ...]  # its optimizer's injected ones (`d_learning_rate`)
     every: int
+    means: tuple[str, ...] = ()  # those of `losses` that are weighted means (`eqfit.Mean`)
 
 
 def record_for(
@@ -395,7 +396,11 @@ def _updates_record(
         ]
     check_update_names([(c.name, u) for c, u in aux + own + norm + hyper], metric_names)
     metrics = [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
-    record = Record(tuple([c for c, _ in aux] + metrics + [c for c, _ in own + norm + hyper]))
+    # A weighted mean's steps weigh by the weights it returns, as with one loss.
+    means = {n for u in updates for n in u.means}
+    columns = [c._replace(weight=f"{c.name}:weight") if c.name in means else c for c, _ in aux]
+    weights = [weight_column(c.name) for c in columns if c.weight is not None]
+    record = Record(tuple(columns + metrics + [c for c, _ in own + norm + hyper] + weights))
     if val_sets is not None:
         aux_names = record.names_of(Kind.AUX)
         check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)

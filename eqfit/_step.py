@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PyTree
 from ._average import Average
 from ._hyperparams import injected_values, schedule_values
 from ._labels import either, LabelError
+from ._mean import Mean
 from ._objective import clone, Objective, Value
 from ._optimizer import extra_args
 from ._precision import all_finite, LossScale
@@ -564,6 +565,8 @@ class Step(eqx.Module):
                 rule=rule,
             )
             values = dict(zip(rule.aux_names, jnp.concatenate([d.loss[None], d.aux])))
+            # A weighted mean's weight, by the record's name (`d_loss:weight`).
+            values |= {f"{rule.name}_{n}": w for n, w in d.weights.items()}
             if d.norms is not None:
                 values[f"{rule.name}_grad_norm"], values[f"{rule.name}_update_norm"] = d.norms
             values |= dict(zip(rule.hyperparams, injected_values(d.opt_state)))
@@ -575,6 +578,13 @@ class Step(eqx.Module):
             self.combine(params), opt_state, batch, model_state=clone(model_state), key=key
         )
         given = {f"{rule.name}_{name}": value for name, value in out.values.items()}
+        for name, value in out.values.items():
+            if isinstance(value, Mean):
+                raise TypeError(
+                    f"Update {rule.name!r} recorded an `eqfit.Mean` for {name!r}: an update "
+                    "of your own records plain values (a `Mean`'s `.value`), which the "
+                    "epoch weighs by the batch's size."
+                )
         if set(given) != set(rule.aux_names):
             raise ValueError(
                 f"Update {rule.name!r} recorded {sorted(out.values)}, but before the run it "

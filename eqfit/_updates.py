@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Key, PyTree
 
+from ._mean import Mean
 from ._objective import batch_args, split_output, takes_key
 from ._optimizer import extra_args
 from ._typing import ArrayTree
@@ -167,6 +168,8 @@ class Update(AbstractUpdate):
             args = (whole, model_state) if stateful else (whole,)
             args += batch_args(batch)
             out, aux, new_state = split_output(self.loss(*args, **kwargs), stateful)
+            if isinstance(out, Mean):  # the total over the weight, as `fit`'s step takes it
+                out = out.total / jax.lax.stop_gradient(out.weight)
             return out, (aux, new_state)
 
         (loss, (aux, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
@@ -175,6 +178,7 @@ class Update(AbstractUpdate):
         updates, state = optimizer.update(grads, state, params, **extra)
         model = eqx.combine(eqx.apply_updates(params, updates), rest)
         values = {"loss": loss, **(aux or {})}
+        values = {k: v.value if isinstance(v, Mean) else v for k, v in values.items()}
         return Applied(model, state, new_state, values)
 
 
@@ -270,7 +274,9 @@ class Losses(eqx.Module):
             value, its_aux, new_state = split_output(update.loss(*call, **kwargs), self.stateful)
             if self.stateful:
                 state = new_state
-            total = total + value
+            # The run's loss is the sum of the updates' values; each stays a `Mean`
+            # where it is one, under its own name.
+            total = total + (value.value if isinstance(value, Mean) else value)
             aux[f"{update.name}_loss"] = value
             aux |= {f"{update.name}_{k}": v for k, v in (its_aux or {}).items()}
         out = (total, aux)

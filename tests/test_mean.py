@@ -81,7 +81,15 @@ class Loader:
             yield tuple(a[i : i + self.batch_size] for a in self.arrays)
 
 
-WAYS = ["one device", "devices=8", "mesh", "progress", "loader"]
+# The several-device variants run with the heavy tests (`pytest -m heavy`), as CI does;
+# the gradient's test below keeps them in the quick suite.
+WAYS = [
+    "one device",
+    pytest.param("devices=8", marks=pytest.mark.heavy),
+    pytest.param("mesh", marks=pytest.mark.heavy),
+    "progress",
+    "loader",
+]
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -259,11 +267,52 @@ def test_a_mean_that_is_not_a_scalar_is_refused_before_the_run():
             batch_size=16,
             key=KEY,
         )
-    with pytest.raises(ValueError, match=r"update 'a'.*returns an `eqfit.Mean`.*not take"):
-        eqfit.fit(
-            model,
-            (x, y, mask),
-            updates=[eqfit.Update("a", masked_ce, optax.sgd(0.1))],
-            batch_size=16,
-            key=KEY,
-        )
+
+
+class Pair(eqx.Module):
+    """Two taggers, each trained by an update of its own."""
+
+    a: Tagger
+    b: Tagger
+
+
+def masked_ce_of(part):
+    def loss(model, x, y, mask):
+        return masked_ce(getattr(model, part), x, y, mask)
+
+    return loss
+
+
+def test_several_updates_take_weighted_means():
+    """Two updates whose losses are token means: each update's loss and aux value, in
+    training and validation, is the mean over every token, computed by hand (the model
+    held still); one SGD step of each follows the gradient of its batch's token mean.
+    """
+    x, y, mask = sequences(100, seed=3)
+    data = (x, y, mask)
+    model = Pair(Tagger(jax.random.key(10)), Tagger(jax.random.key(11)))
+
+    def updates(lr):
+        return [
+            eqfit.Update("a", masked_ce_of("a"), optax.sgd(lr), trains=lambda m: m.a),
+            eqfit.Update("b", masked_ce_of("b"), optax.sgd(lr), trains=lambda m: m.b),
+        ]
+
+    kwargs = dict(batch_size=16, shuffle=False, key=KEY)
+    still = eqfit.fit(model, data, updates=updates(0.0), validation_data=data, **kwargs)
+    for part in ("a", "b"):
+        expected = by_hand(getattr(model, part), *data)
+        for name in ("loss", "acc"):
+            for recorded in (f"{part}_{name}", f"val_{part}_{name}"):
+                np.testing.assert_allclose(
+                    still.history[recorded][0], expected[name], rtol=1e-6, err_msg=recorded
+                )
+    assert not any(":" in name for name in still.history.step_values)
+
+    batch = tuple(a[:64] for a in data)
+    stepped = eqfit.fit(model, batch, updates=updates(0.5), batch_size=64, key=KEY)
+    for part in ("a", "b"):
+        want = gradient_step(getattr(model, part), batch, 0.5)
+        got = getattr(stepped.model, part)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

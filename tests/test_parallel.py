@@ -40,7 +40,7 @@ def test_eight_simulated_devices():
         pytest.param(256, False, "devices", marks=pytest.mark.heavy),
         (256, False, "mesh"),
         (256, True, "devices"),
-        (256, True, "mesh"),
+        pytest.param(256, True, "mesh", marks=pytest.mark.heavy),
         (203, False, "devices"),
         (203, True, "mesh"),
         pytest.param(203, False, "mesh", marks=pytest.mark.heavy),

@@ -103,7 +103,16 @@ def hand_loop(model, epochs, batch_size, every):
 FIT = dict(key=jax.random.key(1), batch_size=8, epochs=2, shuffle=False)
 
 
-@pytest.mark.parametrize("way", ["whole", "per_step", "progress"])
+# The other ways run with the heavy tests (`pytest -m heavy`), as CI does; the quick
+# suite's test of the ways below compares them bit for bit.
+@pytest.mark.parametrize(
+    "way",
+    [
+        "whole",
+        pytest.param("per_step", marks=pytest.mark.heavy),
+        pytest.param("progress", marks=pytest.mark.heavy),
+    ],
+)
 def test_updates_in_turn_equal_a_hand_loop(way):
     kwargs = {
         "whole": dict(execution=eqfit.WholeRun()),
@@ -134,6 +143,9 @@ def test_the_ways_of_running_several_updates_agree_bit_for_bit():
     np.testing.assert_array_equal(runs[0].history.step_loss, runs[1].history.step_loss)
 
 
+# With the heavy tests (`pytest -m heavy`), as CI runs them: the several-device variants
+# of the newest tests.
+@pytest.mark.heavy
 @pytest.mark.parametrize("place", ["devices", "mesh"])
 def test_several_updates_on_eight_devices_equal_one(place):
     placement = (
@@ -241,6 +253,7 @@ def test_early_stopping_monitors_an_updates_validation_value():
     assert len(result.history["val_b_loss"]) == 2  # no epoch improves by 1e9
 
 
+@pytest.mark.heavy  # with the several-device variants
 def test_an_ensemble_of_several_updates_trains_each_member_as_alone():
     members = [pair(0), pair(1)]
     stack = jax.tree.map(lambda *x: jnp.stack(x), *members)
