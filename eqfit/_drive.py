@@ -203,11 +203,11 @@ class _Reader:
         while len(self.in_flight) > keep:
             calls = [self.in_flight.pop(0)]
             calls[0][3].wait()
-            # Calls queued after it that were stamped done no later than it (the waiter's
-            # thread woke late for it, on a busy machine, and they were done when queued):
-            # the device finished them all by then, so they are timed as one call, their
-            # seconds shared by their steps, rather than the first taking them all and
-            # the others none.
+            # Calls queued after it that were done by when it was stamped (the waiter's
+            # thread woke late for it, on a busy machine, and they were done when queued,
+            # or when the thread got to them): the device finished them all by then, so
+            # they are timed as one call, their seconds shared by their steps, rather than
+            # the first taking them all and the others none.
             while self.in_flight and _done_by(self.in_flight[0][3], calls[-1][3]):
                 calls.append(self.in_flight.pop(0))
             # A call lasts from the end of the one before it (or from the start) to its
@@ -529,5 +529,9 @@ def _is_done(array: Any) -> bool:
 
 
 def _done_by(later: Stamp, earlier: Stamp) -> bool:
-    """Whether the call stamped `later` was seen done no later than `earlier`'s."""
-    return later.ready.is_set() and later.at <= earlier.at
+    """Whether the call stamped `later` was done by when `earlier`'s was seen done: stamped
+    no later, or found done when the thread got to it, right after `earlier` (calls of a
+    few steps each finish many to one wake-up of a thread that woke late; stamped a few
+    microseconds apart, the last would be timed at microseconds for all its steps).
+    """
+    return later.ready.is_set() and (later.at <= earlier.at or later.done_before)

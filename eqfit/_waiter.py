@@ -20,6 +20,9 @@ class Stamp:
     def __init__(self) -> None:
         self.ready = threading.Event()
         self.at = math.nan
+        # Done before the thread got to it: it finished at some time before `at`, which
+        # is when the thread was done with the array asked before it.
+        self.done_before = False
 
     def set(self) -> None:
         self.at = time.perf_counter()
@@ -69,6 +72,7 @@ class _Waiter:
     def _serve(self) -> None:
         while True:
             array, stamp = self.requests.get()
+            stamp.done_before = array.is_ready()
             try:
                 array.block_until_ready()
             except Exception:  # the main thread reads the array and meets the error
