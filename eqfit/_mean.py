@@ -78,3 +78,9 @@ def _scalar(x: Any, name: str) -> Array:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         x = x.astype(jnp.float32)
     return x
+
+
+def nonzero(weight: Array) -> Array:
+    """`weight`, or 1 where it is 0: the divisor of a total whose weight may sum to 0
+    (the total is then 0 too)."""
+    return jnp.where(weight == 0, 1.0, weight)

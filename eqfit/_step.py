@@ -15,8 +15,9 @@ from jaxtyping import Array, Bool, Float, Int, Key, PyTree
 from ._average import Average
 from ._hyperparams import injected_values, schedule_values
 from ._labels import either, LabelError
-from ._mean import Mean
-from ._objective import clone, Objective, Value
+from ._mean import Mean, nonzero
+from ._microbatches import in_microbatches, Measured
+from ._objective import clone, Objective
 from ._optimizer import extra_args
 from ._precision import all_finite, LossScale
 from ._record import GRAD_NORM, Kind, LOSS_SCALE, Record, SKIPPED_STEPS, UPDATE_NORM
@@ -89,19 +90,6 @@ class Descent(NamedTuple):
     # The weights of those values that are weighted means (`eqfit.Mean`), summed over the
     # devices, by the record's names (`<name>:weight`).
     weights: dict[str, Array]
-
-
-class Measured(NamedTuple):
-    """A loss's forward and backward pass on a batch (`Step.measure`), or several summed
-    as one (`microbatches=`).
-    """
-
-    loss: Float[Array, ""]  # what the step differentiates, unscaled (a `Mean`'s quotient)
-    grads: PyTree  # its gradient, unscaled
-    value: Value  # the loss's pairs, and the model state after the batch
-    metrics: Float[Array, " metrics"]  # the metrics' pairs (empty where not measured)
-    metric_weights: Float[Array, " metrics"]
-    labels: LabelError | None  # the first label out of range the loss or metrics met
 
 
 class RuleResult(NamedTuple):
@@ -344,7 +332,7 @@ class Step(eqx.Module):
             v = objective.value(model, state, batch, key)
             loss = v.loss
             if weighted:  # the total over the weight (over every device's weight)
-                loss = loss / _nonzero(self._device_mean(jax.lax.stop_gradient(v.weight)))
+                loss = loss / nonzero(self._device_mean(jax.lax.stop_gradient(v.weight)))
             scaled = loss if policy is None else policy.scale(loss, loss_scale)
             return scaled, (loss, v, model)
 
@@ -371,102 +359,7 @@ class Step(eqx.Module):
         size = self.microbatch
         if size is None or rows <= size:
             return once(model_state, batch, key)
-        return self._in_microbatches(objective, once, model_state, batch, key, size)
-
-    def _in_microbatches(
-        self,
-        objective: Objective,
-        once: Callable[[PyTree, PyTree, Key[Array, ""] | None], Measured],
-        model_state: PyTree,
-        batch: PyTree,
-        key: Key[Array, ""] | None,
-        size: int,
-    ) -> Measured:
-        """`once` over microbatches of `size` rows, in turn (a `lax.scan`, then a smaller
-        last one), the model state carried from each to the next, summed as one batch's:
-        each value weighs as its rows, or a `Mean` as its weight. Microbatch `j` takes rows
-        `j, j + n, j + 2n, ...` of the first `n * size`: spread over the devices as the
-        batch is, so that no device sends another its rows.
-        """
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        n, tail = divmod(rows, size)
-        weighted = "loss" in objective.means
-        aux_means = jnp.asarray([a in objective.means for a in objective.aux_names], bool)
-        metric_means = jnp.asarray([a in objective.means for a in objective.metric_names], bool)
-
-        def micro_key(j: Any) -> Key[Array, ""] | None:
-            return None if key is None else jax.random.fold_in(key, j)
-
-        def add(total: Measured, part: Measured, count: Array, rows: int) -> tuple[Any, ...]:
-            """`total` (sums) and `count` (the loss's weights) with `part` added."""
-            v, t = part.value, total.value
-            # The loss's weight among the microbatches: a `Mean`'s, over every device
-            # (the divisor `part.loss` was taken over), or its rows.
-            weight = self._device_mean(v.weight) if weighted else jnp.asarray(rows, jnp.float32)
-            aux = jnp.where(aux_means, v.aux, rows * v.aux)
-            aux_weights = jnp.where(aux_means, v.aux_weights, rows)
-            metrics = jnp.where(metric_means, part.metrics, rows * part.metrics)
-            metric_weights = jnp.where(metric_means, part.metric_weights, rows)
-            summed = Measured(
-                total.loss + weight * part.loss,
-                jax.tree.map(
-                    lambda a, b: (a + weight * b).astype(a.dtype), total.grads, part.grads
-                ),
-                Value(
-                    t.loss,
-                    t.weight + v.weight,
-                    t.aux + aux,
-                    t.aux_weights + aux_weights,
-                    v.state,
-                    None,
-                ),
-                total.metrics + metrics,
-                total.metric_weights + metric_weights,
-                either(total.labels, part.labels),
-            )
-            return summed, count + weight
-
-        # Rows `j, j + n, ...` are microbatch `j`: sliced from the batch as it is, in
-        # the loop, not copied out into a stack of microbatches before it.
-        stacked = jax.tree.map(lambda x: x[: n * size].reshape(size, n, *x.shape[1:]), batch)
-
-        def microbatch(j: Any) -> PyTree:
-            return jax.tree.map(
-                lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), stacked
-            )
-
-        shapes = jax.eval_shape(once, model_state, microbatch(0), micro_key(0))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        labels = None if shapes.labels is None else LabelError.none()
-        init = zeros._replace(value=zeros.value._replace(state=model_state), labels=labels)
-
-        def body(carry: tuple[Measured, Array], j: Array) -> tuple[Any, None]:
-            total, count = carry
-            part = once(clone(total.value.state), microbatch(j), micro_key(j))
-            return add(total, part, count, size), None
-
-        carry = (init, jnp.zeros((), jnp.float32))
-        (total, count), _ = jax.lax.scan(body, carry, jnp.arange(n))
-        if tail:
-            last = jax.tree.map(lambda x: x[n * size :], batch)
-            part = once(clone(total.value.state), last, micro_key(n))
-            total, count = add(total, part, count, tail)
-        v = total.value
-        # A plain value's mean over the rows, weight 1; a `Mean`'s sums stay sums.
-        aux = jnp.where(aux_means, v.aux, v.aux / v.aux_weights)
-        aux_weights = jnp.where(aux_means, v.aux_weights, 1.0)
-        metrics = jnp.where(metric_means, total.metrics, total.metrics / total.metric_weights)
-        metric_weights = jnp.where(metric_means, total.metric_weights, 1.0)
-        divisor = _nonzero(count)
-        weight = v.weight if weighted else jnp.ones((), jnp.float32)
-        return Measured(
-            total.loss / divisor,
-            jax.tree.map(lambda g: g / divisor, total.grads),
-            Value(total.loss / divisor, weight, aux, aux_weights, v.state, None),
-            metrics,
-            metric_weights,
-            total.labels,
-        )
+        return in_microbatches(objective, once, model_state, batch, key, size, self._device_mean)
 
     def _device_mean(self, x: Array) -> Array:
         """`x`'s mean over the devices (`x` itself on one)."""
@@ -619,12 +512,6 @@ def _not_due(
         {name: jnp.full(v.shape, jnp.nan, v.dtype) for name, v in shapes.values.items()},
         None if shapes.labels is None else LabelError.none(),
     )
-
-
-def _nonzero(x: Array) -> Array:
-    """`x`, or 1 where it is 0: a divisor for a weight that may sum to 0 (whose total is
-    then 0 too)."""
-    return jnp.where(x == 0, 1.0, x)
 
 
 def _on_any_device(labels: LabelError | None, axis_name: str) -> LabelError | None:
