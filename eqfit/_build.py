@@ -5,7 +5,6 @@ the loss returns, the names the run records, the optimizer's state.
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -16,23 +15,21 @@ from jaxtyping import Array, PyTree
 
 from ._compile import PROGRAMS
 from ._data import describe, is_dtype, not_a_stack
-from ._execution import choose, loss_convolves
+from ._execution import choose
 from ._hyperparams import check_schedules, injected_names
-from ._loop import Loop, UpdateInfo
+from ._loop import Loop
 from ._objective import find_outputs, Objective, Outputs, takes_key
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
 from ._parallel import param_specs, placement_devices, Pmap
-from ._record import Record, record_for, UpdateRecord
+from ._record import LOSS, Record, record_for, UpdateInfo
 from ._schedule import Schedule
 from ._skeleton import split_arrays
-from ._state import Consts, Objects, StartArgs
-from ._updates import AbstractUpdate, trained_spec, Update
+from ._state import Consts, StartArgs
+from ._updates import AbstractUpdate, builtin, trained_spec
 
 
 def make_loop(
     model: PyTree,
-    filter_spec: Any,
-    objects: Objects,
     schedule: Schedule,
     options: Options,
     like: PyTree,
@@ -48,6 +45,7 @@ def make_loop(
     `opt_state` against that state. Returns the `Loop` and the starting program's
     arguments.
     """
+    objects, filter_spec = options.objects, options.filter_spec
     arrays, skeleton = split_arrays(model)
     if objects.updates:
         check_update_options(objects.updates, options)
@@ -68,13 +66,13 @@ def make_loop(
     step = options.step
     # What the loss is traced on, to find its aux values and whether it convolves.
     traced = _abstract_call(model, model_state, like, schedule.batch_size, options)
-    infos: tuple[UpdateInfo, ...] = ()
-    if objects.updates:
-        infos = tuple(
-            _update_info(u, spec, [p for p, t in zip(picks, trains) if t], traced, options)
-            for u, spec, picks in zip(objects.updates, specs, picked)
-        )
-        use_key = any(i.losses is None or takes_key(u.loss) for i, u in zip(infos, objects.updates))
+    infos = tuple(
+        _update_info(u, spec, [p for p, t in zip(picks, trains) if t], traced, options)
+        for u, spec, picks in zip(objects.updates, specs, picked)
+    )
+    if infos:
+        # An update of the user's own gets a key; a loss's, where the loss takes one.
+        use_key = any((b := builtin(u)) is None or takes_key(b.loss) for u in objects.updates)
     else:
         use_key = takes_key(objects.loss)
     objective = Objective(
@@ -107,13 +105,8 @@ def make_loop(
     optimizer = objects.optimizer if objects.optimizer is not None else loop.parts(consts).optimizer
     opt_shapes, hyperparams = _opt_state_shape(loop, optimizer, shapes)
     schedules = dict(objects.schedules)
-    if infos:  # each update's hyperparameters, under its name
-        infos = tuple(
-            i._replace(
-                hyperparams=tuple(f"{i.name}_{n}" for n in injected_names(opt_shapes[i.name]))
-            )
-            for i in infos
-        )
+    if infos:  # each update's hyperparameters
+        infos = tuple(i._replace(hyperparams=injected_names(opt_shapes[i.name])) for i in infos)
         loop = dataclasses.replace(loop, updates=infos)
     record = record_for(
         aux_names=outputs.aux_names,
@@ -124,24 +117,12 @@ def make_loop(
         hyperparams=hyperparams,
         schedule_names=tuple(schedules),
         val_sets=loop.val_sets,
-        updates=tuple(
-            UpdateRecord(
-                i.name,
-                ()
-                if i.losses is None
-                else (f"{i.name}_loss", *(f"{i.name}_{a}" for a in i.losses)),
-                i.values,
-                i.hyperparams,
-                i.every,
-                tuple(f"{i.name}_{n}" for n in i.means),
-            )
-            for i in infos
-        ),
+        updates=infos,
     )
     if schedules:
         check_schedules(schedules, opt_shapes)
     loop = dataclasses.replace(loop, record=record)
-    convolves = functools.partial(_convolves, objective, traced)
+    convolves = functools.partial(_convolves, objective, traced, options, outputs, bool(infos))
     execution, why = choose(
         options.execution,
         platform=placement_devices(options.placement)[0].platform,
@@ -198,27 +179,39 @@ def _abstract_call(
     return member, state, batch
 
 
-def _convolves(objective: Objective, traced: tuple[PyTree, PyTree, PyTree]) -> bool:
-    """Whether the loss convolves (`loss_convolves`), traced on `traced` (`_abstract_call`'s);
-    `False` for a loss that fails to trace, which the run's own trace then reports, with
-    the batch that it meets.
+def _convolves(
+    objective: Objective,
+    traced: tuple[PyTree, PyTree, PyTree],
+    options: Options,
+    outputs: Outputs,
+    updates: bool,
+) -> bool:
+    """Whether the loss (with several updates, their losses as one) convolves: from the
+    trace that found its `outputs`, or where none was made, from one made now (cached
+    with them); `False` for losses that fail to trace, which the run's own trace then
+    reports, with the batch that it meets.
     """
+    if outputs.convolves is not None and not updates:
+        return outputs.convolves
     try:
-        return loss_convolves(objective, *traced)
+        return bool(_outputs(objective, traced, options, always=True).convolves)
     except Exception:
         return False
 
 
 def _outputs(
-    objective: Objective, traced: tuple[PyTree, PyTree, PyTree], options: Options
+    objective: Objective,
+    traced: tuple[PyTree, PyTree, PyTree],
+    options: Options,
+    always: bool = False,
 ) -> Outputs:
-    """The names of the aux values the loss returns, and which values are `eqfit.Mean`s,
-    traced on `traced` (`_abstract_call`'s: one member's model and state in an ensemble,
-    and a batch).
+    """What the loss returns (`find_outputs`), traced on `traced` (`_abstract_call`'s: one
+    member's model and state in an ensemble, and a batch); eqfit's own losses only where
+    `always`.
     """
     member, state, batch = traced
     if options.members is None:
-        return find_outputs(objective, member, state, batch)
+        return find_outputs(objective, member, state, batch, always)
     # An ensemble: one member is traced whatever the loss, so that a single model taken
     # for a stack is refused here, saying so, not deep inside the run's trace.
     try:
@@ -250,7 +243,7 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             "`optax.inject_hyperparams`, whose values each update records as "
             "`<name>_<hyperparameter>`."
         )
-    custom = [u.name for u in updates if not isinstance(u, Update)]
+    custom = [u.name for u in updates if builtin(u) is None]
     if custom and options.step.microbatches > 1:
         raise ValueError(
             f"`microbatches=` with update {custom[0]!r} of your own: its `apply` takes the "
@@ -287,17 +280,13 @@ def _update_info(
     on abstract arrays).
     """
     member, state, batch = traced
-    if isinstance(update, Update):
-        objective = Objective(
-            update.loss,
-            (),
-            options.stateful,
-            takes_key(update.loss),
-            precision=options.step.precision,
-        )
+    loss_update = builtin(update)
+    if loss_update is not None:
+        objective = loss_update.objective(options.stateful, options.step.precision)
         outputs = _outputs(objective, traced, options)
+        recorded = (LOSS.name, *outputs.aux_names)
         return UpdateInfo(
-            update.name, update.every, tuple(picks), outputs.aux_names, means=outputs.means
+            update.name, update.every, tuple(picks), True, recorded, means=outputs.means
         )
 
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> list[str]:
@@ -312,45 +301,7 @@ def _update_info(
             raise TypeError(
                 f"update {update.name!r}'s `apply` records values named by strings, got {name!r}."
             )
-    return UpdateInfo(
-        update.name, update.every, tuple(picks), None, tuple(f"{update.name}_{n}" for n in names)
-    )
-
-
-def trained_parts(model: PyTree, trains: Callable[[Any], Any], filter_spec: Any) -> PyTree:
-    """`fit`'s `trains` as a filter spec: a PyTree of bools shaped as `model`, `True`
-    inside the parts `trains(model)` picks (as `eqx.tree_at`'s `where`) and `False`
-    elsewhere. Refuses `trains` beside a `filter_spec` of the caller's, a `trains` that
-    picks nothing of the model, and one that picks no floating-point array.
-    """
-    if filter_spec is not eqx.is_inexact_array:
-        raise ValueError(
-            "`trains` and `filter_spec` both say what trains: give one of them (`trains` "
-            "picks parts of the model by name, `filter_spec` is `eqx.partition`'s)."
-        )
-    nothing = jax.tree.map(lambda _: False, model)
-
-    def everything(part: Any) -> Any:
-        return jax.tree.map(lambda _: True, part)
-
-    try:
-        spec = eqx.tree_at(trains, nothing, replace_fn=everything)
-    except Exception as e:
-        raise ValueError(
-            "`trains` must pick parts of the model, as `eqx.tree_at`'s `where` does "
-            f"(`lambda m: m.student`), but calling it on the model failed: "
-            f"{type(e).__name__}: {e}"
-        ) from None
-    chosen = [
-        bool(s) and eqx.is_inexact_array(a)
-        for s, a in zip(jax.tree.leaves(spec), jax.tree.leaves(model))
-    ]
-    if not any(chosen):
-        raise ValueError(
-            "`trains` picks no floating-point array of the model, so training would change "
-            "nothing: pick the parts that hold its weights (`lambda m: m.student`)."
-        )
-    return spec
+    return UpdateInfo(update.name, update.every, tuple(picks), False, tuple(names))
 
 
 def check_monitor(monitor: str, loop: Loop, what: str = EARLY_STOPPING) -> None:

@@ -3,6 +3,7 @@
 each, the host following the run's position by the schedule (`StepCalls`).
 """
 
+import abc
 import collections
 import functools
 from collections.abc import Callable
@@ -12,7 +13,6 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._compile import PROGRAM_CACHE
-from ._execution import PerStep
 from ._loop import Loop
 from ._program import run, unrolled
 from ._state import Inputs, Report, TrainState, Until
@@ -25,19 +25,20 @@ def run_key(loop: Loop) -> tuple[str, Loop]:
 
 def run_program(loop: Loop) -> "Program":
     """The run's program for `loop`, as its `execution` runs the steps (cached)."""
-    execution = loop.execution
-    if isinstance(execution, PerStep):
-        make = lambda: StepCalls(loop, execution.unroll)  # noqa: E731
-    else:
-        make = lambda: WholeRunCalls(loop)  # noqa: E731
+    unroll = loop.execution.steps_per_program()
+
+    def make() -> Program:
+        return WholeRunCalls(loop) if unroll is None else StepCalls(loop, unroll)
+
     return cast(Program, PROGRAM_CACHE.get(run_key(loop), make))
 
 
-class Program:
+class Program(abc.ABC):
     """The run's program as the drive calls it: trains from `begin` (the state's
     position) to the global step `stop`, or until stopped, and reports.
     """
 
+    @abc.abstractmethod
     def __call__(
         self,
         state: TrainState,
@@ -50,14 +51,13 @@ class Program:
         less where `stopping()` turned true on the way (a signal), where a program of
         few steps a call sees it.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
         """Its compiled programs lowered for a call to `stop`, the one that runs most
         steps first: what `eqfit.plan` compiles, and what `fit` traces while `start`
         compiles.
         """
-        raise NotImplementedError
 
 
 class WholeRunCalls(Program):

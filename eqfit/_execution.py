@@ -12,14 +12,11 @@ scanned; every other step trains faster scanned, where a call per step would cos
 host more than the step.
 """
 
+import abc
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import equinox as eqx
-import jax
-from jaxtyping import PyTree
-
-from ._objective import _abstract, Objective
 
 
 class Execution(eqx.Module):
@@ -28,9 +25,15 @@ class Execution(eqx.Module):
     `eqfit.plan` says which and why.
     """
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """The way, in words."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    def steps_per_program(self) -> int | None:
+        """The steps each compiled program runs, written out one after the other; `None`
+        for a program that loops over the steps of the whole run.
+        """
 
 
 class WholeRun(Execution):
@@ -42,6 +45,9 @@ class WholeRun(Execution):
 
     def describe(self) -> str:
         return "the whole run in one compiled loop"
+
+    def steps_per_program(self) -> None:
+        return None
 
 
 class PerStep(Execution):
@@ -70,15 +76,15 @@ class PerStep(Execution):
         steps = "one step" if self.unroll == 1 else f"{self.unroll} steps"
         return f"a program of {steps} called from Python"
 
+    def steps_per_program(self) -> int:
+        return self.unroll
+
 
 class Choice(NamedTuple):
     """The way a run's steps run, and why (for `eqfit.plan`)."""
 
     execution: Execution
     why: str
-
-
-CONVOLUTION = "conv_general_dilated"
 
 
 def choose(
@@ -102,16 +108,15 @@ def choose(
 
     The `Choice`.
     """
-    if isinstance(asked, PerStep):
-        if steps_per_epoch is not None and asked.unroll > steps_per_epoch:
+    if asked != "auto":
+        unroll = asked.steps_per_program()
+        if unroll is not None and steps_per_epoch is not None and unroll > steps_per_epoch:
             raise ValueError(
-                f"`execution=PerStep(unroll={asked.unroll})` asks for programs of "
-                f"{asked.unroll} steps, but an epoch of this run has {steps_per_epoch}, "
-                "and a call never goes past an epoch's end: the steps past it would be "
-                f"compiled and never run. Give `unroll` at most {steps_per_epoch}."
+                f"`execution={asked!r}` asks for programs of {unroll} steps, but an epoch "
+                f"of this run has {steps_per_epoch}, and a call never goes past an epoch's "
+                "end: the steps past it would be compiled and never run. Give `unroll` at "
+                f"most {steps_per_epoch}."
             )
-        return Choice(asked, "as `execution=` asks")
-    if isinstance(asked, WholeRun):
         return Choice(asked, "as `execution=` asks")
     if platform == "cpu" and convolves():
         why = (
@@ -122,61 +127,3 @@ def choose(
     if platform == "cpu":
         return Choice(WholeRun(), "no convolution: nothing XLA compiles worse in a loop")
     return Choice(WholeRun(), f"on {platform}, no operation known to compile worse in a loop")
-
-
-def loss_convolves(objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree) -> bool:
-    """Whether the loss (the model's forward pass, metrics included) convolves, from its
-    trace on abstract arrays (nothing runs or compiles); remembered for the same loss on
-    arrays of the same shapes.
-    """
-    try:
-        cache_key = (
-            objective.loss,
-            objective.metrics,
-            objective.stateful,
-            objective.use_key,
-            *map(_abstract, (model, model_state, batch)),
-        )
-        hash(cache_key)
-    except TypeError:  # a loss or model that cannot be hashed: traced every time
-        return _traced_convolves(objective, model, model_state, batch)
-    return _cached_convolves(cache_key, objective, model, model_state, batch)
-
-
-_CONVOLVES: dict[Any, bool] = {}
-
-
-def _cached_convolves(
-    cache_key: Any, objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree
-) -> bool:
-    if cache_key not in _CONVOLVES:
-        if len(_CONVOLVES) >= 64:
-            _CONVOLVES.pop(next(iter(_CONVOLVES)))
-        _CONVOLVES[cache_key] = _traced_convolves(objective, model, model_state, batch)
-    return _CONVOLVES[cache_key]
-
-
-def _traced_convolves(
-    objective: Objective, model: PyTree, model_state: PyTree, batch: PyTree
-) -> bool:
-    key = jax.random.key(0) if objective.use_key else None
-
-    def forward(model: PyTree, model_state: PyTree, batch: PyTree) -> Any:
-        out, _ = objective.call(model, model_state, batch, key)
-        return out
-
-    jaxpr = eqx.filter_make_jaxpr(forward)(model, model_state, batch)[0]
-    return _has_primitive(jaxpr.jaxpr, CONVOLUTION)
-
-
-def _has_primitive(jaxpr: Any, name: str) -> bool:
-    """Whether `jaxpr`, or a jaxpr inside it (a loop's body, a branch), applies `name`."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            return True
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)  # a closed jaxpr's own
-                if hasattr(inner, "eqns") and _has_primitive(inner, name):
-                    return True
-    return False

@@ -13,13 +13,13 @@ from typing import Any, cast, Literal, ParamSpec
 import equinox as eqx
 from jax.sharding import Mesh
 
-from ._build import make_loop, trained_parts
+from ._build import make_loop
 from ._checks import checked
 from ._early_stopping import EarlyStopping
 from ._execution import Execution
 from ._observers import Callback
 from ._open import open_data, schedule_for
-from ._options import check_options, plain_optimizer
+from ._options import check_options
 from ._parallel import Device
 from ._plan import Plan
 from ._planner import make_plan, run_costs
@@ -28,7 +28,6 @@ from ._precision import PrecisionLike
 from ._result import FitResult
 from ._sharding import Shard
 from ._signals import Interrupt
-from ._state import Objects
 from ._train import Run, train
 from ._typing import (
     Arrays,
@@ -45,7 +44,7 @@ from ._typing import (
     PRNGKey,
     Schedules,
 )
-from ._updates import AbstractUpdate, check_updates, Losses, Update
+from ._updates import AbstractUpdate
 from ._validation import ValidationSets
 
 
@@ -389,42 +388,17 @@ def fit(
         schedules=schedules,
         profile=profile,
         execution=execution,
+        loss=loss,
+        optimizer=optimizer,
+        updates=updates,
+        trains=trains,
+        filter_spec=filter_spec,
     )
-    if updates is not None:
-        updates = check_updates_form(updates, loss, optimizer, trains, filter_spec)
-    elif loss is None or optimizer is None:
-        missing = " and ".join(
-            n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is None
-        )
-        raise TypeError(
-            f"`fit` needs `{missing}`: a loss and an optimizer "
-            "(one update each step), or `updates=[eqfit.Update(name, loss, optimizer), ...]` "
-            "(several in turn)."
-        )
-    if trains is not None:
-        filter_spec = trained_parts(model, trains, filter_spec)
     # Open the data, plan the run's shape from it, and build its static description.
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
     schedule = schedule_for(source, options)
-    if updates is not None:
-        builtin = tuple(u for u in updates if isinstance(u, Update))
-        objects = Objects(
-            Losses(builtin, options.stateful),
-            tuple((metrics or {}).items()),
-            None,
-            options.schedules,
-            updates,
-        )
-        loss = objects.loss
-    else:
-        assert loss is not None and optimizer is not None  # refused above
-        objects = Objects(
-            loss, tuple((metrics or {}).items()), plain_optimizer(optimizer), options.schedules
-        )
-    loop, start = make_loop(
-        model, filter_spec, objects, schedule, options, source.like, state, opt_state
-    )
-    run = Run(options, loop, start, source, val_data, loss)
+    loop, start = make_loop(model, schedule, options, source.like, state, opt_state)
+    run = Run(options, loop, start, source, val_data)
     # Compile and drive, with Ctrl-C deferred from here on: one while XLA compiles stops
     # the run at its first epoch's end, a second one is raised once the compilation
     # returns, and every way out waits for the threads that compile: the process must not
@@ -523,25 +497,3 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
     finally:
         _PLANNING.reset(token)
     raise AssertionError("`fit` trained while planning")
-
-
-def check_updates_form(
-    updates: Any, loss: Any, optimizer: Any, trains: Any, filter_spec: Any
-) -> tuple[AbstractUpdate, ...]:
-    """Refuses `updates=` beside the options that say the same of one update (`loss`,
-    `optimizer`, `trains`, `filter_spec`), and `updates` that are not updates.
-    """
-    given = [n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is not None]
-    if given:
-        raise ValueError(
-            f"`updates` and `{'` and `'.join(given)}` both say how the model trains: give "
-            "`loss=` and `optimizer=` for one update each step, or `updates=` for several "
-            "(each an `eqfit.Update(name, loss, optimizer)` with its own)."
-        )
-    if trains is not None or filter_spec is not eqx.is_inexact_array:
-        what = "trains" if trains is not None else "filter_spec"
-        raise ValueError(
-            f"`updates` and `{what}` both say what trains: with `updates=`, each update "
-            "says what it trains (`eqfit.Update(..., trains=lambda m: m.generator)`)."
-        )
-    return check_updates(updates)

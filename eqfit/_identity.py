@@ -14,13 +14,16 @@ from ._data import describe
 from ._loop import Loop
 from ._record import Kind
 from ._schedule import Schedule
+from ._state import Objects
+from ._updates import builtin
 
 
 def run_config(
-    loop: Loop, state: PyTree, data: list[list[Any]], val_data: Any, loss: Any, key: Any
+    loop: Loop, state: PyTree, data: list[list[Any]], val_data: Any, objects: Objects, key: Any
 ) -> dict[str, Any]:
     """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
-    that a run may resume on others.
+    that a run may resume on others. A run names its loss, or each of its updates (its
+    name, its class, its loss where it has one, how often it runs).
     """
     schedule = loop.schedule
     config = {
@@ -35,11 +38,21 @@ def run_config(
         "on_nan": loop.step.on_nan,
         "early_stopping": None if loop.early_stopping is None else repr(loop.early_stopping),
         "metrics": list(loop.metric_names),
-        "loss": getattr(loss, "__qualname__", type(loss).__name__),
+        "loss": None if objects.updates else _name(objects.loss),
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "ensemble": loop.members is not None,
     } | _real_model_config(loop)
+    if objects.updates:
+        config["updates"] = [
+            [u.name, type(u).__name__, _name(getattr(builtin(u), "loss", None)), u.every]
+            for u in objects.updates
+        ]
     return config | _validation_config(loop)
+
+
+def _name(fn: Any) -> str | None:
+    """A function by its name (`None` for none)."""
+    return None if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def _validation_config(loop: Loop) -> dict[str, Any]:

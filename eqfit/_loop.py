@@ -19,15 +19,15 @@ from jaxtyping import PyTree
 
 from ._early_stopping import EarlyStopping
 from ._execution import Execution, WholeRun
-from ._objective import Objective, takes_key
+from ._objective import Objective
 from ._options import StepOptions, Validation
 from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
-from ._record import Kind, Record
+from ._record import Kind, Record, UpdateInfo
 from ._schedule import Schedule
 from ._skeleton import Skeleton, split_arrays, unwrap
 from ._state import Consts
-from ._step import Rule, Step
-from ._updates import AbstractUpdate, Update
+from ._step import select, Step
+from ._updates import AbstractUpdate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Loop:
     execution: Execution = WholeRun()
     execution_why: str = ""
     # With several updates (`fit(..., updates=)`): each one's static part, in order.
-    updates: tuple["UpdateInfo", ...] = ()
+    updates: tuple[UpdateInfo, ...] = ()
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:
@@ -109,9 +109,8 @@ class Loop:
             arrays = [next(trained) if t else next(fixed) for t in self.trains]
             return unwrap(self.model.fill(arrays))
 
-        rules = tuple(self._rule(info, u) for info, u in zip(self.updates, updates))
-        if rules:
-            optimizer = by_name(rules)
+        if self.updates:
+            optimizer = by_name(self.updates, updates)
 
         def split(model: PyTree) -> PyTree:
             """The trained arrays of a whole model (the inverse of `combine`)."""
@@ -130,8 +129,8 @@ class Loop:
             lay_out=lay_out,
             average=self.step.average,
             schedules=tuple(schedule for _, schedule in schedules),
-            rules=rules,
-            split=split if rules else None,
+            updates=tuple(zip(self.updates, updates)),
+            split=split if self.updates else None,
             microbatch=self.microbatch(),
         )
         return Parts(objective, optimizer, combine, step)
@@ -143,31 +142,6 @@ class Loop:
         # The run's batch size: a streamed run's smaller pieces are never full batches.
         batch_size = self.schedule.batch_size
         return microbatch_rows(self.placement, batch_size, self.step.microbatches, rows)
-
-    def _rule(self, info: "UpdateInfo", update: AbstractUpdate) -> Rule:
-        """One of several updates as the step runs it."""
-        if info.losses is None:  # a user's own
-            return Rule(info.name, info.every, info.picks, custom=update, aux_names=info.values)
-        assert isinstance(update, Update)
-        objective = Objective(
-            update.loss,
-            (),
-            self.stateful,
-            takes_key(update.loss),
-            info.losses,
-            self.step.precision,
-            info.means,
-        )
-        return Rule(
-            info.name,
-            info.every,
-            info.picks,
-            objective=objective,
-            optimizer=update.optimizer,
-            aux_names=(f"{info.name}_loss", *(f"{info.name}_{a}" for a in info.losses)),
-            hyperparams=info.hyperparams,
-            norms=self.step.norms,
-        )
 
     def param_shardings(self) -> PyTree | None:
         """With `shard=`, each trained array's `NamedSharding`, in `params_tree`'s
@@ -191,40 +165,19 @@ class Loop:
         return jax.tree.unflatten(self.model.treedef, leaves)
 
 
-class UpdateInfo(NamedTuple):
-    """The static part of one of several updates: its name, how often it runs, which of
-    the trained arrays it trains, and the names it records.
-    """
-
-    name: str
-    every: int
-    picks: tuple[bool, ...]  # for each array that trains, in order
-    losses: tuple[str, ...] | None  # a loss's update: its loss's aux names; else `None`
-    values: tuple[str, ...] = ()  # a user's own: the record's names of its values
-    hyperparams: tuple[str, ...] = ()  # the record's names of its optimizer's injected ones
-    # A loss's update: those of its loss (`"loss"`) and aux values that are weighted means
-    # (`eqfit.Mean`).
-    means: tuple[str, ...] = ()
-
-
-def by_name(rules: tuple[Rule, ...]) -> optax.GradientTransformation:
+def by_name(
+    infos: tuple[UpdateInfo, ...], updates: tuple[AbstractUpdate, ...]
+) -> optax.GradientTransformation:
     """The state of several updates as one optimizer's: `init` makes each update's state
-    on the arrays it trains, in a dict by name. (The step runs the updates themselves.)
+    on the arrays it trains (`AbstractUpdate.init`), in a dict by name. (The step runs
+    the updates themselves.)
     """
 
     def init(params: PyTree) -> dict[str, PyTree]:
-        states = {}
-        for rule in rules:
-            mine, _ = rule.select(params)
-            if rule.custom is not None:
-                states[rule.name] = rule.custom.init(mine)
-            else:
-                assert rule.optimizer is not None
-                states[rule.name] = rule.optimizer.init(mine)
-        return states
+        return {i.name: u.init(select(params, i.picks)[0]) for i, u in zip(infos, updates)}
 
     def update(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("eqfit's step runs several updates one by one (`Step.rule`).")
+        raise AssertionError("eqfit's step runs several updates one by one (`Step._updates`).")
 
     return optax.GradientTransformation(init, update)
 

@@ -415,14 +415,21 @@ def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | Non
 
 
 class Outputs(NamedTuple):
-    """What a loss and metrics return, found before the run (`find_outputs`)."""
+    """What a loss and metrics return, and what they compute, found before the run
+    (`find_outputs`).
+    """
 
     aux_names: tuple[str, ...]  # the loss's aux values' names
     means: tuple[str, ...]  # those of the loss, aux values and metrics that are `Mean`s
+    # The loss (its model's forward pass) or a metric convolves; `None`: not traced.
+    convolves: bool | None = None
 
 
 def _own(fn: object) -> bool:
     return getattr(fn, "__module__", "").startswith("eqfit.")
+
+
+CONVOLUTION = "conv_general_dilated"
 
 
 def find_outputs(
@@ -432,18 +439,19 @@ def find_outputs(
     batch: PyTree,
     always: bool = False,
 ) -> Outputs:
-    """The names of the aux values that the loss returns, and which of its values and
-    the metrics' are weighted means (`eqfit.Mean`), found by tracing them once on
-    abstract arrays (nothing runs or compiles), and remembered for the same functions on
-    arrays of the same shapes, so that a second `fit` traces nothing. eqfit's own losses
-    and metrics return no aux values, and a `Mean` where the batch holds weights (`(x, y,
-    weights)`); they are not traced unless `always`.
+    """The names of the aux values that the loss returns, which of its values and the
+    metrics' are weighted means (`eqfit.Mean`), and whether they convolve, found by
+    tracing them once on abstract arrays (nothing runs or compiles), and remembered for
+    the same functions on arrays of the same shapes, so that a second `fit` traces
+    nothing. eqfit's own losses and metrics return no aux values, and a `Mean` where the
+    batch holds weights (`(x, y, weights)`): they are not traced unless `always`, and
+    whether they convolve is then unknown (`None`).
     """
     weighted = len(batch_args(batch)) > 2
     own = _own(objective.loss) and all(_own(fn) for _, fn in objective.metrics)
     if not always and own:
         names = ("loss", *objective.metric_names) if weighted else ()
-        return Outputs((), names)
+        return Outputs((), names, None)
     try:
         cache_key = (
             objective.loss,
@@ -451,7 +459,7 @@ def find_outputs(
             objective.stateful,
             objective.use_key,
             objective.precision,
-            *map(_abstract, (model, model_state, batch)),
+            *map(abstract_key, (model, model_state, batch)),
         )
         hash(cache_key)
     except TypeError:  # a loss or model that cannot be hashed: traced every time
@@ -461,13 +469,14 @@ def find_outputs(
     key = jax.random.key(0) if objective.use_key else None
     found: list[Outputs] = []
 
-    def trace(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
+    def trace(model: PyTree, model_state: PyTree, batch: PyTree) -> Any:
         out, _ = objective.call(model, model_state, batch, key)
         value, aux, _ = split_output(out, objective.stateful)
         aux = aux or {}
         means = ["loss"] if isinstance(value, Mean) else []
         means += [name for name, v in aux.items() if isinstance(v, Mean)]
         args = objective._arguments(model, model_state, batch)
+        outs = [out]
         for name, fn in objective.metrics:
             if _own(fn):
                 if weighted:
@@ -475,26 +484,44 @@ def find_outputs(
                 continue
             _check_signature(fn, args, {}, f"metric {name!r}", objective.stateful)
             with collecting(), noting_call(f"metrics[{name!r}]", fn, args, objective.stateful):
-                if isinstance(fn(*args), Mean):
-                    means.append(name)
+                outs.append(fn(*args))
+            if isinstance(outs[-1], Mean):
+                means.append(name)
         found.append(Outputs(tuple(aux), tuple(means)))
+        return outs
 
-    eqx.filter_eval_shape(trace, model, model_state, batch)
-    for name in found[0].aux_names:
+    jaxpr = eqx.filter_make_jaxpr(trace)(model, model_state, batch)[0]
+    outputs = found[0]._replace(convolves=applies(jaxpr.jaxpr, CONVOLUTION))
+    for name in outputs.aux_names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"`loss`'s aux values must be named by strings, got {name!r}.")
     if cache_key is not None:
         if len(_OUTPUTS) >= 64:
             _OUTPUTS.pop(next(iter(_OUTPUTS)))
-        _OUTPUTS[cache_key] = found[0]
-    return found[0]
+        _OUTPUTS[cache_key] = outputs
+    return outputs
+
+
+def applies(jaxpr: Any, name: str) -> bool:
+    """Whether `jaxpr`, or a jaxpr inside it (a loop's body, a branch), applies the
+    primitive `name`.
+    """
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return True
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a closed jaxpr's own
+                if hasattr(inner, "eqns") and applies(inner, name):
+                    return True
+    return False
 
 
 # What a loss and metrics return on arrays of given shapes (`find_outputs`).
 _OUTPUTS: dict[Any, Outputs] = {}
 
 
-def _abstract(tree: PyTree) -> tuple[Any, ...]:
+def abstract_key(tree: PyTree) -> tuple[Any, ...]:
     """`tree` as a hashable key: its structure, its arrays' shapes and dtypes, and its
     other leaves.
     """

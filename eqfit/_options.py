@@ -12,6 +12,7 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import equinox as eqx
 import jax
 import optax
 from jax.sharding import Mesh, PartitionSpec
@@ -28,6 +29,8 @@ from ._policy import as_signals, Checkpoint, Profile
 from ._precision import as_precision, Precision
 from ._record import NORMS, record_for, SCALING
 from ._sharding import resolve
+from ._state import Objects
+from ._updates import AbstractUpdate, check_updates, Losses, trained_spec
 from ._validation import naming_advice, ValidationSets
 
 
@@ -71,7 +74,7 @@ class Validation:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """`fit`'s checked arguments, but for the model, the data and the objects it calls."""
+    """`fit`'s checked arguments, but for the model and the data."""
 
     key: Key[Array, ""]
     epochs: int
@@ -90,6 +93,9 @@ class Options:
     callbacks: tuple[Any, ...]
     checkpoint: Checkpoint | None  # the policy, with its directory
     placement: Placement
+    # What the run calls: the loss, metrics and optimizer, or the updates.
+    objects: Objects
+    filter_spec: Any  # what trains (`trains=` made a filter spec)
     step: StepOptions = StepOptions()
     peak_flops: float | None = None  # of one device, given
     signals: tuple[signal.Signals, ...] = ()  # besides SIGINT, those that stop training
@@ -177,6 +183,11 @@ def check_options(
     validation_freq: Any = 1,
     data: Any = None,
     opt_state: Any = None,
+    loss: Any = None,
+    optimizer: Any = None,
+    updates: Any = None,
+    trains: Any = None,
+    filter_spec: Any = eqx.is_inexact_array,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data.
 
@@ -318,6 +329,8 @@ def check_options(
         schedules=scheduled,
         profile=profile,
         execution=execution,
+        objects=_objects(loss, optimizer, updates, metrics, scheduled, state is not None),
+        filter_spec=_filter_spec(model, trains, filter_spec, updates),
     )
     # The names known before the loss is traced (its aux values) and the optimizer's
     # state made (its injected hyperparameters), checked as the run's record will be.
@@ -334,6 +347,61 @@ def check_options(
     if policy is not None and policy.keep_best is not None:
         _refuse_impossible_monitor(policy.keep_best, options, known, KEEP_BEST)
     return options
+
+
+def _objects(
+    loss: Any,
+    optimizer: Any,
+    updates: Any,
+    metrics: Any,
+    schedules: tuple[tuple[str, Callable[[Any], Any]], ...],
+    stateful: bool,
+) -> Objects:
+    """What the run calls: `loss` and `optimizer` (one update each step), or `updates`
+    (several in turn, their losses as one for validation). Refuses both, or neither.
+    """
+    metrics = tuple((metrics or {}).items())
+    if updates is None:
+        if loss is None or optimizer is None:
+            missing = " and ".join(
+                n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is None
+            )
+            raise TypeError(
+                f"`fit` needs `{missing}`: a loss and an optimizer (one update each step), "
+                "or `updates=[eqfit.Update(name, loss, optimizer), ...]` (several in turn)."
+            )
+        return Objects(loss, metrics, plain_optimizer(optimizer), schedules)
+    given = [n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is not None]
+    if given:
+        raise ValueError(
+            f"`updates` and `{'` and `'.join(given)}` both say how the model trains: give "
+            "`loss=` and `optimizer=` for one update each step, or `updates=` for several "
+            "(each an `eqfit.Update(name, loss, optimizer)` with its own)."
+        )
+    checked: tuple[AbstractUpdate, ...] = check_updates(updates)
+    return Objects(Losses(checked, stateful), metrics, None, schedules, checked)
+
+
+def _filter_spec(model: Any, trains: Any, filter_spec: Any, updates: Any) -> Any:
+    """What trains, as `eqx.partition`'s filter spec: `filter_spec`, or the parts `trains`
+    picks (as `eqx.tree_at`'s `where`). Refuses both, and either beside `updates`, each
+    of which says what it trains.
+    """
+    given = filter_spec is not eqx.is_inexact_array
+    if updates is not None and (trains is not None or given):
+        what = "trains" if trains is not None else "filter_spec"
+        raise ValueError(
+            f"`updates` and `{what}` both say what trains: with `updates=`, each update "
+            "says what it trains (`eqfit.Update(..., trains=lambda m: m.generator)`)."
+        )
+    if trains is None:
+        return filter_spec
+    if given:
+        raise ValueError(
+            "`trains` and `filter_spec` both say what trains: give one of them (`trains` "
+            "picks parts of the model by name, `filter_spec` is `eqx.partition`'s)."
+        )
+    return trained_spec(model, trains, "`trains`")
 
 
 def _refuse_list_of_sets(validation_data: Any) -> None:

@@ -62,9 +62,22 @@ class Column(NamedTuple):
     weight: str | None = None
 
 
+def column_name(update: str | None, value: str) -> str:
+    """The history's name of the value `value` that the update named `update` records
+    (`d_loss`, `d_acc`, `d_grad_norm`); `value` itself for `fit`'s one loss (`None`). The
+    one place such a name is made.
+    """
+    return value if update is None else f"{update}_{value}"
+
+
+def weight_name(name: str) -> str:
+    """The name of the column of the step weights of the weighted mean `name`."""
+    return f"{name}:weight"
+
+
 def weight_column(name: str) -> Column:
     """The column of the step weights of the weighted mean `name`: not in the history."""
-    return Column(f"{name}:weight", Kind.WEIGHT, Reduce.SUM)
+    return Column(weight_name(name), Kind.WEIGHT, Reduce.SUM)
 
 
 LOSS = Column("loss", Kind.LOSS, Reduce.BATCH_MEAN)
@@ -131,7 +144,9 @@ class Record:
     @property
     def means(self) -> tuple[str, ...]:
         """The values that are weighted means (`eqfit.Mean`), the loss among them."""
-        return tuple(c.name.removesuffix(":weight") for c in self.columns if c.kind is Kind.WEIGHT)
+        return tuple(
+            c.name.removesuffix(weight_name("")) for c in self.columns if c.kind is Kind.WEIGHT
+        )
 
     def names_of(self, kind: Kind) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if c.kind is kind)
@@ -187,7 +202,7 @@ class Record:
         def mean(w: Array, value: Array) -> Array:  # NaN (0 / 0) if no step counts
             return jnp.dot(w / jnp.sum(w), jnp.where(w > 0, value, 0.0), precision=precision)
 
-        loss_weight = f"{LOSS.name}:weight"
+        loss_weight = weight_name(LOSS.name)
         if loss_weight in where:  # a weighted mean: the sum of totals over that of weights
             loss = mean(jnp.where(counts, values[:, where[loss_weight]], 0.0), step_loss)[None]
         else:
@@ -238,17 +253,31 @@ class Record:
         return jnp.concatenate([loss, *[o for o in out if o is not None]])
 
 
-class UpdateRecord(NamedTuple):
-    """What one of several updates (`fit(..., updates=)`) records, by the history's names
-    (each beginning with the update's name).
+class UpdateInfo(NamedTuple):
+    """One of several updates (`fit(..., updates=)`) as the run knows it, static: its
+    name, how often it runs, which of the trained arrays it trains, and what it records,
+    by its own names (`"loss"`, `"acc"`); `column` gives each its history's name.
     """
 
     name: str
-    losses: tuple[str, ...]  # a loss's update: its loss and aux values (`d_loss`, `d_acc`)
-    values: tuple[str, ...]  # a user's own update: the values it names
-    hyperparams: tuple[str, ...]  # its optimizer's injected ones (`d_learning_rate`)
     every: int
-    means: tuple[str, ...] = ()  # those of `losses` that are weighted means (`eqfit.Mean`)
+    picks: tuple[bool, ...]  # for each array that trains, in order
+    # A loss's (`eqfit.Update`): its values are its loss and aux values (validated, and
+    # normed with `norms=True`); else an update of the user's own, and the values its
+    # `apply` records.
+    loss: bool
+    values: tuple[str, ...]
+    hyperparams: tuple[str, ...] = ()  # its optimizer's injected ones (`learning_rate`)
+    means: tuple[str, ...] = ()  # those of `values` that are weighted means (`eqfit.Mean`)
+
+    def column(self, value: str) -> str:
+        """The history's name of its value `value` (`d_loss`)."""
+        return column_name(self.name, value)
+
+    @property
+    def aux_names(self) -> tuple[str, ...]:
+        """A loss's update's aux values' names, by its own names."""
+        return self.values[1:] if self.loss else ()
 
 
 def record_for(
@@ -260,7 +289,7 @@ def record_for(
     hyperparams: tuple[str, ...] = (),
     schedule_names: tuple[str, ...] = (),
     val_sets: tuple[str, ...] | None = None,
-    updates: tuple[UpdateRecord, ...] = (),
+    updates: tuple[UpdateInfo, ...] = (),
     means: tuple[str, ...] = (),
 ) -> Record:
     """The run's record: the loss's aux values and the metrics (means over samples), the
@@ -278,7 +307,7 @@ def record_for(
     columns += [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
     # A weighted mean's steps weigh by the weights it returns: a column of them each.
     weights = [weight_column(n) for n in (LOSS.name, *aux_names, *metric_names) if n in means]
-    columns = [c._replace(weight=f"{c.name}:weight") if c.name in means else c for c in columns]
+    columns = [c._replace(weight=weight_name(c.name)) if c.name in means else c for c in columns]
     if norms:
         columns += NORMS
     if scales:
@@ -356,7 +385,7 @@ def check_names(
 
 
 def _updates_record(
-    updates: tuple[UpdateRecord, ...],
+    updates: tuple[UpdateInfo, ...],
     metric_names: tuple[str, ...],
     norms: bool,
     val_sets: tuple[str, ...] | None,
@@ -373,32 +402,28 @@ def _updates_record(
     hyper: list[tuple[Column, str]] = []
     for u in updates:
         sometimes = u.every > 1
-        aux += [
-            (Column(n, Kind.AUX, Reduce.BATCH_MEAN, sometimes=sometimes), u.name) for n in u.losses
-        ]
-        own += [
-            (Column(n, Kind.UPDATE, Reduce.BATCH_MEAN, sometimes=sometimes), u.name)
+        kind = Kind.AUX if u.loss else Kind.UPDATE
+        (aux if u.loss else own).extend(
+            (Column(u.column(n), kind, Reduce.BATCH_MEAN, sometimes=sometimes), u.name)
             for n in u.values
-        ]
-        if norms and u.losses:
+        )
+        if norms and u.loss:
             norm += [
                 (
-                    Column(
-                        f"{u.name}_{c.name}", Kind.NORM, Reduce.APPLIED_MEAN, sometimes=sometimes
-                    ),
+                    Column(u.column(c.name), Kind.NORM, Reduce.APPLIED_MEAN, sometimes=sometimes),
                     u.name,
                 )
                 for c in NORMS
             ]
         hyper += [
-            (Column(n, Kind.HYPERPARAM, Reduce.LAST, sometimes=sometimes), u.name)
+            (Column(u.column(n), Kind.HYPERPARAM, Reduce.LAST, sometimes=sometimes), u.name)
             for n in u.hyperparams
         ]
     check_update_names([(c.name, u) for c, u in aux + own + norm + hyper], metric_names)
     metrics = [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
     # A weighted mean's steps weigh by the weights it returns, as with one loss.
-    means = {n for u in updates for n in u.means}
-    columns = [c._replace(weight=f"{c.name}:weight") if c.name in means else c for c, _ in aux]
+    means = {u.column(n) for u in updates for n in u.means}
+    columns = [c._replace(weight=weight_name(c.name)) if c.name in means else c for c, _ in aux]
     weights = [weight_column(c.name) for c in columns if c.weight is not None]
     record = Record(tuple(columns + metrics + [c for c, _ in own + norm + hyper] + weights))
     if val_sets is not None:

@@ -40,7 +40,6 @@ class Run(NamedTuple):
     start: StartArgs
     source: Source
     val_data: PyTree | None
-    loss: Any  # names the run in its checkpoints' configuration
 
 
 def begin_state(run: Run) -> tuple[TrainState | Starting, PyTree]:
@@ -77,7 +76,7 @@ def train(
     store, begin = None, schedule.begin
     if not isinstance(starting, Starting) and options.checkpoint is not None:
         config = run_config(
-            loop, starting, run.source.describe(), run.val_data, run.loss, options.key
+            loop, starting, run.source.describe(), run.val_data, options.objects, options.key
         )
         store = open_store(options, config, schedule)
         stack.callback(store.close)

@@ -16,11 +16,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Key, PyTree
+from jaxtyping import Array, Bool, Float, Key, PyTree
 
+from ._descent import hyperparams, UpdateContext
+from ._labels import LabelError
 from ._mean import Mean
-from ._objective import batch_args, split_output, takes_key
-from ._optimizer import extra_args
+from ._objective import clone, find_outputs, Objective, split_output, takes_key
+from ._precision import Precision
+from ._record import column_name, LOSS, UpdateInfo
 from ._typing import ArrayTree
 
 
@@ -38,6 +41,30 @@ class Applied(NamedTuple):
     state: ArrayTree
     model_state: ArrayTree
     values: Mapping[str, Array]
+
+
+class Turn(NamedTuple):
+    """An update's turn in `fit`'s step (`AbstractUpdate.take_turn`), by its own names."""
+
+    params: PyTree  # the arrays it trains, after it
+    opt_state: PyTree  # its state
+    model_state: PyTree
+    loss: Float[Array, ""]  # 0 for an update that records no loss
+    finite: Bool[Array, ""]  # its loss is finite
+    applies: Bool[Array, ""]  # it was applied
+    values: dict[str, Array]  # what it records (its hyperparameters aside)
+    weights: dict[str, Array]  # the weights of those values that are weighted means
+    labels: LabelError | None
+
+
+class StepContext(UpdateContext):
+    """An `UpdateContext` as `fit`'s step gives it to an update: with the precision
+    policy its loss runs under, and `split`, which takes the arrays the update trains out
+    of a whole model (`combine`'s inverse).
+    """
+
+    precision: Precision | None = None
+    split: Callable[[PyTree], PyTree] | None = None
 
 
 class AbstractUpdate(eqx.Module):
@@ -105,6 +132,52 @@ class AbstractUpdate(eqx.Module):
         are kept), the update's new state, the model state, and the values to record.
         """
 
+    def take_turn(
+        self,
+        info: UpdateInfo,
+        context: StepContext,
+        params: PyTree,
+        state: ArrayTree,
+        model_state: ArrayTree,
+        batch: ArrayTree,
+        key: Key[Array, ""] | None,
+    ) -> Turn:
+        """Its turn in `fit`'s step, on the arrays it trains (`params`): `apply` on the
+        whole model, whose trained arrays are kept, and its values checked against those
+        it recorded before the run (`info.values`).
+        """
+        assert key is not None and context.split is not None
+        out = self.apply(
+            context.combine(params), state, batch, model_state=clone(model_state), key=key
+        )
+        for name, value in out.values.items():
+            if isinstance(value, Mean):
+                raise TypeError(
+                    f"Update {self.name!r} recorded an `eqfit.Mean` for {name!r}: an update "
+                    "of your own records plain values (a `Mean`'s `.value`), which the "
+                    "epoch weighs by the batch's size."
+                )
+        if set(out.values) != set(info.values):
+            raise ValueError(
+                f"Update {self.name!r} recorded {sorted(out.values)}, but before the run it "
+                f"recorded {sorted(info.values)}: an update must record the same names every "
+                "step."
+            )
+        values = {n: jnp.mean(jnp.asarray(v)).astype(jnp.float32) for n, v in out.values.items()}
+        loss = values.get(LOSS.name, jnp.zeros((), jnp.float32))
+        finite = jnp.isfinite(loss)
+        return Turn(
+            context.split(out.model),
+            out.state,
+            out.model_state,
+            loss,
+            finite,
+            finite,
+            values,
+            {},
+            None,
+        )
+
 
 class Update(AbstractUpdate):
     """The built-in update: one optimizer's step on the gradient of one loss, with respect
@@ -142,6 +215,16 @@ class Update(AbstractUpdate):
     loss: Callable[..., Any]
     optimizer: optax.GradientTransformation
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Final, as in Equinox's rule: `fit` and a hand loop run its `apply` as it is, so
+        # an override would change only one of them.
+        raise TypeError(
+            f"`{cls.__name__}` subclasses `eqfit.Update`, which is final: `fit` runs the "
+            "built-in update's step as it is, so an override of its `apply` or `init` would "
+            "not be what trains. Subclass `eqfit.AbstractUpdate` for an update of your own "
+            "(its `init` and `apply` are then what `fit` runs)."
+        )
+
     def init(self, params: ArrayTree) -> ArrayTree:
         return self.optimizer.init(params)
 
@@ -154,32 +237,67 @@ class Update(AbstractUpdate):
         model_state: ArrayTree,
         key: Key[Array, ""],
     ) -> Applied:
-        """The update as plain Equinox and optax, without `fit`'s options: what the step
-        runs (with precision, norms and `on_nan` besides) and what a hand-written loop
-        may call.
+        """The step `fit` runs for this update (with `fit`'s options at their defaults:
+        one device, no precision policy, no norms, no microbatches), for a hand-written
+        loop: the same bits as `fit`'s parameters, optimizer state and values. An update
+        whose loss is not finite is not applied; a weighted mean's batch of weight 0
+        trains on a zero gradient and records NaN; `grad_fn` reaches optimizers that take
+        it (SAM's opaque mode).
         """
         spec = trained_spec(model, self.trains, f"`eqfit.Update({self.name!r})`'s `trains`")
         params, rest = eqx.partition(model, spec)
+        context = UpdateContext(combine=lambda p: eqx.combine(p, rest))
         stateful = model_state is not None
-        kwargs = {"key": key} if takes_key(self.loss) else {}
+        found = find_outputs(self.objective(stateful, None), model, model_state, batch, True)
+        objective = self.objective(stateful, None, found.aux_names, found.means)
+        d = context.descend(objective, self.optimizer, params, state, model_state, None, batch, key)
+        values = d.values(objective) | hyperparams(d.opt_state)
+        return Applied(eqx.combine(d.params, rest), d.opt_state, d.model_state, values)
 
-        def value(p: PyTree) -> tuple[Array, tuple[Any, Any]]:
-            whole = eqx.combine(p, rest)
-            args = (whole, model_state) if stateful else (whole,)
-            args += batch_args(batch)
-            out, aux, new_state = split_output(self.loss(*args, **kwargs), stateful)
-            if isinstance(out, Mean):  # the total over the weight, as `fit`'s step takes it
-                out = out.total / jax.lax.stop_gradient(out.weight)
-            return out, (aux, new_state)
+    def take_turn(
+        self,
+        info: UpdateInfo,
+        context: StepContext,
+        params: PyTree,
+        state: ArrayTree,
+        model_state: ArrayTree,
+        batch: ArrayTree,
+        key: Key[Array, ""] | None,
+    ) -> Turn:
+        """Its turn in `fit`'s step: `apply`'s descent, under `fit`'s options."""
+        objective = self.objective(
+            model_state is not None, context.precision, info.aux_names, info.means
+        )
+        d = context.descend(objective, self.optimizer, params, state, model_state, None, batch, key)
+        return Turn(
+            d.params,
+            d.opt_state,
+            d.model_state,
+            d.loss,
+            d.finite,
+            d.applies,
+            d.values(objective),
+            d.weights,
+            d.labels,
+        )
 
-        (loss, (aux, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
-        optimizer = optax.with_extra_args_support(self.optimizer)
-        extra = extra_args(optimizer.update, value=loss)
-        updates, state = optimizer.update(grads, state, params, **extra)
-        model = eqx.combine(eqx.apply_updates(params, updates), rest)
-        values = {"loss": loss, **(aux or {})}
-        values = {k: v.value if isinstance(v, Mean) else v for k, v in values.items()}
-        return Applied(model, state, new_state, values)
+    def objective(
+        self,
+        stateful: bool,
+        precision: Precision | None,
+        aux_names: tuple[str, ...] = (),
+        means: tuple[str, ...] = (),
+    ) -> Objective:
+        """How its loss is called (`aux_names` and `means` as found before the run)."""
+        return Objective(self.loss, (), stateful, takes_key(self.loss), aux_names, precision, means)
+
+
+def builtin(update: AbstractUpdate) -> Update | None:
+    """`update` where it is the built-in one (`eqfit.Update`: a loss, which validation
+    computes, and whose values are its loss and aux values); `None` for an update of the
+    user's own. The one place the two are told apart, besides `take_turn`.
+    """
+    return update if isinstance(update, Update) else None
 
 
 def check_every(name: Any, every: Any) -> None:
@@ -252,13 +370,13 @@ def check_updates(updates: Any) -> tuple[AbstractUpdate, ...]:
 
 
 class Losses(eqx.Module):
-    """The built-in updates' losses as one function, on one model: what validation and
-    `eqfit.evaluate` compute. Its value is their sum; its aux values each update's loss
-    (`<name>_loss`) and aux values (`<name>_<aux>`). With state, each loss gets the state
-    the one before it returned.
+    """The built-in updates' losses (`builtin`) as one function, on one model: what
+    validation and `eqfit.evaluate` compute. Its value is their sum; its aux values each
+    update's loss and aux values, under the record's names (`d_loss`, `d_<aux>`). With
+    state, each loss gets the state the one before it returned.
     """
 
-    updates: tuple[Update, ...]
+    updates: tuple[AbstractUpdate, ...]
     stateful: bool
 
     def __call__(self, model: Any, *args: Any, key: Key[Array, ""] | None = None) -> Any:
@@ -266,18 +384,19 @@ class Losses(eqx.Module):
         batch = args[1:] if self.stateful else args
         total = jnp.zeros((), jnp.float32)
         aux: dict[str, Any] = {}
-        for i, update in enumerate(self.updates):
+        losses = [(u.name, b.loss) for u in self.updates if (b := builtin(u)) is not None]
+        for i, (name, loss) in enumerate(losses):
             kwargs = {}
-            if key is not None and takes_key(update.loss):
+            if key is not None and takes_key(loss):
                 kwargs["key"] = jax.random.fold_in(key, i)
             call = (model, state, *batch) if self.stateful else (model, *batch)
-            value, its_aux, new_state = split_output(update.loss(*call, **kwargs), self.stateful)
+            value, its_aux, new_state = split_output(loss(*call, **kwargs), self.stateful)
             if self.stateful:
                 state = new_state
             # The run's loss is the sum of the updates' values; each stays a `Mean`
             # where it is one, under its own name.
             total = total + (value.value if isinstance(value, Mean) else value)
-            aux[f"{update.name}_loss"] = value
-            aux |= {f"{update.name}_{k}": v for k, v in (its_aux or {}).items()}
+            named = {LOSS.name: value, **(its_aux or {})}
+            aux |= {column_name(name, k): v for k, v in named.items()}
         out = (total, aux)
         return (out, state) if self.stateful else out

@@ -1,0 +1,257 @@
+"""One loss's gradient step, as `fit`'s step and a hand loop's `eqfit.Update.apply` both
+run it (`UpdateContext.descend`): the forward and backward pass (in one, or summed over
+microbatches), the `eqfit.Mean` zero guard, the precision policy's scaling, the optax
+update with its extra arguments (`value`, `grad_fn`), the norms, and the `lax.cond` that
+leaves a non-finite update unapplied.
+
+`fit`'s options that act inside an update reach it as an `UpdateContext`; its defaults
+are a hand loop's (one device, no microbatches, no norms, no layout).
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Float, Key, PyTree
+
+from ._hyperparams import injected_names, injected_values
+from ._labels import either, LabelError
+from ._mean import nonzero
+from ._microbatches import in_microbatches, Measured
+from ._objective import clone, Objective
+from ._optimizer import extra_args
+from ._precision import all_finite, LossScale
+from ._record import GRAD_NORM, LOSS, UPDATE_NORM
+
+
+def _whole(params: PyTree) -> PyTree:
+    return params
+
+
+class Descent(NamedTuple):
+    """One loss's gradient step (`UpdateContext.descend`): the state after it, and what
+    it saw.
+    """
+
+    params: PyTree  # the trained arrays after it
+    opt_state: PyTree
+    model_state: PyTree  # the loss's new state, or the state as it was if not applied
+    loss_scale: LossScale | None
+    loss: Float[Array, ""]  # NaN for a weighted mean's batch of weight 0
+    aux: Float[Array, " aux"]  # in the objective's `aux_names`' order
+    finite: Bool[Array, ""]  # the loss is finite
+    applies: Bool[Array, ""]  # the update was applied
+    norms: tuple[Float[Array, ""], Float[Array, ""]] | None  # the gradient's, the update's
+    labels: LabelError | None
+    metrics: Float[Array, " metrics"]  # the objective's, on the model before the step
+    # The weights of those values that are weighted means (`eqfit.Mean`), summed over the
+    # devices, by the values' names (`"loss"`, an aux value's).
+    weights: dict[str, Array]
+
+    def values(self, objective: Objective) -> dict[str, Array]:
+        """What the step records of it, by the update's own names: its loss, its aux
+        values and its norms (where computed).
+        """
+        values = {LOSS.name: self.loss, **dict(zip(objective.aux_names, self.aux))}
+        if self.norms is not None:
+            values[GRAD_NORM.name], values[UPDATE_NORM.name] = self.norms
+        return values
+
+
+def hyperparams(opt_state: PyTree) -> dict[str, Array]:
+    """The hyperparameters that `inject_hyperparams` states in `opt_state` hold, by the
+    names the run records them under.
+    """
+    return dict(zip(injected_names(opt_state), injected_values(opt_state)))
+
+
+class UpdateContext(eqx.Module):
+    """`fit`'s options that act inside an update, with a hand loop's defaults.
+
+    `combine` makes the whole model from the arrays the update trains; `axis_name` is
+    set under `pmap` (losses and gradients are averaged over it); `lay_out` lays out a
+    params-shaped tree, and the optimizer state following it, as `shard=` asks;
+    `microbatch`: the rows of one microbatch (`microbatches=`), computed one after
+    another; `norms`: the gradient's and the update's norms are computed.
+    """
+
+    combine: Callable[[PyTree], PyTree] = _whole
+    axis_name: str | None = None
+    lay_out: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
+    microbatch: int | None = None
+    norms: bool = False
+
+    def descend(
+        self,
+        objective: Objective,
+        optimizer: optax.GradientTransformation,
+        trained: PyTree,
+        opt_state: PyTree,
+        model_state: PyTree,
+        loss_scale: LossScale | None,
+        batch: PyTree,
+        key: Key[Array, ""] | None,
+    ) -> Descent:
+        """One gradient step of `optimizer` on `objective`'s loss with respect to
+        `trained` (the rest of the model held as it is by `combine`). `objective`'s
+        metrics see the model before it, as the loss does.
+        """
+        policy = objective.precision
+        norms = self.norms
+        # A stateful layer marks the state it was given as used up, so the loss, the
+        # metrics and a skipped step each get their own copy.
+        kept = clone(model_state)
+        weighted = LOSS.name in objective.means  # a weighted mean (`eqfit.Mean`)
+        m = self.measure(objective, trained, model_state, loss_scale, batch, key)
+        loss, grads, v = m.loss, m.grads, m.value
+        aux, new_state, labels = v.aux, v.state, m.labels
+        metrics, metric_weights = m.metrics, m.metric_weights
+        if self.axis_name is not None:
+            # Data parallel: each device saw an equal share of the batch, so the mean of
+            # the per-device means is the mean over the whole batch. A weighted mean's
+            # totals and weights are averaged alike, and divided below: a sum over a sum.
+            loss, aux, grads, metrics = jax.lax.pmean((loss, aux, grads, metrics), self.axis_name)
+            labels = on_any_device(labels, self.axis_name)
+        weights: dict[str, Array] = {}
+        finite = jnp.isfinite(loss)
+        empty = jnp.asarray(False)  # a weighted mean loss's batch of weight 0
+        if objective.means:
+            pairs = (v.weight, v.aux_weights, metric_weights)
+            if self.axis_name is not None:
+                summed = jax.lax.psum(pairs, self.axis_name)
+                n = jax.lax.psum(1, self.axis_name)
+                aux_w, metric_w = summed[1] / n, summed[2] / n
+            else:
+                summed, (_, aux_w, metric_w) = pairs, pairs
+            aux, metrics = aux / aux_w, metrics / metric_w  # a plain value's weight is 1
+            names = objective.value_names
+            every = jnp.concatenate([summed[0][None], summed[1], summed[2]])
+            weights = {n: w for n, w in zip(names, every) if n in objective.means}
+            if weighted:  # a batch of weight 0 records NaN (0 / 0), and trains on 0
+                empty = summed[0] == 0
+
+        def grad_fn(p: PyTree, _: Any) -> PyTree:
+            """The gradient at `p` on this step's batch, as `grads` is at `trained`."""
+            state = clone(model_state)
+            g = self.measure(objective, p, state, loss_scale, batch, key, False).grads
+            return g if self.axis_name is None else jax.lax.pmean(g, self.axis_name)
+
+        # `value=` lets optax transformations that read the loss (reduce_on_plateau) work
+        # unchanged, and `grad_fn=` those that take further gradients (SAM's opaque mode);
+        # with_extra_args_support makes plain ones ignore them.
+        optimizer = optax.with_extra_args_support(optimizer)
+        extra = extra_args(optimizer.update, value=loss, grad_fn=grad_fn)
+        applies = finite
+        grad_norm = optax.tree.norm(grads) if norms else None
+        if loss_scale is not None:
+            assert policy is not None
+            grads_finite = all_finite(grads)
+            applies = finite & grads_finite
+            new_scale = policy.adjust(loss_scale, grads_finite)
+        else:
+            new_scale = None
+
+        def apply(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            trained, opt_state, *_ = carry
+            updates, opt_state = optimizer.update(grads, opt_state, trained, **extra)
+            trained = eqx.apply_updates(trained, updates)
+            if self.lay_out is not None:
+                trained, opt_state = self.lay_out(trained, opt_state)
+            if not norms:
+                return trained, opt_state, new_state
+            norm = optax.tree.norm(updates).astype(jnp.float32)
+            return trained, opt_state, new_state, norm
+
+        def skip(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            return carry  # nothing is applied: with norms, an update of norm 0
+
+        # A `cond`, not a `where` over every leaf, which would compute and select the
+        # whole update even for finite losses.
+        carry = (trained, opt_state, kept)
+        if norms:
+            carry += (jnp.zeros((), jnp.float32),)
+        trained, opt_state, model_state, *update_norm = jax.lax.cond(applies, apply, skip, carry)
+        return Descent(
+            params=trained,
+            opt_state=opt_state,
+            model_state=model_state,
+            loss_scale=new_scale,
+            loss=jnp.where(empty, jnp.nan, loss) if weighted else loss,
+            aux=aux,
+            finite=finite,
+            applies=applies,
+            norms=None if grad_norm is None else (grad_norm, update_norm[0]),
+            labels=labels,
+            metrics=metrics,
+            weights=weights,
+        )
+
+    def measure(
+        self,
+        objective: Objective,
+        trained: PyTree,
+        model_state: PyTree,
+        loss_scale: LossScale | None,
+        batch: PyTree,
+        key: Key[Array, ""] | None,
+        metrics: bool = True,
+    ) -> Measured:
+        """The loss, its gradient with respect to `trained` and its aux values on `batch`,
+        and (with `metrics`) the metrics on the model the loss saw, with the state after
+        it. With `microbatch`, one microbatch after another, each summed into the whole:
+        the same values as in one pass, holding one microbatch's activations.
+        """
+        policy = objective.precision
+        weighted = LOSS.name in objective.means  # a weighted mean (`eqfit.Mean`)
+
+        def value(
+            p: PyTree, state: PyTree, batch: PyTree, key: Key[Array, ""] | None
+        ) -> tuple[Float[Array, ""], tuple[Any, ...]]:
+            model = self.combine(p)
+            v = objective.value(model, state, batch, key)
+            loss = v.loss
+            if weighted:  # the total over the weight (over every device's weight)
+                loss = loss / nonzero(self.device_mean(jax.lax.stop_gradient(v.weight)))
+            scaled = loss if policy is None else policy.scale(loss, loss_scale)
+            return scaled, (loss, v, model)
+
+        def once(state: PyTree, batch: PyTree, key: Key[Array, ""] | None) -> Measured:
+            # One forward pass: the aux values ride out of it with the loss.
+            (_, (loss, v, model)), grads = jax.value_and_grad(value, has_aux=True)(
+                trained, state, batch, key
+            )
+            if policy is not None:
+                grads = policy.unscale(grads, loss_scale)
+            if self.lay_out is not None:
+                # The gradients as the parameters are laid out: XLA reduce-scatters them.
+                grads, _ = self.lay_out(grads, None)
+            if metrics:
+                values, weights, metric_labels = objective.metric_values(
+                    model, clone(v.state), batch
+                )
+            else:
+                values, weights, metric_labels = jnp.zeros(0), jnp.zeros(0), None
+            labels = either(v.labels, metric_labels)
+            return Measured(loss, grads, v._replace(labels=None), values, weights, labels)
+
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        size = self.microbatch
+        if size is None or rows <= size:
+            return once(model_state, batch, key)
+        return in_microbatches(objective, once, model_state, batch, key, size, self.device_mean)
+
+    def device_mean(self, x: Array) -> Array:
+        """`x`'s mean over the devices (`x` itself on one)."""
+        return x if self.axis_name is None else jax.lax.pmean(x, self.axis_name)
+
+
+def on_any_device(labels: LabelError | None, axis_name: str) -> LabelError | None:
+    """The first bad label on any device's share of the batch: the batch's."""
+    if labels is None:
+        return None
+    every = jax.lax.all_gather(labels, axis_name)
+    first = jnp.argmax(every.found)
+    return jax.tree.map(lambda x: x[first], every)
