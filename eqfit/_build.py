@@ -18,7 +18,7 @@ from ._data import describe, is_dtype, not_a_stack
 from ._execution import choose
 from ._hyperparams import check_schedules, injected_names
 from ._loop import Loop
-from ._objective import find_outputs, Objective, Outputs, takes_key
+from ._objective import find_outputs, LossTrace, Objective, takes_key
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
 from ._parallel import param_specs, placement_devices, Pmap
 from ._record import LOSS, Record, record_for, UpdateInfo
@@ -79,7 +79,7 @@ def make_loop(
         objects.loss, objects.metrics, options.stateful, use_key, precision=step.precision
     )
     # Several updates' losses are traced one by one (`_update_info`).
-    outputs = Outputs((), ()) if infos else _outputs(objective, traced, options)
+    outputs = LossTrace((), ()) if infos else _outputs(objective, traced, options)
     loop = Loop(
         model=skeleton,
         trains=trains,
@@ -183,7 +183,7 @@ def _convolves(
     objective: Objective,
     traced: tuple[PyTree, PyTree, PyTree],
     options: Options,
-    outputs: Outputs,
+    outputs: LossTrace,
     updates: bool,
 ) -> bool:
     """Whether the loss (with several updates, their losses as one) convolves: from the
@@ -204,7 +204,7 @@ def _outputs(
     traced: tuple[PyTree, PyTree, PyTree],
     options: Options,
     always: bool = False,
-) -> Outputs:
+) -> LossTrace:
     """What the loss returns (`find_outputs`), traced on `traced` (`_abstract_call`'s: one
     member's model and state in an ensemble, and a batch); eqfit's own losses only where
     `always`.

@@ -15,22 +15,22 @@ from jaxtyping import Array, PyTree
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
 from ._program import run, unrolled
-from ._state import Inputs, Report, TrainState, Until
+from ._state import CallEnd, Inputs, Report, TrainState
 
 
-def run_key(loop: Loop) -> tuple[str, Loop]:
+def program_key(loop: Loop) -> tuple[str, Loop]:
     """Where the run's program compiled for `loop` is cached (with its speed)."""
     return ("run", loop)
 
 
-def run_program(loop: Loop) -> "Program":
+def program_for(loop: Loop) -> "Program":
     """The run's program for `loop`, as its `execution` runs the steps (cached)."""
     unroll = loop.execution.steps_per_program()
 
     def make() -> Program:
         return WholeRunCalls(loop) if unroll is None else StepCalls(loop, unroll)
 
-    return cast(Program, PROGRAM_CACHE.get(run_key(loop), make))
+    return cast(Program, PROGRAM_CACHE.get(program_key(loop), make))
 
 
 class Program(abc.ABC):
@@ -116,7 +116,7 @@ class StepCalls(Program):
         while True:
             last, reached = self.next_call(position, stop, inputs.piece is not None)
             closes = reached > position and schedule.is_epoch_end(reached)
-            until = Until(np.int32(reached), np.bool_(fresh), np.bool_(closes))
+            until = CallEnd(np.int32(reached), np.bool_(fresh), np.bool_(closes))
             state, report = (self.last if last else self.full)(state, inputs, until)
             fresh = False
             if reached >= stop or reached == position:
@@ -145,7 +145,7 @@ class StepCalls(Program):
         return False, max(min(position + self.unroll, end), position)
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
-        until = Until(np.int32(stop), np.bool_(True), np.bool_(True))
+        until = CallEnd(np.int32(stop), np.bool_(True), np.bool_(True))
         passes = self.loop.schedule.passes
         lowered = []
         if inputs.piece is not None or passes is None or passes.num_full:

@@ -24,7 +24,7 @@ from ._state import TrainState
 PROGRAMS = 32
 
 
-class Programs:
+class ProgramCache:
     """A least-recently-used cache of compiled programs, `PROGRAMS` configurations big,
     with what was measured of each: the seconds per step last measured (which sizes a
     later run's calls), a step's FLOPs, the run's plan.
@@ -73,7 +73,7 @@ class Programs:
             self.facts.clear()
 
 
-PROGRAM_CACHE = Programs()
+PROGRAM_CACHE = ProgramCache()
 
 
 def clear_cache() -> None:

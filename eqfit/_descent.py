@@ -20,7 +20,7 @@ from jaxtyping import Array, Bool, Float, Key, PyTree
 from ._hyperparams import injected_names, injected_values
 from ._labels import either, LabelError
 from ._mean import nonzero
-from ._microbatches import in_microbatches, Measured
+from ._microbatches import ForwardBackward, in_microbatches
 from ._objective import clone, Objective
 from ._optimizer import extra_args
 from ._precision import all_finite, LossScale
@@ -198,7 +198,7 @@ class UpdateContext(eqx.Module):
         batch: PyTree,
         key: Key[Array, ""] | None,
         metrics: bool = True,
-    ) -> Measured:
+    ) -> ForwardBackward:
         """The loss, its gradient with respect to `trained` and its aux values on `batch`,
         and (with `metrics`) the metrics on the model the loss saw, with the state after
         it. With `microbatch`, one microbatch after another, each summed into the whole:
@@ -218,7 +218,7 @@ class UpdateContext(eqx.Module):
             scaled = loss if policy is None else policy.scale(loss, loss_scale)
             return scaled, (loss, v, model)
 
-        def once(state: PyTree, batch: PyTree, key: Key[Array, ""] | None) -> Measured:
+        def once(state: PyTree, batch: PyTree, key: Key[Array, ""] | None) -> ForwardBackward:
             # One forward pass: the aux values ride out of it with the loss.
             (_, (loss, v, model)), grads = jax.value_and_grad(value, has_aux=True)(
                 trained, state, batch, key
@@ -235,7 +235,7 @@ class UpdateContext(eqx.Module):
             else:
                 values, weights, metric_labels = jnp.zeros(0), jnp.zeros(0), None
             labels = either(v.labels, metric_labels)
-            return Measured(loss, grads, v._replace(labels=None), values, weights, labels)
+            return ForwardBackward(loss, grads, v._replace(labels=None), values, weights, labels)
 
         rows = jax.tree.leaves(batch)[0].shape[0]
         size = self.microbatch

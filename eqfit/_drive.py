@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._calls import Program, run_key
+from ._calls import Program, program_key
 from ._checkpoint import CheckpointError
 from ._compile import PROGRAM_CACHE, Starting
 from ._feeds import DataError, Feed, feeds as feeds, from_data
@@ -75,14 +75,14 @@ class CallSizer:
         self.seconds_per_call = min(
             [SECONDS_PER_CALL] + [o.seconds_per_call or 1e9 for o in observers]
         )
-        known = PROGRAM_CACHE.fact(run_key(loop), "seconds_per_step")
+        known = PROGRAM_CACHE.fact(program_key(loop), "seconds_per_step")
         if known is not None:  # measured by an earlier run of this configuration
             self.steps = max(1, int(self.seconds_per_call / max(known, 1e-9)))
         else:
             self.steps = FIRST_CALL_STEPS
         self.measured = known is not None
         # Over a whole earlier run: its last call may have missed the epochs that cost more.
-        self.known_mean = PROGRAM_CACHE.fact(run_key(loop), "mean_seconds_per_step")
+        self.known_mean = PROGRAM_CACHE.fact(program_key(loop), "mean_seconds_per_step")
 
     def stop(self, position: int, end: int, mean: float | None) -> int:
         """Where the call from `position` stops, in a feed that ends at `end`; `mean`:
@@ -107,8 +107,8 @@ class CallSizer:
         """
         if seconds is not None:
             self.steps = max(1, int(self.seconds_per_call / max(seconds, 1e-9)))
-            PROGRAM_CACHE.set_fact(run_key(self.loop), "seconds_per_step", seconds)
-            PROGRAM_CACHE.set_fact(run_key(self.loop), "mean_seconds_per_step", mean)
+            PROGRAM_CACHE.set_fact(program_key(self.loop), "seconds_per_step", seconds)
+            PROGRAM_CACHE.set_fact(program_key(self.loop), "mean_seconds_per_step", mean)
             self.measured = True
         elif not self.measured:
             self.steps *= 2
@@ -411,7 +411,7 @@ class Drive:
         self.read_all()
         mean = self.reader.clock.mean()
         if mean is not None:  # the whole run's, for the next run's calls
-            PROGRAM_CACHE.set_fact(run_key(self.loop), "mean_seconds_per_step", mean)
+            PROGRAM_CACHE.set_fact(program_key(self.loop), "mean_seconds_per_step", mean)
         if self.failure is None:
             try:
                 for observer in self.observers:

@@ -22,13 +22,13 @@ from ._open import open_data, schedule_for
 from ._options import check_options
 from ._parallel import Device
 from ._plan import Plan
-from ._planner import make_plan, run_costs
+from ._planner import make_plan, step_costs
 from ._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._precision import PrecisionLike
 from ._result import FitResult
 from ._sharding import Shard
 from ._signals import Interrupt
-from ._train import Run, train
+from ._train import Ready, train
 from ._typing import (
     Arrays,
     FilterSpec,
@@ -398,7 +398,7 @@ def fit(
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
     schedule = schedule_for(source, options)
     loop, start = make_loop(model, schedule, options, source.like, state, opt_state)
-    run = Run(options, loop, start, source, val_data)
+    ready = Ready(options, loop, start, source, val_data)
     # Compile and drive, with Ctrl-C deferred from here on: one while XLA compiles stops
     # the run at its first epoch's end, a second one is raised once the compilation
     # returns, and every way out waits for the threads that compile: the process must not
@@ -413,8 +413,8 @@ def fit(
                 if interrupt.requested:  # answered once the compilation is done
                     raise KeyboardInterrupt(f"`eqfit.plan` stopped by {interrupt.signal}.")
                 raise _Planned(plan)
-        costs = run_costs(loop, model, source, start, options, plan)
-        return train(run, interrupt=interrupt, costs=costs, plan=plan, stack=stack, began=began)
+        costs = step_costs(loop, model, source, start, options, plan)
+        return train(ready, interrupt=interrupt, costs=costs, plan=plan, stack=stack, began=began)
 
 
 _P = ParamSpec("_P")

@@ -1,4 +1,4 @@
-"""What identifies a run for its checkpoints (`run_config`): shapes, settings and key,
+"""What identifies a run for its checkpoints (`checkpoint_config`): shapes, settings and key,
 not devices, so that a run may resume on others, and a checkpoint of another
 configuration is refused.
 """
@@ -14,12 +14,12 @@ from ._data import describe
 from ._loop import Loop
 from ._record import Kind
 from ._schedule import Schedule
-from ._state import Objects
+from ._state import Callables
 from ._updates import builtin
 
 
-def run_config(
-    loop: Loop, state: PyTree, data: list[list[Any]], val_data: Any, objects: Objects, key: Any
+def checkpoint_config(
+    loop: Loop, state: PyTree, data: list[list[Any]], val_data: Any, objects: Callables, key: Any
 ) -> dict[str, Any]:
     """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
     that a run may resume on others. A run names its loss, or each of its updates (its
@@ -72,7 +72,7 @@ def _validation_config(loop: Loop) -> dict[str, Any]:
 
 
 def learned_config(config: dict[str, Any], schedule: Schedule, state: PyTree) -> dict[str, Any]:
-    """`run_config`'s `config` once the run has learned its epoch's length (`schedule`'s)
+    """`checkpoint_config`'s `config` once the run has learned its epoch's length (`schedule`'s)
     and `state` keeps its record by it: what a resumed run, knowing the length from its
     checkpoint, makes.
     """

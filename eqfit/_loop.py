@@ -89,7 +89,7 @@ class Loop:
     def metric_names(self) -> tuple[str, ...]:
         return self.record.names_of(Kind.METRIC)
 
-    def parts(self, consts: Consts) -> "Parts":
+    def parts(self, consts: Consts) -> "Rebuilt":
         """The run's objects, rebuilt inside the program from the static skeletons."""
         loss, metrics, optimizer, schedules, updates = unwrap(self.objects.fill(consts.objects))
         objective = Objective(
@@ -133,7 +133,7 @@ class Loop:
             split=split if self.updates else None,
             microbatch=self.microbatch(),
         )
-        return Parts(objective, optimizer, combine, step)
+        return Rebuilt(objective, optimizer, combine, step)
 
     def microbatch(self, rows: int | None = None) -> int | None:
         """With `microbatches=`, the rows of one microbatch of what the step sees of a
@@ -182,7 +182,7 @@ def by_name(
     return optax.GradientTransformation(init, update)
 
 
-class Parts(NamedTuple):
+class Rebuilt(NamedTuple):
     """The run's objects as the program calls them (`Loop.parts`)."""
 
     objective: Objective

@@ -15,7 +15,7 @@ from ._mean import nonzero
 from ._objective import clone, Objective, Value
 
 
-class Measured(NamedTuple):
+class ForwardBackward(NamedTuple):
     """A loss's forward and backward pass on a batch (`Step.measure`), or several summed
     as one (`microbatches=`).
     """
@@ -30,13 +30,13 @@ class Measured(NamedTuple):
 
 def in_microbatches(
     objective: Objective,
-    once: Callable[[PyTree, PyTree, Key[Array, ""] | None], Measured],
+    once: Callable[[PyTree, PyTree, Key[Array, ""] | None], ForwardBackward],
     model_state: PyTree,
     batch: PyTree,
     key: Key[Array, ""] | None,
     size: int,
     device_mean: Callable[[Array], Array],
-) -> Measured:
+) -> ForwardBackward:
     """`once` (one pass of the step's loss) over microbatches of `size` rows, in turn (a
     `lax.scan`, then a smaller last one), the model state carried from each to the next,
     summed as one batch's: each value weighs as its rows, or a `Mean` as its weight.
@@ -54,7 +54,9 @@ def in_microbatches(
     def micro_key(j: Any) -> Key[Array, ""] | None:
         return None if key is None else jax.random.fold_in(key, j)
 
-    def add(total: Measured, part: Measured, count: Array, rows: int) -> tuple[Any, ...]:
+    def add(
+        total: ForwardBackward, part: ForwardBackward, count: Array, rows: int
+    ) -> tuple[Any, ...]:
         """`total` (sums) and `count` (the loss's weights) with `part` added."""
         v, t = part.value, total.value
         # The loss's weight among the microbatches: a `Mean`'s, over every device
@@ -64,7 +66,7 @@ def in_microbatches(
         aux_weights = jnp.where(aux_means, v.aux_weights, rows)
         metrics = jnp.where(metric_means, part.metrics, rows * part.metrics)
         metric_weights = jnp.where(metric_means, part.metric_weights, rows)
-        summed = Measured(
+        summed = ForwardBackward(
             total.loss + weight * part.loss,
             jax.tree.map(lambda a, b: (a + weight * b).astype(a.dtype), total.grads, part.grads),
             Value(
@@ -95,7 +97,7 @@ def in_microbatches(
     labels = None if shapes.labels is None else LabelError.none()
     init = zeros._replace(value=zeros.value._replace(state=model_state), labels=labels)
 
-    def body(carry: tuple[Measured, Array], j: Array) -> tuple[Any, None]:
+    def body(carry: tuple[ForwardBackward, Array], j: Array) -> tuple[Any, None]:
         total, count = carry
         part = once(clone(total.value.state), microbatch(j), micro_key(j))
         return add(total, part, count, size), None
@@ -114,7 +116,7 @@ def in_microbatches(
     metric_weights = jnp.where(metric_means, total.metric_weights, 1.0)
     divisor = nonzero(count)
     weight = v.weight if weighted else jnp.ones((), jnp.float32)
-    return Measured(
+    return ForwardBackward(
         total.loss / divisor,
         jax.tree.map(lambda g: g / divisor, total.grads),
         Value(total.loss / divisor, weight, aux, aux_weights, v.state, None),

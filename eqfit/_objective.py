@@ -414,7 +414,7 @@ def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | Non
     return out, None, new_state
 
 
-class Outputs(NamedTuple):
+class LossTrace(NamedTuple):
     """What a loss and metrics return, and what they compute, found before the run
     (`find_outputs`).
     """
@@ -438,7 +438,7 @@ def find_outputs(
     model_state: PyTree,
     batch: PyTree,
     always: bool = False,
-) -> Outputs:
+) -> LossTrace:
     """The names of the aux values that the loss returns, which of its values and the
     metrics' are weighted means (`eqfit.Mean`), and whether they convolve, found by
     tracing them once on abstract arrays (nothing runs or compiles), and remembered for
@@ -451,7 +451,7 @@ def find_outputs(
     own = _own(objective.loss) and all(_own(fn) for _, fn in objective.metrics)
     if not always and own:
         names = ("loss", *objective.metric_names) if weighted else ()
-        return Outputs((), names, None)
+        return LossTrace((), names, None)
     try:
         cache_key = (
             objective.loss,
@@ -467,7 +467,7 @@ def find_outputs(
     if cache_key is not None and cache_key in _OUTPUTS:
         return _OUTPUTS[cache_key]
     key = jax.random.key(0) if objective.use_key else None
-    found: list[Outputs] = []
+    found: list[LossTrace] = []
 
     def trace(model: PyTree, model_state: PyTree, batch: PyTree) -> Any:
         out, _ = objective.call(model, model_state, batch, key)
@@ -487,7 +487,7 @@ def find_outputs(
                 outs.append(fn(*args))
             if isinstance(outs[-1], Mean):
                 means.append(name)
-        found.append(Outputs(tuple(aux), tuple(means)))
+        found.append(LossTrace(tuple(aux), tuple(means)))
         return outs
 
     jaxpr = eqx.filter_make_jaxpr(trace)(model, model_state, batch)[0]
@@ -518,7 +518,7 @@ def applies(jaxpr: Any, name: str) -> bool:
 
 
 # What a loss and metrics return on arrays of given shapes (`find_outputs`).
-_OUTPUTS: dict[Any, Outputs] = {}
+_OUTPUTS: dict[Any, LossTrace] = {}
 
 
 def abstract_key(tree: PyTree) -> tuple[Any, ...]:

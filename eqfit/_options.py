@@ -29,7 +29,7 @@ from ._policy import as_signals, Checkpoint, Profile
 from ._precision import as_precision, Precision
 from ._record import NORMS, record_for, SCALING
 from ._sharding import resolve
-from ._state import Objects
+from ._state import Callables
 from ._updates import AbstractUpdate, check_updates, Losses, trained_spec
 from ._validation import naming_advice, ValidationSets
 
@@ -94,7 +94,7 @@ class Options:
     checkpoint: Checkpoint | None  # the policy, with its directory
     placement: Placement
     # What the run calls: the loss, metrics and optimizer, or the updates.
-    objects: Objects
+    objects: Callables
     filter_spec: Any  # what trains (`trains=` made a filter spec)
     step: StepOptions = StepOptions()
     peak_flops: float | None = None  # of one device, given
@@ -356,7 +356,7 @@ def _objects(
     metrics: Any,
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...],
     stateful: bool,
-) -> Objects:
+) -> Callables:
     """What the run calls: `loss` and `optimizer` (one update each step), or `updates`
     (several in turn, their losses as one for validation). Refuses both, or neither.
     """
@@ -370,7 +370,7 @@ def _objects(
                 f"`fit` needs `{missing}`: a loss and an optimizer (one update each step), "
                 "or `updates=[eqfit.Update(name, loss, optimizer), ...]` (several in turn)."
             )
-        return Objects(loss, metrics, plain_optimizer(optimizer), schedules)
+        return Callables(loss, metrics, plain_optimizer(optimizer), schedules)
     given = [n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is not None]
     if given:
         raise ValueError(
@@ -379,7 +379,7 @@ def _objects(
             "(each an `eqfit.Update(name, loss, optimizer)` with its own)."
         )
     checked: tuple[AbstractUpdate, ...] = check_updates(updates)
-    return Objects(Losses(checked, stateful), metrics, None, schedules, checked)
+    return Callables(Losses(checked, stateful), metrics, None, schedules, checked)
 
 
 def _filter_spec(model: Any, trains: Any, filter_spec: Any, updates: Any) -> Any:

@@ -2,7 +2,7 @@
 them (in threads, into eqfit's cache), their memory read from XLA's `memory_analysis()`,
 their arguments told apart by what they are in the run's inputs, and FLOPs per step and
 per validation pass from the `cost_analysis()` of each lowered on its own (XLA counts a
-loop's body once whatever its trip count). `run_costs` gives the throughput figures the
+loop's body once whatever its trip count). `step_costs` gives the throughput figures the
 same FLOPs.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._calls import run_key, run_program
+from ._calls import program_for, program_key
 from ._compile import PROGRAM_CACHE
 from ._early_stopping import StoppingState
 from ._evaluate import evaluate_batches
@@ -158,7 +158,7 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
     the step lowered alone (not compiled): the run's program counts its loop's body once.
     Cached with the run's program.
     """
-    known = PROGRAM_CACHE.fact(run_key(loop), "flops_per_step")
+    known = PROGRAM_CACHE.fact(program_key(loop), "flops_per_step")
     if known is not None:
         return known
     batch = jax.tree.map(
@@ -176,7 +176,7 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
         return step(*args, state.loss_scale, batch, key, state.step)
 
     flops = _lowered_flops(loop, one_step, state, batch, consts)
-    PROGRAM_CACHE.set_fact(run_key(loop), "flops_per_step", flops)
+    PROGRAM_CACHE.set_fact(program_key(loop), "flops_per_step", flops)
     return flops
 
 
@@ -262,10 +262,10 @@ def make_plan(
     # A second plan of the same run (a second `fit` with the bar, say) is the first: its
     # programs are compiled, and lowering them again would trace the whole run anew.
     name = ("plan", _shapes((start_args, source.like, val_data)), options.peak_flops)
-    plan = PROGRAM_CACHE.fact(run_key(loop), name)
+    plan = PROGRAM_CACHE.fact(program_key(loop), name)
     if plan is None:
         plan = _compile_plan(loop, model, source, val_data, start_args, options)
-        PROGRAM_CACHE.set_fact(run_key(loop), name, plan)
+        PROGRAM_CACHE.set_fact(program_key(loop), name, plan)
     return plan
 
 
@@ -333,7 +333,7 @@ def _compile_plan_in(
     if source.streamed:
         piece = Piece(np.zeros(_chunk_rows(source, loop), np.uint32), np.int32(0), np.int32(0))
         inputs = inputs._replace(piece=placement.put(piece))
-    runs = run_program(loop).lower(state, inputs, schedule.begin)
+    runs = program_for(loop).lower(state, inputs, schedule.begin)
     # The step and a validation pass are traced to count their FLOPs while XLA compiles
     # the run.
     counting = _in_thread(_count_flops, loop, lowered.out_info[0], source.like, val_data, consts)
@@ -376,7 +376,7 @@ def _count_flops(
     return step, validation_flops(loop, state, val_data, consts)
 
 
-def run_costs(
+def step_costs(
     loop: Loop,
     model: PyTree,
     source: Source,
@@ -394,7 +394,7 @@ def run_costs(
         return Costs(plan.flops_per_step, peak)
     devices = devices_of(loop)
     peak = _device_peak(loop, model, options, devices)
-    flops = PROGRAM_CACHE.fact(run_key(loop), "flops_per_step")
+    flops = PROGRAM_CACHE.fact(program_key(loop), "flops_per_step")
     if flops is None and peak is None:
         return None
     if flops is None:

@@ -7,7 +7,7 @@ and streamed data call it in pieces. Since the positions are traced, every piece
 same compiled program, and the pieces agree with one whole run bit for bit.
 
 `run` reads as its loops: passes over the data, the stretches between epoch ends, the
-batches; `_Run.close_epoch` ends an epoch (its values, validation, early stopping).
+batches; `_Member.close_epoch` ends an epoch (its values, validation, early stopping).
 """
 
 import dataclasses
@@ -25,8 +25,8 @@ from ._data import epoch_order, order_at, shuffle_seed
 from ._early_stopping import StoppingState
 from ._evaluate import evaluate_batches, evaluation_needs_key
 from ._labels import LabelError
-from ._loop import lay_out_state, Loop, Parts
-from ._state import Consts, Inputs, Report, Steps, Stop, TrainState, Until
+from ._loop import lay_out_state, Loop, Rebuilt
+from ._state import CallEnd, Consts, Inputs, Report, Steps, Stop, TrainState
 from ._step import StepResult
 
 
@@ -105,7 +105,8 @@ START_OPTIONS = {"xla_backend_optimization_level": 0}
 def run(
     loop: Loop, state: TrainState, inputs: Inputs, stop: Int[Array, ""]
 ) -> tuple[TrainState, Report]:
-    """Trains from `state.step` to the global step `stop`, or until stopped.
+    """Trains from `state.step` to the global step `stop`, or until stopped. (Named `run`
+    as the program is: profiles show its calls as `jit_run`.)
 
     A while loop over passes over the data, each holding a while loop over the stretches
     between epoch ends (one stretch and no loop where epochs end only at pass ends), each
@@ -115,7 +116,7 @@ def run(
     parts = loop.parts(inputs.consts)
 
     def one(state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
-        return _Run(loop, parts, inputs, key, stop).run(state)
+        return _Member(loop, parts, inputs, key, stop).run(state)
 
     if loop.members is None:
         return one(state, inputs.key)
@@ -123,15 +124,15 @@ def run(
 
 
 def unrolled(
-    loop: Loop, unroll: int, remainder: bool, state: TrainState, inputs: Inputs, until: Until
+    loop: Loop, unroll: int, remainder: bool, state: TrainState, inputs: Inputs, until: CallEnd
 ) -> tuple[TrainState, Report]:
     """`unroll` steps from `state.step`, written out with no loop around them, towards
-    `until.stop` (`_Run.unrolled`); with `remainder`, the pass's smaller last batch.
+    `until.stop` (`_Member.unrolled`); with `remainder`, the pass's smaller last batch.
     """
     parts = loop.parts(inputs.consts)
 
     def one(state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
-        return _Run(loop, parts, inputs, key, jnp.asarray(until.stop)).unrolled(
+        return _Member(loop, parts, inputs, key, jnp.asarray(until.stop)).unrolled(
             state, until, unroll, remainder
         )
 
@@ -141,11 +142,11 @@ def unrolled(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Run:
+class _Member:
     """One member's run, while tracing: the loop's pieces with their shared arguments."""
 
     loop: Loop
-    parts: Parts
+    parts: Rebuilt
     inputs: Inputs
     key: Key[Array, ""]
     stop: Int[Array, ""]
@@ -183,7 +184,7 @@ class _Run:
         return self.finish(state)
 
     def unrolled(
-        self, state: TrainState, until: Until, unroll: int, remainder: bool
+        self, state: TrainState, until: CallEnd, unroll: int, remainder: bool
     ) -> tuple[TrainState, Report]:
         """`PerStep`'s program: `unroll` steps written out (each a no-op once the run
         has reached `until.stop`, the epoch's end or the pass's full batches' end, or has

@@ -24,7 +24,7 @@ class Stop(enum.IntEnum):
     BAD_LABEL = 3  # a label out of range made the loss non-finite
 
 
-class Objects(NamedTuple):
+class Callables(NamedTuple):
     """What the run calls: the loss, the metrics, the optimizer (a plain one) and the
     schedules whose values it records; or, with several updates, the updates (and as the
     loss, their losses as one, which validation computes: `_updates.Losses`).
@@ -103,7 +103,7 @@ class Inputs(NamedTuple):
     piece: Piece | None = None  # streamed data: where `data` sits in the run
 
 
-class Until(NamedTuple):
+class CallEnd(NamedTuple):
     """How far a call of a `PerStep` program goes, from the host: the step it stops at
     (if nothing stops the run before), whether it begins a call of the drive (whose
     record of steps, while the epoch's length is learned, it starts afresh), and whether
@@ -126,7 +126,7 @@ class Steps(NamedTuple):
 
 
 class Report(NamedTuple):
-    """What a call of `run` tells the host, read once it is due."""
+    """What a call of the run's program tells the host, read once it is due."""
 
     step: Int[Array, "*members"]  # the position after the call
     reason: Int[Array, "*members"]  # a `Stop`

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._calls import run_program
+from ._calls import program_for
 from ._checkpoint import Checkpoints
 from ._checks import reported_as
 from ._compile import Starting
 from ._drive import drive, feeds
-from ._identity import run_config
+from ._identity import checkpoint_config
 from ._loop import Loop
 from ._observers import Callbacks, Checkpointing, copy_taken, Costs, EpochModels, Observer
 from ._options import Options
@@ -32,7 +32,7 @@ from ._sources import Source
 from ._state import Inputs, StartArgs, TrainState
 
 
-class Run(NamedTuple):
+class Ready(NamedTuple):
     """A run opened and built, ready to compile and train (`fit`'s phases so far)."""
 
     options: Options
@@ -42,13 +42,13 @@ class Run(NamedTuple):
     val_data: PyTree | None
 
 
-def begin_state(run: Run) -> tuple[TrainState | Starting, PyTree]:
+def begin_state(ready: Ready) -> tuple[TrainState | Starting, PyTree]:
     """The training state at the start, and the key of each member (or the key). On one
     device, with no checkpoint to resume and one key, the state is made in a thread while
     the run's program is traced (`Starting`); else now.
     """
-    loop, options = run.loop, run.options
-    inputs = loop.placement.start_inputs(run.start, loop.trains)
+    loop, options = ready.loop, ready.options
+    inputs = loop.placement.start_inputs(ready.start, loop.trains)
     alone = isinstance(loop.placement, OneDevice) and options.members is None
     if alone and options.checkpoint is None:
         return Starting(start_program(loop), inputs), options.key
@@ -56,7 +56,7 @@ def begin_state(run: Run) -> tuple[TrainState | Starting, PyTree]:
 
 
 def train(
-    run: Run,
+    ready: Ready,
     *,
     interrupt: Interrupt,
     costs: Costs | None,
@@ -64,28 +64,31 @@ def train(
     stack: contextlib.ExitStack,
     began: float,
 ) -> FitResult[Any]:
-    """Trains `run` to its end (or a stop), from the newest checkpoint if there is one,
+    """Trains `ready` to its end (or a stop), from the newest checkpoint if there is one,
     its observers told as it goes, and makes the result. Every way out closes what it
     opened, through `stack`.
     """
-    loop, options, schedule = run.loop, run.options, run.loop.schedule
-    placement, consts = loop.placement, run.start.consts
-    starting, keys = begin_state(run)
+    loop, options, schedule = ready.loop, ready.options, ready.loop.schedule
+    placement, consts = loop.placement, ready.start.consts
+    starting, keys = begin_state(ready)
     if isinstance(starting, Starting):
         stack.callback(starting.join)
     store, begin = None, schedule.begin
     if not isinstance(starting, Starting) and options.checkpoint is not None:
-        config = run_config(
-            loop, starting, run.source.describe(), run.val_data, options.objects, options.key
+        config = checkpoint_config(
+            loop, starting, ready.source.describe(), ready.val_data, options.objects, options.key
         )
         store = open_store(options, config, schedule)
         stack.callback(store.close)
         starting, begin = resume(store, starting, schedule)
     template = Inputs(
-        None, placement.put(run.val_data, sharded=True), placement.put(keys), placement.put(consts)
+        None,
+        placement.put(ready.val_data, sharded=True),
+        placement.put(keys),
+        placement.put(consts),
     )
-    chunks = run.source.chunks(schedule, begin, schedule.total)
-    train_feeds, stop_feeds = feeds(chunks, template, placement.put, run.source.streamed)
+    chunks = ready.source.chunks(schedule, begin, schedule.total)
+    train_feeds, stop_feeds = feeds(chunks, template, placement.put, ready.source.streamed)
     stack.callback(stop_feeds)
     observers = observers_for(
         options,
@@ -100,7 +103,7 @@ def train(
         with reported_as("fit", "data"):
             outcome = drive(
                 loop,
-                run_program,
+                program_for,
                 placement.put(starting),
                 train_feeds,
                 begin,
