@@ -42,7 +42,7 @@ import optax
 from _common import config, median, regression_data, source_fingerprint, table, write_json
 
 import eqfit
-from eqfit._checkpoint import Checkpoints
+from eqfit._keep._checkpoint import Checkpoints
 
 
 WIDTH, FEATURES = 4096, 1024

@@ -6,7 +6,7 @@ epochs, at batch sizes 32 and 256, with a new shuffle every epoch, four ways:
 1. `compiled`: `eqfit.fit(..., progress=False)`.
 2. `progress`: `eqfit.fit(..., progress="bar")`, the bar written to os.devnull.
 3. `floor`: a hand-written `jax.jit` of a `lax.scan` over epochs of a `lax.scan` over
-   batches, shuffling with eqfit's own shuffle (`eqfit._data.epoch_order`, the same work)
+   batches, shuffling with eqfit's own shuffle (`eqfit._core._data.epoch_order`, the same work)
    and gathering each batch with the same in-bounds promise eqfit makes.
    `floor_perm` is the same shuffling with `jax.random.permutation`, as a hand-written
    loop would.
@@ -47,7 +47,7 @@ from _common import (
 )
 
 import eqfit
-from eqfit._data import epoch_order, shuffle_seed
+from eqfit._core._data import epoch_order, shuffle_seed
 
 
 IN_FEATURES, WIDTH, DEPTH = 16, 64, 2

@@ -51,7 +51,7 @@ from _common import (
 )
 
 import eqfit
-from eqfit._data import epoch_order, shuffle_seed
+from eqfit._core._data import epoch_order, shuffle_seed
 
 
 IN_FEATURES, WIDTH, DEPTH = 16, 128, 2

@@ -105,8 +105,8 @@ def checkpoint_worker(kind: str, size: int, repeats: int) -> dict[str, Any]:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from eqfit._checkpoint import Checkpoints
-    from eqfit._orbax import ShardedCheckpoints
+    from eqfit._keep._checkpoint import Checkpoints
+    from eqfit._keep._orbax import ShardedCheckpoints
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, P("data"))

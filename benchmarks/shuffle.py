@@ -25,7 +25,7 @@ import optax
 from _common import config, interleave, median, source_fingerprint, table, write_json
 
 import eqfit
-from eqfit._data import epoch_order, shuffle_seed
+from eqfit._core._data import epoch_order, shuffle_seed
 
 
 Shuffle = Callable[[jax.Array, jax.Array], jax.Array]

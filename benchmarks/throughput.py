@@ -54,8 +54,8 @@ from _common import config, median, regression_data, source_fingerprint, table, 
 from jax.experimental import io_callback
 
 import eqfit
-import eqfit._observers
-from eqfit._data import epoch_order, shuffle_seed
+import eqfit._host._observers
+from eqfit._core._data import epoch_order, shuffle_seed
 
 
 CASES = ("mlp", "mlp_short", "mlp_validated", "vae")
@@ -230,7 +230,7 @@ class CallCounter:
 
     def __init__(self) -> None:
         self.calls = 0
-        throughput = eqfit._observers.Throughput
+        throughput = eqfit._host._observers.Throughput
         original = throughput.record
 
         def record(inner: Any, begin: int, end: int, seconds: float) -> None:

@@ -1,6 +1,7 @@
-"""The public `fit`, read as its phases: check, open, plan, program, drive, finish.
+"""The public `fit`, read as its phases: check, open, build, compile and drive, finish.
 
-Each phase is a module of its own (see `eqfit/_*.py`); data flows one way through them.
+Each phase is a module of its own, in the layers `CONTRIBUTING.md` maps; data flows one
+way through them.
 """
 
 import contextlib
@@ -13,23 +14,11 @@ from typing import Any, cast, Literal, ParamSpec
 import equinox as eqx
 from jax.sharding import Mesh
 
-from ._build import make_loop
-from ._checks import checked
-from ._early_stopping import EarlyStopping
-from ._execution import Execution
-from ._observers import Callback
-from ._open import open_data, schedule_for
-from ._options import check_options
-from ._parallel import Device
-from ._plan import Plan
-from ._planner import make_plan, step_costs
-from ._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
-from ._precision import PrecisionLike
-from ._result import FitResult
-from ._sharding import Shard
-from ._signals import Interrupt
-from ._train import Ready, train
-from ._typing import (
+from ._core._checks import checked
+from ._core._early_stopping import EarlyStopping
+from ._core._execution import Execution
+from ._core._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
+from ._core._typing import (
     Arrays,
     FilterSpec,
     Flag,
@@ -44,8 +33,20 @@ from ._typing import (
     PRNGKey,
     Schedules,
 )
-from ._updates import AbstractUpdate
-from ._validation import ValidationSets
+from ._host._observers import Callback
+from ._host._open import open_data, schedule_for
+from ._host._plan import Plan
+from ._host._planner import make_plan, step_costs
+from ._host._signals import Interrupt
+from ._program._build import make_loop
+from ._program._options import check_options
+from ._program._parallel import Device
+from ._program._sharding import Shard
+from ._result import FitResult
+from ._step._precision import PrecisionLike
+from ._step._updates import AbstractUpdate
+from ._step._validation import ValidationSets
+from ._train import Ready, train
 
 
 # `data` takes arrays, PyTrees of them, memmaps, loaders and generators: too many kinds for

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checks import checked, reported_as
-from ._data import (
+from ._core._checks import checked, reported_as
+from ._core._data import (
     as_data,
     as_key,
     check_alive,
@@ -20,12 +20,12 @@ from ._data import (
     not_a_stack,
     num_samples,
 )
-from ._evaluate import evaluate_batches
-from ._jit import cached_jit
-from ._labels import raise_found
-from ._objective import find_outputs, Objective, takes_key
-from ._precision import as_precision, Precision, PrecisionLike
-from ._typing import Arrays, ArrayTree, Loss, Metrics, ModelState, PRNGKey
+from ._core._typing import Arrays, ArrayTree, Loss, Metrics, ModelState, PRNGKey
+from ._program._jit import cached_jit
+from ._step._evaluate import evaluate_batches
+from ._step._labels import raise_found
+from ._step._objective import find_outputs, Objective, takes_key
+from ._step._precision import as_precision, Precision, PrecisionLike
 from .losses import outputs
 
 

@@ -13,17 +13,17 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._checkpoint import CheckpointError, versions
-from ._checks import checked
-from ._drive import Outcome
-from ._files import write_atomically
+from ._core._checks import checked
+from ._core._typing import Model, ModelState, OptState, PathLike
 from ._history import History, StopReason
-from ._labels import raise_found
-from ._loop import Loop
-from ._observers import Throughput
-from ._skeleton import unwrap
-from ._state import Consts, Stop
-from ._typing import Model, ModelState, OptState, PathLike
+from ._host._drive import Outcome
+from ._host._observers import Throughput
+from ._keep._checkpoint import CheckpointError, versions
+from ._keep._files import write_atomically
+from ._program._loop import Loop
+from ._program._skeleton import unwrap
+from ._program._state import Consts, Stop
+from ._step._labels import raise_found
 
 
 @functools.partial(

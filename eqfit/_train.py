@@ -11,25 +11,25 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._calls import program_for
-from ._checkpoint import Checkpoints
-from ._checks import reported_as
-from ._compile import Starting
-from ._drive import drive, feeds
-from ._identity import checkpoint_config
-from ._loop import Loop
-from ._observers import Callbacks, Checkpointing, copy_taken, Costs, EpochModels, Observer
-from ._options import Options
-from ._parallel import OneDevice
-from ._plan import Plan
-from ._profiling import Profiling
-from ._program import start_program
-from ._progress import Bar, early_stops, Lines, progress_kind
+from ._core._checks import reported_as
+from ._host._drive import drive, feeds
+from ._host._observers import Callbacks, Checkpointing, copy_taken, Costs, EpochModels, Observer
+from ._host._plan import Plan
+from ._host._profiling import Profiling
+from ._host._progress import Bar, early_stops, Lines, progress_kind
+from ._host._signals import Interrupt
+from ._host._sources import Source
+from ._keep._checkpoint import Checkpoints
+from ._keep._identity import checkpoint_config
+from ._keep._resume import open_store, resume
+from ._program._calls import program_for
+from ._program._compile import Starting
+from ._program._loop import Loop
+from ._program._options import Options
+from ._program._parallel import OneDevice
+from ._program._program import start_program
+from ._program._state import Inputs, StartArgs, TrainState
 from ._result import finish, FitResult, model_from
-from ._resume import open_store, resume
-from ._signals import Interrupt
-from ._sources import Source
-from ._state import Inputs, StartArgs, TrainState
 
 
 class Ready(NamedTuple):

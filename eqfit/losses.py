@@ -27,10 +27,10 @@ import optax
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
-from ._labels import check_labels, same_shape
-from ._mean import Mean
-from ._objective import takes_key
-from ._typing import ArrayTree, PRNGKey
+from ._core._typing import ArrayTree, PRNGKey
+from ._step._labels import check_labels, same_shape
+from ._step._mean import Mean
+from ._step._objective import takes_key
 
 
 Model = Callable[..., Any]

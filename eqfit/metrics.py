@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
-from ._labels import check_labels, same_shape
-from ._mean import Mean
+from ._step._labels import check_labels, same_shape
+from ._step._mean import Mean
 from .losses import Model, outputs, reduce, split_state, State
 
 

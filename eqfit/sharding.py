@@ -16,7 +16,7 @@ device.
 `bytes_per_device` says how much of it each device holds.
 """
 
-from ._sharding import (
+from ._program._sharding import (
     bytes_per_device as bytes_per_device,
     FSDP as FSDP,
     fsdp as fsdp,

@@ -26,7 +26,7 @@ import pytest
 from helpers import worker_env
 
 import eqfit
-from eqfit._progress import wrapped
+from eqfit._host._progress import wrapped
 
 
 # A short run's time, as the last line writes it: `2.4ms`, or `1.23s` from 0.1 s.

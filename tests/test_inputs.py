@@ -203,8 +203,8 @@ def test_reserved_names_are_refused_for_aux_values_metrics_and_schedules(setup, 
 
 
 def test_every_name_the_logs_hold_is_reserved():
-    from eqfit._observers import Throughput
-    from eqfit._record import BUILT_IN, RESERVED
+    from eqfit._host._observers import Throughput
+    from eqfit._step._record import BUILT_IN, RESERVED
 
     assert {*BUILT_IN, *Throughput.NAMES, "epoch"} <= set(RESERVED)
 
@@ -272,7 +272,7 @@ def test_the_advice_for_a_list_of_validation_sets_works_when_followed(setup, n):
 
 
 def test_the_advice_names_many_sets_by_number():
-    from eqfit._validation import naming_advice
+    from eqfit._step._validation import naming_advice
 
     advice = naming_advice(30, "list")
     call = re.search(r"`validation_data=(eqfit\.ValidationSets\(.*?\))`", advice).group(1)

@@ -241,7 +241,7 @@ def test_background_says_which_thread_writes(tmp_path, monkeypatch, background):
     is committed before training goes past its step, so the callback of its epoch sees
     it; with `True` a background thread writes every one, the last before `fit` returns.
     """
-    from eqfit._checkpoint import Checkpoints
+    from eqfit._keep._checkpoint import Checkpoints
 
     in_main_thread = []
     save = Checkpoints.save

@@ -20,8 +20,8 @@ from helpers import worker_env
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqfit
-from eqfit._checkpoint import Checkpoints
-from eqfit._orbax import ShardedCheckpoints
+from eqfit._keep._checkpoint import Checkpoints
+from eqfit._keep._orbax import ShardedCheckpoints
 
 
 pytest.importorskip("orbax.checkpoint")
@@ -249,13 +249,15 @@ def run_python(script: str, *args: str, timeout: float = 120) -> subprocess.Comp
 @pytest.mark.heavy
 def test_importing_eqfit_imports_no_orbax():
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import eqfit, eqfit._orbax"],
+        [sys.executable, "-X", "importtime", "-c", "import eqfit, eqfit._keep._orbax"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "eqfit._orbax" in done.stderr and "orbax" not in done.stderr.replace("eqfit._orbax", "")
+    assert "eqfit._keep._orbax" in done.stderr and "orbax" not in done.stderr.replace(
+        "eqfit._keep._orbax", ""
+    )
 
 
 # Orbax's documented recipe, as `ShardedCheckpoints`' docstring gives it, in a process
@@ -301,7 +303,7 @@ FULL_DISK = """
     import numpy as np
 
     from eqfit import CheckpointError
-    from eqfit._orbax import ShardedCheckpoints
+    from eqfit._keep._orbax import ShardedCheckpoints
 
     class State(NamedTuple):
         w: Any
@@ -344,7 +346,7 @@ TWO_PROCESSES = """
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from eqfit._orbax import ShardedCheckpoints
+    from eqfit._keep._orbax import ShardedCheckpoints
 
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     w = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)

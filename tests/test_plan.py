@@ -13,7 +13,7 @@ from helpers import regression_data
 from jax.sharding import PartitionSpec as P
 
 import eqfit
-from eqfit._plan import _bytes, _flops, folded_rows
+from eqfit._host._plan import _bytes, _flops, folded_rows
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from helpers import programs_made
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqfit
-from eqfit._sharding import resolve, shardings
+from eqfit._program._sharding import resolve, shardings
 from eqfit.sharding import bytes_per_device, fsdp, init, rules
 
 

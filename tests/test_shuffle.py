@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from eqfit._data import epoch_order, shuffle_seed
-from eqfit._schedule import plan_passes
+from eqfit._core._data import epoch_order, shuffle_seed
+from eqfit._program._schedule import plan_passes
 
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 32, 33, 97, 127, 128, 129, 1000, 1009, 4095]

@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_trees_close, assert_trees_equal
 
 import eqfit
-import eqfit._sources
+import eqfit._host._sources
 
 
 ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled programs
@@ -22,7 +22,7 @@ ADAM = optax.adam(1e-2)  # one object for the module: fits share their compiled 
 @pytest.fixture
 def small_chunks(monkeypatch):
     # 7 batches of 16 rows of (4 + 1) float32s per chunk: several chunks and a partial one.
-    monkeypatch.setattr(eqfit._sources, "CHUNK_BYTES", 7 * 16 * 20)
+    monkeypatch.setattr(eqfit._host._sources, "CHUNK_BYTES", 7 * 16 * 20)
 
 
 @pytest.fixture

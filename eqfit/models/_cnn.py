@@ -3,10 +3,10 @@ import jax
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
-from .._checks import checked
-from .._data import as_key
-from .._jit import cached_jit
-from .._typing import PRNGKey
+from .._core._checks import checked
+from .._core._data import as_key
+from .._core._typing import PRNGKey
+from .._program._jit import cached_jit
 from ._check import check_input, KEY_HINT
 
 

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
-from .._checks import checked
-from .._data import as_key
-from .._typing import PRNGKey
+from .._core._checks import checked
+from .._core._data import as_key
+from .._core._typing import PRNGKey
 from ._check import check_input, KEY_HINT
 
 

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from .._program._options import Options
+from .._program._schedule import Schedule
+from .._program._state import TrainState
+from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
 from ._observers import Observer, Progress
-from ._options import Options
-from ._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
-from ._schedule import Schedule
-from ._state import TrainState
 
 
 # The bar redraws about this often: its calls last at most this long.

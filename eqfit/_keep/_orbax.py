@@ -11,10 +11,10 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from .._core._extras import require_orbax
+from .._core._policy import KEEP
 from ._checkpoint import Checkpoints, NotLike, position
-from ._extras import require_orbax
 from ._files import fsync_dir
-from ._policy import KEEP
 
 
 class ShardedCheckpoints(Checkpoints):

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree
 
+from .._core._typing import ArrayTree
 from ._descent import hyperparams, UpdateContext
 from ._labels import LabelError
 from ._mean import Mean
 from ._objective import clone, find_outputs, Objective, split_output, takes_key
 from ._precision import Precision
 from ._record import column_name, LOSS, UpdateInfo
-from ._typing import ArrayTree
 
 
 # An update's name begins the history's names of its values (`d_loss`): a word.

@@ -23,10 +23,10 @@ import jax
 import numpy as np
 from jaxtyping import Array, Key, PyTree
 
-from ._checkpoint import newest_config
-from ._data import as_data, check_data, num_samples, sample_shapes
-from ._options import Options
-from ._schedule import check_learnable, Schedule, SourceShape
+from .._core._data import as_data, check_data, num_samples, sample_shapes
+from .._keep._checkpoint import newest_config
+from .._program._options import Options
+from .._program._schedule import check_learnable, Schedule, SourceShape
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight

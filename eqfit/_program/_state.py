@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
-from ._early_stopping import StoppingState
-from ._labels import LabelError
-from ._precision import LossScale
+from .._core._early_stopping import StoppingState
+from .._step._labels import LabelError
+from .._step._precision import LossScale
 
 
 class Stop(enum.IntEnum):

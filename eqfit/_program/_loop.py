@@ -17,17 +17,17 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._early_stopping import EarlyStopping
-from ._execution import Execution, WholeRun
-from ._objective import Objective
+from .._core._early_stopping import EarlyStopping
+from .._core._execution import Execution, WholeRun
+from .._step._objective import Objective
+from .._step._record import Kind, Record, UpdateInfo
+from .._step._step import select, Step
+from .._step._updates import AbstractUpdate
 from ._options import StepOptions, Validation
 from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
-from ._record import Kind, Record, UpdateInfo
 from ._schedule import Schedule
 from ._skeleton import Skeleton, split_arrays, unwrap
 from ._state import Consts
-from ._step import select, Step
-from ._updates import AbstractUpdate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._checks import checked
+from .._core._checks import checked
+from .._core._typing import ArrayTree
 from ._compile import PROGRAM_CACHE
-from ._typing import ArrayTree
 
 
 # `jax.Device`, which type checkers see as a variable rather than a class.

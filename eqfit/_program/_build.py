@@ -13,19 +13,19 @@ import numpy as np
 import optax
 from jaxtyping import Array, PyTree
 
+from .._core._data import describe, is_dtype, not_a_stack
+from .._core._execution import choose
+from .._step._hyperparams import check_schedules, injected_names
+from .._step._objective import find_outputs, LossTrace, Objective, takes_key
+from .._step._record import LOSS, Record, record_for, UpdateInfo
+from .._step._updates import AbstractUpdate, builtin, trained_spec
 from ._compile import PROGRAMS
-from ._data import describe, is_dtype, not_a_stack
-from ._execution import choose
-from ._hyperparams import check_schedules, injected_names
 from ._loop import Loop
-from ._objective import find_outputs, LossTrace, Objective, takes_key
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
 from ._parallel import param_specs, placement_devices, Pmap
-from ._record import LOSS, Record, record_for, UpdateInfo
 from ._schedule import Schedule
 from ._skeleton import split_arrays
 from ._state import Consts, StartArgs
-from ._updates import AbstractUpdate, builtin, trained_spec
 
 
 def make_loop(

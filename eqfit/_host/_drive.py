@@ -16,15 +16,15 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._calls import Program, program_key
-from ._checkpoint import CheckpointError
-from ._compile import PROGRAM_CACHE, Starting
+from .._keep._checkpoint import CheckpointError
+from .._program._calls import Program, program_key
+from .._program._compile import PROGRAM_CACHE, Starting
+from .._program._loop import Loop
+from .._program._program import learned_state
+from .._program._state import Report, Steps, Stop, TrainState
 from ._feeds import DataError, Feed, feeds as feeds, from_data
-from ._loop import Loop
 from ._observers import Costs, Observer, Progress, Throughput
-from ._program import learned_state
 from ._signals import Interrupt
-from ._state import Report, Steps, Stop, TrainState
 from ._waiter import Stamp, wait_for, WAITER
 
 

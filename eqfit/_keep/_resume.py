@@ -6,11 +6,11 @@ from typing import Any
 
 import jax
 
+from .._program._options import Options
+from .._program._parallel import param_specs
+from .._program._schedule import Schedule
+from .._program._state import TrainState
 from ._checkpoint import Checkpoints, position
-from ._options import Options
-from ._parallel import param_specs
-from ._schedule import Schedule
-from ._state import TrainState
 
 
 def open_store(options: Options, config: dict[str, Any], schedule: Schedule) -> Checkpoints:

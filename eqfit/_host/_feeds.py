@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._program._state import Inputs, Piece
 from ._sources import Chunk
-from ._state import Inputs, Piece
 
 
 class Feed(NamedTuple):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, PyTree
 
-from ._checks import as_real
+from .._core._checks import as_real
 
 
 class Average(eqx.Module):
@@ -89,7 +89,8 @@ def _caller_level(warning: types.FrameType) -> int:
     outside eqfit and the runtime checks that wrap its functions: the user's call of
     `fit` or `plan`, which the warning points at.
     """
-    skipped = (os.path.dirname(__file__), *map(_folder, ("jaxtyping", "beartype")))
+    eqfit = os.path.dirname(os.path.dirname(__file__))  # this module is in eqfit/_step/
+    skipped = (eqfit, *map(_folder, ("jaxtyping", "beartype")))
     frame, level = warning, 1
     while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1

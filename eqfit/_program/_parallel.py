@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PyTree, UInt32
 
-from ._data import take
+from .._core._data import take
 
 
 # `jax.Device`, which type checkers see as a variable rather than a class.

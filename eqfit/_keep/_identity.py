@@ -9,13 +9,13 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from .._core._data import describe
+from .._program._loop import Loop
+from .._program._schedule import Schedule
+from .._program._state import Callables
+from .._step._record import Kind
+from .._step._updates import builtin
 from ._checkpoint import as_plain
-from ._data import describe
-from ._loop import Loop
-from ._record import Kind
-from ._schedule import Schedule
-from ._state import Callables
-from ._updates import builtin
 
 
 def checkpoint_config(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ._typing import ArrayTree
+from .._core._typing import ArrayTree
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -5,9 +5,9 @@ import warnings
 
 import jax
 
+from .._core._policy import Profile
+from .._program._state import TrainState
 from ._observers import Observer
-from ._policy import Profile
-from ._state import TrainState
 
 
 class Profiling(Observer):

@@ -18,17 +18,17 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._calls import program_for, program_key
-from ._compile import PROGRAM_CACHE
-from ._early_stopping import StoppingState
-from ._evaluate import evaluate_batches
-from ._loop import Loop
+from .._core._early_stopping import StoppingState
+from .._program._calls import program_for, program_key
+from .._program._compile import PROGRAM_CACHE
+from .._program._loop import Loop
+from .._program._parallel import OneDevice, param_specs, placement_devices, Pmap, Sharded
+from .._program._program import start_program
+from .._program._state import Consts, Inputs, Piece, StartArgs, TrainState
+from .._step._evaluate import evaluate_batches
 from ._observers import Costs
-from ._parallel import OneDevice, param_specs, placement_devices, Pmap, Sharded
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
-from ._program import start_program
 from ._sources import Source
-from ._state import Consts, Inputs, Piece, StartArgs, TrainState
 
 
 def memory_of(compiled: Any) -> Memory:

@@ -18,20 +18,20 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
-from ._average import as_average, Average
-from ._checks import as_real
-from ._data import as_key, check_alive, ensemble_size
-from ._early_stopping import EarlyStopping
-from ._execution import Execution
-from ._extras import require_orbax
+from .._core._checks import as_real
+from .._core._data import as_key, check_alive, ensemble_size
+from .._core._early_stopping import EarlyStopping
+from .._core._execution import Execution
+from .._core._extras import require_orbax
+from .._core._policy import as_signals, Checkpoint, Profile
+from .._step._average import as_average, Average
+from .._step._precision import as_precision, Precision
+from .._step._record import NORMS, record_for, SCALING
+from .._step._updates import AbstractUpdate, check_updates, Losses, trained_spec
+from .._step._validation import naming_advice, ValidationSets
 from ._parallel import choose_placement, Device, Placement
-from ._policy import as_signals, Checkpoint, Profile
-from ._precision import as_precision, Precision
-from ._record import NORMS, record_for, SCALING
 from ._sharding import resolve
 from ._state import Callables
-from ._updates import AbstractUpdate, check_updates, Losses, trained_spec
-from ._validation import naming_advice, ValidationSets
 
 
 DEFAULT_BATCH_SIZE = 32

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checkpoint import Checkpoints, Writer
-from ._identity import learned_config
-from ._policy import Checkpoint
-from ._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
-from ._schedule import Schedule
+from .._core._policy import Checkpoint
+from .._keep._checkpoint import Checkpoints, Writer
+from .._keep._identity import learned_config
+from .._program._schedule import Schedule
+from .._program._state import TrainState
+from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
 from ._signals import Interrupt
-from ._state import TrainState
 
 
 @runtime_checkable

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._execution import Execution
-from ._precision import Precision
+from .._core._execution import Execution
+from .._step._precision import Precision
 
 
 class Memory(NamedTuple):

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, final
 
-from ._typing import Arrays
+from .._core._typing import Arrays
 
 
 # A set's name goes into the history's names, `val_<name>_loss`: a word, so that the name

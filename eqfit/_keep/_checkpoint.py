@@ -21,10 +21,10 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from .._core._policy import KEEP
+from .._core._version import __version__
+from .._program._schedule import epochs_and_steps
 from ._files import CHECKSUMS, file_checksum, fsync_dir, write_file, write_leaves
-from ._policy import KEEP
-from ._schedule import epochs_and_steps
-from ._version import __version__
 
 
 FORMAT = 3  # 2: a sequence number orders checkpoints; 3: a CRC32, where 2 had a SHA-256

@@ -6,13 +6,13 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from ._average import warn_if_short
-from ._data import as_data, sample_shapes
-from ._options import Options
-from ._parallel import check_batch_split, global_rows
-from ._schedule import check_profile, make_schedule, Schedule
+from .._core._data import as_data, sample_shapes
+from .._program._options import Options
+from .._program._parallel import check_batch_split, global_rows
+from .._program._schedule import check_profile, make_schedule, Schedule
+from .._step._average import warn_if_short
+from .._step._validation import naming_advice, ValidationSets
 from ._sources import open_source, Source
-from ._validation import naming_advice, ValidationSets
 
 
 def open_data(

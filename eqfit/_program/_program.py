@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
+from .._core._data import epoch_order, order_at, shuffle_seed
+from .._core._early_stopping import StoppingState
+from .._step._evaluate import evaluate_batches, evaluation_needs_key
+from .._step._labels import LabelError
+from .._step._step import StepResult
 from ._compile import PROGRAM_CACHE
-from ._data import epoch_order, order_at, shuffle_seed
-from ._early_stopping import StoppingState
-from ._evaluate import evaluate_batches, evaluation_needs_key
-from ._labels import LabelError
 from ._loop import lay_out_state, Loop, Rebuilt
 from ._state import CallEnd, Consts, Inputs, Report, Steps, Stop, TrainState
-from ._step import StepResult
 
 
 def start(
