@@ -282,7 +282,7 @@ def _update_info(
     member, state, batch = traced
     loss_update = builtin(update)
     if loss_update is not None:
-        objective = loss_update.objective(options.stateful, options.step.precision)
+        objective = loss_update._objective(options.stateful, options.step.precision)
         outputs = _outputs(objective, traced, options)
         recorded = (LOSS.name, *outputs.aux_names)
         return UpdateInfo(

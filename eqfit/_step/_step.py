@@ -232,7 +232,7 @@ class Step(eqx.Module):
         batch: PyTree,
         key: Key[Array, ""] | None,
     ) -> Turn:
-        """One update's turn (`AbstractUpdate.take_turn`) on the arrays it trains, its
+        """One update's turn (`AbstractUpdate._take_turn`) on the arrays it trains, its
         values under the record's names: its own, its weighted means' weights and its
         optimizer's injected hyperparameters.
         """
@@ -249,7 +249,7 @@ class Step(eqx.Module):
             precision=self.objective.precision,
             split=lambda model: select(split(model), info.picks)[0],
         )
-        t = update.take_turn(info, context, mine, opt_state, model_state, batch, key)
+        t = update._take_turn(info, context, mine, opt_state, model_state, batch, key)
         values = {info.column(n): v for n, v in t.values.items()}
         values |= {weight_name(info.column(n)): w for n, w in t.weights.items()}
         values |= dict(zip(map(info.column, info.hyperparams), injected_values(t.opt_state)))

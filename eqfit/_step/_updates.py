@@ -44,7 +44,7 @@ class Applied(NamedTuple):
 
 
 class Turn(NamedTuple):
-    """An update's turn in `fit`'s step (`AbstractUpdate.take_turn`), by its own names."""
+    """An update's turn in `fit`'s step (`AbstractUpdate._take_turn`), by its own names."""
 
     params: PyTree  # the arrays it trains, after it
     opt_state: PyTree  # its state
@@ -132,7 +132,7 @@ class AbstractUpdate(eqx.Module):
         are kept), the update's new state, the model state, and the values to record.
         """
 
-    def take_turn(
+    def _take_turn(
         self,
         info: UpdateInfo,
         context: StepContext,
@@ -248,13 +248,13 @@ class Update(AbstractUpdate):
         params, rest = eqx.partition(model, spec)
         context = UpdateContext(combine=lambda p: eqx.combine(p, rest))
         stateful = model_state is not None
-        found = find_outputs(self.objective(stateful, None), model, model_state, batch, True)
-        objective = self.objective(stateful, None, found.aux_names, found.means)
+        found = find_outputs(self._objective(stateful, None), model, model_state, batch, True)
+        objective = self._objective(stateful, None, found.aux_names, found.means)
         d = context.descend(objective, self.optimizer, params, state, model_state, None, batch, key)
         values = d.values(objective) | hyperparams(d.opt_state)
         return Applied(eqx.combine(d.params, rest), d.opt_state, d.model_state, values)
 
-    def take_turn(
+    def _take_turn(
         self,
         info: UpdateInfo,
         context: StepContext,
@@ -265,7 +265,7 @@ class Update(AbstractUpdate):
         key: Key[Array, ""] | None,
     ) -> Turn:
         """Its turn in `fit`'s step: `apply`'s descent, under `fit`'s options."""
-        objective = self.objective(
+        objective = self._objective(
             model_state is not None, context.precision, info.aux_names, info.means
         )
         d = context.descend(objective, self.optimizer, params, state, model_state, None, batch, key)
@@ -281,7 +281,7 @@ class Update(AbstractUpdate):
             d.labels,
         )
 
-    def objective(
+    def _objective(
         self,
         stateful: bool,
         precision: Precision | None,
@@ -295,7 +295,7 @@ class Update(AbstractUpdate):
 def builtin(update: AbstractUpdate) -> Update | None:
     """`update` where it is the built-in one (`eqfit.Update`: a loss, which validation
     computes, and whose values are its loss and aux values); `None` for an update of the
-    user's own. The one place the two are told apart, besides `take_turn`.
+    user's own. The one place the two are told apart, besides `_take_turn`.
     """
     return update if isinstance(update, Update) else None
 
