@@ -23,7 +23,7 @@ from ._mean import nonzero
 from ._microbatches import ForwardBackward, in_microbatches
 from ._objective import clone, Objective
 from ._optimizer import extra_args
-from ._precision import all_finite, LossScale
+from ._precision import all_finite, LossScale, Precision
 from ._record import GRAD_NORM, LOSS, UPDATE_NORM
 
 
@@ -75,7 +75,10 @@ class UpdateContext(eqx.Module):
     set under `pmap` (losses and gradients are averaged over it); `lay_out` lays out a
     params-shaped tree, and the optimizer state following it, as `shard=` asks;
     `microbatch`: the rows of one microbatch (`microbatches=`), computed one after
-    another; `norms`: the gradient's and the update's norms are computed.
+    another; `norms`: the gradient's and the update's norms are computed; `precision`:
+    the policy an update's loss runs under; `split` takes the arrays the update trains
+    out of a whole model (`combine`'s inverse), for an update of the user's own, whose
+    `apply` gives a whole model.
     """
 
     combine: Callable[[PyTree], PyTree] = _whole
@@ -83,6 +86,8 @@ class UpdateContext(eqx.Module):
     lay_out: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
     microbatch: int | None = None
     norms: bool = False
+    precision: Precision | None = None
+    split: Callable[[PyTree], PyTree] | None = None
 
     def descend(
         self,

@@ -29,7 +29,7 @@ from ._record import (
     UpdateInfo,
     weight_name,
 )
-from ._updates import AbstractUpdate, StepContext, Turn
+from ._updates import AbstractUpdate, Turn
 
 
 class StepResult(NamedTuple):
@@ -240,7 +240,7 @@ class Step(eqx.Module):
         norms = info.column(GRAD_NORM.name) in self.record.names
         split = self.split
         assert split is not None
-        context = StepContext(
+        context = UpdateContext(
             lambda p: self.combine(merge(p)),
             self.axis_name,
             self.lay_out,

@@ -57,16 +57,6 @@ class Turn(NamedTuple):
     labels: LabelError | None
 
 
-class StepContext(UpdateContext):
-    """An `UpdateContext` as `fit`'s step gives it to an update: with the precision
-    policy its loss runs under, and `split`, which takes the arrays the update trains out
-    of a whole model (`combine`'s inverse).
-    """
-
-    precision: Precision | None = None
-    split: Callable[[PyTree], PyTree] | None = None
-
-
 class AbstractUpdate(eqx.Module):
     """An update of part of the model, run on each step's batch (or on every `every`-th
     step's), after the updates listed before it in `fit(..., updates=[...])`.
@@ -135,7 +125,7 @@ class AbstractUpdate(eqx.Module):
     def _take_turn(
         self,
         info: UpdateInfo,
-        context: StepContext,
+        context: UpdateContext,
         params: PyTree,
         state: ArrayTree,
         model_state: ArrayTree,
@@ -257,7 +247,7 @@ class Update(AbstractUpdate):
     def _take_turn(
         self,
         info: UpdateInfo,
-        context: StepContext,
+        context: UpdateContext,
         params: PyTree,
         state: ArrayTree,
         model_state: ArrayTree,
