@@ -427,7 +427,9 @@ def test_sigkill_at_random_points_of_a_run_checkpointed_every_few_steps(tmp_path
     for round in range(6):
         name = "SIGTERM" if round % 2 else "SIGKILL"
         where = ["background"] if round >= 3 else []  # SIGKILL in rounds 0, 2 and 4
-        with start(tmp_path, "compiled", "steps", "7", "epochs", "40", *where) as process:
+        # 200 epochs, about 25 s of steps and writes here: six rounds of at most 4 s each
+        # never reach the end (with 40, a fast machine finished before the second kill).
+        with start(tmp_path, "compiled", "steps", "7", "epochs", "200", *where) as process:
             wait_for(process, "starting")
             time.sleep(float(rng.uniform(1.5, 4.0)))
             if process.poll() is not None:  # the run finished first (its pipes close here)
@@ -440,10 +442,10 @@ def test_sigkill_at_random_points_of_a_run_checkpointed_every_few_steps(tmp_path
             assert "by SIGTERM" in out, err[-3000:]
             terms += 1
     assert kills >= 2 and terms >= 1
-    with start(tmp_path, "compiled", "steps", "7", "epochs", "40") as process:
+    with start(tmp_path, "compiled", "steps", "7", "epochs", "200") as process:
         out, err = process.communicate(timeout=300)
     assert "finished" in out, err[-3000:]
-    model, data, kwargs = checkpoint_problem(epochs=40)
+    model, data, kwargs = checkpoint_problem(epochs=200)
     resumed = eqfit.fit(model, data, checkpoint=eqfit.Checkpoint(tmp_path, every_steps=7), **kwargs)
     reference = eqfit.fit(model, data, **kwargs)
     assert_trees_equal(resumed.model, reference.model)
