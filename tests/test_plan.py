@@ -521,3 +521,94 @@ def test_folded_rows_fold_alike_blocks_only():
         (".split[0]", 1),
         (".split[1]", 1),
     ]
+
+
+class Looped(eqx.Module):
+    """A layer applied 100 times: in a `lax.scan`, a `fori_loop`, or a Python loop
+    (written out).
+    """
+
+    layer: eqx.nn.Linear
+    head: eqx.nn.Linear
+    how: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        def f(h):
+            return jnp.tanh(self.layer(h))
+
+        if self.how == "scan":
+            return self.head(jax.lax.scan(lambda h, _: (f(h), None), x, None, length=100)[0])
+        if self.how == "fori":
+            return self.head(jax.lax.fori_loop(0, 100, lambda i, h: f(h), x))
+        for _ in range(100):
+            x = f(x)
+        return self.head(x)
+
+
+def _looped_plan(how, getkey):
+    k1, k2 = jax.random.split(getkey())
+    model = Looped(eqx.nn.Linear(32, 32, key=k1), eqx.nn.Linear(32, "scalar", key=k2), how)
+    x, y = regression_data(getkey(), n=64, features=32)
+    return eqfit.plan(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(1e-3),
+        key=getkey(),
+        batch_size=16,
+    )
+
+
+@pytest.mark.parametrize("how", ["scan", "fori"])
+def test_plan_counts_a_loops_body_as_often_as_it_runs(how, getkey):
+    unrolled = _looped_plan("unrolled", getkey)
+    looped = _looped_plan(how, getkey)
+    assert abs(looped.flops_per_step / unrolled.flops_per_step - 1) < 0.10
+    # XLA's own count, the body once, would be some 100 times less.
+    assert looped.flops_per_step > 50 * (6 * 32 * 32 * 16)
+    assert looped.flops_lower_bound is None and "at least" not in str(looped)
+
+
+def test_a_gru_plan_is_within_a_tenth_of_its_count_by_hand(getkey):
+    hidden, features, time, batch = 64, 8, 24, 32
+
+    class GRU(eqx.Module):
+        cell: eqx.nn.GRUCell
+        head: eqx.nn.Linear
+
+        def __call__(self, xs):
+            h = jnp.zeros(hidden)
+            h, _ = jax.lax.scan(lambda h, x: (self.cell(x, h), None), h, xs)
+            return self.head(h)
+
+    k1, k2 = jax.random.split(getkey())
+    model = GRU(eqx.nn.GRUCell(features, hidden, key=k1), eqx.nn.Linear(hidden, 1, key=k2))
+    x = np.zeros((batch * 2, time, features), np.float32)
+    y = np.zeros((batch * 2, 1), np.float32)
+    plan = eqfit.plan(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(1e-3),
+        key=getkey(),
+        batch_size=batch,
+    )
+    # Per step of time a GRU cell multiplies its input and its state by three gates'
+    # weights each: 2 FLOP per weight forward, 4 backward, as for any dense layer.
+    cell = 3 * hidden * (features + hidden)
+    expected = 6 * batch * (time * cell + hidden)
+    assert abs(plan.flops_per_step / expected - 1) < 0.10
+
+
+def test_a_while_loop_of_unknown_count_makes_the_flops_a_lower_bound(getkey):
+    x, y = regression_data(getkey(), n=64, features=4)
+    model = eqfit.models.MLP(4, "scalar", 16, 1, key=getkey())
+
+    def loss(model, x, y):
+        # The inputs squashed until they are small: a loop of no known trip count.
+        x = jax.lax.while_loop(lambda v: jnp.max(jnp.abs(v)) > 0.5, lambda v: v / 2, x)
+        return eqfit.losses.mse(model, x, y)
+
+    plan = eqfit.plan(model, (x, y), loss=loss, optimizer=optax.sgd(1e-3), key=getkey())
+    assert plan.flops_lower_bound is not None and "while_loop" in plan.flops_lower_bound
+    assert "(at least: 1 `while_loop` whose trip count is not known" in str(plan)

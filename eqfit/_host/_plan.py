@@ -136,7 +136,10 @@ class Plan:
     - `start_memory`: the same of the program that makes the training state, run once
         before the first step.
     - `flops_per_step`: the floating-point operations of one optimizer step over a whole
-        batch (every device's share together), forward, backward and update.
+        batch (every device's share together), forward, backward and update; each loop
+        inside it (`lax.scan`, `fori_loop` with static bounds: a recurrent layer, layers
+        scanned over depth) counted as many times as it runs, where XLA's own count
+        (`cost_analysis()`) counts a loop's body once.
     - `validation_flops`: those of one validation pass: the loss, aux values and metrics
         over every validation set (every device's share together); 0 without
         validation.
@@ -158,6 +161,9 @@ class Plan:
     - `execution`: how the steps run (`fit(..., execution=)`): an [`eqfit.WholeRun`][]
         or an [`eqfit.PerStep`][], as asked or as `fit` chooses by default.
     - `execution_why`: why, in words.
+    - `flops_lower_bound`: why `flops_per_step` (or `validation_flops`) is a lower
+        bound, in words: a `lax.while_loop` whose trip count is not known when compiling,
+        its body counted once; `None` where every loop's count is known.
     - `compiled`: the run's compiled program (`jax.stages.Compiled`, or
         Equinox's for `devices=`): `plan.compiled.as_text()` shows its HLO. With
         `PerStep`, the program of full batches' steps that `fit` calls again and again
@@ -180,6 +186,7 @@ class Plan:
     execution: Execution
     execution_why: str
     compiled: Any = dataclasses.field(repr=False, compare=False)
+    flops_lower_bound: str | None = None
 
     @property
     def flops(self) -> float | None:
@@ -271,6 +278,8 @@ class Plan:
             if self.validations:
                 passes = "pass" if self.validations == 1 else "passes"
                 flops += f" and {self.validations:,} validation {passes}"
+        if self.flops_lower_bound is not None:
+            flops += f" (at least: {self.flops_lower_bound})"
         lines.append(flops)
         if self.peak_flops is not None:
             lines.append(f"peak: {_flops(self.peak_flops)}/s per device")

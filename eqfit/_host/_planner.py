@@ -26,6 +26,7 @@ from .._program._parallel import OneDevice, param_specs, placement_devices, Pmap
 from .._program._program import start_program
 from .._program._state import Consts, Inputs, Piece, StartArgs, TrainState
 from .._step._evaluate import evaluate_batches
+from ._flops import Flops, program_flops
 from ._observers import Costs
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
 from ._sources import Source
@@ -153,10 +154,10 @@ def array_plans(loop: Loop, model: PyTree) -> tuple[ArrayPlan, ...]:
     return tuple(plans)
 
 
-def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts) -> float:
+def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts) -> Flops:
     """The FLOPs of one optimizer step over a whole batch, from XLA's cost analysis of
-    the step lowered alone (not compiled): the run's program counts its loop's body once.
-    Cached with the run's program.
+    the step lowered alone (not compiled), each loop inside it (a scanned layer, say)
+    counted as many times as it runs (`program_flops`). Cached with the run's program.
     """
     known = PROGRAM_CACHE.fact(program_key(loop), "flops_per_step")
     if known is not None:
@@ -169,7 +170,7 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
     def one_step(state: TrainState, batch: PyTree, consts: Consts) -> Any:
         # The whole batch on one device, in one pass: the same arithmetic as the
         # placement's, without the collectives that split it, nor the loop over
-        # microbatches, whose body XLA would count once.
+        # microbatches, which would count the batch's rows once more per microbatch.
         step = dataclasses.replace(loop.parts(consts).step, axis_name=None, microbatch=None)
         key = jax.random.key(0) if loop.use_key else None
         args = (state.params, state.opt_state, state.model_state, state.average)
@@ -180,9 +181,9 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
     return flops
 
 
-def _lowered_flops(loop: Loop, one: Callable[..., Any], state: TrainState, *args: Any) -> float:
-    """XLA's FLOPs for `one(state, *args)` lowered alone (not compiled) on abstract
-    arrays, for every member of an ensemble (`one` vmapped over the state's members).
+def _lowered_flops(loop: Loop, one: Callable[..., Any], state: TrainState, *args: Any) -> Flops:
+    """The FLOPs of `one(state, *args)` lowered alone (not compiled) on abstract arrays,
+    for every member of an ensemble (`one` vmapped over the state's members).
     """
 
     def like(x: Any) -> Any:
@@ -197,18 +198,17 @@ def _lowered_flops(loop: Loop, one: Callable[..., Any], state: TrainState, *args
             return one(state, *args)
         return jax.vmap(lambda member: one(member, *args))(state)
 
-    costs = jax.jit(program).lower(abstract, *jax.tree.map(like, args)).cost_analysis()
-    return float(costs.get("flops", 0.0)) if costs else 0.0
+    return program_flops(program, abstract, *jax.tree.map(like, args))
 
 
-def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Consts) -> float:
+def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Consts) -> Flops:
     """The FLOPs of one validation pass over every set, from XLA's cost analysis of the
     pass lowered alone (not compiled), each set as one batch: the same arithmetic as its
     batches one by one, which a loop would count once. 0 without validation.
     """
     validation = loop.validation
     if validation is None or val_data is None:
-        return 0.0
+        return Flops(0.0)
 
     def validate(state: TrainState, val_data: PyTree, consts: Consts) -> Any:
         parts = loop.parts(consts)
@@ -342,7 +342,7 @@ def _compile_plan_in(
     # main thread, but XLA compiles on, and a process that exits meanwhile crashes.
     compiling_runs = [_in_thread(run.compile) for run in runs]
     threads.extend(compiling_runs)
-    flops, val_flops = counting.result()
+    step, validation = counting.result()
     compiled = [compiling.result() for compiling in compiling_runs][0]  # the most steps
     devices = devices_of(loop)
     peak = _device_peak(loop, model, options, devices)
@@ -352,8 +352,8 @@ def _compile_plan_in(
         memory=memory,
         arguments=argument_bytes(compiled, memory.argument),
         start_memory=memory_of(start),
-        flops_per_step=flops,
-        validation_flops=val_flops,
+        flops_per_step=step.flops,
+        validation_flops=validation.flops,
         steps=None if schedule.learning else schedule.total - schedule.begin,
         validations=validation_passes(loop),
         arrays=array_plans(loop, model),
@@ -365,12 +365,13 @@ def _compile_plan_in(
         execution=loop.execution,
         execution_why=loop.execution_why,
         compiled=compiled,
+        flops_lower_bound=step.lower_bound or validation.lower_bound,
     )
 
 
 def _count_flops(
     loop: Loop, state: TrainState, data_like: PyTree, val_data: PyTree | None, consts: Consts
-) -> tuple[float, float]:
+) -> tuple[Flops, Flops]:
     """The FLOPs of a step and of a validation pass."""
     step = step_flops(loop, state, data_like, consts)
     return step, validation_flops(loop, state, val_data, consts)
@@ -401,7 +402,7 @@ def step_costs(
         inputs = loop.placement.start_inputs(start_args, loop.trains)
         state = jax.eval_shape(start_program(loop), *inputs)[0]
         flops = step_flops(loop, state, source.like, start_args.consts)
-    return Costs(flops, None if peak is None else peak * len(devices))
+    return Costs(flops.flops, None if peak is None else peak * len(devices))
 
 
 def _device_peak(loop: Loop, model: PyTree, options: Any, devices: Sequence[Any]) -> float | None:
