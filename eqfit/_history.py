@@ -56,7 +56,9 @@ class History:
     - `initial_epoch`: epochs done before this run (`fit`'s `initial_epoch`).
     - `throughput`: each epoch's `"epoch_seconds"` (its wall seconds, from the first call
         of the program on: the compilation before it is not counted, the host's work
-        between calls is), `"steps_per_second"` and `"samples_per_second"`; NaN for an
+        between calls is), `"steps_per_second"` and `"samples_per_second"` (the batch's
+        rows, or the samples its updates say they process, `eqfit.AbstractUpdate`'s
+        `samples`: a rollout's environment steps); NaN for an
         epoch not timed whole (cut short, or begun before a resume). Each call of the
         program is timed as the device finishes it (a thread waits on it from when it is
         queued), from the end of the call before it. An epoch that lasts about 50 ms or

@@ -350,3 +350,50 @@ def test_options_several_updates_do_not_take_are_refused_saying_why(option, word
 def test_an_update_of_ones_own_under_devices_is_refused():
     with pytest.raises(ValueError, match="`devices=` with update 'target' of your own"):
         eqfit.fit(pair(), (X, Y), updates=[updates()[0], Polyak()], devices=8, **FIT)
+
+
+class Seeded(eqfit.AbstractUpdate):
+    """An update whose state starts from a key: a random draw it records every step."""
+
+    name: str = "seeded"
+
+    def init(self, params, *, key=None):
+        assert key is not None
+        return jax.random.normal(key, (3,))
+
+    def apply(self, model, state, batch, *, model_state, key):
+        return eqfit.Applied(model, state, model_state, {"first": state[0]})
+
+
+def test_an_updates_init_gets_a_key_of_its_own_per_member(getkey):
+    members = 3
+    key = jax.random.key(5)
+    models = eqx.filter_vmap(lambda k: pair(0))(jax.random.split(getkey(), members))
+    kwargs = dict(epochs=1, batch_size=16, updates=[updates()[0], Seeded()])
+    result = eqfit.fit(models, (X, Y), key=key, ensemble=True, **kwargs)
+    states = np.asarray(result.opt_state["seeded"])
+    assert states.shape == (members, 3)
+    assert len({tuple(s) for s in states}) == members  # each member starts apart
+    for m, member_key in enumerate(jax.random.split(key, members)):
+        # As the member would alone, with its key; the update is the second (index 1).
+        alone = eqfit.fit(pair(0), (X, Y), key=member_key, **kwargs)
+        np.testing.assert_array_equal(alone.opt_state["seeded"], states[m])
+        init_key = jax.random.fold_in(jax.random.fold_in(member_key, 3), 1)
+        np.testing.assert_array_equal(states[m], jax.random.normal(init_key, (3,)))
+        # Its value every step, the epoch's mean of it (the history's columns are members).
+        np.testing.assert_allclose(result.history["seeded_first"][:, m], states[m, 0], rtol=1e-6)
+
+
+def test_an_update_that_says_its_samples_shows_them_in_samples_per_second():
+    # Each step of this update processes 1,000 samples of its own (a rollout's
+    # environment steps, say); the batch's 16 rows are a dummy's.
+    kwargs = dict(key=jax.random.key(0), epochs=2, batch_size=16, progress="lines")
+    rows = eqfit.fit(pair(), (X, Y), updates=[Seeded()], **kwargs)
+    said = eqfit.fit(pair(), (X, Y), updates=[Seeded(samples=np.int64(1000))], **kwargs)
+    for result, per_step in ((rows, 16), (said, 1000)):
+        throughput = result.history.throughput
+        np.testing.assert_allclose(
+            throughput["samples_per_second"], per_step * throughput["steps_per_second"]
+        )
+    with pytest.raises(ValueError, match=r"Update 'seeded': `samples` must be an integer"):
+        Seeded(samples=0)

@@ -185,7 +185,7 @@ class _Reader:
         # the step the run stopped at, behind their begin.
         self.done = begin
         self.clock = Clock()
-        self.throughput = Throughput(loop.schedule, costs)
+        self.throughput = Throughput(loop.schedule, costs, loop.samples_per_step)
         self.epoch_figures: dict[int, dict[str, float]] = {}  # by epoch: `Throughput.epoch`
 
     def queued(self, report: Report, begin: int, stop: int, since: float | None = None) -> None:

@@ -431,8 +431,13 @@ class Throughput:
     COSTS = THROUGHPUT_COSTS
     NAMES = TIMES + COSTS
 
-    def __init__(self, schedule: Schedule, costs: Costs | None = None):
+    def __init__(
+        self, schedule: Schedule, costs: Costs | None = None, samples_per_step: int | None = None
+    ):
         self.schedule, self.costs = schedule, costs
+        # The samples a step processes where the run's updates say (a rollout's
+        # environment steps); else the batch's rows, by the schedule.
+        self.samples_per_step = samples_per_step
         self.calls: list[tuple[int, int, float]] = []  # steps begin, end, and seconds
         self.last: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=5)
 
@@ -447,7 +452,13 @@ class Throughput:
         seconds = sum(s for _, _, s in last)
         if not last or seconds <= 0:
             return None
-        return sum(self.schedule.samples(b, e) for b, e, _ in last) / seconds
+        return sum(self.samples(b, e) for b, e, _ in last) / seconds
+
+    def samples(self, begin: int, end: int) -> int:
+        """The samples of the steps from `begin` to `end`."""
+        if self.samples_per_step is not None:
+            return (end - begin) * self.samples_per_step
+        return self.schedule.samples(begin, end)
 
     def epoch(self, epoch: int) -> dict[str, float]:
         """The figures of epoch `epoch` (counted from 1), once its steps are all read;
@@ -464,17 +475,17 @@ class Throughput:
         self.calls = [c for c in self.calls if c[1] > stop]  # what later epochs need
         if covered < stop - start or seconds <= 0:
             return {}
-        samples = self.schedule.samples(start, stop)
         figures = {
             "epoch_seconds": seconds,
             "steps_per_second": (stop - start) / seconds,
-            "samples_per_second": samples / seconds,
+            "samples_per_second": self.samples(start, stop) / seconds,
         }
         costs = self.costs
         if costs is not None:
-            # A smaller last batch costs less: each step's FLOPs go by its samples.
+            # A smaller last batch costs less: each step's FLOPs go by its rows.
             full = (stop - start) * self.schedule.batch_size
-            flops = costs.flops_per_step * (stop - start) * samples / full
+            rows = self.schedule.samples(start, stop)
+            flops = costs.flops_per_step * (stop - start) * rows / full
             figures["flops_per_second"] = flops / seconds
             if costs.peak_flops is not None:
                 figures["mfu"] = figures["flops_per_second"] / costs.peak_flops

@@ -99,6 +99,7 @@ def make_loop(
         if step.precision is None and step.average is None
         else tuple(np.dtype(a.dtype) for a in params),
         updates=infos,
+        samples_per_step=_samples_per_step(objects.updates),
     )
     consts = Consts(frozen, object_arrays)
     shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
@@ -290,7 +291,8 @@ def _update_info(
         )
 
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> list[str]:
-        own = update.init(eqx.filter(model, spec))
+        kwargs = {"key": jax.random.key(0)} if takes_key(update.init) else {}
+        own = update.init(eqx.filter(model, spec), **kwargs)
         out = update.apply(model, own, batch, model_state=model_state, key=jax.random.key(0))
         return sorted(out.values)
 
@@ -302,6 +304,12 @@ def _update_info(
                 f"update {update.name!r}'s `apply` records values named by strings, got {name!r}."
             )
     return UpdateInfo(update.name, update.every, tuple(picks), False, tuple(names))
+
+
+def _samples_per_step(updates: tuple[AbstractUpdate, ...]) -> int | None:
+    """The samples a step processes: the sum of its updates' `samples`, where any says."""
+    said = [int(u.samples) for u in updates if u.samples is not None]
+    return sum(said) if said else None
 
 
 def check_monitor(monitor: str, loop: Loop, what: str = EARLY_STOPPING) -> None:

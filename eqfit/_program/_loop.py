@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import PyTree
+from jaxtyping import Array, Key, PyTree
 
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution, WholeRun
-from .._step._objective import Objective
+from .._step._objective import Objective, takes_key
 from .._step._record import Kind, Record, UpdateInfo
 from .._step._step import select, Step
 from .._step._updates import AbstractUpdate
@@ -62,6 +62,9 @@ class Loop:
     execution_why: str = ""
     # With several updates (`fit(..., updates=)`): each one's static part, in order.
     updates: tuple[UpdateInfo, ...] = ()
+    # The samples a step processes, where its updates say (`AbstractUpdate.samples`);
+    # `None`: the batch's rows.
+    samples_per_step: int | None = None
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:
@@ -111,6 +114,9 @@ class Loop:
 
         if self.updates:
             optimizer = by_name(self.updates, updates)
+            init = functools.partial(init_updates, self.updates, updates)
+        else:
+            init = _init_of(optimizer)
 
         def split(model: PyTree) -> PyTree:
             """The trained arrays of a whole model (the inverse of `combine`)."""
@@ -133,7 +139,7 @@ class Loop:
             split=split if self.updates else None,
             microbatch=self.microbatch(),
         )
-        return Rebuilt(objective, optimizer, combine, step)
+        return Rebuilt(objective, optimizer, combine, step, init)
 
     def microbatch(self, rows: int | None = None) -> int | None:
         """With `microbatches=`, the rows of one microbatch of what the step sees of a
@@ -165,16 +171,33 @@ class Loop:
         return jax.tree.unflatten(self.model.treedef, leaves)
 
 
+def init_updates(
+    infos: tuple[UpdateInfo, ...],
+    updates: tuple[AbstractUpdate, ...],
+    params: PyTree,
+    key: Key[Array, ""],
+) -> dict[str, PyTree]:
+    """Each update's state at the start, in a dict by name: `AbstractUpdate.init` on the
+    arrays it trains, given `jax.random.fold_in(key, i)` (the `i`-th update's) where it
+    takes a `key`.
+    """
+    states = {}
+    for i, (info, update) in enumerate(zip(infos, updates)):
+        kwargs = {"key": jax.random.fold_in(key, i)} if takes_key(update.init) else {}
+        states[info.name] = update.init(select(params, info.picks)[0], **kwargs)
+    return states
+
+
 def by_name(
     infos: tuple[UpdateInfo, ...], updates: tuple[AbstractUpdate, ...]
 ) -> optax.GradientTransformation:
-    """The state of several updates as one optimizer's: `init` makes each update's state
-    on the arrays it trains (`AbstractUpdate.init`), in a dict by name. (The step runs
-    the updates themselves.)
+    """The state of several updates as one optimizer's, for what needs only its shapes
+    (`init_updates` with a fixed key; the run's start gives each its own). The step runs
+    the updates themselves.
     """
 
     def init(params: PyTree) -> dict[str, PyTree]:
-        return {i.name: u.init(select(params, i.picks)[0]) for i, u in zip(infos, updates)}
+        return init_updates(infos, updates, params, jax.random.key(0))
 
     def update(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("eqfit's step runs several updates one by one (`Step._updates`).")
@@ -189,6 +212,16 @@ class Rebuilt(NamedTuple):
     optimizer: optax.GradientTransformation
     combine: Callable[[PyTree], PyTree]
     step: Step
+    # The optimizer state at the start, from the trained arrays and a key of the run's
+    # (a member's): each update's `init` gets its own.
+    init: Callable[[PyTree, Key[Array, ""]], PyTree]
+
+
+def _init_of(
+    optimizer: optax.GradientTransformation,
+) -> Callable[[PyTree, Key[Array, ""]], PyTree]:
+    """An optimizer's `init`, taking (and needing no) key."""
+    return lambda params, key: optimizer.init(params)
 
 
 def lay_out_state(

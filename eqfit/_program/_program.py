@@ -46,12 +46,14 @@ def start(
     schedule = loop.schedule
     rows, steps = schedule.rows, schedule.columns
 
-    def start_one(params: list[Array], opt_state: PyTree, model_state: PyTree) -> TrainState:
+    def start_one(
+        params: list[Array], opt_state: PyTree, model_state: PyTree, key: Key[Array, ""]
+    ) -> TrainState:
         params = loop.params_tree([jnp.copy(p) for p in params])
         if loop.step.precision is not None:  # the master copy
             params = loop.step.precision.master(params)
-        if opt_state is None:
-            opt_state = parts.optimizer.init(params)
+        if opt_state is None:  # an update's `init` may take a key: the member's own
+            opt_state = parts.init(params, jax.random.fold_in(key, INIT))
         else:
             opt_state = jax.tree.map(jnp.copy, opt_state)
         if loop.param_shardings() is not None:  # laid out as `shard=` asks, from the start
@@ -83,10 +85,10 @@ def start(
         )
 
     if loop.members is None:
-        return start_one(params, opt_state, model_state), key
-    in_axes = (0, None if opt_state is None else 0, 0)
-    state = jax.vmap(start_one, in_axes=in_axes)(params, opt_state, model_state)
-    return state, jax.random.split(key, loop.members)
+        return start_one(params, opt_state, model_state, key), key
+    keys = jax.random.split(key, loop.members)
+    in_axes = (0, None if opt_state is None else 0, 0, 0)
+    return jax.vmap(start_one, in_axes=in_axes)(params, opt_state, model_state, keys), keys
 
 
 def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*members"]]]:
@@ -100,6 +102,10 @@ def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*me
 
 
 START_OPTIONS = {"xla_backend_optimization_level": 0}
+
+# What the run's key (a member's) is folded with for the updates' `init`s: apart from the
+# steps' keys (1) and validation's (2).
+INIT = 3
 
 
 def run(

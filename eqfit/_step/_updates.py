@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree
 
@@ -64,8 +65,11 @@ class AbstractUpdate(eqx.Module):
     Subclass it for an update of your own (a target network moved by Polyak averaging,
     an update that takes two gradients): give it a `name` and the two methods below, and
     where they differ from the defaults the parts it `trains` (as `eqx.tree_at`'s
-    `where`; `None`, the default: every floating-point array) and `every` (run on steps
-    `every`, `2 * every`, ... counted from 1; default 1). `fit` keeps only the arrays of
+    `where`; `None`, the default: every floating-point array), `every` (run on steps
+    `every`, `2 * every`, ... counted from 1; default 1) and `samples` (how many samples
+    one of its steps processes, such as the environment steps of a rollout, which the
+    history's, the bar's and the log's samples per second count instead of the batch's
+    rows; a step's are the sum of its updates' that say theirs). `fit` keeps only the arrays of
     the parts it trains from the model `apply` returns, carries its state from step to
     step (and in checkpoints), and records its values. `eqfit.Update` is the built-in
     one.
@@ -76,13 +80,23 @@ class AbstractUpdate(eqx.Module):
     # arguments (`eqfit.Update(name, loss, optimizer, trains=..., every=...)`).
     trains: Callable[[Any], Any] | None = eqx.field(default=None, kw_only=True)
     every: int = eqx.field(default=1, kw_only=True)
+    samples: int | None = eqx.field(default=None, kw_only=True)
 
     def __check_init__(self) -> None:
         check_every(self.name, self.every)
+        check_samples(self.name, self.samples)
 
     @abc.abstractmethod
     def init(self, params: ArrayTree) -> ArrayTree:
         """The update's state at the start (an optimizer's, say).
+
+        An update that starts from randomness (an environment's reset, a replay buffer's
+        first fill) takes a keyword `key` too, `def init(self, params, *, key=None)`
+        (the default keeps the override compatible for type checkers): `fit` always
+        passes it a key of its own, `jax.random.fold_in(jax.random.fold_in(k, 3), i)`
+        for the `i`-th of `updates` (counted from 0), where `k` is `fit`'s `key`, or in
+        an ensemble member `m`'s, `jax.random.split(key, members)[m]`: each member
+        starts apart.
 
         **Arguments:**
 
@@ -227,22 +241,24 @@ class Update(AbstractUpdate):
         model_state: ArrayTree,
         key: Key[Array, ""],
     ) -> Applied:
-        """The step `fit` runs for this update (with `fit`'s options at their defaults:
-        one device, no precision policy, no norms, no microbatches), for a hand-written
-        loop: the same bits as `fit`'s parameters, optimizer state and values. An update
+        """The step `fit` runs for this update, its very turn in the step (`fit`'s options
+        at their defaults: one device, no precision policy, no norms, no microbatches),
+        for a hand-written loop: the same bits as `fit`'s parameters, optimizer state and
+        values (its loss, its aux values, its injected hyperparameters). An update
         whose loss is not finite is not applied; a weighted mean's batch of weight 0
         trains on a zero gradient and records NaN; `grad_fn` reaches optimizers that take
         it (SAM's opaque mode).
         """
         spec = trained_spec(model, self.trains, f"`eqfit.Update({self.name!r})`'s `trains`")
         params, rest = eqx.partition(model, spec)
+        objective = self._objective(model_state is not None, None)
+        found = find_outputs(objective, model, model_state, batch, True)
+        names = (LOSS.name, *found.aux_names)
+        info = UpdateInfo(self.name, self.every, (), True, names, means=found.means)
         context = UpdateContext(combine=lambda p: eqx.combine(p, rest))
-        stateful = model_state is not None
-        found = find_outputs(self._objective(stateful, None), model, model_state, batch, True)
-        objective = self._objective(stateful, None, found.aux_names, found.means)
-        d = context.descend(objective, self.optimizer, params, state, model_state, None, batch, key)
-        values = d.values(objective) | hyperparams(d.opt_state)
-        return Applied(eqx.combine(d.params, rest), d.opt_state, d.model_state, values)
+        t = self._take_turn(info, context, params, state, model_state, batch, key)
+        values = t.values | hyperparams(t.opt_state)
+        return Applied(eqx.combine(t.params, rest), t.opt_state, t.model_state, values)
 
     def _take_turn(
         self,
@@ -288,6 +304,16 @@ def builtin(update: AbstractUpdate) -> Update | None:
     user's own. The one place the two are told apart, besides `_take_turn`.
     """
     return update if isinstance(update, Update) else None
+
+
+def check_samples(name: Any, samples: Any) -> None:
+    if samples is None:
+        return
+    if isinstance(samples, bool) or not isinstance(samples, int | np.integer) or samples < 1:
+        raise ValueError(
+            f"Update {name!r}: `samples` must be an integer of 1 or more (the samples one "
+            f"of its steps processes, such as a rollout's environment steps), got {samples!r}."
+        )
 
 
 def check_every(name: Any, every: Any) -> None:

@@ -188,6 +188,21 @@ class Polyak(eqfit.AbstractUpdate):
         return eqfit.Applied(model, state, model_state, {})
 
 
+class Seeded(eqfit.AbstractUpdate):
+    """An update whose state starts from a key: `init` takes one, `fit` passes it."""
+
+    name: str = "seeded"
+
+    def init(self, params: Any, *, key: Array | None = None) -> Array:
+        assert key is not None
+        return jax.random.normal(key, (3,))
+
+    def apply(
+        self, model: Any, state: Any, batch: Any, *, model_state: Any, key: Array
+    ) -> eqfit.Applied:
+        return eqfit.Applied(model, state, model_state, {"first": state[0]})
+
+
 def several_updates(twin: Twin, x: Array, y: Array) -> None:
     def online_loss(model: Twin, x: Array, y: Array) -> Array:
         return jnp.mean((jax.vmap(model.online)(x) - y) ** 2)
@@ -199,6 +214,7 @@ def several_updates(twin: Twin, x: Array, y: Array) -> None:
         updates=[
             eqfit.Update("q", online_loss, optax.adam(1e-3), trains=lambda m: m.online),
             Polyak(trains=lambda m: m.target, every=2),
+            Seeded(trains=lambda m: m.target),
         ],
     )
     assert_type(result.model, Twin)
