@@ -293,3 +293,12 @@ def test_a_sigterm_in_the_per_step_way_stops_within_steps_with_its_checkpoint(tm
     steps, by = int(words[2]), words[5]
     assert by == "SIGTERM" and 0 < steps < 10**6
     assert sorted(p.name for p in tmp_path.glob("ckpt-*"))[-1] == f"ckpt-000000-{steps:06d}"
+
+
+def test_per_step_takes_numpy_integers_and_refuses_what_is_no_integer():
+    assert eqfit.PerStep(np.int64(3)) == eqfit.PerStep(3)
+    assert type(eqfit.PerStep(np.int64(3)).unroll) is int
+    with pytest.raises(TypeError, match=r"`PerStep\(unroll=...\)` must be an integer.*2.5"):
+        eqfit.PerStep(2.5)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"must be at least 1, got 0"):
+        eqfit.PerStep(0)

@@ -316,3 +316,11 @@ def test_several_updates_take_weighted_means():
         got = getattr(stepped.model, part)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_mean_of_weights_of_the_wrong_shape_is_refused_naming_weights():
+    with pytest.raises(ValueError, match=r"`weights` must have `values`' shape \(4, 3\).*\(4, 2\)"):
+        eqfit.Mean.of(jnp.ones((4, 3)), jnp.ones((4, 2)))
+    # Per-example weights with a trailing axis of 1 broadcast over the labels.
+    mean = eqfit.Mean.of(jnp.ones((4, 3)), jnp.asarray([[1.0], [0.0], [1.0], [0.0]]))
+    assert float(mean.total) == 6.0 and float(mean.weight) == 6.0

@@ -5,6 +5,8 @@ checkpoint between an update's steps; an update of the user's own; and the refus
 """
 
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -397,3 +399,39 @@ def test_an_update_that_says_its_samples_shows_them_in_samples_per_second():
         )
     with pytest.raises(ValueError, match=r"Update 'seeded': `samples` must be an integer"):
         Seeded(samples=0)
+
+
+def test_numpy_integers_are_integers_for_every_and_samples():
+    update = eqfit.Update("b", loss_b, optax.sgd(0.1), every=np.int64(2), samples=np.int32(8))
+    assert type(update.every) is int and update.every == 2 and type(update.samples) is int
+    result = eqfit.fit(pair(), (X, Y), updates=[updates()[0], update], **FIT)
+    assert np.isfinite(result.history["b_loss"]).all()
+
+
+def test_an_update_with_no_optimizer_is_refused_where_it_is_built():
+    # In a plain process: the tests' jaxtyping hook checks a Module's fields by their
+    # annotations first, which a user's `import eqfit` does not.
+    script = """
+import optax, eqfit
+for optimizer in (optax.adam, "adam", None):
+    try:
+        eqfit.Update("d", lambda m, x, y: 0.0, optimizer)
+    except TypeError as e:
+        print(e)
+try:
+    eqfit.Update("d", "mse", optax.sgd(0.1))
+except TypeError as e:
+    print(e)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 4, done.stderr[-2000:]
+    must = "`eqfit.Update('d')`'s `optimizer` must be an optax `GradientTransformation`"
+    assert all(line.startswith(must) for line in lines[:3])
+    assert lines[0].endswith(
+        "got function. `adam` itself makes one when called: `adam(1e-3)`, say."
+    )
+    assert lines[1].endswith("got str.") and lines[2].endswith("got NoneType.")
+    assert lines[3].startswith("`eqfit.Update('d')`'s `loss` must be a function")

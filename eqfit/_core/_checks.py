@@ -101,6 +101,15 @@ def _raised_inside(error: BaseException, fn: Callable[..., Any]) -> bool:
     return False
 
 
+def as_int(value: Any) -> Any:
+    """`value` as a Python int where it is a numpy integer scalar (`np.int64(2)`, as
+    arithmetic on numpy arrays gives); anything else as it is, for its own check.
+    """
+    if isinstance(value, np.integer) and not isinstance(value, np.bool_):
+        return int(value)
+    return value
+
+
 def as_real(value: Any) -> float | None:
     """`value` as a Python float if it is a real number: a Python int or float, or a
     numpy or JAX scalar (a 0-d array) of an integer or floating dtype; else `None` (a

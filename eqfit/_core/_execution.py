@@ -18,6 +18,8 @@ from typing import Literal, NamedTuple
 
 import equinox as eqx
 
+from ._checks import as_int
+
 
 class Execution(eqx.Module):
     """How `fit` runs the training steps: `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`,
@@ -66,10 +68,15 @@ class PerStep(Execution):
         past an epoch's end or a pass's smaller last batch, which has a program of its own.
     """
 
-    unroll: int = 1
+    unroll: int = eqx.field(default=1, converter=as_int)
 
     def __check_init__(self) -> None:
-        if not isinstance(self.unroll, int) or self.unroll < 1:
+        if isinstance(self.unroll, bool) or not isinstance(self.unroll, int):
+            raise TypeError(
+                "`PerStep(unroll=...)` must be an integer, the steps each program writes "
+                f"out (such as `PerStep(4)`), got {self.unroll!r} ({type(self.unroll).__name__})."
+            )
+        if self.unroll < 1:
             raise ValueError(f"`PerStep(unroll=...)` must be at least 1, got {self.unroll!r}.")
 
     def describe(self) -> str:

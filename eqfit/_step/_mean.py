@@ -55,7 +55,15 @@ class Mean(eqx.Module):
         values = jnp.asarray(values)
         if weights is None:
             return cls(jnp.sum(values), jnp.asarray(values.size, values.dtype))
-        w = jnp.broadcast_to(jnp.asarray(weights), values.shape).astype(values.dtype)
+        weights = jnp.asarray(weights)
+        try:
+            w = jnp.broadcast_to(weights, values.shape).astype(values.dtype)
+        except ValueError:
+            raise ValueError(
+                f"`eqfit.Mean.of`'s `weights` must have `values`' shape {values.shape} or one "
+                f"that broadcasts to it (a mask of the same shape, or per-example weights "
+                f"with trailing axes of 1), got shape {weights.shape}."
+            ) from None
         return cls(jnp.sum(w * values), jnp.sum(w))
 
     @property

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree
 
+from .._core._checks import as_int
 from .._core._typing import ArrayTree
 from ._descent import hyperparams, UpdateContext
 from ._labels import LabelError
@@ -79,8 +80,8 @@ class AbstractUpdate(eqx.Module):
     # Keyword-only, so that a subclass's own fields come first in its constructor's
     # arguments (`eqfit.Update(name, loss, optimizer, trains=..., every=...)`).
     trains: Callable[[Any], Any] | None = eqx.field(default=None, kw_only=True)
-    every: int = eqx.field(default=1, kw_only=True)
-    samples: int | None = eqx.field(default=None, kw_only=True)
+    every: int = eqx.field(default=1, kw_only=True, converter=as_int)
+    samples: int | None = eqx.field(default=None, kw_only=True, converter=as_int)
 
     def __check_init__(self) -> None:
         check_every(self.name, self.every)
@@ -218,6 +219,27 @@ class Update(AbstractUpdate):
     name: str
     loss: Callable[..., Any]
     optimizer: optax.GradientTransformation
+
+    def __check_init__(self) -> None:
+        if not callable(self.loss):
+            raise TypeError(
+                f"`eqfit.Update({self.name!r})`'s `loss` must be a function "
+                f"`loss(model, *batch)`, got {type(self.loss).__name__}."
+            )
+        optimizer = self.optimizer
+        if not (
+            callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))
+        ):
+            hint = ""
+            if callable(optimizer) and not isinstance(optimizer, type):
+                name = getattr(optimizer, "__name__", "it")
+                hint = f" `{name}` itself makes one when called: `{name}(1e-3)`, say."
+            raise TypeError(
+                f"`eqfit.Update({self.name!r})`'s `optimizer` must be an optax "
+                f"`GradientTransformation`, such as `optax.adam(1e-3)`, got "
+                f"{type(optimizer).__name__}.{hint}"
+            )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Final, as in Equinox's rule: `fit` and a hand loop run its `apply` as it is, so
