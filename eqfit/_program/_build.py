@@ -17,7 +17,7 @@ from .._core._data import describe, is_dtype, not_a_stack
 from .._core._execution import choose
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import find_outputs, LossTrace, Objective, takes_key
-from .._step._record import LOSS, Record, record_for, UpdateInfo
+from .._step._record import Record, record_for, UpdateInfo
 from .._step._updates import AbstractUpdate, builtin, trained_spec
 from ._compile import PROGRAMS
 from ._loop import Loop
@@ -123,7 +123,7 @@ def make_loop(
     if schedules:
         check_schedules(schedules, opt_shapes)
     loop = dataclasses.replace(loop, record=record)
-    convolves = functools.partial(_convolves, objective, traced, options, outputs, bool(infos))
+    convolves = functools.partial(_convolves, objective, traced, options, outputs)
     execution, why = choose(
         options.execution,
         platform=placement_devices(options.placement)[0].platform,
@@ -185,14 +185,13 @@ def _convolves(
     traced: tuple[PyTree, PyTree, PyTree],
     options: Options,
     outputs: LossTrace,
-    updates: bool,
 ) -> bool:
     """Whether the loss (with several updates, their losses as one) convolves: from the
-    trace that found its `outputs`, or where none was made, from one made now (cached
-    with them); `False` for losses that fail to trace, which the run's own trace then
-    reports, with the batch that it meets.
+    trace that found its `outputs`, or where none was made (eqfit's own loss, or several
+    updates' losses), from one made now (cached with them); `False` for losses that fail
+    to trace, which the run's own trace then reports, with the batch that it meets.
     """
-    if outputs.convolves is not None and not updates:
+    if outputs.convolves is not None:
         return outputs.convolves
     try:
         return bool(_outputs(objective, traced, options, always=True).convolves)
@@ -284,11 +283,7 @@ def _update_info(
     loss_update = builtin(update)
     if loss_update is not None:
         objective = loss_update._objective(options.stateful, options.step.precision)
-        outputs = _outputs(objective, traced, options)
-        recorded = (LOSS.name, *outputs.aux_names)
-        return UpdateInfo(
-            update.name, update.every, tuple(picks), True, recorded, means=outputs.means
-        )
+        return loss_update._info(tuple(picks), _outputs(objective, traced, options))
 
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> list[str]:
         kwargs = {"key": jax.random.key(0)} if takes_key(update.init) else {}

@@ -24,7 +24,7 @@ from .._core._typing import ArrayTree
 from ._descent import hyperparams, UpdateContext
 from ._labels import LabelError
 from ._mean import Mean
-from ._objective import clone, find_outputs, Objective, split_output, takes_key
+from ._objective import clone, find_outputs, LossTrace, Objective, split_output, takes_key
 from ._precision import Precision
 from ._record import column_name, LOSS, UpdateInfo
 
@@ -274,9 +274,7 @@ class Update(AbstractUpdate):
         spec = trained_spec(model, self.trains, f"`eqfit.Update({self.name!r})`'s `trains`")
         params, rest = eqx.partition(model, spec)
         objective = self._objective(model_state is not None, None)
-        found = find_outputs(objective, model, model_state, batch, True)
-        names = (LOSS.name, *found.aux_names)
-        info = UpdateInfo(self.name, self.every, (), True, names, means=found.means)
+        info = self._info((), find_outputs(objective, model, model_state, batch, True))
         context = UpdateContext(combine=lambda p: eqx.combine(p, rest))
         t = self._take_turn(info, context, params, state, model_state, batch, key)
         values = t.values | hyperparams(t.opt_state)
@@ -308,6 +306,13 @@ class Update(AbstractUpdate):
             d.weights,
             d.labels,
         )
+
+    def _info(self, picks: tuple[bool, ...], found: LossTrace) -> UpdateInfo:
+        """What a run keeps of it: its loss and the aux values its loss returns
+        (`found`, its trace), of the trained arrays it `picks`.
+        """
+        values = (LOSS.name, *found.aux_names)
+        return UpdateInfo(self.name, self.every, picks, True, values, means=found.means)
 
     def _objective(
         self,
@@ -402,8 +407,7 @@ def check_updates(updates: Any) -> tuple[AbstractUpdate, ...]:
                 f"`updates` has two updates named {name!r}: each records its values and "
                 "keeps its optimizer's state under its name, so the names must differ."
             )
-        seen.add(name)
-        check_every(name, update.every)
+        seen.add(name)  # `every` and `samples` each update checked when it was made
     return tuple(updates)
 
 
