@@ -324,3 +324,92 @@ def test_mean_of_weights_of_the_wrong_shape_is_refused_naming_weights():
     # Per-example weights with a trailing axis of 1 broadcast over the labels.
     mean = eqfit.Mean.of(jnp.ones((4, 3)), jnp.asarray([[1.0], [0.0], [1.0], [0.0]]))
     assert float(mean.total) == 6.0 and float(mean.weight) == 6.0
+
+
+def weighted_ce(model, x, y, w):
+    """Cross-entropy weighted per sequence by `w`, which may be negative."""
+    ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(x), y), -1)
+    return eqfit.Mean(jnp.sum(w * ce), jnp.sum(w))
+
+
+def test_negative_weights_are_divided_as_they_are():
+    """An epoch of negative weights records the sum of its totals over the sum of its
+    weights, as a hand loop does: each step's value counts, whatever its weight's sign.
+    """
+    x, y, _ = sequences(48, seed=6)
+    model = Tagger(jax.random.key(6))
+    logits = jax.vmap(model)(jnp.asarray(x))
+    per = np.asarray(
+        jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), -1), np.float64
+    )
+    kwargs = dict(loss=weighted_ce, optimizer=optax.sgd(0.0), batch_size=16, shuffle=False, key=KEY)
+    for w in (-np.ones(48), np.r_[-np.ones(16), np.ones(32)], np.r_[np.ones(16), 2 * np.ones(32)]):
+        w = w.astype(np.float32)
+        result = eqfit.fit(model, (x, y, w), epochs=1, **kwargs)
+        expected = (w * per).sum() / w.sum()
+        np.testing.assert_allclose(result.history.loss[0], expected, rtol=1e-5)
+        assert np.isfinite(result.history.step_loss).all()
+
+
+def test_weights_that_cancel_train_on_a_zero_gradient():
+    """A batch whose weights sum to 0 while its total does not records NaN and trains on
+    a zero gradient (what its docs promise for a batch of weight 0), whole and in
+    microbatches whose weights cancel across them.
+    """
+    x, y, _ = sequences(16, seed=7)
+    w = np.r_[np.ones(8), -np.ones(8)].astype(np.float32)  # sums to 0; the total does not
+    model = Tagger(jax.random.key(7))
+    assert abs(float(weighted_ce(model, x, y, w).total)) > 1e-3
+    for microbatches in (1, 2):
+        result = eqfit.fit(
+            model,
+            (x, y, w),
+            loss=weighted_ce,
+            optimizer=optax.sgd(1.0),
+            batch_size=16,
+            epochs=2,
+            shuffle=False,
+            microbatches=microbatches,
+            key=KEY,
+        )
+        assert np.isnan(result.history.step_loss).all() and result.history.stop_reason is None
+        for got, was in zip(jax.tree.leaves(result.model), jax.tree.leaves(model)):
+            np.testing.assert_array_equal(got, was)
+
+
+def test_one_updates_batch_of_weight_zero_leaves_the_others_values():
+    """With two updates, a batch of weight 0 in one (its loss NaN for that step) leaves
+    the other update's values of that step in its epoch mean and in `history.loss`.
+    """
+    x, y, mask = sequences(64, seed=8)
+    mask = mask.copy()
+    mask[:16] = False  # the first batch: nothing for update "a"
+    full = np.ones_like(mask)
+    model = Pair(Tagger(jax.random.key(12)), Tagger(jax.random.key(13)))
+
+    def loss_b(model, x, y, mask):
+        return masked_ce(model.b, x, y, full[: x.shape[0]])
+
+    result = eqfit.fit(
+        model,
+        (x, y, mask),
+        updates=[
+            eqfit.Update("a", masked_ce_of("a"), optax.sgd(0.0), trains=lambda m: m.a),
+            eqfit.Update("b", loss_b, optax.sgd(0.0), trains=lambda m: m.b),
+        ],
+        batch_size=16,
+        shuffle=False,
+        key=KEY,
+    )
+    h = result.history
+    assert np.isnan(h.step_values["a_loss"][0, 0]) and np.isfinite(h.step_values["b_loss"][0]).all()
+    b = by_hand(model.b, x, y, full)["loss"]
+    a = by_hand(model.a, x, y, mask)["loss"]
+    np.testing.assert_allclose(h["b_loss"][0], b, rtol=1e-6)  # over all 4 steps
+    np.testing.assert_allclose(h["a_loss"][0], a, rtol=1e-6)  # over its 48 sequences' tokens
+    assert np.isfinite(h.step_loss).all()  # the step counts: its loss is b's alone
+    np.testing.assert_allclose(
+        h.loss[0],
+        np.mean(np.nan_to_num(h.step_values["a_loss"][0]) + h.step_values["b_loss"][0]),
+        rtol=1e-6,
+    )

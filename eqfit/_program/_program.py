@@ -501,7 +501,7 @@ def _running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
     """
     if out.weight is None:
         return jnp.stack([out.loss * size, size])
-    return jnp.stack([jnp.where(out.weight > 0, out.loss * out.weight, 0.0), out.weight])
+    return jnp.stack([jnp.where(out.weight != 0, out.loss * out.weight, 0.0), out.weight])
 
 
 def _running(state: TrainState) -> Bool[Array, ""]:

@@ -19,7 +19,7 @@ from jaxtyping import Array, Bool, Float, Key, PyTree
 
 from ._hyperparams import injected_names, injected_values
 from ._labels import either, LabelError
-from ._mean import nonzero
+from ._mean import divisor
 from ._microbatches import ForwardBackward, in_microbatches
 from ._objective import clone, Objective
 from ._optimizer import extra_args
@@ -219,7 +219,7 @@ class UpdateContext(eqx.Module):
             v = objective.value(model, state, batch, key)
             loss = v.loss
             if weighted:  # the total over the weight (over every device's weight)
-                loss = loss / nonzero(self.device_mean(jax.lax.stop_gradient(v.weight)))
+                loss = loss / divisor(self.device_mean(jax.lax.stop_gradient(v.weight)))
             scaled = loss if policy is None else policy.scale(loss, loss_scale)
             return scaled, (loss, v, model)
 

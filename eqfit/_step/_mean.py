@@ -20,10 +20,12 @@ class Mean(eqx.Module):
     of batch means; across devices (`devices=`, `mesh=`) the totals and the weights are
     summed before dividing, in the gradient too.
 
-    A batch whose weight is 0 (every target masked) trains with a zero gradient (the
-    optimizer still steps, as on any zero gradient) and records NaN as its step's value
-    (0 / 0), which the epoch leaves out; an epoch (or a validation set) whose weights
-    sum to 0 records NaN, never 0.
+    A batch whose weight is 0 (every target masked, or weights that cancel) trains with
+    a zero gradient whatever its total (the optimizer still steps, as on any zero
+    gradient) and records NaN as its step's value (0 / 0), which the epoch leaves out; an
+    epoch (or a validation set) whose weights sum to 0 records NaN, never 0. Negative
+    weights are allowed and divided as they are: the epoch's value is still the sum of
+    the totals over the sum of the weights.
 
     **Arguments:**
 
@@ -88,7 +90,9 @@ def _scalar(x: Any, name: str) -> Array:
     return x
 
 
-def nonzero(weight: Array) -> Array:
-    """`weight`, or 1 where it is 0: the divisor of a total whose weight may sum to 0
-    (the total is then 0 too)."""
-    return jnp.where(weight == 0, 1.0, weight)
+def divisor(weight: Array) -> Array:
+    """The divisor of a total over its `weight`: the weight, or infinity where it is 0,
+    so that the quotient is 0 and so is its gradient, whatever the total (weights that
+    cancel, summing to 0 with a total that does not, train on 0).
+    """
+    return jnp.where(weight == 0, jnp.inf, weight)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Key, PyTree
 
 from ._labels import either, LabelError
-from ._mean import nonzero
+from ._mean import divisor
 from ._objective import clone, Objective, Value
 
 
@@ -114,12 +114,14 @@ def in_microbatches(
     aux_weights = jnp.where(aux_means, v.aux_weights, 1.0)
     metrics = jnp.where(metric_means, total.metrics, total.metrics / total.metric_weights)
     metric_weights = jnp.where(metric_means, total.metric_weights, 1.0)
-    divisor = nonzero(count)
+    # A `Mean` whose weights over the microbatches sum to 0 trains on 0 (`divisor`).
+    by = divisor(count)
+    loss = total.loss / by
     weight = v.weight if weighted else jnp.ones((), jnp.float32)
     return ForwardBackward(
-        total.loss / divisor,
-        jax.tree.map(lambda g: g / divisor, total.grads),
-        Value(total.loss / divisor, weight, aux, aux_weights, v.state, None),
+        loss,
+        jax.tree.map(lambda g: g / by, total.grads),
+        Value(loss, weight, aux, aux_weights, v.state, None),
         metrics,
         metric_weights,
         total.labels,

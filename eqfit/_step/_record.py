@@ -200,7 +200,9 @@ class Record:
         precision = jax.lax.Precision.HIGHEST
 
         def mean(w: Array, value: Array) -> Array:  # NaN (0 / 0) if no step counts
-            return jnp.dot(w / jnp.sum(w), jnp.where(w > 0, value, 0.0), precision=precision)
+            # A step of weight 0 recorded NaN (0 / 0) and adds nothing; a negative
+            # weight counts as it is (a weighted mean's sum over sum).
+            return jnp.dot(w / jnp.sum(w), jnp.where(w != 0, value, 0.0), precision=precision)
 
         loss_weight = weight_name(LOSS.name)
         if loss_weight in where:  # a weighted mean: the sum of totals over that of weights

@@ -204,7 +204,10 @@ class Step(eqx.Module):
                 due = (step + 1) % info.every == 0
                 out = jax.lax.cond(due, run, functools.partial(_not_due, run), operand)
             params, opt_state[info.name], model_state = out.params, out.opt_state, out.model_state
-            total = total + out.loss.astype(jnp.float32)
+            # A weighted mean's batch of weight 0 records NaN for its update, not for
+            # the step: the other updates' values of the step still count.
+            empty = out.finite & jnp.isnan(out.loss)
+            total = total + jnp.where(empty, 0.0, out.loss.astype(jnp.float32))
             finite = out.finite if finite is None else finite & out.finite
             applied = out.applies if applied is None else applied | out.applies
             reported |= out.values
