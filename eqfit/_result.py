@@ -123,6 +123,7 @@ def finish(
             "iterator with enough batches, or fewer `epochs` or `steps_per_epoch`.",
             stacklevel=3,
         )
+    _warn_of_nan_monitor(loop, result.history)
     nan_steps = np.asarray(loop.placement.host(outcome.report.nan_step)).reshape(-1).tolist()
     if loop.step.on_nan == "raise" and max(nan_steps) >= 0:
         i = next(i for i, t in enumerate(nan_steps) if t >= 0)
@@ -139,6 +140,38 @@ def finish(
             step,
         )
     return result
+
+
+def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
+    """Warns where early stopping's monitor was NaN at an epoch it looked at: such an
+    epoch never improves, so it counts towards the patience, and may stop the run.
+    """
+    rule = loop.early_stopping
+    if rule is None:
+        return
+    epochs = history.epoch
+    looked = epochs > rule.start_from_epoch
+    validation = loop.validation
+    if rule.monitor in loop.val_names and validation is not None and validation.freq != 1:
+        looked &= epochs % validation.freq == 0
+    values = history[rule.monitor]
+    nan = np.isnan(values) if values.ndim == 1 else np.isnan(values).any(axis=-1)
+    found = epochs[looked & nan].tolist()
+    if not found:
+        return
+    shown = ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
+    cause = (
+        "a non-finite loss, or a validation set whose `eqfit.Mean` weights sum to 0"
+        if rule.monitor in loop.val_names
+        else "a non-finite loss, or an epoch whose `eqfit.Mean` weights sum to 0"
+    )
+    warnings.warn(
+        f"EarlyStopping's monitor {rule.monitor!r} was NaN at epoch(s) {shown} (counted "
+        f"from 1), which never improves on the best and so counts towards the patience "
+        f"({rule.patience}). A NaN comes from {cause}.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def outcome_epochs(loop: Loop, outcome: Outcome) -> list[int]:

@@ -224,6 +224,42 @@ def test_early_stopping_on_a_maximised_metric(getkey):
     assert result.history.best_epoch == 2 and result.history.epochs == 5
 
 
+class Level(eqx.Module):
+    a: jax.Array
+
+
+def test_a_nan_monitor_never_improves_and_is_warned_of(getkey):
+    """A monitored value that is NaN (a validation set whose weights sum to 0) is no
+    improvement, even at the first epoch, and `fit` warns of it: with a validation
+    weight that is 0 while the parameter is below 0 (after epoch 1), the best epoch is
+    the first finite one and the patience counts from there.
+    """
+    x = jnp.ones((8, 1))
+
+    def loss(model, x):
+        return jnp.mean((model.a - 1.0) ** 2 + 0 * x)
+
+    def val_loss(model, x):  # weight 0 while `a` is below 0
+        weight = jnp.sum(x) * (model.a > 0)
+        return eqfit.Mean(weight * (model.a - 1.0) ** 2, weight)
+
+    kwargs = dict(
+        epochs=8,
+        batch_size=8,
+        key=getkey(),
+        validation_data=(x,),
+        optimizer=optax.sgd(0.1),
+        metrics={"val": val_loss},
+        early_stopping=eqfit.EarlyStopping(2, monitor="val_val", mode="min", min_delta=10.0),
+    )
+    with pytest.warns(RuntimeWarning, match=r"monitor 'val_val' was NaN at epoch\(s\) 1 "):
+        result = eqfit.fit(Level(jnp.asarray(-0.5)), (x,), loss=loss, **kwargs)
+    h = result.history
+    assert np.isnan(h["val_val"][0]) and np.isfinite(h["val_val"][1:]).all()
+    # Epoch 2 is the first finite value and so the best; 3 and 4 do not beat it by 10.
+    assert h.best_epoch == 2 and h.epochs == 4 and h.stop_reason == "early_stopping"
+
+
 def test_early_stopping_monitor_must_exist(getkey, problem):
     model, data, _ = problem
     with pytest.raises(ValueError, match=r"monitor` is 'val_loss'.*computes \['loss'\]"):

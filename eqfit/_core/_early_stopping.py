@@ -30,8 +30,9 @@ class EarlyStopping(eqx.Module):
 
     It runs inside the compiled program. After each epoch from `start_from_epoch` on, the
     monitored value is compared with the best so far: it improves on it if it is better
-    by more than `min_delta` (the first monitored epoch always does). Every epoch that
-    does not improve counts towards `patience`; once the count reaches it, the remaining
+    by more than `min_delta` (the first monitored epoch always does, unless its value is
+    NaN: a NaN never improves, and `fit` warns of it). Every epoch that does not improve
+    counts towards `patience`; once the count reaches it, the remaining
     epochs do no work. An improvement resets the count, but with a `baseline` only if the
     value also beats the baseline.
 
@@ -137,7 +138,8 @@ class EarlyStopping(eqx.Module):
         """
         monitored = epoch > self.start_from_epoch
         first = state.best_epoch < 0
-        improved = monitored & (first | self._better(value, state.best_value))
+        # A NaN (a non-finite loss, a validation set of weight 0) never improves.
+        improved = monitored & ~jnp.isnan(value) & (first | self._better(value, state.best_value))
         resets = improved
         if self.baseline is not None:
             resets = improved & self._better(value, self.baseline)
