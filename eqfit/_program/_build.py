@@ -18,7 +18,7 @@ from .._core._execution import choose
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import find_outputs, LossTrace, Objective, takes_key
 from .._step._record import Record, record_for, UpdateInfo
-from .._step._updates import AbstractUpdate, builtin, trained_spec
+from .._step._updates import AbstractUpdate, builtin, check_applied, trained_spec
 from ._compile import PROGRAMS
 from ._loop import Loop
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
@@ -250,6 +250,32 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             "whole batch, which eqfit would not split; split it there, or train without "
             "`microbatches=`."
         )
+    if custom and len(custom) == len(updates):
+        # Each acts on a loss's gradient step, and no update here takes one.
+        acting = [
+            (option, does)
+            for option, does, given in (
+                (
+                    "norms=True",
+                    "records each loss's update's gradient and update norms",
+                    options.step.norms,
+                ),
+                (
+                    "precision=",
+                    "casts each loss's forward pass",
+                    options.step.precision is not None,
+                ),
+            )
+            if given
+        ]
+        if acting:
+            option, does = acting[0]
+            raise ValueError(
+                f"`{option}` with only updates of your own ({', '.join(map(repr, custom))}): "
+                f"it {does}, and an update of your own has none: its `apply` trains as it "
+                f"is written. Cast or measure inside `apply` (recording norms as values), "
+                f"or train without `{option.split('=')[0]}=`."
+            )
     if custom and isinstance(options.placement, Pmap):
         raise ValueError(
             f"`devices=` with update {custom[0]!r} of your own: under `devices=` each device "
@@ -285,20 +311,16 @@ def _update_info(
         objective = loss_update._objective(options.stateful, options.step.precision)
         return loss_update._info(tuple(picks), _outputs(objective, traced, options))
 
-    def values(model: PyTree, model_state: PyTree, batch: PyTree) -> list[str]:
+    def values(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
         kwargs = {"key": jax.random.key(0)} if takes_key(update.init) else {}
         own = update.init(eqx.filter(model, spec), **kwargs)
         out = update.apply(model, own, batch, model_state=model_state, key=jax.random.key(0))
-        return sorted(out.values)
+        found.append(check_applied(update, model, spec, own, out))
 
-    names: list[str] = []
-    eqx.filter_eval_shape(lambda *a: names.extend(values(*a)), member, state, batch)
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise TypeError(
-                f"update {update.name!r}'s `apply` records values named by strings, got {name!r}."
-            )
-    return UpdateInfo(update.name, update.every, tuple(picks), False, tuple(names))
+    found: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    eqx.filter_eval_shape(values, member, state, batch)
+    names, means = found[0]
+    return UpdateInfo(update.name, update.every, tuple(picks), False, names, means=means)
 
 
 def _samples_per_step(updates: tuple[AbstractUpdate, ...]) -> int | None:

@@ -425,9 +425,15 @@ def _updates_record(
     metrics = [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
     # A weighted mean's steps weigh by the weights it returns, as with one loss.
     means = {u.column(n) for u in updates for n in u.means}
-    columns = [c._replace(weight=weight_name(c.name)) if c.name in means else c for c, _ in aux]
-    weights = [weight_column(c.name) for c in columns if c.weight is not None]
-    record = Record(tuple(columns + metrics + [c for c, _ in own + norm + hyper] + weights))
+
+    def weighted(columns: list[tuple[Column, str]]) -> list[Column]:
+        return [
+            c._replace(weight=weight_name(c.name)) if c.name in means else c for c, _ in columns
+        ]
+
+    losses, owns = weighted(aux), weighted(own)
+    weights = [weight_column(c.name) for c in losses + owns if c.weight is not None]
+    record = Record(tuple(losses + metrics + owns + [c for c, _ in norm + hyper] + weights))
     if val_sets is not None:
         aux_names = record.names_of(Kind.AUX)
         check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)

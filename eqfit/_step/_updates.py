@@ -35,8 +35,11 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 class Applied(NamedTuple):
     """What an update gives back: the model after it, its own state, the model state
-    (`None` without `fit(..., state=)`), and the values it records, by name (each a
-    scalar, recorded as `<update>_<name>`; one named `"loss"` adds to `history.loss`).
+    (`None` without `fit(..., state=)`), and the values it records, by name, each
+    recorded as `<update>_<name>` (one named `"loss"` adds to `history.loss`): a real
+    scalar, which the epoch averages over its steps, or an `eqfit.Mean`, which it reduces
+    as the sum of the totals over the sum of the weights (NaN for an epoch whose weights
+    sum to 0, and for a step's value of weight 0).
     """
 
     model: Any
@@ -155,22 +158,20 @@ class AbstractUpdate(eqx.Module):
         out = self.apply(
             context.combine(params), state, batch, model_state=clone(model_state), key=key
         )
-        for name, value in out.values.items():
-            if isinstance(value, Mean):
-                raise TypeError(
-                    f"Update {self.name!r} recorded an `eqfit.Mean` for {name!r}: an update "
-                    "of your own records plain values (a `Mean`'s `.value`), which the "
-                    "epoch weighs by the batch's size."
-                )
-        if set(out.values) != set(info.values):
+        values, weights = recorded(self, out)
+        if set(values) != set(info.values):
             raise ValueError(
-                f"Update {self.name!r} recorded {sorted(out.values)}, but before the run it "
+                f"Update {self.name!r} recorded {sorted(values)}, but before the run it "
                 f"recorded {sorted(info.values)}: an update must record the same names every "
                 "step."
             )
-        values = {n: jnp.mean(jnp.asarray(v)).astype(jnp.float32) for n, v in out.values.items()}
+        if LOSS.name in weights:  # a weighted mean's batch of weight 0 records NaN
+            found = out.values[LOSS.name]
+            assert isinstance(found, Mean)
+            finite = jnp.isfinite(found.total) & jnp.isfinite(found.weight)
+        else:
+            finite = jnp.isfinite(values.get(LOSS.name, jnp.zeros((), jnp.float32)))
         loss = values.get(LOSS.name, jnp.zeros((), jnp.float32))
-        finite = jnp.isfinite(loss)
         return Turn(
             context.split(out.model),
             out.state,
@@ -179,9 +180,139 @@ class AbstractUpdate(eqx.Module):
             finite,
             finite,
             values,
-            {},
+            weights,
             None,
         )
+
+
+def recorded(update: AbstractUpdate, out: Any) -> tuple[dict[str, Array], dict[str, Array]]:
+    """The values an update of one's own records (`apply`'s `Applied.values`), each a
+    float32 scalar (a weighted mean's quotient), and the weights of those that are
+    weighted means (`eqfit.Mean`). Refuses what is no `Applied`, a name that is no
+    string, and a value that is no real scalar, naming the update and the value.
+    """
+    what = f"Update {update.name!r}'s `apply`"
+    if not isinstance(out, Applied):
+        raise TypeError(
+            f"{what} returned {_kind(out)}: it must return "
+            "`eqfit.Applied(model, state, model_state, values)`, the model after the update, "
+            "its state, the model state and a dict of the values to record (`{}` for none)."
+        )
+    if not isinstance(out.values, Mapping):
+        raise TypeError(
+            f"{what} recorded {_kind(out.values)} as `Applied.values`: it must be a dict of "
+            "scalars by name (`{'lag': lag}`; `{}` for none)."
+        )
+    values: dict[str, Array] = {}
+    weights: dict[str, Array] = {}
+    for name, value in out.values.items():
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise TypeError(
+                f"{what} recorded a value named {name!r}: a value's name ends its history "
+                f"name (`{update.name}_<name>`), so it must be a word such as 'lag'."
+            )
+        if isinstance(value, Mean):  # its steps weigh by its weight, as a loss's do
+            values[name] = (value.total / value.weight).astype(jnp.float32)
+            weights[name] = value.weight.astype(jnp.float32)
+            continue
+        dtype = getattr(value, "dtype", None)
+        if dtype is None and isinstance(value, bool | int | float | np.number):
+            dtype = np.result_type(value)
+        shape = np.shape(value) if dtype is not None else None
+        wrong = None
+        if dtype is None:
+            wrong = f"{_kind(value)}, not an array"
+        elif not (
+            jnp.issubdtype(dtype, jnp.floating)
+            or jnp.issubdtype(dtype, jnp.integer)
+            or jnp.issubdtype(dtype, jnp.bool_)
+        ):
+            wrong = f"an array of dtype {dtype}, not a real number"
+        elif shape != ():
+            wrong = (
+                f"an array of shape {shape}, not a scalar (shape ()): record its mean "
+                f"(`jnp.mean(...)`), or a weighted mean (`eqfit.Mean.of(values, weights)`)"
+            )
+        if wrong is not None:
+            raise TypeError(
+                f"{what} recorded {name!r} as {wrong}. Each value it records is a real "
+                "scalar (or an `eqfit.Mean`), recorded per step and averaged over the epoch."
+            )
+        values[name] = jnp.asarray(value).astype(jnp.float32)
+    return values, weights
+
+
+def check_applied(
+    update: AbstractUpdate, model: Any, spec: PyTree, state: Any, out: Any
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Checks, on abstract arrays before the run, what an update of one's own gives: its
+    `init`'s `state` (a PyTree of arrays), and its `apply`'s `out` (`recorded`) on
+    `model`, whose arrays outside the parts it trains (`spec`) must come back as they
+    were given: `fit` keeps only the ones it trains. Returns the names it records and
+    those that are weighted means.
+    """
+    bad = [x for x in jax.tree.leaves(state) if not (eqx.is_array(x) or isinstance(x, int | float))]
+    if bad:
+        raise TypeError(
+            f"Update {update.name!r}'s `init` returned a state holding {_kind(bad[0])}: its "
+            "state must be a PyTree of arrays (or `None`), which `fit` carries from step to "
+            "step and checkpoints."
+        )
+    values, weights = recorded(update, out)
+    given = jax.tree_util.tree_flatten_with_path(model)
+    back, treedef = jax.tree.flatten(out.model)
+    if treedef != given[1]:
+        raise TypeError(
+            f"Update {update.name!r}'s `apply` returned a model of another structure than "
+            "the one it was given: return the model with its parts replaced "
+            "(`eqx.tree_at(lambda m: m.target, model, new_target)`)."
+        )
+    trains = jax.tree.leaves(spec)
+    moved = [
+        jax.tree_util.keystr(path)
+        for (path, x), y, t in zip(given[0], back, trains)
+        if eqx.is_array(x) and not t and y is not x
+    ]
+    if moved:
+        shown = ", ".join(f"model{p}" for p in moved[:3]) + (", ..." if len(moved) > 3 else "")
+        raise ValueError(
+            f"Update {update.name!r}'s `apply` changed arrays of the model outside the parts "
+            f"it `trains` ({shown}): `fit` keeps only the arrays an update trains, so those "
+            "changes would be lost. Widen its `trains` to hold them, or give them back as they "
+            "came (`eqx.tree_at` replaces only the parts it names)."
+        )
+
+    def shapes(tree: Any) -> tuple[Any, list[tuple[Any, ...]]]:
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef, [(np.shape(x), _dtype(x)) for x in leaves]
+
+    if shapes(out.state) != shapes(state):
+        raise TypeError(
+            f"Update {update.name!r}'s `apply` returned a state unlike the one it was given "
+            f"(its `init`'s): {_summary(out.state)} against {_summary(state)}. `fit` carries "
+            "the state from step to step, so its structure, shapes and dtypes must stay."
+        )
+    return tuple(sorted(values)), tuple(sorted(weights))
+
+
+def _dtype(x: Any) -> Any:
+    """An array's dtype, or the one JAX gives a Python number (weak types aside)."""
+    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+
+
+def _summary(tree: Any) -> str:
+    """A state in a line: its type and its arrays."""
+    leaves = jax.tree.leaves(tree)
+    shown = ", ".join(f"{_dtype(x)}{list(np.shape(x))}" for x in leaves[:4])
+    more = ", ..." if len(leaves) > 4 else ""
+    return f"{type(tree).__name__} of {len(leaves)} arrays [{shown}{more}]"
+
+
+def _kind(x: Any) -> str:
+    """What `x` is, in a few words, for a message."""
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)}"
+    return "None" if x is None else f"a {type(x).__name__}"
 
 
 class Update(AbstractUpdate):

@@ -1,0 +1,215 @@
+"""An update of one's own (`eqfit.AbstractUpdate`) under bad input: what its `init` and
+`apply` give is checked before the run, each refusal naming the update and what to write;
+and the weighted means (`eqfit.Mean`) it records, reduced per epoch as a sum over a sum.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqfit
+
+
+class Pair(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+
+def pair(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return Pair(eqx.nn.Linear(3, 1, key=k1), eqx.nn.Linear(3, 1, key=k2))
+
+
+X = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
+Y = X.sum(1, keepdims=True) + 0.5
+FIT = dict(key=jax.random.key(1), batch_size=8, epochs=2, shuffle=False)
+
+
+class Own(eqfit.AbstractUpdate):
+    """An update whose `init` and `apply` give what it was built with."""
+
+    make: Callable[..., Any]
+    state: Callable[[], Any] = lambda: jnp.zeros(())
+    name: str = "own"
+    trains: Callable[[Pair], Any] | None = eqx.field(default=lambda m: m.b, kw_only=True)
+
+    def init(self, params):
+        return self.state()
+
+    def apply(self, model, state, batch, *, model_state, key):
+        return self.make(model, state, batch, model_state)
+
+
+def applied(values):
+    return lambda model, state, batch, model_state: eqfit.Applied(
+        model, state, model_state, values(batch)
+    )
+
+
+def mse(m, x, y):
+    return jnp.mean((jax.vmap(m.a)(x) - y) ** 2)
+
+
+def run(update):
+    online = eqfit.Update("q", mse, optax.sgd(0.1), trains=lambda m: m.a)
+    return eqfit.fit(pair(), (X, Y), updates=[online, update], **FIT)
+
+
+def rows(batch):
+    return batch[0][:, 0]
+
+
+BAD = [
+    (
+        Own(lambda m, s, b, ms: (m, s)),
+        TypeError,
+        r"Update 'own''s `apply` returned a tuple of 2: it must return `eqfit.Applied\(",
+    ),
+    (Own(lambda m, s, b, ms: m), TypeError, r"'own''s `apply` returned a Pair: it must return"),
+    (
+        Own(applied(lambda b: [1.0])),
+        TypeError,
+        r"'own''s `apply` recorded a list as `Applied.values`: it must be a dict",
+    ),
+    (
+        Own(applied(lambda b: {"rows": rows(b)})),
+        TypeError,
+        r"recorded 'rows' as an array of shape \(8,\), not a scalar.*`jnp.mean\(...\)`.*Mean.of",
+    ),
+    (
+        Own(applied(lambda b: {"z": jnp.asarray(1 + 2j)})),
+        TypeError,
+        r"recorded 'z' as an array of dtype complex64, not a real number",
+    ),
+    (Own(applied(lambda b: {"s": "high"})), TypeError, r"recorded 's' as a str, not an array"),
+    (Own(applied(lambda b: {"n": None})), TypeError, r"recorded 'n' as None, not an array"),
+    (
+        Own(applied(lambda b: {"d": {"x": jnp.zeros(())}})),
+        TypeError,
+        r"recorded 'd' as a dict, not an array",
+    ),
+    (
+        Own(applied(lambda b: {1: jnp.zeros(())})),
+        TypeError,
+        r"recorded a value named 1: .* a word such as 'lag'",
+    ),
+    (
+        Own(applied(lambda b: {}), state=lambda: "ready"),
+        TypeError,
+        r"'own''s `init` returned a state holding a str: its state must be a PyTree of arrays",
+    ),
+    (
+        Own(lambda m, s, b, ms: eqfit.Applied(m, jnp.zeros(3), ms, {})),
+        TypeError,
+        r"'own''s `apply` returned a state unlike .*float32\[3\].*against.*float32\[\]",
+    ),
+    (
+        Own(
+            lambda m, s, b, ms: eqfit.Applied(
+                eqx.tree_at(lambda m: m.a.bias, m, m.a.bias + 1), s, ms, {}
+            )
+        ),
+        ValueError,
+        r"'own''s `apply` changed arrays of the model outside the parts it `trains` "
+        r"\(model\.a\.bias\).*Widen its `trains`",
+    ),
+]
+
+
+@pytest.mark.parametrize("update, error, words", BAD)
+def test_what_an_update_of_ones_own_gives_is_checked_before_the_run(update, error, words):
+    with pytest.raises(error, match=words):
+        run(update)
+
+
+def test_an_update_that_gives_back_the_parts_it_does_not_train_as_they_came_runs():
+    """Replacing only the parts it trains, or recording numbers, ints and bools, is fine."""
+
+    def make(m, s, b, ms):
+        m = eqx.tree_at(lambda m: m.b, m, jax.tree.map(lambda x: 0.5 * x, m.b))
+        values = {"half": jnp.asarray(0.5), "n": jnp.asarray(3), "yes": True, "f": 2.0}
+        return eqfit.Applied(m, s + 1, ms, values)
+
+    result = run(Own(make))
+    assert result.history["own_n"].tolist() == [3.0, 3.0]
+    assert result.history["own_yes"].tolist() == [1.0, 1.0]
+    assert int(result.opt_state["own"]) == 12
+
+
+class Returns(eqfit.AbstractUpdate):
+    """Records an episodic return as a weighted mean: the sum of the returns of the
+    episodes that ended in the step over their number, which is often 0.
+    """
+
+    name: str = "rl"
+    trains: Callable[[Pair], Any] | None = lambda m: m.b
+
+    def init(self, params):
+        return jnp.zeros((), jnp.int32)
+
+    def apply(self, model, state, batch, *, model_state, key):
+        x, _ = batch
+        ended = x[:, 0] > 1.0  # few rows: many steps end no episode
+        ret = x[:, 1]
+        value = eqfit.Mean(jnp.sum(jnp.where(ended, ret, 0.0)), jnp.sum(ended))
+        return eqfit.Applied(model, state + 1, model_state, {"return": value, "plain": ret[0]})
+
+
+def test_an_update_of_ones_own_records_weighted_means_as_a_sum_over_a_sum():
+    """Each epoch's `rl_return` is the sum of the returns over the episodes that ended in
+    it, as a hand sum over sum gives; an epoch in which none ended records NaN for itself
+    alone; the step's value is NaN where its weight is 0 and the epoch leaves it out.
+    """
+    x = X.copy()
+    x[24:, 0] = 0.0  # the second epoch's rows (3 steps of 8) end no episode
+    result = eqfit.fit(
+        pair(), (x[:48], Y), updates=[Returns()], **(FIT | dict(epochs=1, batch_size=8))
+    )
+    steps = result.history.step_values["rl_return"][0]
+    ended = x[:, 0] > 1.0
+    for i in range(6):
+        e = ended[8 * i : 8 * i + 8]
+        if e.any():
+            np.testing.assert_allclose(steps[i], x[8 * i : 8 * i + 8, 1][e].mean(), rtol=1e-6)
+        else:
+            assert np.isnan(steps[i])
+    np.testing.assert_allclose(result.history["rl_return"][0], x[ended, 1].mean(), rtol=1e-6)
+    np.testing.assert_allclose(result.history["rl_plain"][0], x[::8, 1].mean(), rtol=1e-6)
+
+    def batches():  # the second epoch's three batches end no episode
+        for i in range(6):
+            yield x[8 * i : 8 * i + 8], Y[8 * i : 8 * i + 8]
+
+    halves = eqfit.fit(
+        pair(), batches(), updates=[Returns()], steps_per_epoch=3, key=FIT["key"], epochs=2
+    )
+    first, second = halves.history["rl_return"]
+    np.testing.assert_allclose(first, x[:24][ended[:24], 1].mean(), rtol=1e-6)
+    assert not ended[24:].any() and np.isnan(second)
+    assert halves.history.stop_reason is None
+
+
+@pytest.mark.parametrize("option", [dict(norms=True), dict(precision="bfloat16")])
+def test_step_options_that_act_on_a_loss_are_refused_with_only_updates_of_ones_own(option):
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=rf"`{name}=.*` with only updates of your own \('rl'\)"):
+        eqfit.fit(pair(), (X, Y), updates=[Returns()], **option, **FIT)
+
+
+def test_norms_beside_an_update_of_ones_own_are_the_losses_updates():
+    result = eqfit.fit(
+        pair(),
+        (X, Y),
+        updates=[eqfit.Update("q", mse, optax.sgd(0.1), trains=lambda m: m.a), Returns()],
+        norms=True,
+        **FIT,
+    )
+    names = set(result.history.values)
+    assert {"q_grad_norm", "q_update_norm"} <= names
+    assert not any(n.startswith("rl_") and "norm" in n for n in names)
