@@ -140,7 +140,7 @@ def _whole_batch_error(error: Exception, fn: Callable[..., Any], batch: tuple[An
     """Whether `error` looks like that of a model called on the whole batch: an error about
     shapes, or a runtime type check that met an array with the batch's leading size.
     """
-    if getattr(fn, "__module__", "").startswith("eqfit."):
+    if _own(fn):
         return False  # eqfit's losses and metrics vmap the model themselves
     if not isinstance(error, TypeCheckError):
         return _SHAPE_ERROR.search(str(error)) is not None
@@ -426,7 +426,8 @@ class LossTrace(NamedTuple):
 
 
 def _own(fn: object) -> bool:
-    return getattr(fn, "__module__", "").startswith("eqfit.")
+    # `__module__` is None for a function made by `exec` without a `__name__`.
+    return (getattr(fn, "__module__", None) or "").startswith("eqfit.")
 
 
 CONVOLUTION = "conv_general_dilated"
