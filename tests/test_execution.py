@@ -302,3 +302,32 @@ def test_per_step_takes_numpy_integers_and_refuses_what_is_no_integer():
         eqfit.PerStep(2.5)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"must be at least 1, got 0"):
         eqfit.PerStep(0)
+
+
+@pytest.mark.parametrize(
+    "batches, unroll, words",
+    [
+        (6, 300, r"but an epoch of this run has 6, .* Give `unroll` at most 6"),
+        (300, 200, r"but the data streams in chunks of \d+, .* Give `unroll` at most \d+"),
+    ],
+)
+def test_programs_longer_than_a_loaders_epoch_or_chunk_are_refused_before_tracing(
+    batches, unroll, words
+):
+    """A generator's length is known only as it is read: `PerStep(unroll)` longer than
+    its epoch (or than a chunk of its batches, which a call never passes) is refused at
+    the first feed, before the program is traced, where it was traced step by step for
+    as long as `unroll` said (`PerStep(10**9)`: without end).
+    """
+    x = np.ones((batches * 4, 2), np.float32)
+
+    def generator():
+        for i in range(batches):
+            yield x[4 * i : 4 * i + 4], x[4 * i : 4 * i + 4, :1]
+
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), key=jax.random.key(1))
+    with pytest.raises(ValueError, match=rf"`execution=PerStep\(unroll={unroll}\)` .*{words}"):
+        eqfit.fit(model, generator(), execution=eqfit.PerStep(unroll), **kwargs)
+    result = eqfit.fit(model, generator(), execution=eqfit.PerStep(6), **kwargs)
+    assert result.history.step_loss.shape == (1, batches)
