@@ -213,3 +213,35 @@ def test_norms_beside_an_update_of_ones_own_are_the_losses_updates():
     names = set(result.history.values)
     assert {"q_grad_norm", "q_update_norm"} <= names
     assert not any(n.startswith("rl_") and "norm" in n for n in names)
+
+
+class Count(eqfit.AbstractUpdate):
+    """A state of weakly typed scalars, as `jnp.asarray(0)` makes (gymnax's states hold
+    them)."""
+
+    name: str = "c"
+
+    def init(self, params):
+        return {"n": jnp.asarray(0), "x": jnp.asarray(0.0)}
+
+    def apply(self, model, state, batch, *, model_state, key):
+        return eqfit.Applied(model, {"n": state["n"] + 1, "x": state["x"] + 0.5}, model_state, {})
+
+
+def test_a_run_goes_on_from_a_state_of_weak_types_and_a_refusal_says_what_differs():
+    first = eqfit.fit(pair(), (X, Y), updates=[Count()], **FIT)
+    then = eqfit.fit(
+        first.model,
+        (X, Y),
+        updates=[Count()],
+        opt_state=first.opt_state,
+        **(FIT | dict(epochs=4)),
+        initial_epoch=2,
+    )
+    assert int(then.opt_state["c"]["n"]) == 24 and float(then.opt_state["c"]["x"]) == 12.0
+    wrong = {"c": {"n": jnp.zeros(3, jnp.int32), "x": jnp.asarray(0.0)}}
+    with pytest.raises(
+        ValueError,
+        match=r"at `opt_state\['c'\]\['n'\]` it holds int32\[3\] where int32\[\] belongs",
+    ):
+        eqfit.fit(pair(), (X, Y), updates=[Count()], opt_state=wrong, **FIT)

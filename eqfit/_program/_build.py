@@ -363,14 +363,27 @@ def check_opt_state(loop: Loop, params: list[Array], opt_state: PyTree, consts: 
     if loop.step.precision is not None:  # the optimizer keeps the master copy's dtypes
         trained = jax.eval_shape(loop.step.precision.master, trained)
     expected = jax.eval_shape(init, trained)
-    given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), opt_state)
-    if jax.tree.structure(expected) != jax.tree.structure(given) or jax.tree.leaves(
-        expected
-    ) != jax.tree.leaves(given):
+    # Shapes and dtypes, not weak types: a state made of `jnp.asarray(0)` comes back from
+    # a run as a plain int32.
+    differs = None
+    if jax.tree.structure(expected) != jax.tree.structure(given := opt_state):
+        differs = "its structure differs"
+    else:
+        paths = jax.tree_util.tree_flatten_with_path(expected)[0]
+        for (path, want), got in zip(paths, jax.tree.leaves(given)):
+            if (tuple(want.shape), want.dtype) != (np.shape(got), _dtype(got)):
+                differs = (
+                    f"at `opt_state{jax.tree_util.keystr(path)}` it holds "
+                    f"{_dtype(got)}{list(np.shape(got))} where {want.dtype}{list(want.shape)} "
+                    "belongs"
+                )
+                break
+    if differs is not None:
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), opt_state)
         raise ValueError(
-            "`opt_state` is not this optimizer's state for the arrays that train: expected "
-            f"{_summary(expected)}, got {_summary(given)}. Pass the `opt_state` of a result "
-            "trained with the same optimizer (and `filter_spec`), or none."
+            f"`opt_state` is not this optimizer's state for the arrays that train ({differs}): "
+            f"expected {_summary(expected)}, got {_summary(shapes)}. Pass the `opt_state` of a "
+            "result trained with the same optimizer (and `filter_spec`), or none."
         )
 
 
