@@ -39,7 +39,7 @@ from ._host._plan import Plan
 from ._host._planner import make_plan, step_costs
 from ._host._signals import Interrupt
 from ._program._build import make_loop
-from ._program._options import check_options
+from ._program._options import check_options, no_data
 from ._program._parallel import Device
 from ._program._sharding import Shard
 from ._result import FitResult
@@ -82,7 +82,7 @@ Data = object
 )
 def fit(
     model: Model,
-    data: Data,
+    data: Data | None = None,
     *,
     loss: Loss | None = None,
     optimizer: Optimizer | None = None,
@@ -142,7 +142,10 @@ def fit(
             first pass as it is read, and that pass's length is every epoch's (an
             iterator without `len` trains one epoch, to its end, unless given
             `steps_per_epoch`); its checkpoints keep that length, and a resumed run
-            takes it and refuses a loader whose first pass is not that long.
+            takes it and refuses a loader whose first pass is not that long;
+        - `None` (the default), where the updates make their own data (a rollout in a
+            JAX environment, as PureJaxRL's PPO does): with `updates=` of your own and
+            `steps_per_epoch=`, each step runs every update once with `batch=None`.
     - `loss`: called as `loss(model, *batch)` (or `loss(model, state, *batch)` returning
         `(value, new_state)` with `state=`), returning a scalar. If it takes a keyword
         `key`, it gets a fresh key every step (for dropout and the like). It may also
@@ -396,6 +399,8 @@ def fit(
         filter_spec=filter_spec,
     )
     # Open the data, plan the run's shape from it, and build its static description.
+    if data is None:  # the updates make their own: a row of nothing for each step
+        data = no_data(options.steps_per_epoch or 1)
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
     schedule = schedule_for(source, options)
     loop, start = make_loop(model, schedule, options, source.like, state, opt_state)

@@ -245,3 +245,80 @@ def test_a_run_goes_on_from_a_state_of_weak_types_and_a_refusal_says_what_differ
         match=r"at `opt_state\['c'\]\['n'\]` it holds int32\[3\] where int32\[\] belongs",
     ):
         eqfit.fit(pair(), (X, Y), updates=[Count()], opt_state=wrong, **FIT)
+
+
+class Walk(eqfit.AbstractUpdate):
+    """A random walk that makes its own data: no batch, its key threaded in its state,
+    and the step's key recorded so that its documented derivation can be checked."""
+
+    name: str = "walk"
+    reads: bool = False
+
+    def init(self, params, *, key=None):
+        return {"pos": jnp.zeros(()), "key": key}
+
+    def apply(self, model, state, batch, *, model_state, key):
+        if self.reads:
+            batch = batch[0]
+        assert batch is None
+        threaded, step = jax.random.split(state["key"])
+        pos = state["pos"] + jax.random.normal(step)
+        drawn = jax.random.uniform(key)
+        values = {"pos": pos, "drawn": drawn}
+        return eqfit.Applied(model, {"pos": pos, "key": threaded}, model_state, values)
+
+
+def test_training_with_no_data_runs_updates_that_make_their_own():
+    key = jax.random.key(7)
+    result = eqfit.fit(pair(), updates=[Walk()], steps_per_epoch=4, epochs=3, key=key)
+    h = result.history
+    assert h.step_loss.shape == (3, 4) and (h.batch_sizes == 1).all()
+    # The state's key, from `init`'s, threaded by hand as the update does.
+    state_key = jax.random.fold_in(jax.random.fold_in(key, 3), 0)
+    pos, positions = 0.0, []
+    for _ in range(12):
+        state_key, step = jax.random.split(state_key)
+        pos = pos + float(jax.random.normal(step))
+        positions.append(pos)
+    np.testing.assert_allclose(h.step_values["walk_pos"].reshape(-1), positions, rtol=1e-5)
+    # The key `apply` gets at step t: fold_in(fold_in(fold_in(key, 1), t), 0).
+    drawn = [
+        float(
+            jax.random.uniform(
+                jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, 1), t), 0)
+            )
+        )
+        for t in range(12)
+    ]
+    np.testing.assert_allclose(h.step_values["walk_drawn"].reshape(-1), drawn, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(updates=[Walk()]), ValueError, r"give `steps_per_epoch=`"),
+        (
+            dict(loss=mse, optimizer=optax.sgd(0.1), steps_per_epoch=2),
+            TypeError,
+            r"`data` is None, but `loss=` is computed on batches",
+        ),
+        (
+            dict(updates=[eqfit.Update("q", mse, optax.sgd(0.1)), Walk()], steps_per_epoch=2),
+            ValueError,
+            r"update 'q' is an `eqfit.Update`, whose loss is computed on a batch",
+        ),
+        (
+            dict(updates=[Walk()], steps_per_epoch=2, batch_size=8),
+            ValueError,
+            r"`batch_size=` with `data=None`",
+        ),
+        (
+            dict(updates=[Walk(reads=True)], steps_per_epoch=2),
+            ValueError,
+            r"Update 'walk''s `apply` failed on `batch=None`.*TypeError",
+        ),
+    ],
+)
+def test_training_with_no_data_refuses_what_needs_a_batch(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        eqfit.fit(pair(), key=jax.random.key(0), **kwargs)

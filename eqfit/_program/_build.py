@@ -314,11 +314,22 @@ def _update_info(
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
         kwargs = {"key": jax.random.key(0)} if takes_key(update.init) else {}
         own = update.init(eqx.filter(model, spec), **kwargs)
-        out = update.apply(model, own, batch, model_state=model_state, key=jax.random.key(0))
+        try:
+            out = update.apply(model, own, batch, model_state=model_state, key=jax.random.key(0))
+        except (TypeError, IndexError, AttributeError, KeyError) as e:
+            if options.step.batch:
+                raise
+            raise ValueError(
+                f"Update {update.name!r}'s `apply` failed on `batch=None`, which it gets "
+                "where `fit` has no data (`data=None`): an update that reads a batch needs "
+                f"`data`; one that makes its own (a rollout) must not read it. The error: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         found.append(check_applied(update, model, spec, own, out))
 
     found: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
-    eqx.filter_eval_shape(values, member, state, batch)
+    # No data: the step hands its updates `batch=None`.
+    eqx.filter_eval_shape(values, member, state, batch if options.step.batch else None)
     names, means = found[0]
     return UpdateInfo(update.name, update.every, tuple(picks), False, names, means=means)
 

@@ -138,6 +138,7 @@ class Loop:
             updates=tuple(zip(self.updates, updates)),
             split=split if self.updates else None,
             microbatch=self.microbatch(),
+            batch=self.step.batch,
         )
         return Rebuilt(objective, optimizer, combine, step, init)
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
@@ -27,7 +28,7 @@ from .._core._policy import as_signals, Checkpoint, Profile
 from .._step._average import as_average, Average
 from .._step._precision import as_precision, Precision
 from .._step._record import NORMS, record_for, SCALING
-from .._step._updates import AbstractUpdate, check_updates, Losses, trained_spec
+from .._step._updates import AbstractUpdate, builtin, check_updates, Losses, trained_spec
 from .._step._validation import naming_advice, ValidationSets
 from ._parallel import choose_placement, Device, Placement
 from ._sharding import resolve
@@ -53,6 +54,9 @@ class StepOptions:
     average: Average | None = None  # `ema=`
     norms: bool = False
     microbatches: int = 1  # each batch computed in this many parts, one after another
+    # `False`: `fit` was given no data (`data=None`): its updates make their own (a
+    # rollout's), and each gets `batch=None`.
+    batch: bool = True
 
     @property
     def scales(self) -> bool:
@@ -302,6 +306,9 @@ def check_options(
         validation = Validation(sets, validation_freq, validate_ema)
     if shard is not None and checkpoint is not None:
         require_orbax()
+    if data is None:
+        _check_no_data(updates, steps_per_epoch, batch_size, validates, metrics, mesh, devices)
+        batch_size, shuffle = 1, False  # one step a row of `no_data`'s
     options = Options(
         key=as_key(key),
         epochs=epochs,
@@ -322,7 +329,12 @@ def check_options(
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
         step=StepOptions(
-            on_nan, as_precision(precision, model=model), average, bool(norms), microbatches
+            on_nan,
+            as_precision(precision, model=model),
+            average,
+            bool(norms),
+            microbatches,
+            batch=data is not None,
         ),
         peak_flops=peak,
         signals=as_signals(signals),
@@ -347,6 +359,62 @@ def check_options(
     if policy is not None and policy.keep_best is not None:
         _refuse_impossible_monitor(policy.keep_best, options, known, KEEP_BEST)
     return options
+
+
+def no_data(steps_per_epoch: int) -> tuple[np.ndarray]:
+    """What `fit` trains on when it is given no data: a row of no values for each step of
+    an epoch, taken one a step (`batch_size` 1, in order); the step hands its updates
+    `batch=None`.
+    """
+    return (np.zeros((steps_per_epoch, 0), np.float32),)
+
+
+def _check_no_data(
+    updates: Any,
+    steps_per_epoch: Any,
+    batch_size: Any,
+    validates: bool,
+    metrics: Any,
+    mesh: Any,
+    devices: Any,
+) -> None:
+    """Refuses `data=None` but with updates of one's own that make their data (a
+    rollout), and `steps_per_epoch`; and the options that need a batch.
+    """
+    if updates is None:
+        raise TypeError(
+            "`data` is None, but `loss=` is computed on batches of data: give `data`, or "
+            "train with `updates=[...]` of your own that make their data (a rollout in a JAX "
+            "environment), and `steps_per_epoch=`."
+        )
+    for update in updates if isinstance(updates, Sequence) else ():
+        if builtin(update) is not None:
+            raise ValueError(
+                f"`data` is None, but update {update.name!r} is an `eqfit.Update`, whose loss "
+                "is computed on a batch of data: give `data`, or make it an update of your "
+                "own (`eqfit.AbstractUpdate`) that makes its data in its `apply`."
+            )
+    if steps_per_epoch is None:
+        raise ValueError(
+            "`data` is None, so `fit` cannot count an epoch's steps from it: give "
+            "`steps_per_epoch=` (each step runs every update once)."
+        )
+    given = [
+        name
+        for name, value in (
+            ("batch_size", batch_size is not None),
+            ("validation_data", validates),
+            ("metrics", bool(metrics)),
+            ("mesh", mesh is not None),
+            ("devices", devices is not None),
+        )
+        if value
+    ]
+    if given:
+        raise ValueError(
+            f"`{given[0]}=` with `data=None`: it acts on batches of data, and this run has "
+            "none (its updates make their own); leave it out."
+        )
 
 
 def _objects(

@@ -95,6 +95,8 @@ class Step(eqx.Module):
     # With `microbatches=`: the rows of one microbatch of the batch this step sees, which
     # it computes one microbatch after another (`Step.measure`); `None`: all at once.
     microbatch: int | None = None
+    # `False`: `fit` was given no data, and the updates get `batch=None`.
+    batch: bool = True
 
     def __call__(
         self,
@@ -176,6 +178,8 @@ class Step(eqx.Module):
         updates that ran; it is finite if each of theirs is.
         """
         record = self.record
+        if not self.batch:  # a row of nothing stood for it: the updates make their data
+            batch = None
         # Metrics see the model before the step's first update.
         metrics, _, labels = self.objective.metric_values(
             self.combine(params), clone(model_state), batch

@@ -129,10 +129,15 @@ class AbstractUpdate(eqx.Module):
         - `model`: the whole model, as the updates before this one in the step left it.
         - `state`: the update's state (`init`'s, then the last `apply`'s).
         - `batch`: the step's batch, as the loss would get it (a tuple `(x, y)`, or the
-            PyTree passed whole).
+            PyTree passed whole); `None` where `fit` has no data (`data=None`: the update
+            makes its own, a rollout, say).
         - `model_state`: the model's state with `fit(..., state=)` (BatchNorm's), else
             `None`.
-        - `key`: a key of this update's own for this step.
+        - `key`: a key of this update's own for this step: at the run's step `t`
+            (counted from 0 across epochs), `fold_in(fold_in(fold_in(k, 1), t), i)` for
+            the `i`-th of `updates`, where `k` is `fit`'s `key` (an ensemble member's:
+            `jax.random.split(key, members)[m]`). An update that threads a key of its
+            own through its state instead (as PureJaxRL does) may ignore it.
 
         **Returns:**
 
