@@ -19,7 +19,7 @@ from ._history import History, StopReason
 from ._host._drive import Outcome
 from ._host._observers import Throughput
 from ._keep._checkpoint import CheckpointError, versions
-from ._keep._files import write_atomically
+from ._keep._files import read_leaves, write_atomically
 from ._program._loop import Loop
 from ._program._skeleton import unwrap
 from ._program._state import Consts, Stop
@@ -373,7 +373,7 @@ def load(path: PathLike, *, like: Any) -> Any:
                 if isinstance(like, FitResult)
                 else like
             )
-            loaded = eqx.tree_deserialise_leaves(f, target)
+            loaded = read_leaves(f, target)
         except Exception as e:  # a truncated file, or arrays of another structure
             raise ValueError(
                 f"{path} does not read back into `like`: the file is truncated, or was saved "

@@ -26,6 +26,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
         pytest.param("sweep.py", "wrote sweep.png", marks=pytest.mark.heavy),
         pytest.param("transformer_lm.py", "sample:", marks=pytest.mark.heavy),
         pytest.param("gan.py", "generated after epoch 10", marks=pytest.mark.heavy),
+        pytest.param("ppo.py", "final mean return", marks=pytest.mark.heavy),
     ],
 )
 def test_example_runs(script, expected, tmp_path):

@@ -24,7 +24,7 @@ from jaxtyping import PyTree
 from .._core._policy import KEEP
 from .._core._version import __version__
 from .._program._schedule import epochs_and_steps
-from ._files import CHECKSUMS, file_checksum, fsync_dir, write_file, write_leaves
+from ._files import CHECKSUMS, file_checksum, fsync_dir, read_leaves, write_file, write_leaves
 
 
 FORMAT = 3  # 2: a sequence number orders checkpoints; 3: a CRC32, where 2 had a SHA-256
@@ -392,7 +392,7 @@ class Checkpoints:
         checkpoint as damaged.
         """
         data = (folder / "state.eqx").read_bytes()
-        return eqx.tree_deserialise_leaves(io.BytesIO(data), like)
+        return read_leaves(io.BytesIO(data), like)
 
 
 class NotLike(ValueError):

@@ -85,12 +85,45 @@ def write_leaves(file: io.BufferedIOBase | None, tree: PyTree) -> _Stream:
     """
     stream = _Stream(file)
     try:
-        eqx.tree_serialise_leaves(stream, tree, filter_spec=stream.leaf)
+        eqx.tree_serialise_leaves(stream, keys_as_data(tree), filter_spec=stream.leaf)
     except Exception:
         if stream.error is not None:  # a full disk, say: as the file raised it
             raise stream.error from None
         raise
     return stream
+
+
+def read_leaves(file: io.BufferedIOBase, like: PyTree) -> PyTree:
+    """What `write_leaves` wrote, read into the shape of `like` (as
+    `eqx.tree_deserialise_leaves` reads it, PRNG keys as keys again).
+    """
+    read = eqx.tree_deserialise_leaves(file, keys_as_data(like))
+    return jax.tree.map(
+        lambda x, k: jax.random.wrap_key_data(x, impl=jax.random.key_impl(k)) if _is_key(k) else x,
+        read,
+        like,
+    )
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def keys_as_data(tree: PyTree) -> PyTree:
+    """`tree` with its typed PRNG keys (an update's state that threads a key, as
+    PureJaxRL's does) as their data, `uint32` arrays, which a file can hold; the arrays'
+    shapes (`jax.ShapeDtypeStruct`s) alike.
+    """
+
+    def data(x: Any) -> Any:
+        if not _is_key(x):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.eval_shape(jax.random.key_data, x)
+        return np.asarray(jax.random.key_data(x))
+
+    return jax.tree.map(data, tree)
 
 
 def write_atomically(path: Path, prefix: bytes, tree: PyTree) -> None:
