@@ -5,6 +5,9 @@ the test extra.)
 """
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import equinox as eqx
@@ -17,9 +20,8 @@ import eqfit
 
 
 pytestmark = pytest.mark.heavy
-spec = importlib.util.spec_from_file_location(
-    "ppo_example", Path(__file__).resolve().parents[1] / "examples" / "ppo.py"
-)
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+spec = importlib.util.spec_from_file_location("ppo_example", EXAMPLES / "ppo.py")
 assert spec is not None and spec.loader is not None
 ppo = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ppo)
@@ -35,6 +37,52 @@ def test_ppo_learns_cartpole():
     np.testing.assert_allclose(
         throughput["samples_per_second"][-1], per_step * throughput["steps_per_second"][-1]
     )
+
+
+SAME_BITS = """
+import sys
+import equinox as eqx, jax, numpy as np
+sys.path.insert(0, sys.argv[1])
+import ppo
+
+@eqx.filter_jit
+def hand_scan(network, key, iterations):
+    runner = ppo.start(eqx.filter(network, eqx.is_inexact_array), key)
+
+    def body(carry, _):
+        network, runner, figures = ppo.ppo_iteration(*carry)
+        return (network, runner), figures["returns"] / figures["episodes"]
+
+    (network, runner), returns = jax.lax.scan(body, (network, runner), None, iterations)
+    return network, returns
+
+result = ppo.train(epochs=1, steps_per_epoch=12)
+network_key, key = jax.random.split(jax.random.key(0))
+init_key = jax.random.fold_in(jax.random.fold_in(key, 3), 0)
+network, returns = hand_scan(ppo.networks(network_key), init_key, 12)
+same = np.array_equal(result.history.step_values["ppo_return"][0], returns, equal_nan=True)
+pairs = zip(jax.tree.leaves(eqx.filter(result.model, eqx.is_inexact_array)),
+            jax.tree.leaves(eqx.filter(network, eqx.is_inexact_array)))
+print("returns equal:", same, "networks equal:", all(np.array_equal(a, b) for a, b in pairs))
+"""
+
+
+def test_fit_trains_bit_for_bit_as_a_hand_scan_of_the_same_iterations():
+    """With the keys `fit` documents, its run is PureJaxRL's `jit(lax.scan)` bit for bit:
+    the returns of every iteration and the network. In a process of its own, compiled as
+    a user's is (the suite compiles without LLVM's optimisation): the start program is
+    compiled as a `jax.jit` is where an update of one's own makes its state, whose
+    environments' reset rounds otherwise."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-c", SAME_BITS, str(EXAMPLES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "returns equal: True networks equal: True" in run.stdout, run.stdout
 
 
 def test_seeds_as_an_ensemble_train_as_each_alone():

@@ -95,10 +95,14 @@ def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*me
     """`start` compiled for `loop`, from eqfit's bounded cache of programs.
 
     It runs once per `fit` and only fills and copies arrays, so XLA compiles it without
-    optimising its kernels: half the compile time, which a first `fit` waits for.
+    optimising its kernels: half the compile time, which a first `fit` waits for. Not
+    where an update of the user's own makes its state (an environment's reset, say):
+    unoptimised kernels round otherwise (no fused multiply-adds), and its state must be
+    the bits a `jax.jit` of its `init` gives.
     """
     fn = functools.partial(start, loop)
-    return PROGRAM_CACHE.get(("start", loop), lambda: jax.jit(fn, compiler_options=START_OPTIONS))
+    options = None if any(not u.loss for u in loop.updates) else START_OPTIONS
+    return PROGRAM_CACHE.get(("start", loop), lambda: jax.jit(fn, compiler_options=options))
 
 
 START_OPTIONS = {"xla_backend_optimization_level": 0}
