@@ -12,6 +12,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
@@ -107,7 +108,7 @@ def read_leaves(file: io.BufferedIOBase, like: PyTree) -> PyTree:
 
 def _is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def keys_as_data(tree: PyTree) -> PyTree:
