@@ -181,6 +181,20 @@ def check_distillation(ns: dict[str, Any]) -> None:
             np.testing.assert_array_equal(a, b)  # the teacher does not move
 
 
+def ppo() -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location("ppo_example", ROOT / "examples" / "ppo.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    network = example.networks(jax.random.key(1))
+    return {"start": example.start, "ppo_iteration": example.ppo_iteration, "network": network}
+
+
+def check_ppo(ns: dict[str, Any]) -> None:
+    returns = ns["result"].history["ppo_return"]
+    assert returns.shape == (8,) and returns[-1] >= 400, returns
+
+
 # Each block by a line of its own: its setup and its check.
 SETUPS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]] = {
     "class GAN(eqx.Module):": (dcgan, check_dcgan),
@@ -188,10 +202,12 @@ SETUPS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]],
     "class Polyak(eqfit.AbstractUpdate):": (polyak, check_polyak),
     "def step(model, state, batch):": (hand_loop, check_hand_loop),
     "def loss(model, x, y, mask):": (weighted, check_weighted),
+    "class PPO(eqfit.AbstractUpdate):": (ppo, check_ppo),
     "optimizer = optax.contrib.sam(": (sam, check_sam),
     "class Distilled(eqx.Module):": (distillation, check_distillation),
 }
-HEAVY = ("class GAN(eqx.Module):",)  # the DCGAN's convolutions compile for seconds
+# The DCGAN's convolutions compile for seconds; PPO trains for its 976 iterations.
+HEAVY = ("class GAN(eqx.Module):", "class PPO(eqfit.AbstractUpdate):")
 
 
 def setup_of(block: str) -> str:

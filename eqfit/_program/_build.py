@@ -16,7 +16,7 @@ from jaxtyping import Array, PyTree
 from .._core._data import describe, is_dtype, not_a_stack
 from .._core._execution import choose
 from .._step._hyperparams import check_schedules, injected_names
-from .._step._objective import find_outputs, LossTrace, Objective, takes_key
+from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
 from .._step._record import Record, record_for, UpdateInfo
 from .._step._updates import AbstractUpdate, builtin, check_applied, trained_spec
 from ._compile import PROGRAMS
@@ -294,6 +294,11 @@ def update_picks(model: PyTree, arrays: list[Any], spec: PyTree) -> tuple[bool, 
     return picks
 
 
+# What an update of the user's own records, found by tracing it (`_update_info`), by the
+# update and the shapes it was traced on: a second `fit` traces nothing.
+_OWN_UPDATES: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
 def _update_info(
     update: AbstractUpdate,
     spec: PyTree,
@@ -310,6 +315,16 @@ def _update_info(
     if loss_update is not None:
         objective = loss_update._objective(options.stateful, options.step.precision)
         return loss_update._info(tuple(picks), _outputs(objective, traced, options))
+
+    batch = batch if options.step.batch else None  # no data: the step hands `None`
+    try:  # traced once for the same update on arrays of the same shapes
+        cache_key = (update, *map(abstract_key, (spec, member, state, batch)))
+        hash(cache_key)
+    except TypeError:  # an update that holds arrays, say: traced every time
+        cache_key = None
+    if cache_key is not None and cache_key in _OWN_UPDATES:
+        names, means = _OWN_UPDATES[cache_key]
+        return UpdateInfo(update.name, update.every, tuple(picks), False, names, means=means)
 
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
         kwargs = {"key": jax.random.key(0)} if takes_key(update.init) else {}
@@ -328,9 +343,12 @@ def _update_info(
         found.append(check_applied(update, model, spec, own, out))
 
     found: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
-    # No data: the step hands its updates `batch=None`.
-    eqx.filter_eval_shape(values, member, state, batch if options.step.batch else None)
+    eqx.filter_eval_shape(values, member, state, batch)
     names, means = found[0]
+    if cache_key is not None:
+        if len(_OWN_UPDATES) >= 64:
+            _OWN_UPDATES.pop(next(iter(_OWN_UPDATES)))
+        _OWN_UPDATES[cache_key] = found[0]
     return UpdateInfo(update.name, update.every, tuple(picks), False, names, means=means)
 
 
