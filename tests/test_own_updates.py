@@ -322,3 +322,33 @@ def test_training_with_no_data_runs_updates_that_make_their_own():
 def test_training_with_no_data_refuses_what_needs_a_batch(kwargs, error, words):
     with pytest.raises(error, match=words):
         eqfit.fit(pair(), key=jax.random.key(0), **kwargs)
+
+
+class Fails(eqfit.AbstractUpdate):
+    """Moves `b` by 1 each step and records a loss that is NaN on the third batch."""
+
+    name: str = "f"
+    trains: Callable[[Pair], Any] | None = eqx.field(default=lambda m: m.b, kw_only=True)
+
+    def init(self, params):
+        return jnp.zeros((), jnp.int32)
+
+    def apply(self, model, state, batch, *, model_state, key):
+        model = eqx.tree_at(lambda m: m.b.bias, model, model.b.bias + 1.0)
+        third = jnp.all(batch[0][0] == X[16])  # the third batch's first row
+        loss = jnp.where(third, jnp.nan, 0.5)
+        return eqfit.Applied(model, state + 1, model_state, {"loss": loss})
+
+
+def test_on_nan_acts_on_the_loss_an_update_of_ones_own_records():
+    """A non-finite `loss` value is a non-finite step, as a loss's: its update is not
+    applied (its model and state stay), and `on_nan` stops, raises or skips there."""
+    model = pair()
+    kwargs = dict(updates=[Fails()], key=jax.random.key(0), batch_size=8, epochs=1, shuffle=False)
+    skipped = eqfit.fit(model, (X, Y), on_nan="skip", **kwargs)
+    # Six steps, the third not applied: the bias moved five times, the state counted 5.
+    np.testing.assert_allclose(skipped.model.b.bias, model.b.bias + 5.0, rtol=1e-6)
+    assert int(skipped.opt_state["f"]) == 5
+    with pytest.raises(eqfit.NonFiniteLossError, match="epoch 1, step 3") as raised:
+        eqfit.fit(model, (X, Y), on_nan="raise", **kwargs)
+    np.testing.assert_allclose(raised.value.result.model.b.bias, model.b.bias + 2.0, rtol=1e-6)

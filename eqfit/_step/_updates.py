@@ -177,17 +177,11 @@ class AbstractUpdate(eqx.Module):
         else:
             finite = jnp.isfinite(values.get(LOSS.name, jnp.zeros((), jnp.float32)))
         loss = values.get(LOSS.name, jnp.zeros((), jnp.float32))
-        return Turn(
-            context.split(out.model),
-            out.state,
-            out.model_state,
-            loss,
-            finite,
-            finite,
-            values,
-            weights,
-            None,
-        )
+        new = (context.split(out.model), out.state, out.model_state)
+        if LOSS.name in values:  # as a loss's update: not applied where it is not finite
+            old = (params, state, model_state)
+            new = jax.tree.map(lambda n, o: jax.lax.select(finite, n, o), new, old)
+        return Turn(*new, loss, finite, finite, values, weights, None)
 
 
 def recorded(update: AbstractUpdate, out: Any) -> tuple[dict[str, Array], dict[str, Array]]:
