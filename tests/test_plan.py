@@ -75,6 +75,34 @@ def test_plan_is_the_runs_program_and_fit_compiles_nothing_more(getkey):
     assert result.history.epochs == 2
 
 
+class Counting(eqfit.AbstractUpdate):
+    """An update of one's own with a state of weakly typed scalars (`jnp.asarray(0)`, as
+    gymnax's environments' states hold), and no data."""
+
+    name: str = "count"
+
+    def init(self, params):
+        return {"n": jnp.asarray(0), "x": jnp.asarray(0.5)}
+
+    def apply(self, model, state, batch, *, model_state, key):
+        state = {"n": state["n"] + 1, "x": state["x"] * 2}
+        return eqfit.Applied(model, state, model_state, {"x": state["x"]})
+
+
+def test_fit_after_plan_compiles_nothing_for_an_update_with_weak_types(getkey):
+    """The plan's run is the run `fit` calls, with the start program's weak types kept
+    (the lowering's shapes drop them, and `fit` then compiled the run again)."""
+    model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
+    arguments = dict(updates=[Counting()], steps_per_epoch=3, epochs=2, key=getkey())
+    with counted_compiles() as planned:
+        eqfit.plan(model, **arguments)
+    assert planned
+    with counted_compiles() as compiled:
+        result = eqfit.fit(model, **arguments)
+    assert compiled == [], "fit after plan compiled again"
+    assert int(result.opt_state["count"]["n"]) == 6
+
+
 def test_plan_flops_are_six_per_weight_and_sample(getkey):
     x, y = regression_data(getkey(), n=512, features=64)
     model = eqfit.models.MLP(64, "scalar", 256, 3, key=getkey())

@@ -315,9 +315,11 @@ def _compile_plan_in(
     compiling = _in_thread(lowered.compile)
     threads.append(compiling)
     if isinstance(placement, OneDevice):
-        # Its shapes are known from the lowering: the run's program is traced and
-        # compiled while XLA compiles this one, as `fit` does.
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lowered.out_info[0])
+        # Its shapes are known from its trace (cached with the lowering): the run's
+        # program is traced and compiled while XLA compiles this one, as `fit` does. Not
+        # from the lowering's `out_info`, which drops weak types (a state of
+        # `jnp.asarray(0)`'s, gymnax's), and the run `fit` calls would not be this one.
+        state = jax.eval_shape(start_program(loop), *start_inputs)[0]
     else:  # the state's layout, or the state itself (`pmap`), from the compiled program
         state = _state_like(placement, compiling.result(), start_inputs)
     key = options.key
