@@ -181,7 +181,8 @@ class AbstractUpdate(eqx.Module):
         if LOSS.name in values:  # as a loss's update: not applied where it is not finite
             old = (params, state, model_state)
             new = jax.tree.map(lambda n, o: jax.lax.select(finite, n, o), new, old)
-        return Turn(*new, loss, finite, finite, values, weights, None)
+        trained, own_state, model_state = new
+        return Turn(trained, own_state, model_state, loss, finite, finite, values, weights, None)
 
 
 def recorded(update: AbstractUpdate, out: Any) -> tuple[dict[str, Array], dict[str, Array]]:
