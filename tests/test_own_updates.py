@@ -352,3 +352,27 @@ def test_on_nan_acts_on_the_loss_an_update_of_ones_own_records():
     with pytest.raises(eqfit.NonFiniteLossError, match="epoch 1, step 3") as raised:
         eqfit.fit(model, (X, Y), on_nan="raise", **kwargs)
     np.testing.assert_allclose(raised.value.result.model.b.bias, model.b.bias + 2.0, rtol=1e-6)
+
+
+def test_ema_averages_what_an_update_of_ones_own_trains():
+    """`ema=` averages every trained array after the step, an update of one's own's too:
+    a bias moved by 1 each step, averaged with decay 0.5 as a hand loop averages it."""
+    model = pair()
+    result = eqfit.fit(
+        model,
+        (X, Y),
+        updates=[Fails()],
+        ema=0.5,
+        key=jax.random.key(0),
+        batch_size=12,
+        shuffle=False,
+        epochs=1,
+        on_nan="skip",
+    )  # four steps (48 rows, batches of 12): none begins at row 16, the NaN one
+    bias, average = np.asarray(model.b.bias), np.asarray(model.b.bias)
+    for _ in range(4):
+        bias = bias + 1.0
+        average = 0.5 * average + 0.5 * bias
+    np.testing.assert_allclose(result.model.b.bias, bias, rtol=1e-6)
+    assert result.ema_model is not None
+    np.testing.assert_allclose(result.ema_model.b.bias, average, rtol=1e-6)
