@@ -116,8 +116,38 @@ BAD = [
             )
         ),
         ValueError,
-        r"'own''s `apply` changed arrays of the model outside the parts it `trains` "
+        r"'own''s `apply` changed the model outside the arrays it `trains` "
         r"\(model\.a\.bias\).*Widen its `trains`",
+    ),
+    (
+        Own(
+            lambda m, s, b, ms: eqfit.Applied(
+                eqx.tree_at(lambda m: m.b.bias, m, jnp.zeros(3)), s, ms, {}
+            )
+        ),
+        TypeError,
+        r"returned arrays it trains of another shape or dtype than it was given "
+        r"\(model\.b\.bias: float32\[3\] where float32\[1\] was\)",
+    ),
+    (
+        Own(
+            lambda m, s, b, ms: eqfit.Applied(
+                eqx.tree_at(lambda m: m.b.bias, m, m.b.bias.astype(jnp.bfloat16)), s, ms, {}
+            )
+        ),
+        TypeError,
+        r"\(model\.b\.bias: bfloat16\[1\] where float32\[1\] was\)",
+    ),
+    (
+        Own(lambda m, s, b, ms: eqfit.Applied(m, s, jnp.zeros(()), {})),
+        TypeError,
+        r"returned a model state unlike the one it was given \(an array float32\[\] against "
+        r"None\)",
+    ),
+    (
+        Own(lambda m, s, b, ms: eqfit.Applied(m, jnp.zeros(2), ms, {})),
+        TypeError,
+        r"returned a state unlike .*\(its `init`'s\): an array float32\[2\] against an array",
     ),
 ]
 
@@ -376,3 +406,44 @@ def test_ema_averages_what_an_update_of_ones_own_trains():
     np.testing.assert_allclose(result.model.b.bias, bias, rtol=1e-6)
     assert result.ema_model is not None
     np.testing.assert_allclose(result.ema_model.b.bias, average, rtol=1e-6)
+
+
+class Counted(eqx.Module):
+    """A model with a field that is no array."""
+
+    linear: eqx.nn.Linear
+    n: int = 3
+
+
+def test_an_apply_that_changes_a_field_that_is_no_array_is_refused():
+    class SetsN(eqfit.AbstractUpdate):
+        name: str = "n"
+
+        def init(self, params):
+            return None
+
+        def apply(self, model, state, batch, *, model_state, key):
+            return eqfit.Applied(eqx.tree_at(lambda m: m.n, model, 5), state, model_state, {})
+
+    model = Counted(eqx.nn.Linear(3, 1, key=jax.random.key(0)))
+    with pytest.raises(
+        ValueError, match=r"changed the model outside the arrays it `trains` \(model\.n\)"
+    ):
+        eqfit.fit(model, (X, Y), updates=[SetsN()], **FIT)
+
+
+def test_validation_with_only_updates_of_ones_own_is_refused():
+    with pytest.raises(ValueError, match=r"Validation .* with only updates of your own \('rl'\)"):
+        eqfit.fit(pair(), (X, Y), updates=[Returns()], validation_data=(X, Y), **FIT)
+
+
+def test_a_way_of_running_of_ones_own_that_says_zero_steps_is_refused():
+    class Nothing(eqfit.Execution):
+        def describe(self):
+            return "nothing"
+
+        def steps_per_program(self):
+            return 0
+
+    with pytest.raises(ValueError, match=r"says its programs run 0 steps each"):
+        eqfit.fit(pair(), (X, Y), loss=mse, optimizer=optax.sgd(0.1), execution=Nothing(), **FIT)

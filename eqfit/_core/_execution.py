@@ -117,6 +117,14 @@ def choose(
     """
     if asked != "auto":
         unroll = asked.steps_per_program()
+        if unroll is not None and (
+            isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1
+        ):
+            raise ValueError(
+                f"`execution={asked!r}` says its programs run {unroll!r} steps each "
+                "(`steps_per_program()`): that must be a whole number of 1 or more, or `None` "
+                "for a program that loops over the whole run."
+            )
         if unroll is not None and steps_per_epoch is not None and unroll > steps_per_epoch:
             raise ValueError(
                 f"`execution={asked!r}` asks for programs of {unroll} steps, but an epoch "

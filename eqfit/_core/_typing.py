@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     # A real number as the user may hold it: a Python, numpy or JAX scalar.
     Number: TypeAlias = float | np.integer[Any] | np.floating[Any] | Array | np.ndarray
     Flag: TypeAlias = bool | np.bool_
+    # A whole number as the user may hold it: a Python int or a numpy integer scalar.
+    Integer: TypeAlias = int | np.integer[Any]
     ArrayTree: TypeAlias = Any
     Arrays: TypeAlias = Any
     OptState: TypeAlias = optax.OptState
@@ -45,6 +47,8 @@ else:
     # Python floats) by `as_real`.
     Number = int | float | np.integer | np.floating | Real[Array | np.ndarray, ""]
     Flag = bool | np.bool_
+    # Checked (and made Python ints) by `as_int` and eqfit's own range checks.
+    Integer = int | np.integer
     # A PyTree of arrays: a model's output, a batch's inputs.
     ArrayTree = PyTree
     # Data in memory: a PyTree of arrays sharing their leading (sample) axis.

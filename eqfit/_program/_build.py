@@ -244,6 +244,13 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             "`<name>_<hyperparameter>`."
         )
     custom = [u.name for u in updates if builtin(u) is None]
+    if custom and len(custom) == len(updates) and options.validation is not None:
+        raise ValueError(
+            f"Validation (`validation_data=` or `validation_split=`) with only updates of "
+            f"your own ({', '.join(map(repr, custom))}): validation computes the losses of "
+            "the `eqfit.Update`s, and there are none; record what you would validate in "
+            "your update's `apply`, or train without validation."
+        )
     if custom and options.step.microbatches > 1:
         raise ValueError(
             f"`microbatches=` with update {custom[0]!r} of your own: its `apply` takes the "
@@ -340,7 +347,7 @@ def _update_info(
                 f"`data`; one that makes its own (a rollout) must not read it. The error: "
                 f"{type(e).__name__}: {e}"
             ) from e
-        found.append(check_applied(update, model, spec, own, out))
+        found.append(check_applied(update, model, spec, own, model_state, out))
 
     found: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
     eqx.filter_eval_shape(values, member, state, batch)

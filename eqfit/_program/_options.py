@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
-from .._core._checks import as_real
+from .._core._checks import as_int, as_real
 from .._core._data import as_key, check_alive, ensemble_size
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution
@@ -212,6 +212,13 @@ def check_options(
         else validation_data,
         opt_state=opt_state,
         state=state,
+    )
+    # Numpy integer scalars are integers (`np.int64(2)`, as arithmetic on arrays gives).
+    epochs, initial_epoch, steps_per_epoch, batch_size = map(
+        as_int, (epochs, initial_epoch, steps_per_epoch, batch_size)
+    )
+    checkpoint_every, microbatches, validation_freq = map(
+        as_int, (checkpoint_every, microbatches, validation_freq)
     )
     _whole("epochs", epochs, 0)
     _whole("initial_epoch", initial_epoch, 0)

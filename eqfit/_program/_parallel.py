@@ -293,10 +293,13 @@ def check_batch_split(placement: Placement, batch_size: int, microbatches: int =
     if batch_size % parts:
         lower, upper = (batch_size // parts) * parts, -(-batch_size // parts) * parts
         over = f" on each of {count} devices" if count > 1 else ""
+        if lower == 0:  # more microbatches than rows
+            such = f"such as {upper}, or at most {batch_size // count} microbatches"
+        else:
+            such = f"such as {lower} or {upper}"
         raise ValueError(
             f"`microbatches`={microbatches} does not split `batch_size`={batch_size} "
-            f"evenly{over}; use a batch size that is a multiple of {parts}, such as "
-            f"{lower or upper} or {upper}."
+            f"evenly{over}; use a batch size that is a multiple of {parts}, {such}."
         )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
 
@@ -75,13 +76,25 @@ class Mean(eqx.Module):
 
 
 def _scalar(x: Any, name: str) -> Array:
-    """`x` as a float scalar, or a refusal naming the field, the shape wanted and given."""
-    if not hasattr(x, "shape"):
-        x = jnp.asarray(x)
-    if x.shape != ():
+    """`x` as a float scalar, or a refusal naming the field, the shape wanted and given,
+    or what it is where it is no real number.
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None and isinstance(x, bool | int | float | np.number):
+        dtype = np.result_type(x)
+    if dtype is None or not (
+        jnp.issubdtype(dtype, jnp.floating)
+        or jnp.issubdtype(dtype, jnp.integer)
+        or jnp.issubdtype(dtype, jnp.bool_)
+    ):
+        what = type(x).__name__ if dtype is None else f"an array of dtype {dtype}"
+        raise TypeError(
+            f"`eqfit.Mean`'s `{name}` must be a real number (a scalar array), got {what}."
+        )
+    if np.shape(x) != ():
         raise ValueError(
             f"`eqfit.Mean`'s `{name}` must be a scalar (shape ()), but it has shape "
-            f"{tuple(x.shape)}: reduce it over the batch, e.g. `Mean(jnp.sum(mask * ce), "
+            f"{tuple(np.shape(x))}: reduce it over the batch, e.g. `Mean(jnp.sum(mask * ce), "
             "jnp.sum(mask))`, or use `eqfit.Mean.of(values, weights)`."
         )
     x = jnp.asarray(x)

@@ -87,6 +87,12 @@ class AbstractUpdate(eqx.Module):
     samples: int | None = eqx.field(default=None, kw_only=True, converter=as_int)
 
     def __check_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"An update is named {self.name!r}: its name begins the history's names of "
+                "its values (`d_loss`), so it must be a letter, then letters, digits and "
+                "underscores (such as 'd', 'g' or 'critic')."
+            )
         check_every(self.name, self.every)
         check_samples(self.name, self.samples)
 
@@ -243,13 +249,15 @@ def recorded(update: AbstractUpdate, out: Any) -> tuple[dict[str, Array], dict[s
 
 
 def check_applied(
-    update: AbstractUpdate, model: Any, spec: PyTree, state: Any, out: Any
+    update: AbstractUpdate, model: Any, spec: PyTree, state: Any, model_state: Any, out: Any
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Checks, on abstract arrays before the run, what an update of one's own gives: its
     `init`'s `state` (a PyTree of arrays), and its `apply`'s `out` (`recorded`) on
-    `model`, whose arrays outside the parts it trains (`spec`) must come back as they
-    were given: `fit` keeps only the ones it trains. Returns the names it records and
-    those that are weighted means.
+    `model` and `model_state`: the model's arrays outside the parts it trains (`spec`)
+    and its other fields must come back as they were given (`fit` keeps only the arrays
+    it trains), those it trains with their shapes and dtypes, and the model state and
+    its own state as they were made. Returns the names it records and those that are
+    weighted means.
     """
     bad = [x for x in jax.tree.leaves(state) if not (eqx.is_array(x) or isinstance(x, int | float))]
     if bad:
@@ -268,16 +276,28 @@ def check_applied(
             "(`eqx.tree_at(lambda m: m.target, model, new_target)`)."
         )
     trains = jax.tree.leaves(spec)
+    reshaped = [
+        f"model{jax.tree_util.keystr(path)}: {_dtype(y)}{list(np.shape(y))} where "
+        f"{_dtype(x)}{list(np.shape(x))} was"
+        for (path, x), y, t in zip(given[0], back, trains)
+        if t and (np.shape(y) != np.shape(x) or _dtype(y) != _dtype(x))
+    ]
+    if reshaped:
+        raise TypeError(
+            f"Update {update.name!r}'s `apply` returned arrays it trains of another shape or "
+            f"dtype than it was given ({'; '.join(reshaped[:3])}): `fit` carries them from "
+            "step to step, so each keeps its shape and dtype."
+        )
     moved = [
         jax.tree_util.keystr(path)
         for (path, x), y, t in zip(given[0], back, trains)
-        if eqx.is_array(x) and not t and y is not x
+        if not t and y is not x and (eqx.is_array(x) or eqx.is_array(y) or not _same(x, y))
     ]
     if moved:
         shown = ", ".join(f"model{p}" for p in moved[:3]) + (", ..." if len(moved) > 3 else "")
         raise ValueError(
-            f"Update {update.name!r}'s `apply` changed arrays of the model outside the parts "
-            f"it `trains` ({shown}): `fit` keeps only the arrays an update trains, so those "
+            f"Update {update.name!r}'s `apply` changed the model outside the arrays it "
+            f"`trains` ({shown}): `fit` keeps only the arrays an update trains, so those "
             "changes would be lost. Widen its `trains` to hold them, or give them back as they "
             "came (`eqx.tree_at` replaces only the parts it names)."
         )
@@ -286,6 +306,14 @@ def check_applied(
         leaves, treedef = jax.tree.flatten(tree)
         return treedef, [(np.shape(x), _dtype(x)) for x in leaves]
 
+    if shapes(out.model_state) != shapes(model_state):
+        kind = "None" if model_state is None else _summary(model_state)
+        raise TypeError(
+            f"Update {update.name!r}'s `apply` returned a model state unlike the one it was "
+            f"given ({_summary(out.model_state)} against {kind}): give back the model state "
+            "it was given, or the one its model's stateful layers return (`None` without "
+            "`fit(..., state=)`)."
+        )
     if shapes(out.state) != shapes(state):
         raise TypeError(
             f"Update {update.name!r}'s `apply` returned a state unlike the one it was given "
@@ -300,11 +328,23 @@ def _dtype(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
 
 
+def _same(x: Any, y: Any) -> bool:
+    """Whether two of a model's fields that are no arrays are the same (equal)."""
+    try:
+        return bool(x == y)
+    except Exception:  # no comparison to make: a new object
+        return False
+
+
 def _summary(tree: Any) -> str:
     """A state in a line: its type and its arrays."""
+    if tree is None:
+        return "None"
     leaves = jax.tree.leaves(tree)
     shown = ", ".join(f"{_dtype(x)}{list(np.shape(x))}" for x in leaves[:4])
     more = ", ..." if len(leaves) > 4 else ""
+    if eqx.is_array(tree):
+        return f"an array {shown}"
     return f"{type(tree).__name__} of {len(leaves)} arrays [{shown}{more}]"
 
 
