@@ -110,6 +110,20 @@ def as_int(value: Any) -> Any:
     return value
 
 
+def real_dtype(value: Any) -> Any | None:
+    """The dtype of `value` where it is a real number or an array of them (floating,
+    integer or bool: a Python or numpy number, a numpy or JAX array); else `None` (a
+    string, `None`, a complex number, a container).
+    """
+    dtype = getattr(value, "dtype", None)
+    if dtype is None and isinstance(value, bool | int | float | np.number):
+        dtype = np.result_type(value)
+    if dtype is None:
+        return None
+    real = (jnp.floating, jnp.integer, jnp.bool_)
+    return dtype if any(jnp.issubdtype(dtype, kind) for kind in real) else None
+
+
 def as_real(value: Any) -> float | None:
     """`value` as a Python float if it is a real number: a Python int or float, or a
     numpy or JAX scalar (a 0-d array) of an integer or floating dtype; else `None` (a

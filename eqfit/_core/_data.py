@@ -23,6 +23,30 @@ def describe(tree: PyTree) -> list[list[Any]]:
     return [[jax.tree_util.keystr(path), list(x.shape), str(x.dtype)] for path, x in leaves]
 
 
+def dtype_of(x: Any) -> Any:
+    """An array's dtype, or the one JAX gives a Python number (weak types aside)."""
+    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+
+
+def summary(state: PyTree) -> str:
+    """A state (an optimizer's, an update's) in a line, for a message: its outer types and
+    its first arrays, `(ScaleByAdamState, EmptyState) of 3 arrays [int32[], ...]`.
+    """
+    if state is None:
+        return "None"
+    leaves = jax.tree.leaves(state)
+    shapes = ", ".join(f"{dtype_of(x)}{list(np.shape(x))}" for x in leaves[:4])
+    if eqx.is_array(state):
+        return f"an array {shapes}"
+    kinds = (
+        f"({', '.join(type(s).__name__ for s in state)})"
+        if isinstance(state, tuple) and not hasattr(state, "_fields")
+        else type(state).__name__
+    )
+    more = ", ..." if len(leaves) > 4 else ""
+    return f"{kinds} of {len(leaves)} arrays [{shapes}{more}]"
+
+
 def as_data(data: Any, name: str = "data") -> PyTree:
     """Checks `data` and moves it to the device once.
 

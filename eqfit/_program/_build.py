@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, PyTree
 
-from .._core._data import describe, is_dtype, not_a_stack
+from .._core._data import describe, dtype_of, is_dtype, not_a_stack, summary
 from .._core._execution import choose
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
@@ -407,34 +407,17 @@ def check_opt_state(loop: Loop, params: list[Array], opt_state: PyTree, consts: 
     else:
         paths = jax.tree_util.tree_flatten_with_path(expected)[0]
         for (path, want), got in zip(paths, jax.tree.leaves(given)):
-            if (tuple(want.shape), want.dtype) != (np.shape(got), _dtype(got)):
+            if (tuple(want.shape), want.dtype) != (np.shape(got), dtype_of(got)):
                 differs = (
                     f"at `opt_state{jax.tree_util.keystr(path)}` it holds "
-                    f"{_dtype(got)}{list(np.shape(got))} where {want.dtype}{list(want.shape)} "
+                    f"{dtype_of(got)}{list(np.shape(got))} where {want.dtype}{list(want.shape)} "
                     "belongs"
                 )
                 break
     if differs is not None:
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), opt_state)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), opt_state)
         raise ValueError(
             f"`opt_state` is not this optimizer's state for the arrays that train ({differs}): "
-            f"expected {_summary(expected)}, got {_summary(shapes)}. Pass the `opt_state` of a "
+            f"expected {summary(expected)}, got {summary(shapes)}. Pass the `opt_state` of a "
             "result trained with the same optimizer (and `filter_spec`), or none."
         )
-
-
-def _dtype(x: Any) -> Any:
-    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
-
-
-def _summary(state: PyTree) -> str:
-    """An optimizer state in a line: its outer types and its arrays."""
-    kinds = (
-        f"({', '.join(type(s).__name__ for s in state)})"
-        if isinstance(state, tuple) and not hasattr(state, "_fields")
-        else type(state).__name__
-    )
-    leaves = jax.tree.leaves(state)
-    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in leaves[:4])
-    more = ", ..." if len(leaves) > 4 else ""
-    return f"{kinds} of {len(leaves)} arrays [{shapes}{more}]"

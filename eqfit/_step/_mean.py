@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
+from .._core._checks import real_dtype
+
 
 class Mean(eqx.Module):
     """A weighted mean, as its sum and its weight: what a loss, an aux value or a metric
@@ -79,14 +81,8 @@ def _scalar(x: Any, name: str) -> Array:
     """`x` as a float scalar, or a refusal naming the field, the shape wanted and given,
     or what it is where it is no real number.
     """
-    dtype = getattr(x, "dtype", None)
-    if dtype is None and isinstance(x, bool | int | float | np.number):
-        dtype = np.result_type(x)
-    if dtype is None or not (
-        jnp.issubdtype(dtype, jnp.floating)
-        or jnp.issubdtype(dtype, jnp.integer)
-        or jnp.issubdtype(dtype, jnp.bool_)
-    ):
+    if real_dtype(x) is None:
+        dtype = getattr(x, "dtype", None)
         what = type(x).__name__ if dtype is None else f"an array of dtype {dtype}"
         raise TypeError(
             f"`eqfit.Mean`'s `{name}` must be a real number (a scalar array), got {what}."

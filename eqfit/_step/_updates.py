@@ -19,7 +19,8 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree
 
-from .._core._checks import as_int
+from .._core._checks import as_int, real_dtype
+from .._core._data import dtype_of, summary
 from .._core._typing import ArrayTree
 from ._descent import hyperparams, UpdateContext
 from ._labels import LabelError
@@ -222,19 +223,12 @@ def recorded(update: AbstractUpdate, out: Any) -> tuple[dict[str, Array], dict[s
             weights[name] = value.weight.astype(jnp.float32)
             continue
         dtype = getattr(value, "dtype", None)
-        if dtype is None and isinstance(value, bool | int | float | np.number):
-            dtype = np.result_type(value)
-        shape = np.shape(value) if dtype is not None else None
         wrong = None
-        if dtype is None:
+        if dtype is None and real_dtype(value) is None:
             wrong = f"{_kind(value)}, not an array"
-        elif not (
-            jnp.issubdtype(dtype, jnp.floating)
-            or jnp.issubdtype(dtype, jnp.integer)
-            or jnp.issubdtype(dtype, jnp.bool_)
-        ):
+        elif real_dtype(value) is None:
             wrong = f"an array of dtype {dtype}, not a real number"
-        elif shape != ():
+        elif (shape := np.shape(value)) != ():
             wrong = (
                 f"an array of shape {shape}, not a scalar (shape ()): record its mean "
                 f"(`jnp.mean(...)`), or a weighted mean (`eqfit.Mean.of(values, weights)`)"
@@ -277,10 +271,10 @@ def check_applied(
         )
     trains = jax.tree.leaves(spec)
     reshaped = [
-        f"model{jax.tree_util.keystr(path)}: {_dtype(y)}{list(np.shape(y))} where "
-        f"{_dtype(x)}{list(np.shape(x))} was"
+        f"model{jax.tree_util.keystr(path)}: {dtype_of(y)}{list(np.shape(y))} where "
+        f"{dtype_of(x)}{list(np.shape(x))} was"
         for (path, x), y, t in zip(given[0], back, trains)
-        if t and (np.shape(y) != np.shape(x) or _dtype(y) != _dtype(x))
+        if t and (np.shape(y) != np.shape(x) or dtype_of(y) != dtype_of(x))
     ]
     if reshaped:
         raise TypeError(
@@ -304,28 +298,22 @@ def check_applied(
 
     def shapes(tree: Any) -> tuple[Any, list[tuple[Any, ...]]]:
         leaves, treedef = jax.tree.flatten(tree)
-        return treedef, [(np.shape(x), _dtype(x)) for x in leaves]
+        return treedef, [(np.shape(x), dtype_of(x)) for x in leaves]
 
     if shapes(out.model_state) != shapes(model_state):
-        kind = "None" if model_state is None else _summary(model_state)
         raise TypeError(
             f"Update {update.name!r}'s `apply` returned a model state unlike the one it was "
-            f"given ({_summary(out.model_state)} against {kind}): give back the model state "
-            "it was given, or the one its model's stateful layers return (`None` without "
-            "`fit(..., state=)`)."
+            f"given ({summary(out.model_state)} against {summary(model_state)}): give back "
+            "the model state it was given, or the one its model's stateful layers return "
+            "(`None` without `fit(..., state=)`)."
         )
     if shapes(out.state) != shapes(state):
         raise TypeError(
             f"Update {update.name!r}'s `apply` returned a state unlike the one it was given "
-            f"(its `init`'s): {_summary(out.state)} against {_summary(state)}. `fit` carries "
+            f"(its `init`'s): {summary(out.state)} against {summary(state)}. `fit` carries "
             "the state from step to step, so its structure, shapes and dtypes must stay."
         )
     return tuple(sorted(values)), tuple(sorted(weights))
-
-
-def _dtype(x: Any) -> Any:
-    """An array's dtype, or the one JAX gives a Python number (weak types aside)."""
-    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
 
 
 def _same(x: Any, y: Any) -> bool:
@@ -334,18 +322,6 @@ def _same(x: Any, y: Any) -> bool:
         return bool(x == y)
     except Exception:  # no comparison to make: a new object
         return False
-
-
-def _summary(tree: Any) -> str:
-    """A state in a line: its type and its arrays."""
-    if tree is None:
-        return "None"
-    leaves = jax.tree.leaves(tree)
-    shown = ", ".join(f"{_dtype(x)}{list(np.shape(x))}" for x in leaves[:4])
-    more = ", ..." if len(leaves) > 4 else ""
-    if eqx.is_array(tree):
-        return f"an array {shown}"
-    return f"{type(tree).__name__} of {len(leaves)} arrays [{shown}{more}]"
 
 
 def _kind(x: Any) -> str:
