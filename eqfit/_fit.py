@@ -311,9 +311,11 @@ def fit(
         with no loop in them, called one after another from Python. By default
         (`"auto"`) `fit` takes `PerStep` where XLA compiles the step worse inside a loop
         (a loss that convolves, on the CPU backend) and `WholeRun` elsewhere;
-        `eqfit.plan` shows the choice and why. The history, the model and the
-        checkpoints agree between the two to float tolerance (only XLA's fusion
-        differs), and a checkpoint written in one resumes in the other.
+        `eqfit.plan` shows the choice and why. Validation runs as the steps do: with
+        `PerStep`, each epoch's validation is programs of `unroll` batches called from
+        Python too. The history, the model and the checkpoints agree between the two to
+        float tolerance (only XLA's fusion differs), and a checkpoint written in one
+        resumes in the other.
 
     *Where it runs:*
 

@@ -254,6 +254,98 @@ def test_a_conv_net_trains_the_same_in_the_way_chosen_and_in_the_loop():
     np.testing.assert_allclose(chosen.history.step_loss, whole.history.step_loss, rtol=1e-5)
 
 
+def noisy_loss(model, x, y, *, key):
+    """A loss that requires a key: its value depends on each batch's."""
+    noise = 0.1 * jax.random.normal(key, x.shape)
+    return eqfit.losses.softmax_cross_entropy(model, x + noise, y)
+
+
+@pytest.mark.parametrize("execution", ["auto", eqfit.PerStep(3)])
+def test_a_conv_nets_validation_runs_as_its_steps_do_with_the_loops_values(execution):
+    model, (images, labels), settings = conv_problem()
+    rng = np.random.default_rng(8)
+    # Validation sets of 30 images, at batch 8: three full batches (a program of three
+    # takes them at once; of one, in turn) and one of 6.
+    val = (rng.normal(size=(30, 1, 6, 6)).astype(np.float32), rng.integers(0, 3, 30))
+    other = (val[0][::-1].copy(), val[1][::-1].copy())
+    settings = dict(
+        settings,
+        epochs=4,
+        loss=noisy_loss,
+        metrics={"accuracy": eqfit.metrics.accuracy},
+        validation_data=eqfit.ValidationSets(a=val, b=other),
+        validation_freq=2,
+        early_stopping=eqfit.EarlyStopping(monitor="val_a_loss", patience=5, restore_best=True),
+    )
+    planned = eqfit.plan(model, (images, labels), execution=execution, **settings)
+    way = "a program of one batch" if execution == "auto" else "a program of 3 batches"
+    assert f"validation runs as: {way} called from Python" in str(planned)
+    per_step = eqfit.fit(model, (images, labels), execution=execution, **settings)
+    whole = eqfit.fit(model, (images, labels), execution=eqfit.WholeRun(), **settings)
+    names = [n for n in whole.history.to_dict() if n.startswith("val_")]
+    assert len(names) == 4  # each set's loss and accuracy
+    for name in names:  # epochs 2 and 4 validated, 1 and 3 not
+        assert np.isnan(whole.history[name][[0, 2]]).all()
+        np.testing.assert_allclose(per_step.history[name], whole.history[name], rtol=1e-5)
+    assert per_step.history.best_epoch == whole.history.best_epoch
+    assert_trees_close(per_step.model, whole.model)
+    # Within the way, the bar's run agrees bit for bit.
+    bar = eqfit.fit(model, (images, labels), execution=execution, progress="bar", **settings)
+    for name in names:
+        np.testing.assert_array_equal(bar.history[name], per_step.history[name])
+
+
+def test_evaluate_and_predict_of_a_conv_net_run_as_fits_steps_do_with_the_loops_values():
+    model, (images, labels), _ = conv_problem()
+    images, labels = images[:45], labels[:45]  # five full batches of 8 and one of 5
+    metrics = {"accuracy": eqfit.metrics.accuracy}
+    key = jax.random.key(9)
+    whole = eqfit.evaluate(
+        model,
+        (images, labels),
+        loss=noisy_loss,
+        metrics=metrics,
+        batch_size=8,
+        key=key,
+        execution=eqfit.WholeRun(),
+    )
+    predicted = eqfit.predict(model, images, batch_size=8, execution=eqfit.WholeRun())
+    for execution in ("auto", eqfit.PerStep(2), eqfit.PerStep(9)):
+        values = eqfit.evaluate(
+            model,
+            (images, labels),
+            loss=noisy_loss,
+            metrics=metrics,
+            batch_size=8,
+            key=key,
+            execution=execution,
+        )
+        assert values.keys() == whole.keys()
+        for name in whole:
+            np.testing.assert_allclose(values[name], whole[name], rtol=1e-5)
+        out = eqfit.predict(model, images, batch_size=8, execution=execution)
+        assert out.shape == predicted.shape == (45, 3)
+        np.testing.assert_allclose(out, predicted, rtol=1e-5, atol=1e-6)
+    # An ensemble's members each predict every example, in either way.
+    models = eqx.filter_vmap(ConvNet)(jax.random.split(jax.random.key(10), 2))
+    stacked = eqfit.predict(models, images, batch_size=8, ensemble=True)
+    assert stacked.shape == (2, 45, 3)
+    looped = eqfit.predict(models, images, batch_size=8, ensemble=True, execution=eqfit.WholeRun())
+    np.testing.assert_allclose(stacked, looped, rtol=1e-5, atol=1e-6)
+    # A label out of range is found in a program of batches as in the loop.
+    bad = labels.copy()
+    bad[42] = 7
+    for execution in ("auto", eqfit.WholeRun()):
+        with pytest.raises(ValueError, match="7"):
+            eqfit.evaluate(
+                model,
+                (images, bad),
+                loss=eqfit.losses.softmax_cross_entropy,
+                batch_size=8,
+                execution=execution,
+            )
+
+
 def test_a_way_that_cannot_run_is_refused_before_compiling():
     with pytest.raises(ValueError, match=r"`PerStep\(unroll=...\)` must be at least 1, got 0"):
         eqfit.PerStep(0)

@@ -1,6 +1,7 @@
 """How the steps run: inside one compiled loop (`WholeRun`), or as programs of a few
 steps written out, which Python calls one after another (`PerStep`); and which of the two
-a run gets (`choose`).
+a run gets (`choose`). Validation, `evaluate` and `predict` run their batches the same
+way.
 
 Both run the same arithmetic, with the same shuffle, keys and record; only XLA's fusion
 of it differs. Why two: XLA compiles some operations worse inside a loop's body than in
@@ -36,6 +37,16 @@ class Execution(eqx.Module):
         """The steps each compiled program runs, written out one after the other; `None`
         for a program that loops over the steps of the whole run.
         """
+
+    def describe_batches(self) -> str:
+        """How the batches of validation, `evaluate` and `predict` run, in words: as the
+        steps do, each program running `steps_per_program()` of them.
+        """
+        batches = self.steps_per_program()
+        if batches is None:
+            return "every batch in one compiled loop"
+        each = "one batch" if batches == 1 else f"{batches} batches"
+        return f"a program of {each} called from Python"
 
 
 class WholeRun(Execution):

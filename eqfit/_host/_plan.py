@@ -261,6 +261,8 @@ class Plan:
             f"steps run as: {self.execution.describe()} ({self.execution_why})",
             f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
+        if self.validations:
+            lines.insert(-1, f"validation runs as: {self.execution.describe_batches()}")
         if self.memory_limit is not None:
             room = self.memory_limit - self.memory.total
             verdict = "fits" if room >= 0 else "does NOT fit"

@@ -9,13 +9,15 @@ import functools
 from collections.abc import Callable
 from typing import Any, cast
 
+import jax
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
-from ._program import run, unrolled
-from ._state import CallEnd, Inputs, Report, TrainState
+from ._program import close, run, unrolled, validation_batches
+from ._state import CallEnd, Inputs, Report, TrainState, ValAt, ValSums
 
 
 def program_key(loop: Loop) -> tuple[str, Loop]:
@@ -90,7 +92,10 @@ class StepCalls(Program):
     """`PerStep`'s: calls of `unrolled`, each of `unroll` steps or of a pass's smaller
     last batch, dispatched one after the other with no wait between them; the host
     follows the run's position by the schedule (a run that stops makes the calls after
-    it no-ops, and its report says where it stopped).
+    it no-ops, and its report says where it stopped). At an epoch's end, calls of
+    `validation_batches`, each of `unroll` batches of a set or of its smaller last
+    batch, then one of `close`: validation runs as the steps do, with no loop around
+    its batches.
     """
 
     def __init__(self, loop: Loop, unroll: int):
@@ -98,6 +103,8 @@ class StepCalls(Program):
         compile = loop.placement.compile
         self.full: Any = compile(functools.partial(unrolled, loop, unroll, False), (0,))
         self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
+        self.close: Any = compile(functools.partial(close, loop), (0,))
+        self.validations: dict[tuple[int, bool], Any] = {}  # by set and remainder
 
     def __call__(
         self,
@@ -115,10 +122,11 @@ class StepCalls(Program):
         in_flight: collections.deque[Array] = collections.deque()
         while True:
             last, reached = self.next_call(position, stop, inputs.piece is not None)
-            closes = reached > position and schedule.is_epoch_end(reached)
-            until = CallEnd(np.int32(reached), np.bool_(fresh), np.bool_(closes))
+            until = CallEnd(np.int32(reached), np.bool_(fresh))
             state, report = (self.last if last else self.full)(state, inputs, until)
             fresh = False
+            if reached > position and schedule.is_epoch_end(reached):
+                state, report = self.close_epoch(state, inputs, reached)
             if reached >= stop or reached == position:
                 return state, report, reached
             position = reached
@@ -127,6 +135,53 @@ class StepCalls(Program):
                 in_flight.popleft().block_until_ready()
             if stopping is not None and stopping():
                 return state, report, position
+
+    def close_epoch(self, state: TrainState, inputs: Inputs, end: int) -> tuple[TrainState, Report]:
+        """The epoch that ends at step `end` validated, if due, and closed."""
+        sums: tuple[ValSums, ...] = ()
+        validation, schedule = self.loop.validation, self.loop.schedule
+        if validation is not None:
+            epoch = schedule.epoch_of(end - 1)
+            due = epoch % validation.freq == 0
+            sets = validation.sets or (None,)
+            sums = tuple(self.validate(state, inputs, i, epoch, due) for i in range(len(sets)))
+        return self.close(state, (inputs, sums), CallEnd(np.int32(end), np.bool_(False)))
+
+    def validate(self, state: TrainState, inputs: Inputs, i: int, epoch: int, due: bool) -> ValSums:
+        """Validation set `i`'s sums at epoch `epoch`: its batches, `unroll` a call, and
+        its smaller last batch; none where validation is not `due` (its values are NaN).
+        """
+        loop = self.loop
+        validation = loop.validation
+        assert validation is not None
+        data = inputs.val_data[validation.sets[i]] if validation.sets else inputs.val_data
+        members = () if loop.members is None else (loop.members,)
+        values = len(loop.val_names) // max(len(validation.sets), 1)
+        none = LabelError.none()
+        sums = ValSums(
+            np.zeros((*members, 2, values), np.float32),
+            jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (*members, *x.shape)), none),
+        )
+        sums = loop.placement.put(sums)
+        if not due:
+            return sums
+        rows = loop.placement.rows(data)
+        num_full, remainder = divmod(rows, loop.schedule.batch_size)
+        carry = (state, sums)
+        for b in range(0, num_full, self.unroll):
+            at = ValAt(np.int32(b), np.int32(epoch))
+            carry = (state, self.validation(i, False)(carry, inputs, at))
+        if remainder:
+            at = ValAt(np.int32(num_full), np.int32(epoch))
+            carry = (state, self.validation(i, True)(carry, inputs, at))
+        return carry[1]
+
+    def validation(self, i: int, remainder: bool) -> Any:
+        """The program of set `i`'s `unroll` batches, or of its smaller last batch."""
+        if (i, remainder) not in self.validations:
+            fn = functools.partial(validation_batches, self.loop, i, self.unroll, remainder)
+            self.validations[i, remainder] = self.loop.placement.compile(fn)
+        return self.validations[i, remainder]
 
     def next_call(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
         """Whether the call from `position` is the pass's smaller last batch's, and the
@@ -145,7 +200,7 @@ class StepCalls(Program):
         return False, max(min(position + self.unroll, end), position)
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
-        until = CallEnd(np.int32(stop), np.bool_(True), np.bool_(True))
+        until = CallEnd(np.int32(stop), np.bool_(True))
         passes = self.loop.schedule.passes
         lowered = []
         if inputs.piece is not None or passes is None or passes.num_full:

@@ -57,6 +57,10 @@ class OneDevice:
         """
         return jax.tree.map(np.asarray, tree)
 
+    def rows(self, data: PyTree) -> int:
+        """The rows of `data` placed by `put`: its leading axis's length."""
+        return jax.tree.leaves(data)[0].shape[0]
+
     def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         return take(data, index)
 
@@ -104,6 +108,9 @@ class Pmap:
     def host(self, tree: PyTree) -> Any:
         # On the host: a compiled `get` would queue behind the work dispatched since.
         return jax.tree.map(lambda x: np.asarray(x)[0], tree)
+
+    def rows(self, data: PyTree) -> int:
+        return jax.tree.leaves(data)[0].shape[1]  # after the devices' axis
 
     def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         share = index.shape[0] // len(self.devices)
@@ -195,6 +202,9 @@ class Sharded:
 
     def host(self, tree: PyTree) -> Any:
         return jax.tree.map(np.asarray, tree)
+
+    def rows(self, data: PyTree) -> int:
+        return jax.tree.leaves(data)[0].shape[0]  # the global array's
 
     def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
         return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, P(self.axis)))

@@ -22,12 +22,12 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
 from .._core._early_stopping import StoppingState
-from .._step._evaluate import evaluate_batches, evaluation_needs_key
+from .._step._evaluate import add_batches, evaluate_batches, evaluation_needs_key
 from .._step._labels import LabelError
 from .._step._step import StepResult
 from ._compile import PROGRAM_CACHE
 from ._loop import lay_out_state, Loop, Rebuilt
-from ._state import CallEnd, Consts, Inputs, Report, Steps, Stop, TrainState
+from ._state import CallEnd, Consts, Inputs, Report, Steps, Stop, TrainState, ValAt, ValSums
 
 
 def start(
@@ -138,6 +138,7 @@ def unrolled(
 ) -> tuple[TrainState, Report]:
     """`unroll` steps from `state.step`, written out with no loop around them, towards
     `until.stop` (`_Member.unrolled`); with `remainder`, the pass's smaller last batch.
+    The epoch's end is closed by the programs below, which the host calls after it.
     """
     parts = loop.parts(inputs.consts)
 
@@ -149,6 +150,57 @@ def unrolled(
     if loop.members is None:
         return one(state, inputs.key)
     return jax.vmap(one)(state, inputs.key)
+
+
+def validation_batches(
+    loop: Loop,
+    set_index: int,
+    count: int,
+    remainder: bool,
+    carry: tuple[TrainState, ValSums],
+    inputs: Inputs,
+    at: ValAt,
+) -> ValSums:
+    """`PerStep`'s validation, as its steps run: `count` batches of validation set
+    `set_index` from batch `at.batch` on (those past its full batches computed and
+    dropped), or with `remainder` its smaller last batch, written out with no loop
+    around them and added to the sums so far (`carry`'s). The same values as `run`'s
+    validation, in the same order (to XLA's fusion).
+    """
+    state, sums = carry
+    parts = loop.parts(inputs.consts)
+
+    def one(state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
+        member = _Member(loop, parts, inputs, key, jnp.asarray(0, jnp.int32))
+        return member.validation_batches(state, sums, set_index, count, remainder, at)
+
+    if loop.members is None:
+        return one(state, sums, inputs.key)
+    return jax.vmap(one)(state, sums, inputs.key)
+
+
+def close(
+    loop: Loop,
+    state: TrainState,
+    read: tuple[Inputs, tuple[ValSums, ...]],
+    until: CallEnd,
+) -> tuple[TrainState, Report]:
+    """`PerStep`'s close of the epoch that ends at `until.stop`, once its steps have run
+    (if the run is still running there): its values, with validation's from each set's
+    sums (`read`'s, after the inputs; made by `validation_batches`), and early stopping.
+    """
+    inputs, sums = read
+    parts = loop.parts(inputs.consts)
+
+    def one(
+        state: TrainState, sums: tuple[ValSums, ...], key: Key[Array, ""]
+    ) -> tuple[TrainState, Report]:
+        member = _Member(loop, parts, inputs, key, jnp.asarray(until.stop))
+        return member.closed(state, sums)
+
+    if loop.members is None:
+        return one(state, sums, inputs.key)
+    return jax.vmap(one)(state, sums, inputs.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +250,8 @@ class _Member:
     ) -> tuple[TrainState, Report]:
         """`PerStep`'s program: `unroll` steps written out (each a no-op once the run
         has reached `until.stop`, the epoch's end or the pass's full batches' end, or has
-        stopped), then the epoch's close if `until.closes`. With `remainder`, one step:
-        the pass's smaller last batch, if the state is at it.
+        stopped). With `remainder`, one step: the pass's smaller last batch, if the state
+        is at it.
         """
         loop, schedule = self.loop, self.loop.schedule
         if schedule.learning:  # each call of the drive's steps are recorded afresh
@@ -246,14 +298,6 @@ class _Member:
             stepped = self.step_at(state._replace(step=t), rows(t), full, step_key)
             state = jax.tree.map(lambda a, b: jnp.where(active, a, b), stepped, state)
 
-        def close(state: TrainState) -> TrainState:
-            closes = (state.step == epoch_end) & (state.step > begin) & _running(state)
-            closed = self.close_epoch(state)
-            return jax.tree.map(lambda a, b: jnp.where(closes, a, b), closed, state)
-
-        # On the host's word, so that a call that ends no epoch holds no validation (a
-        # `cond` on the state would run both branches in an ensemble's `vmap`).
-        state = jax.lax.cond(until.closes, close, lambda s: s, state)
         return self.finish(state)
 
     def step_key(self) -> Key[Array, ""] | None:
@@ -398,17 +442,24 @@ class _Member:
             state = state._replace(step_values=values)
         return state
 
-    def close_epoch(self, state: TrainState) -> TrainState:
-        """The end of the epoch just finished: its values, validation, early stopping."""
+    def close_epoch(
+        self,
+        state: TrainState,
+        validate: Callable[[TrainState, Int[Array, ""]], tuple[Array, LabelError]] | None = None,
+    ) -> TrainState:
+        """The end of the epoch just finished: its values, validation, early stopping.
+        `validate` gives the validation values (`validate`'s, computed here, by default).
+        """
         loop, schedule = self.loop, self.loop.schedule
         row = schedule.record_row(state.step - 1)
         epoch = schedule.epoch_of(state.step - 1)
         values = epoch_values(state, row, loop)
         validated = None  # every epoch, or not at all
         validation = loop.validation
+        validate = self.validate if validate is None else validate
         if validation is not None:
             if validation.freq == 1:  # no branch: the program it always was
-                val, label_error = self.validate(state, epoch)
+                val, label_error = validate(state, epoch)
             else:
                 validated = epoch % validation.freq == 0
 
@@ -416,7 +467,7 @@ class _Member:
                     return jnp.full(len(loop.val_names), jnp.nan), state.label_error
 
                 val, label_error = jax.lax.cond(
-                    validated, lambda s: self.validate(s, epoch), not_due, state
+                    validated, lambda s: validate(s, epoch), not_due, state
                 )
             values = jnp.concatenate([values, val])
             state = state._replace(label_error=label_error)
@@ -455,24 +506,92 @@ class _Member:
         for the same run, however it is cut into calls. Its own fold of the run's key
         (the steps' is 1) leaves the training's keys as they were.
         """
-        loop, parts, validation = self.loop, self.parts, self.loop.validation
-        assert validation is not None
-        model = parts.combine(state.average if validation.ema else state.params)
-        val_data = self.inputs.val_data
-        sets = [val_data[name] for name in validation.sets] if validation.sets else [val_data]
-        epoch_key = None
-        if evaluation_needs_key(parts.objective, model):
-            epoch_key = jax.random.fold_in(jax.random.fold_in(self.key, 2), epoch)
+        loop, parts = self.loop, self.parts
+        model = self.validated_model(state)
         values, label_error = [], state.label_error
-        for i, data in enumerate(sets):
-            key = None if epoch_key is None else jax.random.fold_in(epoch_key, i)
+        for i, data in enumerate(self.validation_sets()):
             val, labels = evaluate_batches(
-                parts.objective, model, state.model_state, data, loop.schedule.batch_size, key
+                parts.objective,
+                model,
+                state.model_state,
+                data,
+                loop.schedule.batch_size,
+                self.validation_key(model, epoch, i),
             )
             values.append(val)
             if labels is not None:
                 label_error = label_error.or_else(labels)
         return jnp.concatenate(values), label_error
+
+    def validated_model(self, state: TrainState) -> PyTree:
+        """The model that validation evaluates: the trained one, or its average."""
+        validation = self.loop.validation
+        assert validation is not None
+        return self.parts.combine(state.average if validation.ema else state.params)
+
+    def validation_sets(self) -> list[PyTree]:
+        """The validation sets' data, in the order of their values."""
+        validation, val_data = self.loop.validation, self.inputs.val_data
+        assert validation is not None
+        return [val_data[name] for name in validation.sets] if validation.sets else [val_data]
+
+    def validation_key(
+        self, model: PyTree, epoch: Int[ArrayLike, ""], i: int
+    ) -> Key[Array, ""] | None:
+        """Set `i`'s key at epoch `epoch`, that its batches' are folded from (`None` where
+        the loss gets none: `evaluation_needs_key`).
+        """
+        if not evaluation_needs_key(self.parts.objective, model):
+            return None
+        epoch_key = jax.random.fold_in(jax.random.fold_in(self.key, 2), epoch)
+        return jax.random.fold_in(epoch_key, i)
+
+    def validation_batches(
+        self,
+        state: TrainState,
+        sums: ValSums,
+        set_index: int,
+        count: int,
+        remainder: bool,
+        at: ValAt,
+    ) -> ValSums:
+        """`validation_batches`' (the program's) for one member: as `evaluate_batches`
+        computes each batch, added in the same order.
+        """
+        model = self.validated_model(state)
+        totals, label_error = add_batches(
+            self.parts.objective,
+            model,
+            state.model_state,
+            self.validation_sets()[set_index],
+            self.loop.schedule.batch_size,
+            self.validation_key(model, at.epoch, set_index),
+            at.batch,
+            count,
+            remainder,
+            jnp.asarray(sums.totals),
+            sums.label_error,
+        )
+        return ValSums(totals, label_error)
+
+    def closed(self, state: TrainState, sums: tuple[ValSums, ...]) -> tuple[TrainState, Report]:
+        """`close`'s (the program's) for one member: the epoch closed if its steps have
+        run to `self.stop`, its end, and the run is still running.
+        """
+
+        def validate(state: TrainState, epoch: Int[Array, ""]) -> tuple[Array, LabelError]:
+            del epoch  # the sums are the epoch's
+            totals = [jnp.asarray(set_sums.totals) for set_sums in sums]
+            values = [t[0] / t[1] for t in totals]
+            label_error = state.label_error
+            for _, labels in sums:
+                label_error = label_error.or_else(labels)
+            return jnp.concatenate(values), label_error
+
+        closes = (state.step == self.stop) & _running(state)
+        closed = self.close_epoch(state, validate if sums else None)
+        state = jax.tree.map(lambda a, b: jnp.where(closes, a, b), closed, state)
+        return self.finish(state)
 
     def report(self, state: TrainState) -> Report:
         stopping = self.loop.early_stopping

@@ -105,14 +105,31 @@ class Inputs(NamedTuple):
 
 class CallEnd(NamedTuple):
     """How far a call of a `PerStep` program goes, from the host: the step it stops at
-    (if nothing stops the run before), whether it begins a call of the drive (whose
-    record of steps, while the epoch's length is learned, it starts afresh), and whether
-    its last step ends an epoch, closed there (validation, early stopping).
+    (if nothing stops the run before), and whether it begins a call of the drive (whose
+    record of steps, while the epoch's length is learned, it starts afresh).
     """
 
     stop: Int[ArrayLike, ""]
     fresh: Bool[ArrayLike, ""]
-    closes: Bool[ArrayLike, ""]
+
+
+class ValAt(NamedTuple):
+    """Where a call of a `PerStep` run's validation begins, from the host: the batch of
+    the set (counted from 0), and the epoch validated.
+    """
+
+    batch: Int[ArrayLike, ""]
+    epoch: Int[ArrayLike, ""]
+
+
+class ValSums(NamedTuple):
+    """A validation set's sums so far, in a `PerStep` run's validation, batch by batch:
+    each value's total and weight (`_evaluate.batch_totals`), whose quotient is its mean,
+    and the first label out of range met.
+    """
+
+    totals: Float[ArrayLike, "*members 2 values"]
+    label_error: LabelError
 
 
 class Steps(NamedTuple):

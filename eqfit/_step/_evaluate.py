@@ -1,10 +1,12 @@
 """Loss and metrics over a whole dataset, in batches, in inference mode."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Key, PyTree
+from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
 
 from ._labels import either, LabelError
 from ._objective import clone, needs_key, Objective
@@ -44,30 +46,7 @@ def evaluate_batches(
     num_full, remainder = divmod(num, batch_size)
 
     def batch_key(b: int | Array) -> Key[Array, ""] | None:
-        if not uses_key:
-            return None
-        return jax.random.key(0) if key is None else jax.random.fold_in(key, b)
-
-    def values(
-        batch: PyTree, key: Key[Array, ""] | None
-    ) -> tuple[Float[Array, "2 values"], LabelError | None]:
-        """The batch's totals and weights: a plain value times the batch's size, and the
-        size; a weighted mean's (`eqfit.Mean`) own total and weight.
-        """
-        v = objective.value(model, clone(model_state), batch, key)
-        metrics, metric_weights, metric_labels = objective.metric_values(
-            model, clone(model_state), batch
-        )
-        totals = jnp.concatenate([v.loss[None].astype(jnp.float32), v.aux, metrics])
-        weights = jnp.concatenate([v.weight[None], v.aux_weights, metric_weights])
-        size = jax.tree.leaves(batch)[0].shape[0]
-        if objective.means:
-            mean = np.isin(np.asarray(objective.value_names), objective.means)
-            totals = jnp.where(mean, totals, totals * size)
-            weights = jnp.where(mean, weights, size)
-        else:
-            totals, weights = totals * size, jnp.full_like(weights, size)
-        return jnp.stack([totals, weights]), either(v.labels, metric_labels)
+        return evaluation_key(key, b) if uses_key else None
 
     total, labels = jnp.zeros((2, len(objective.value_names))), None
     if num_full:
@@ -78,7 +57,9 @@ def evaluate_batches(
 
         def add(total: Float[Array, "2 values"], batch: tuple[Array, PyTree]):
             b, batch_ = batch
-            batch_values, batch_labels = values(batch_, batch_key(b))
+            batch_values, batch_labels = batch_totals(
+                objective, model, model_state, batch_, batch_key(b)
+            )
             return total + batch_values, batch_labels
 
         # Each batch's label check is an output of the scan (none where nothing checks
@@ -89,7 +70,90 @@ def evaluate_batches(
             labels = jax.tree.map(lambda x: x[first], every)
     if remainder:
         last = jax.tree.map(lambda a: a[num_full * batch_size :], data)
-        last_values, last_labels = values(last, batch_key(num_full))
+        last_values, last_labels = batch_totals(
+            objective, model, model_state, last, batch_key(num_full)
+        )
         total, labels = total + last_values, either(labels, last_labels)
     # A sum over a sum: the mean over the whole data (NaN, 0 / 0, where weights sum to 0).
     return total[0] / total[1], labels
+
+
+def add_batches(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    data: PyTree,
+    batch_size: int,
+    key: Key[Array, ""] | None,
+    first: Int[ArrayLike, ""],
+    count: int,
+    remainder: bool,
+    totals: Float[Array, "2 values"],
+    labels: LabelError,
+) -> tuple[Float[Array, "2 values"], LabelError]:
+    """`evaluate_batches` in pieces, for programs called one after the other with no
+    loop around their batches: `count` full batches of `data` from batch `first` on
+    (those past the last full batch computed and dropped), or with `remainder` its
+    smaller last batch, each batch's totals added to `totals` in `evaluate_batches`'
+    order, the first label out of range met kept in `labels`. `totals[0] / totals[1]`
+    after every batch is `evaluate_batches`' value.
+    """
+    uses_key = evaluation_needs_key(objective, model)
+    model = eqx.nn.inference_mode(model)
+    num_full = jax.tree.leaves(data)[0].shape[0] // batch_size
+    for j in range(1 if remainder else count):
+        if remainder:
+            b: Any = num_full
+            batch = jax.tree.map(lambda a: a[num_full * batch_size :], data)
+        else:
+            b = jnp.asarray(first, jnp.int32) + j
+            start = jnp.minimum(b, num_full - 1) * batch_size  # in range: a past one is dropped
+            batch = jax.tree.map(lambda a: batch_rows(a, start, batch_size), data)
+        batch_key = evaluation_key(key, b) if uses_key else None
+        values, found = batch_totals(objective, model, model_state, batch, batch_key)
+        if not remainder:
+            values = jnp.where(b < num_full, values, 0.0)
+        totals = totals + values
+        if found is not None:
+            labels = labels.or_else(found)
+    return totals, labels
+
+
+def batch_rows(a: Array, start: Int[Array, ""], size: int) -> Array:
+    """Rows `start` to `start + size` of `a` (in range by construction)."""
+    return jax.lax.dynamic_slice_in_dim(a, start, size, allow_negative_indices=False)
+
+
+def evaluation_key(key: Key[Array, ""] | None, b: int | Array) -> Key[Array, ""]:
+    """The key of batch `b` of an evaluation whose key is `key` (for a loss that gets
+    one): `jax.random.fold_in(key, b)`, or without `key`, `jax.random.key(0)`.
+    """
+    return jax.random.key(0) if key is None else jax.random.fold_in(key, b)
+
+
+def batch_totals(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    key: Key[Array, ""] | None,
+) -> tuple[Float[Array, "2 values"], LabelError | None]:
+    """One batch's totals and weights of the values `objective.value_names`, stacked, for
+    a model in inference mode: a plain value times the batch's size, and the size; a
+    weighted mean's (`eqfit.Mean`) own total and weight. Their sums over batches, total
+    over weight, are the means over the data; and the first label out of range met.
+    """
+    v = objective.value(model, clone(model_state), batch, key)
+    metrics, metric_weights, metric_labels = objective.metric_values(
+        model, clone(model_state), batch
+    )
+    totals = jnp.concatenate([v.loss[None].astype(jnp.float32), v.aux, metrics])
+    weights = jnp.concatenate([v.weight[None], v.aux_weights, metric_weights])
+    size = jax.tree.leaves(batch)[0].shape[0]
+    if objective.means:
+        mean = np.isin(np.asarray(objective.value_names), objective.means)
+        totals = jnp.where(mean, totals, totals * size)
+        weights = jnp.where(mean, weights, size)
+    else:
+        totals, weights = totals * size, jnp.full_like(weights, size)
+    return jnp.stack([totals, weights]), either(v.labels, metric_labels)
