@@ -237,20 +237,25 @@ class SeesCheckpoints:
 
 @pytest.mark.parametrize("background", [None, False, True])
 def test_background_says_which_thread_writes(tmp_path, monkeypatch, background):
-    """In the training thread (`False`, and the default on the CPU backend) a checkpoint
-    is committed before training goes past its step, so the callback of its epoch sees
-    it; with `True` a background thread writes every one, the last before `fit` returns.
+    """With `False` a checkpoint is written and committed in the training thread before
+    training goes past its step, so the callback of its epoch sees it; by default on the
+    CPU backend the training thread writes the state's file and a thread commits it
+    (waits for the disk, renames it); with `True` a background thread does all of it.
+    Every one is committed before `fit` returns.
     """
     from eqfit._keep._checkpoint import Checkpoints
 
-    in_main_thread = []
-    save = Checkpoints.save
+    writes, commits = [], []
 
-    def noted(self, *args, **kwargs):
-        in_main_thread.append(threading.current_thread() is threading.main_thread())
-        return save(self, *args, **kwargs)
+    def noted(method, threads):
+        def call(self, *args, **kwargs):
+            threads.append(threading.current_thread() is threading.main_thread())
+            return method(self, *args, **kwargs)
 
-    monkeypatch.setattr(Checkpoints, "save", noted)
+        return call
+
+    monkeypatch.setattr(Checkpoints, "_write_state", noted(Checkpoints._write_state, writes))
+    monkeypatch.setattr(Checkpoints, "_commit", noted(Checkpoints._commit, commits))
     x, y = arrays()
     directory = tmp_path / "run"
     policy = eqfit.Checkpoint(directory, keep=100, background=background)
@@ -258,11 +263,13 @@ def test_background_says_which_thread_writes(tmp_path, monkeypatch, background):
     result = train((x, y), epochs=4, checkpoint=policy, callbacks=[sees])
     assert_same_run(result, train((x, y), epochs=4))
     assert folders(directory) == [f"ckpt-{e:06d}-000000" for e in range(1, 5)]
-    assert len(in_main_thread) == 4
+    assert len(writes) == len(commits) == 4
     if background:
-        assert not any(in_main_thread)
+        assert not any(writes) and not any(commits)
+    elif background is None:
+        assert all(writes) and not any(commits)
     else:
-        assert all(in_main_thread) and sees.seen == [True] * 4
+        assert all(writes) and all(commits) and sees.seen == [True] * 4
 
 
 class MovesTheDirectory:

@@ -48,10 +48,12 @@ class Checkpoint:
         the checkpoint's step, while the device waits. `None` (the default) chooses by
         where the state lives: in the background on a GPU or TPU, whose host's cores are
         free while it computes, and in the training thread on the CPU backend, where a
-        writer thread would take its cores from XLA's computation: there the background
-        saves nothing, and the training thread needs no copy of the state and commits
-        each checkpoint at its step. Either way a checkpoint is fsynced and
-        renamed into place whole, and a failed write raises
+        writer thread would take its cores from XLA's computation: there the training
+        thread, which needs no copy of the state, writes the state's file, and a thread
+        that needs no core waits for the disk (`fsync`) and renames it into place while
+        training goes on. `False` commits each checkpoint at its step, before training
+        goes past it (a callback of its epoch finds it). Either way a checkpoint is
+        fsynced and renamed into place whole, and a failed write raises
         [`eqfit.CheckpointError`][] with the training so far. With several processes
         (`jax.distributed`) it is written in the training thread whatever this says:
         every process takes part, in step with the training's collectives.

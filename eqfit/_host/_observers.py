@@ -252,7 +252,9 @@ class Checkpointing(Observer):
     the next checkpoint waits for it, and `end` for the last (under `shard=`, Orbax
     writes the copy's shards from that thread). In the training thread, the state itself
     is taken to the host (on a CPU, its own buffers) and written before the next call is
-    queued, so no copy is made. Where several processes take part, the write is made in
+    queued, so no copy is made; by default the `Writer` then commits it (waits for the
+    disk, renames it into place) while training goes on, and with `background=False` the
+    training thread does. Where several processes take part, the write is made in
     the training thread, all processes together.
     """
 
@@ -337,14 +339,21 @@ class Checkpointing(Observer):
             self.background = in_background(self.policy.background, taken)
         if self.background:
             snapshot = copy_taken(taken)  # queued behind the call: the device copies it
-            self.writer.submit(lambda: self._write(snapshot, due, row))
-        else:
+            self.writer.submit(lambda: self._write(snapshot, due, row)())
+        elif self.policy.background is None:
+            # The state's file is written here, from its buffers, before the next call
+            # donates them; the wait for the disk, the manifest and the rename go on in
+            # the writer's thread, which needs no core to wait.
             self.writer.wait()
-            self._write(taken, due, row)
+            self.writer.submit(self._write(taken, due, row))
+        else:  # committed at its step, as `background=False` promises
+            self.writer.wait()
+            self._write(taken, due, row)()
 
-    def _write(self, state: PyTree, due: bool, row: int | None) -> None:
+    def _write(self, state: PyTree, due: bool, row: int | None) -> Callable[[], Any]:
         """Writes `state` (a snapshot, or the state) if `due`, or if its epoch (record
-        row `row`) is the best yet by `keep_best`'s value.
+        row `row`) is the best yet by `keep_best`'s value; returns the rest of the write
+        to run once (`Checkpoints.begin`'s commit; nothing where none is written).
         """
         host = self.host(state)
         value = None
@@ -356,8 +365,8 @@ class Checkpointing(Observer):
             if not math.isfinite(value):
                 value = None
         if not due and (value is None or not self._better(value)):
-            return
-        self.store.save(host, value)
+            return lambda: None
+        return self.store.begin(host, value)
 
     def _better(self, value: float) -> bool:
         best = self.store.best_value()

@@ -192,12 +192,26 @@ class Checkpoints:
         """
         final = None
         if self.writer or self.collective:
-            final = self._write(state, value)
+            final = self._write(state, value)()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("eqfit checkpoint written")
         return final if self.writer else None
+
+    def begin(self, state: PyTree, value: float | None = None) -> Callable[[], Path | None]:
+        """`save` in two parts: the state's file written now, from `state`'s buffers (the
+        part that needs the state and the CPU); and the returned `commit()`, which waits
+        for the disk to hold it (`fsync`), writes the manifest, renames the checkpoint
+        into place and prunes, and needs neither: the caller may run it in another
+        thread while the state's buffers are used again. Until `commit` returns, the
+        checkpoint is not there (a kill leaves the one before it the newest). With
+        several processes, all of `save` is done now.
+        """
+        if jax.process_count() > 1 or not self.writer:
+            final = self.save(state, value)
+            return lambda: final
+        return self._write(state, value)
 
     def newest(self) -> Path | None:
         """The newest good checkpoint's folder, if there is one."""
@@ -231,9 +245,10 @@ class Checkpoints:
         best = self._best()
         return [f for _, f, _ in self._checkpoints()[self.keep :] if best is None or f != best[1]]
 
-    def _write(self, state: PyTree, value: float | None = None) -> Path:
-        """Writes a checkpoint (the writer; with `collective`, every process, where only the
-        writer lists, names, commits and prunes).
+    def _write(self, state: PyTree, value: float | None = None) -> Callable[[], Path]:
+        """Writes a checkpoint's state (the writer; with `collective`, every process,
+        where only the writer lists, names, commits and prunes), and returns the rest of
+        the write, to call once: the commit (`_commit`) and the pruning.
         """
         epoch, step = epochs_and_steps(self._position(state), self.steps_per_epoch)
         payload = self._encode(state)
@@ -248,7 +263,7 @@ class Checkpoints:
             head["monitor"] = {"name": self.best[0], "value": float(value)}
         final = self.directory / f"ckpt-{epoch:06d}-{step:06d}"
         try:
-            manifest = self._put(final, head, payload)
+            written = self._put(final, payload)
         except OSError as e:
             if e.errno not in _NO_SPACE:
                 raise CheckpointError(f"Cannot write the checkpoint {final}: {e}.") from None
@@ -260,19 +275,27 @@ class Checkpoints:
             if len(existing) >= self.keep and prunable:
                 self._remove(prunable[-1])
             try:
-                manifest = self._put(final, head, payload)
+                written = self._put(final, payload)
             except OSError as again:
                 if again.errno not in _NO_SPACE:
                     raise CheckpointError(
                         f"Cannot write the checkpoint {final}: {again}."
                     ) from None
                 raise CheckpointError(self._no_room(payload, head, again)) from None
-        if self.writer:
-            assert self.good is not None
-            self.good[final.name] = (manifest["sequence"], final, manifest)
-            for folder in self._prunable():
-                self._remove(folder)
-        return final
+
+        def commit() -> Path:
+            try:
+                manifest = self._commit(final, head, *written)
+            except OSError as e:
+                raise CheckpointError(f"Cannot write the checkpoint {final}: {e}.") from None
+            if self.writer:
+                assert self.good is not None
+                self.good[final.name] = (manifest["sequence"], final, manifest)
+                for folder in self._prunable():
+                    self._remove(folder)
+            return final
+
+        return commit
 
     def _no_room(self, payload: Any, head: dict[str, Any], error: OSError) -> str:
         return (
@@ -295,14 +318,29 @@ class Checkpoints:
             return
         shutil.rmtree(away, ignore_errors=True)
 
-    def _put(self, final: Path, head: dict[str, Any], payload: Any) -> dict[str, Any]:
-        """Writes a checkpoint folder through a fsynced temporary one and a rename; on a
-        failure removes the temporary folder, leaving no litter. Returns its manifest
-        (written by the writer alone).
+    def _put(self, final: Path, payload: Any) -> tuple[Path, dict[str, Any]]:
+        """Writes the state of the checkpoint that will be `final` into a new temporary
+        folder; on a failure removes the folder, leaving no litter. Returns the folder
+        and the manifest's fields that describe the state (`_write_state`'s).
         """
         tmp = self._temporary(final)
         try:
-            fields = self._write_state(tmp, payload)
+            return tmp, self._write_state(tmp, payload)
+        except BaseException:
+            if self.writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _commit(
+        self, final: Path, head: dict[str, Any], tmp: Path, fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Commits the checkpoint whose state `_put` wrote into `tmp`: its files fsynced,
+        its manifest written, and the folder renamed to `final` (an fsynced rename); on
+        a failure removes the temporary folder. Returns its manifest (written by the
+        writer alone).
+        """
+        try:
+            self._sync_state(tmp)
             manifest = {**head, **fields, "config": self.config, "versions": versions()}
             if not self.writer:
                 return manifest
@@ -357,7 +395,8 @@ class Checkpoints:
         return Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory))
 
     def _write_state(self, folder: Path, payload: Any) -> dict[str, Any]:
-        """Writes the state into the temporary checkpoint folder `folder`.
+        """Writes the state into the temporary checkpoint folder `folder` (`_sync_state`
+        then waits for the disk).
 
         **Returns:**
 
@@ -365,9 +404,12 @@ class Checkpoints:
         """
         with open(folder / "state.eqx", "wb") as f:
             crc = write_leaves(f, payload).crc
-            f.flush()
-            os.fsync(f.fileno())
         return {"crc32": f"{crc:08x}"}
+
+    def _sync_state(self, folder: Path) -> None:
+        """Waits for the disk to hold what `_write_state` wrote into `folder`."""
+        with open(folder / "state.eqx", "rb") as f:
+            os.fsync(f.fileno())
 
     def _size(self, payload: Any, head: dict[str, Any]) -> int:
         """The bytes a checkpoint takes, for the message of a full disk."""
