@@ -14,6 +14,7 @@ from ._core._checks import checked, reported_as
 from ._core._data import (
     as_data,
     as_key,
+    batch_calls,
     check_alive,
     check_batch_size,
     ensemble_size,
@@ -192,25 +193,17 @@ def _predict_in_calls(args: tuple[Any, ...], unroll: int) -> Any:
     smaller last batch, called one after another; their outputs joined.
     """
     model, x, state, batch_size, ensemble, policy, key = args
-    n = num_samples(x)
-    num_full, remainder = divmod(n, batch_size)
-    unroll = max(1, min(unroll, num_full))
+    num_full = num_samples(x) // batch_size
     parts = []
-    for b in range(0, num_full, unroll):
+    for b, count, remainder in batch_calls(num_samples(x), batch_size, unroll):
         first = np.asarray(b, np.int32)  # an array: traced, one program for every call
         out = _predict_some(
-            model, x, state, batch_size, ensemble, policy, key, first, unroll, False
+            model, x, state, batch_size, ensemble, policy, key, first, count, remainder
         )
-        if b + unroll > num_full:  # the batches past the last full one are dropped
+        if not remainder and b + count > num_full:  # batches past the last full one
             rows = (num_full - b) * batch_size
             out = jax.tree.map(lambda o: o[:, :rows] if ensemble else o[:rows], out)
         parts.append(out)
-    if remainder:
-        parts.append(
-            _predict_some(
-                model, x, state, batch_size, ensemble, policy, key, np.int32(num_full), 1, True
-            )
-        )
     if len(parts) == 1:
         return parts[0]
     return jax.tree.map(lambda *p: jnp.concatenate(p, axis=1 if ensemble else 0), *parts)
@@ -404,18 +397,11 @@ def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelEr
     then one of the smaller last batch (`add_batches`), called one after another.
     """
     objective, model, state, data, batch_size, key = args
-    num_full, remainder = divmod(num_samples(data), batch_size)
-    count = max(1, min(unroll, num_full))
     totals: Any = np.zeros((2, len(objective.value_names)), np.float32)
     labels: Any = jax.tree.map(np.asarray, LabelError.none())
-    for b in range(0, num_full, count):
+    for b, count, remainder in batch_calls(num_samples(data), batch_size, unroll):
         first = np.asarray(b, np.int32)  # an array: traced, one program for every call
         totals, labels = _add_batches(
-            objective, model, state, data, batch_size, key, first, count, False, totals, labels
-        )
-    if remainder:
-        first = np.asarray(num_full, np.int32)
-        totals, labels = _add_batches(
-            objective, model, state, data, batch_size, key, first, 1, True, totals, labels
+            objective, model, state, data, batch_size, key, first, count, remainder, totals, labels
         )
     return totals[0] / totals[1], labels

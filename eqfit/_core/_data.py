@@ -414,3 +414,16 @@ def ensemble_size(model: PyTree) -> int:
             "`eqx.filter_vmap(make_model)(jax.random.split(key, members))`."
         )
     return sizes.pop()
+
+
+def batch_calls(rows: int, batch_size: int, unroll: int) -> list[tuple[int, int, bool]]:
+    """The calls of an inference over `rows` rows in programs of `unroll` batches (as
+    `PerStep` runs validation, `evaluate` and `predict`): `(first, count, remainder)`,
+    programs of `count` full batches from batch `first` on (the last may run past them:
+    its extra batches are dropped), then one of the smaller last batch if there is one.
+    `count` is at most the full batches, so no program is longer than the data.
+    """
+    num_full, remainder = divmod(rows, batch_size)
+    count = max(1, min(unroll, num_full))
+    calls = [(b, count, False) for b in range(0, num_full, count)]
+    return calls + [(num_full, 1, True)] if remainder else calls

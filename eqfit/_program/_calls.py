@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from .._core._data import batch_calls
 from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
@@ -104,7 +105,7 @@ class StepCalls(Program):
         self.full: Any = compile(functools.partial(unrolled, loop, unroll, False), (0,))
         self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
         self.close: Any = compile(functools.partial(close, loop), (0,))
-        self.validations: dict[tuple[int, bool], Any] = {}  # by set and remainder
+        self.validations: dict[tuple[int, int, bool], Any] = {}  # by set, batches, remainder
 
     def __call__(
         self,
@@ -166,22 +167,17 @@ class StepCalls(Program):
         if not due:
             return sums
         rows = loop.placement.rows(data)
-        num_full, remainder = divmod(rows, loop.schedule.batch_size)
-        carry = (state, sums)
-        for b in range(0, num_full, self.unroll):
+        for b, count, remainder in batch_calls(rows, loop.schedule.batch_size, self.unroll):
             at = ValAt(np.int32(b), np.int32(epoch))
-            carry = (state, self.validation(i, False)(carry, inputs, at))
-        if remainder:
-            at = ValAt(np.int32(num_full), np.int32(epoch))
-            carry = (state, self.validation(i, True)(carry, inputs, at))
-        return carry[1]
+            sums = self.validation(i, count, remainder)((state, sums), inputs, at)
+        return sums
 
-    def validation(self, i: int, remainder: bool) -> Any:
-        """The program of set `i`'s `unroll` batches, or of its smaller last batch."""
-        if (i, remainder) not in self.validations:
-            fn = functools.partial(validation_batches, self.loop, i, self.unroll, remainder)
-            self.validations[i, remainder] = self.loop.placement.compile(fn)
-        return self.validations[i, remainder]
+    def validation(self, i: int, count: int, remainder: bool) -> Any:
+        """The program of set `i`'s `count` batches, or of its smaller last batch."""
+        if (i, count, remainder) not in self.validations:
+            fn = functools.partial(validation_batches, self.loop, i, count, remainder)
+            self.validations[i, count, remainder] = self.loop.placement.compile(fn)
+        return self.validations[i, count, remainder]
 
     def next_call(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
         """Whether the call from `position` is the pass's smaller last batch's, and the
