@@ -99,18 +99,24 @@ def hand_loop(
         return p, s, losses
 
     def run(write: bool) -> float:
+        # A new folder a run, removed after it, as eqfit's runs below have: files written
+        # over in place would reuse the pages the kernel just freed, which new files of
+        # a run (eqfit's or a user's) do not.
+        folder = Path(tempfile.mkdtemp(prefix="hand-", dir=scratch))
         began = time.perf_counter()
         p, s = jax.tree.map(jnp.copy, params), optimizer.init(params)
         for e in range(EPOCHS):
             p, s, _ = epoch(p, s, jax.random.fold_in(jax.random.key(1), e))
             if write:
-                with open(scratch / f"hand-{e}.npy", "wb") as f:
+                with open(folder / f"epoch-{e}.npy", "wb") as f:
                     for leaf in jax.tree.leaves(jax.device_get((p, s))):
                         np.save(f, leaf)
                     f.flush()
                     os.fsync(f.fileno())
         jax.block_until_ready(p)
-        return time.perf_counter() - began
+        took = time.perf_counter() - began
+        shutil.rmtree(folder, ignore_errors=True)
+        return took
 
     return run
 
