@@ -414,7 +414,7 @@ class _Member:
             key,
             t,
         )
-        row, column = schedule.record_row(t), schedule.record_column(t)
+        cell = schedule.record_cell(t)
         nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
         reason, label_error = state.reason, state.label_error
         why: Any = Stop.NON_FINITE_LOSS
@@ -433,12 +433,12 @@ class _Member:
             reason=reason,
             nan_step=nan_step,
             label_error=label_error,
-            step_loss=_put(state.step_loss, out.loss, row, column),
+            step_loss=_put_cell(state.step_loss, out.loss, cell),
             running=state.running + jnp.where(out.finite, _running_pair(out, size), 0.0),
-            batch_sizes=_put(state.batch_sizes, size, row, column),
+            batch_sizes=_put_cell(state.batch_sizes, size, cell),
         )
         if loop.record.names:
-            values = _put(state.step_values, out.values, row, column)
+            values = _put_cell(state.step_values, out.values, cell)
             state = state._replace(step_values=values)
         return state
 
@@ -649,6 +649,15 @@ def _put(record: Array, value: Any, *index: Any) -> Array:
     update = value.reshape((1,) * len(index) + value.shape)
     start = (*index, *(0,) * value.ndim)
     return jax.lax.dynamic_update_slice(record, update, start, allow_negative_indices=False)
+
+
+def _put_cell(record: Array, value: Any, cell: Any) -> Array:
+    """`_put` of a step's `value` into a record of `(rows, columns, ...)`, at `cell` of
+    its rows laid end to end (`Schedule.record_cell`).
+    """
+    rows, columns, *rest = record.shape
+    cells = record.reshape(rows * columns, *rest)
+    return _put(cells, value, cell).reshape(record.shape)
 
 
 def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainState:
