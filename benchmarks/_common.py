@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -146,3 +147,18 @@ def interleave(
             runs[name]()
             samples[name].append(median([timed(runs[name]) for _ in range(inner)]))
     return {name: median(xs) for name, xs in samples.items()}
+
+
+def load_average() -> tuple[float, float, float]:
+    """The load average now, with a warning on stderr where another process is busy
+    (1-minute load above 0.5): times are then noisy, ratios less so. Call it before the
+    first timing, and keep what it returns with the results.
+    """
+    load = os.getloadavg()
+    if load[0] > 0.5:
+        print(
+            f"warning: load average {load[0]:.2f} before starting: another process "
+            "is using the CPU, so times will be noisy (ratios less so)",
+            file=sys.stderr,
+        )
+    return load

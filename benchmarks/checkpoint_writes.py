@@ -32,7 +32,6 @@ import argparse
 import functools
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,7 +43,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import config, median, regression_data, source_fingerprint, table, write_json
+from _common import (
+    config,
+    load_average,
+    median,
+    regression_data,
+    source_fingerprint,
+    table,
+    write_json,
+)
 
 import eqfit
 from eqfit._keep._checkpoint import Checkpoints
@@ -130,9 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     start = time.perf_counter()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(f"warning: load average {load_before[0]:.2f} before starting", file=sys.stderr)
+    load_before = load_average()
 
     x, _ = regression_data(NUM_SAMPLES, FEATURES)
     y = np.roll(x, 1, axis=1) * 0.5

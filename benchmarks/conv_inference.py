@@ -48,6 +48,7 @@ from _common import (
     CompileEvents,
     config,
     interleave,
+    load_average,
     source_fingerprint,
     table,
     timed,
@@ -399,14 +400,8 @@ def main() -> None:
     inner = 1 if args.quick else 3
     n = 256 if args.quick else 1024
 
-    load_before = os.getloadavg()
+    load_before = load_average()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}")
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
     start = time.perf_counter()
     events = CompileEvents()
     train, val = dataset(n, 0), dataset(n, 1)

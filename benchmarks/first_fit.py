@@ -69,7 +69,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import CompileEvents, regression_data
+from _common import CompileEvents, load_average, regression_data
 
 
 HERE = Path(__file__).parent
@@ -431,13 +431,7 @@ def main() -> None:
         has_keras = False
         print("Keras is not installed (pip install -e '.[bench]'): no Keras rows", file=sys.stderr)
     variants = [v for v in VARIANTS if v in chosen and (has_keras or not v.startswith("keras"))]
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     cache_dir = tempfile.mkdtemp(prefix="eqfit-cache-")
     if "cached" in variants:
         _run_worker("cached", cache_dir)  # fills the cache

@@ -38,6 +38,7 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    load_average,
     median,
     regression_data,
     source_fingerprint,
@@ -525,13 +526,7 @@ def main() -> None:
     fresh_repeats = 2 if args.quick else min(repeats, 5)
 
     start = time.perf_counter()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     events = CompileEvents()
     data = make_data()
     model = make_model(0)

@@ -47,7 +47,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import CompileEvents, config, median, source_fingerprint, table, timed, write_json
+from _common import (
+    CompileEvents,
+    config,
+    load_average,
+    median,
+    source_fingerprint,
+    table,
+    timed,
+    write_json,
+)
 
 import eqfit
 
@@ -373,13 +382,7 @@ def main() -> None:
     inner = 1 if args.quick else 3
 
     start = time.perf_counter()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     events = CompileEvents()
     problem = Problem(num_samples, args.epochs)
     print(f"first calls, warm-up, {repeats} repeats...", file=sys.stderr)

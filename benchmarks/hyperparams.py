@@ -36,6 +36,7 @@ from _common import (
     CompileEvents,
     config,
     interleave,
+    load_average,
     regression_data,
     source_fingerprint,
     table,
@@ -113,13 +114,7 @@ def main() -> None:
     inner = 1 if args.quick else 3
 
     start = time.perf_counter()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     x, y = regression_data(NUM_SAMPLES, IN_FEATURES)
     data = (jnp.asarray(x), jnp.asarray(y))
     model = eqfit.models.MLP(IN_FEATURES, "scalar", WIDTH, DEPTH, key=jax.random.key(0))

@@ -64,6 +64,7 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    load_average,
     median,
     regression_data,
     source_fingerprint,
@@ -483,13 +484,7 @@ def main() -> None:
 
     gru, lm = import_examples()  # before JAX starts: see there
     start = time.perf_counter()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     events = CompileEvents()
     families = make_families(gru, lm, names, args.quick)
     measured = {}

@@ -34,7 +34,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from _common import config, interleave, median, table, write_json
+from _common import config, interleave, load_average, median, table, write_json
 
 import eqfit
 
@@ -126,13 +126,7 @@ def main() -> None:
     if args.first is not None:
         first_call(args.first, iterations)
         return
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     began = time.perf_counter()
     # The same run both ways: the returns of every iteration, and the final network.
     result = fit_run(iterations)

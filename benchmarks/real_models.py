@@ -42,6 +42,7 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    load_average,
     median,
     regression_data,
     source_fingerprint,
@@ -362,13 +363,7 @@ def main() -> None:
     inner = 1 if args.quick else 3
 
     start = time.perf_counter()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so times will be noisy (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     events = CompileEvents()
     data = make_data()
     model = make_model(0)

@@ -50,7 +50,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import config, median, regression_data, source_fingerprint, table, write_json
+from _common import (
+    config,
+    load_average,
+    median,
+    regression_data,
+    source_fingerprint,
+    table,
+    write_json,
+)
 from jax.experimental import io_callback
 
 import eqfit
@@ -327,13 +335,7 @@ def main() -> None:
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
     start = time.perf_counter()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(
-            f"warning: load average {load_before[0]:.2f} before starting: another process "
-            "is using the CPU, so each epoch's time will move (ratios less so)",
-            file=sys.stderr,
-        )
+    load_before = load_average()
     peak = matmul_flops()
     counter = CallCounter()
     rows, results = [], []

@@ -1,7 +1,8 @@
 """A training run for test_checkpoint.py to kill, interrupt or starve.
 
 Usage: python checkpoint_worker.py DIRECTORY|- (compiled | progress)
-    [limit BYTES | nobody | long | nosignals | steps N | epochs E | background | perstep]...
+    [limit BYTES | nobody | long | nosignals | steps N | epochs E | background | inthread
+     | perstep]...
 
 It prints "epoch N" after each epoch, and how it ended: "finished", "interrupted after N
 epochs, S steps, by SIGNAL" (exit code 3) or "checkpoint error: ..." (exit code 4). With
@@ -9,8 +10,10 @@ epochs, S steps, by SIGNAL" (exit code 3) or "checkpoint error: ..." (exit code 
 privileges first; with `long`, its epochs are a million steps (minutes), not one pass of
 the test problem; with `nosignals`, `fit` handles no signal but Ctrl-C; with `steps N`, a
 checkpoint falls every N steps too; `epochs E` trains E epochs (200); with `background`,
-checkpoints are written in a background thread (on a CPU the default is the training
-thread); `perstep` runs the steps as `eqfit.PerStep()`, a call each.
+checkpoints are written in a background thread, with `inthread` wholly at their step in
+the training thread (`background=False`), else as the CPU's default (the state's file in
+the training thread, its commit in a thread); `perstep` runs the steps as
+`eqfit.PerStep()`, a call each.
 """
 
 import os
@@ -54,7 +57,7 @@ if "nosignals" in flags:
 checkpoint = None
 if directory != "-":
     every = int(flags[flags.index("steps") + 1]) if "steps" in flags else None
-    background = True if "background" in flags else None
+    background = True if "background" in flags else False if "inthread" in flags else None
     checkpoint = eqfit.Checkpoint(directory, every_steps=every, background=background)
 print("starting", flush=True)
 try:

@@ -384,6 +384,7 @@ def wait_for(process, text, timeout=120):
         ("SIGUSR1", "compiled", ""),
         ("SIGUSR1", "progress", ""),
         ("SIGTERM", "compiled", "background"),
+        ("SIGTERM", "compiled", "inthread"),
     ],
 )
 def test_a_preemption_signal_checkpoints_the_step_reached_and_stops_soon(
@@ -391,8 +392,8 @@ def test_a_preemption_signal_checkpoints_the_step_reached_and_stops_soon(
 ):
     """An epoch of a million steps: the signal is answered within a call (half a second)
     and the checkpoint's write, not at the epoch's end; the checkpoint is at the step the
-    result reached, and a rerun of the same script resumes from it. Written in the
-    training thread (the default on a CPU) or in the background.
+    result reached, and a rerun of the same script resumes from it. Written as the CPU's
+    default, in the background, or wholly in the training thread.
     """
     with start(tmp_path, mode, "long", *([where] if where else [])) as process:
         wait_for(process, "starting")
@@ -422,10 +423,12 @@ def test_signals_switched_off_leave_sigterm_to_kill(tmp_path):
 
 @pytest.mark.heavy
 def test_sigkill_at_random_points_of_a_run_checkpointed_every_few_steps(tmp_path):
-    """Killed at random moments (during writes too: in the training thread for the first
-    three rounds, then in the background), or stopped by SIGTERM (which checkpoints the
-    step reached, between the every-7-steps ones), rerun each time: the run that
-    finishes at last equals the uninterrupted one bit for bit.
+    """Killed at random moments (during writes too), or stopped by SIGTERM (which
+    checkpoints the step reached, between the every-7-steps ones), rerun each time, two
+    rounds with each way of writing: the CPU's default (the state's file in the training
+    thread, its commit in a thread), wholly in the training thread (`background=False`),
+    and in the background. The run that finishes at last equals the uninterrupted one
+    bit for bit.
     """
     from shared_problem import checkpoint_problem
 
@@ -433,7 +436,8 @@ def test_sigkill_at_random_points_of_a_run_checkpointed_every_few_steps(tmp_path
     kills = terms = 0
     for round in range(6):
         name = "SIGTERM" if round % 2 else "SIGKILL"
-        where = ["background"] if round >= 3 else []  # SIGKILL in rounds 0, 2 and 4
+        # SIGKILL in rounds 0, 2 and 4: one in each way of writing, as SIGTERM
+        where = [[], [], ["inthread"], ["inthread"], ["background"], ["background"]][round]
         # 200 epochs, about 25 s of steps and writes here: six rounds of at most 4 s each
         # never reach the end (with 40, a fast machine finished before the second kill).
         with start(tmp_path, "compiled", "steps", "7", "epochs", "200", *where) as process:
