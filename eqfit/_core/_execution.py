@@ -105,6 +105,26 @@ class Choice(NamedTuple):
     why: str
 
 
+def check_steps(execution: Execution, steps: int, where: str) -> None:
+    """Refuses programs of more steps than a call can run, before the first is traced: a
+    program's steps are traced and compiled one after the other, and those past the
+    call's end would never run.
+
+    **Arguments:**
+
+    - `execution`: the way asked for.
+    - `steps`: the most steps a call runs (an epoch's, or a chunk's of streamed data).
+    - `where`: what `steps` counts, as the message says it ("an epoch of this run has").
+    """
+    unroll = execution.steps_per_program()
+    if unroll is not None and unroll > steps:
+        raise ValueError(
+            f"`execution={execution!r}` asks for programs of {unroll} steps, but "
+            f"{where} {steps}, and a call never goes past it: the steps past it would be "
+            f"compiled and never run. Give `unroll` at most {steps}."
+        )
+
+
 def choose(
     asked: Execution | Literal["auto"],
     *,
@@ -136,13 +156,8 @@ def choose(
                 "(`steps_per_program()`): that must be a whole number of 1 or more, or `None` "
                 "for a program that loops over the whole run."
             )
-        if unroll is not None and steps_per_epoch is not None and unroll > steps_per_epoch:
-            raise ValueError(
-                f"`execution={asked!r}` asks for programs of {unroll} steps, but an epoch "
-                f"of this run has {steps_per_epoch}, and a call never goes past an epoch's "
-                "end: the steps past it would be compiled and never run. Give `unroll` at "
-                f"most {steps_per_epoch}."
-            )
+        if steps_per_epoch is not None:
+            check_steps(asked, steps_per_epoch, "an epoch of this run has")
         return Choice(asked, "as `execution=` asks")
     if platform == "cpu" and convolves():
         why = (

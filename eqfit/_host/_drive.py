@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from .._core._execution import check_steps
 from .._keep._checkpoint import CheckpointError
 from .._program._calls import Program, program_key
 from .._program._compile import PROGRAM_CACHE, Starting
@@ -277,20 +278,6 @@ def _mean_of_finished(rows: np.ndarray) -> np.ndarray:
     return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
-def check_unroll(loop: Loop, steps: int, where: str) -> None:
-    """Refuses `PerStep` programs of more steps than a call can run (`steps`: an epoch's,
-    or a chunk's of streamed data), before the first call traces them: a program's steps
-    are traced and compiled one after the other, and past the call's end never run.
-    """
-    unroll = loop.execution.steps_per_program()
-    if unroll is not None and unroll > steps:
-        raise ValueError(
-            f"`execution={loop.execution!r}` asks for programs of {unroll} steps, but "
-            f"{where} {steps}, and a call never goes past it: the steps past it would be "
-            f"compiled and never run. Give `unroll` at most {steps}."
-        )
-
-
 class Drive:
     """One run's drive: the state it carries from call to call, as attributes."""
 
@@ -408,14 +395,14 @@ class Drive:
         """Calls the program over the feeds until the run's end, a stop or a signal."""
         for feed in from_data(feeds):
             if feed.epoch_length is not None and self.loop.schedule.learning:
-                check_unroll(self.loop, feed.epoch_length, "an epoch of this run has")
+                check_steps(self.loop.execution, feed.epoch_length, "an epoch of this run has")
                 self.learn(feed.epoch_length)
             if self.report is None and feed.inputs.piece is not None:
                 # A call never goes past a chunk of streamed batches (a full one holds
                 # `capacity`): the steps past it would be compiled and never run.
                 capacity = np.shape(feed.inputs.piece.order)[0] // feed.batch_size
                 if feed.batch_size == self.loop.batch_size:
-                    check_unroll(self.loop, capacity, "the data streams in chunks of")
+                    check_steps(self.loop.execution, capacity, "the data streams in chunks of")
             # A call per turn, at least one per feed: a call with nothing to do (a finished
             # run resumed) still reports where the run stands.
             while not (self.report is not None and self.interrupted()):
