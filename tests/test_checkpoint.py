@@ -228,6 +228,30 @@ def test_no_corruption_loses_a_good_checkpoint(getkey, tmp_path, newest, older):
     assert_trees_equal(again.model, full.model)
 
 
+@pytest.mark.parametrize("background", [None, True, False])
+def test_a_state_of_arrays_larger_than_the_writes_pieces_is_written_whole(
+    getkey, tmp_path, background
+):
+    """Arrays of 700 x 700 floats (1.9 MiB, not a whole number of the write's pieces):
+    the file holds them whole (its CRC32 as the manifest says), and resumes bit for bit.
+    """
+    data = regression_data(getkey(), 64, features=700)
+    model = eqfit.models.MLP(700, "scalar", 700, 1, key=getkey())
+    kwargs = dict(loss=eqfit.losses.mse, key=getkey(), epochs=3, batch_size=32, optimizer=ADAM)
+    full = eqfit.fit(model, data, **kwargs)
+    policy = eqfit.Checkpoint(tmp_path, background=background)
+    assert_trees_equal(eqfit.fit(model, data, checkpoint=policy, **kwargs).model, full.model)
+    newest = tmp_path / "ckpt-000003-000000"
+    state = (newest / "state.eqx").read_bytes()
+    assert len(state) > 3 * 700 * 700 * 4
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["crc32"] == f"{zlib.crc32(state):08x}"
+    shutil.rmtree(newest)  # resumed from epoch 2's, whose checksum is checked
+    resumed = eqfit.fit(model, data, checkpoint=policy, **kwargs)
+    assert_trees_equal(resumed.model, full.model)
+    assert_trees_equal(resumed.opt_state, full.opt_state)
+
+
 def as_an_earlier_eqfit_wrote_it(folder):
     """The manifest as eqfit wrote it before CRC32s: format 2, a SHA-256 of the state."""
     manifest = json.loads((folder / "manifest.json").read_text())
