@@ -21,7 +21,7 @@ from .._keep._checkpoint import CheckpointError
 from .._program._calls import Program, program_key
 from .._program._compile import PROGRAM_CACHE, Starting
 from .._program._loop import Loop
-from .._program._program import learned_state
+from .._program._records import learned_state
 from .._program._state import Report, Steps, Stop, TrainState
 from ._feeds import DataError, Feed, feeds as feeds, from_data
 from ._observers import Costs, Observer, Progress, Throughput

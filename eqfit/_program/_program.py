@@ -7,7 +7,8 @@ and streamed data call it in pieces. Since the positions are traced, every piece
 same compiled program, and the pieces agree with one whole run bit for bit.
 
 `run` reads as its loops: passes over the data, the stretches between epoch ends, the
-batches; `_Member.close_epoch` ends an epoch (its values, validation, early stopping).
+batches; `EpochEnd.close` (`_epoch_end.py`) ends an epoch (its values, validation, early
+stopping).
 """
 
 import dataclasses
@@ -17,16 +18,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
+from jaxtyping import Array, Bool, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
-from .._core._early_stopping import StoppingState
-from .._step._evaluate import add_batches, evaluate_batches, evaluation_needs_key
 from .._step._labels import LabelError
-from .._step._step import StepResult
 from ._compile import PROGRAM_CACHE
+from ._epoch_end import EpochEnd
 from ._loop import lay_out_state, Loop, Rebuilt
+from ._records import fresh_record, put_cell, running_pair
 from ._state import CallEnd, Consts, Inputs, Report, Steps, Stop, TrainState, ValAt, ValSums
 
 
@@ -171,8 +170,8 @@ def validation_batches(
     parts = loop.parts(inputs.consts)
 
     def one(state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
-        member = _Member(loop, parts, inputs, key, jnp.asarray(0, jnp.int32))
-        return member.validation_batches(state, sums, set_index, count, remainder, at)
+        end = EpochEnd(loop, parts, inputs, key)
+        return end.batches(state, sums, set_index, count, remainder, at)
 
     if loop.members is None:
         return one(state, sums, inputs.key)
@@ -217,7 +216,7 @@ class _Member:
         loop, schedule = self.loop, self.loop.schedule
         stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
         if schedule.learning:  # each call's steps are recorded afresh, for the host
-            state = _fresh_record(state)
+            state = fresh_record(state)
         step_key = self.step_key()
         piece, passes = self.inputs.piece, schedule.passes
         if piece is not None:  # streamed: this piece's rows
@@ -255,7 +254,7 @@ class _Member:
         """
         loop, schedule = self.loop, self.loop.schedule
         if schedule.learning:  # each call of the drive's steps are recorded afresh
-            fresh = _fresh_record(state)
+            fresh = fresh_record(state)
             state = jax.tree.map(lambda a, b: jnp.where(until.fresh, a, b), fresh, state)
         step_key = self.step_key()
         begin = state.step
@@ -299,6 +298,10 @@ class _Member:
             state = jax.tree.map(lambda a, b: jnp.where(active, a, b), stepped, state)
 
         return self.finish(state)
+
+    def epoch_end(self) -> EpochEnd:
+        """The member's epoch end (its values, validation, early stopping)."""
+        return EpochEnd(self.loop, self.parts, self.inputs, self.key)
 
     def step_key(self) -> Key[Array, ""] | None:
         """The key the steps' keys are folded from: one key per global step, so that a
@@ -367,7 +370,7 @@ class _Member:
                     remainder_due, lambda s: batch_step(s, remainder, False), state
                 )
             closes = (state.step == epoch_end) & _running(state)
-            return jax.lax.cond(closes, self.close_epoch, lambda s: s, state)
+            return jax.lax.cond(closes, self.epoch_end().close, lambda s: s, state)
 
         if schedule.epochs_end_at_pass_ends:
             # From a step inside a pass to `end`, at or before the pass's end (in memory
@@ -433,163 +436,22 @@ class _Member:
             reason=reason,
             nan_step=nan_step,
             label_error=label_error,
-            step_loss=_put_cell(state.step_loss, out.loss, cell),
-            running=state.running + jnp.where(out.finite, _running_pair(out, size), 0.0),
-            batch_sizes=_put_cell(state.batch_sizes, size, cell),
+            step_loss=put_cell(state.step_loss, out.loss, cell),
+            running=state.running + jnp.where(out.finite, running_pair(out, size), 0.0),
+            batch_sizes=put_cell(state.batch_sizes, size, cell),
         )
         if loop.record.names:
-            values = _put_cell(state.step_values, out.values, cell)
+            values = put_cell(state.step_values, out.values, cell)
             state = state._replace(step_values=values)
         return state
-
-    def close_epoch(
-        self,
-        state: TrainState,
-        validate: Callable[[TrainState, Int[Array, ""]], tuple[Array, LabelError]] | None = None,
-    ) -> TrainState:
-        """The end of the epoch just finished: its values, validation, early stopping.
-        `validate` gives the validation values (`validate`'s, computed here, by default).
-        """
-        loop, schedule = self.loop, self.loop.schedule
-        row = schedule.record_row(state.step - 1)
-        epoch = schedule.epoch_of(state.step - 1)
-        values = epoch_values(state, row, loop)
-        validated = None  # every epoch, or not at all
-        validation = loop.validation
-        validate = self.validate if validate is None else validate
-        if validation is not None:
-            if validation.freq == 1:  # no branch: the program it always was
-                val, label_error = validate(state, epoch)
-            else:
-                validated = epoch % validation.freq == 0
-
-                def not_due(state: TrainState) -> tuple[Array, LabelError]:
-                    return jnp.full(len(loop.val_names), jnp.nan), state.label_error
-
-                val, label_error = jax.lax.cond(
-                    validated, lambda s: validate(s, epoch), not_due, state
-                )
-            values = jnp.concatenate([values, val])
-            state = state._replace(label_error=label_error)
-        state = state._replace(
-            epoch_values=_put(state.epoch_values, values, row), running=jnp.zeros(2)
-        )
-        if loop.early_stopping is None:
-            return state
-        assert state.stopping is not None
-        stopping_rule = loop.early_stopping
-        monitored = values[loop.log_names.index(stopping_rule.monitor)]
-        trained = (state.params, state.average)
-
-        def update(stopping: StoppingState) -> tuple[StoppingState, Bool[Array, ""]]:
-            return stopping_rule.update(stopping, monitored, epoch, trained, state.model_state)
-
-        if validated is not None and stopping_rule.monitor in loop.val_names:
-            # As Keras, which checks the monitor only where it is in the epoch's logs: an
-            # epoch not validated neither improves nor counts towards the patience.
-            def wait(stopping: StoppingState) -> tuple[StoppingState, Bool[Array, ""]]:
-                return stopping, jnp.asarray(False)
-
-            stopping, stop = jax.lax.cond(validated, update, wait, state.stopping)
-        else:
-            stopping, stop = update(state.stopping)
-        reason = jnp.where(stop, Stop.EARLY_STOPPING, state.reason)
-        return state._replace(stopping=stopping, reason=reason)
-
-    def validate(self, state: TrainState, epoch: Int[Array, ""]) -> tuple[Array, LabelError]:
-        """The validation values of epoch `epoch`'s model (`Loop.val_names`'), and the
-        label error with the first label out of range that they met, if any.
-
-        A loss that takes a key (and requires one, `evaluation_needs_key`) gets a new one
-        for each batch of each set at each epoch, from the run's key: the noise of a
-        variational loss differs from batch to batch and epoch to epoch, and is the same
-        for the same run, however it is cut into calls. Its own fold of the run's key
-        (the steps' is 1) leaves the training's keys as they were.
-        """
-        loop, parts = self.loop, self.parts
-        model = self.validated_model(state)
-        values, label_error = [], state.label_error
-        for i, data in enumerate(self.validation_sets()):
-            val, labels = evaluate_batches(
-                parts.objective,
-                model,
-                state.model_state,
-                data,
-                loop.schedule.batch_size,
-                self.validation_key(model, epoch, i),
-            )
-            values.append(val)
-            if labels is not None:
-                label_error = label_error.or_else(labels)
-        return jnp.concatenate(values), label_error
-
-    def validated_model(self, state: TrainState) -> PyTree:
-        """The model that validation evaluates: the trained one, or its average."""
-        validation = self.loop.validation
-        assert validation is not None
-        return self.parts.combine(state.average if validation.ema else state.params)
-
-    def validation_sets(self) -> list[PyTree]:
-        """The validation sets' data, in the order of their values."""
-        validation, val_data = self.loop.validation, self.inputs.val_data
-        assert validation is not None
-        return [val_data[name] for name in validation.sets] if validation.sets else [val_data]
-
-    def validation_key(
-        self, model: PyTree, epoch: Int[ArrayLike, ""], i: int
-    ) -> Key[Array, ""] | None:
-        """Set `i`'s key at epoch `epoch`, that its batches' are folded from (`None` where
-        the loss gets none: `evaluation_needs_key`).
-        """
-        if not evaluation_needs_key(self.parts.objective, model):
-            return None
-        epoch_key = jax.random.fold_in(jax.random.fold_in(self.key, 2), epoch)
-        return jax.random.fold_in(epoch_key, i)
-
-    def validation_batches(
-        self,
-        state: TrainState,
-        sums: ValSums,
-        set_index: int,
-        count: int,
-        remainder: bool,
-        at: ValAt,
-    ) -> ValSums:
-        """`validation_batches`' (the program's) for one member: as `evaluate_batches`
-        computes each batch, added in the same order.
-        """
-        model = self.validated_model(state)
-        totals, label_error = add_batches(
-            self.parts.objective,
-            model,
-            state.model_state,
-            self.validation_sets()[set_index],
-            self.loop.schedule.batch_size,
-            self.validation_key(model, at.epoch, set_index),
-            at.batch,
-            count,
-            remainder,
-            jnp.asarray(sums.totals),
-            sums.label_error,
-        )
-        return ValSums(totals, label_error)
 
     def closed(self, state: TrainState, sums: tuple[ValSums, ...]) -> tuple[TrainState, Report]:
         """`close`'s (the program's) for one member: the epoch closed if its steps have
         run to `self.stop`, its end, and the run is still running.
         """
 
-        def validate(state: TrainState, epoch: Int[Array, ""]) -> tuple[Array, LabelError]:
-            del epoch  # the sums are the epoch's
-            totals = [jnp.asarray(set_sums.totals) for set_sums in sums]
-            values = [t[0] / t[1] for t in totals]
-            label_error = state.label_error
-            for _, labels in sums:
-                label_error = label_error.or_else(labels)
-            return jnp.concatenate(values), label_error
-
         closes = (state.step == self.stop) & _running(state)
-        closed = self.close_epoch(state, validate if sums else None)
+        closed = self.epoch_end().close(state, sums)
         state = jax.tree.map(lambda a, b: jnp.where(closes, a, b), closed, state)
         return self.finish(state)
 
@@ -618,86 +480,5 @@ class _Member:
         )
 
 
-def _running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
-    """What the step adds to the bar's running mean: its loss times its weight (the
-    batch size, or a weighted mean's weight), and the weight.
-    """
-    if out.weight is None:
-        return jnp.stack([out.loss * size, size])
-    return jnp.stack([jnp.where(out.weight != 0, out.loss * out.weight, 0.0), out.weight])
-
-
 def _running(state: TrainState) -> Bool[Array, ""]:
     return state.reason == Stop.RUNNING
-
-
-def _fresh_record(state: TrainState) -> TrainState:
-    """`state` with its record of steps emptied: NaN, and no batch."""
-    return state._replace(
-        step_loss=jnp.full_like(state.step_loss, jnp.nan),
-        step_values=jnp.full_like(state.step_values, jnp.nan),
-        batch_sizes=jnp.zeros_like(state.batch_sizes),
-    )
-
-
-def _put(record: Array, value: Any, *index: Any) -> Array:
-    """`record.at[index].set(value)` as a dynamic update slice, not a scatter: XLA
-    compiles it in less time. The indices are in range by construction, so neither
-    negative ones nor clamping need handling.
-    """
-    value = jnp.asarray(value, record.dtype)
-    update = value.reshape((1,) * len(index) + value.shape)
-    start = (*index, *(0,) * value.ndim)
-    return jax.lax.dynamic_update_slice(record, update, start, allow_negative_indices=False)
-
-
-def _put_cell(record: Array, value: Any, cell: Any) -> Array:
-    """`_put` of a step's `value` into a record of `(rows, columns, ...)`, at `cell` of
-    its rows laid end to end (`Schedule.record_cell`).
-    """
-    rows, columns, *rest = record.shape
-    cells = record.reshape(rows * columns, *rest)
-    return _put(cells, value, cell).reshape(record.shape)
-
-
-def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainState:
-    """`state` of a run that learned its epoch's length, as `loop` (the learned one)
-    keeps it: the first epoch's steps so far (`first`, on the host; `None`: none) in its
-    record.
-    """
-    schedule = loop.schedule
-    members = () if loop.members is None else (loop.members,)
-    shape = (*members, schedule.rows, schedule.columns)
-    if first is None:
-        none = (*members, 0)
-        values = np.zeros((*none, len(loop.record.names)), np.float32)
-        first = Steps(np.zeros(none, np.float32), values, np.zeros(none, np.int32))
-
-    def record(steps: ArrayLike, fill: Any) -> np.ndarray:
-        """A record of `steps` (`(*members, n, ...)`) as row 0 of `(*members, rows,
-        columns, ...)`, filled with `fill` elsewhere.
-        """
-        steps = np.asarray(steps)
-        rest = steps.shape[len(members) + 1 :]
-        out = np.full((*shape, *rest), fill, steps.dtype)
-        out[(slice(None),) * len(members) + (0, slice(0, steps.shape[len(members)]))] = steps
-        return out
-
-    logs = (*members, schedule.rows, len(loop.log_names))
-    return state._replace(
-        step_loss=record(first.loss, np.nan),
-        step_values=record(first.values, np.nan),
-        batch_sizes=record(first.batch_sizes, 0),
-        epoch_values=np.full(logs, np.nan, np.float32),
-    )
-
-
-def epoch_values(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Array, " values"]:
-    """The epoch's values (`Record.epoch_values`) from the steps of record row `row`."""
-
-    def at_row(record: Array) -> Array:  # `row` is in range by construction
-        return jax.lax.dynamic_index_in_dim(record, row, 0, False, allow_negative_indices=False)
-
-    return loop.record.epoch_values(
-        at_row(state.step_loss), at_row(state.step_values), at_row(state.batch_sizes)
-    )

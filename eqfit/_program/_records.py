@@ -1,0 +1,97 @@
+"""The run's records inside its training state: each step's loss, values and batch size
+at its cell of `(rows, columns)` (`Schedule.record_cell`), each epoch's values at its
+row, and the bar's running mean; emptied for each call, written without a scatter, read
+at a row, and laid out anew where a run learns its epoch's length.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from .._step._step import StepResult
+from ._loop import Loop
+from ._state import Steps, TrainState
+
+
+def running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
+    """What the step adds to the bar's running mean: its loss times its weight (the
+    batch size, or a weighted mean's weight), and the weight.
+    """
+    if out.weight is None:
+        return jnp.stack([out.loss * size, size])
+    return jnp.stack([jnp.where(out.weight != 0, out.loss * out.weight, 0.0), out.weight])
+
+
+def fresh_record(state: TrainState) -> TrainState:
+    """`state` with its record of steps emptied: NaN, and no batch."""
+    return state._replace(
+        step_loss=jnp.full_like(state.step_loss, jnp.nan),
+        step_values=jnp.full_like(state.step_values, jnp.nan),
+        batch_sizes=jnp.zeros_like(state.batch_sizes),
+    )
+
+
+def put(record: Array, value: Any, *index: Any) -> Array:
+    """`record.at[index].set(value)` as a dynamic update slice, not a scatter: XLA
+    compiles it in less time. The indices are in range by construction, so neither
+    negative ones nor clamping need handling.
+    """
+    value = jnp.asarray(value, record.dtype)
+    update = value.reshape((1,) * len(index) + value.shape)
+    start = (*index, *(0,) * value.ndim)
+    return jax.lax.dynamic_update_slice(record, update, start, allow_negative_indices=False)
+
+
+def put_cell(record: Array, value: Any, cell: Any) -> Array:
+    """`put` of a step's `value` into a record of `(rows, columns, ...)`, at `cell` of
+    its rows laid end to end (`Schedule.record_cell`).
+    """
+    rows, columns, *rest = record.shape
+    cells = record.reshape(rows * columns, *rest)
+    return put(cells, value, cell).reshape(record.shape)
+
+
+def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainState:
+    """`state` of a run that learned its epoch's length, as `loop` (the learned one)
+    keeps it: the first epoch's steps so far (`first`, on the host; `None`: none) in its
+    record.
+    """
+    schedule = loop.schedule
+    members = () if loop.members is None else (loop.members,)
+    shape = (*members, schedule.rows, schedule.columns)
+    if first is None:
+        none = (*members, 0)
+        values = np.zeros((*none, len(loop.record.names)), np.float32)
+        first = Steps(np.zeros(none, np.float32), values, np.zeros(none, np.int32))
+
+    def record(steps: ArrayLike, fill: Any) -> np.ndarray:
+        """A record of `steps` (`(*members, n, ...)`) as row 0 of `(*members, rows,
+        columns, ...)`, filled with `fill` elsewhere.
+        """
+        steps = np.asarray(steps)
+        rest = steps.shape[len(members) + 1 :]
+        out = np.full((*shape, *rest), fill, steps.dtype)
+        out[(slice(None),) * len(members) + (0, slice(0, steps.shape[len(members)]))] = steps
+        return out
+
+    logs = (*members, schedule.rows, len(loop.log_names))
+    return state._replace(
+        step_loss=record(first.loss, np.nan),
+        step_values=record(first.values, np.nan),
+        batch_sizes=record(first.batch_sizes, 0),
+        epoch_values=np.full(logs, np.nan, np.float32),
+    )
+
+
+def epoch_values(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Array, " values"]:
+    """The epoch's values (`Record.epoch_values`) from the steps of record row `row`."""
+
+    def at_row(record: Array) -> Array:  # `row` is in range by construction
+        return jax.lax.dynamic_index_in_dim(record, row, 0, False, allow_negative_indices=False)
+
+    return loop.record.epoch_values(
+        at_row(state.step_loss), at_row(state.step_values), at_row(state.batch_sizes)
+    )
