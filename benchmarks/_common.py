@@ -87,11 +87,25 @@ def median(xs: list[float]) -> float:
 
 
 def config() -> dict[str, Any]:
-    """What the numbers depend on besides the benchmark's own settings."""
+    """What the numbers depend on besides the benchmark's own settings: the libraries'
+    versions, the machine, and the eqfit that ran (where it was imported from, and a
+    fingerprint of its source).
+    """
+    import equinox
+    import optax
+
+    import eqfit
+
     device = jax.devices()[0]
+    source = Path(eqfit.__file__).parent
     return {
         "jax": jax.__version__,
         "jaxlib": importlib.metadata.version("jaxlib"),
+        "equinox": equinox.__version__,
+        "optax": optax.__version__,
+        "eqfit": eqfit.__version__,
+        "eqfit_path": str(source),
+        "eqfit_source_sha256": source_fingerprint(source),
         "backend": jax.default_backend(),
         "device": str(device),
         "device_kind": getattr(device, "device_kind", None),
@@ -162,3 +176,20 @@ def load_average() -> tuple[float, float, float]:
             file=sys.stderr,
         )
     return load
+
+
+def finish(
+    out: Path, results: dict[str, Any], started: float, load_before: tuple[float, ...]
+) -> None:
+    """Ends a benchmark's run: `results` gains its wall time (since `started`, a
+    `time.perf_counter()`) and the load averages before (`load_average`'s) and after,
+    both printed, and is written to `out` as JSON.
+    """
+    results["total_wall_s"] = time.perf_counter() - started
+    results["loadavg_before"] = load_before
+    results["loadavg_after"] = os.getloadavg()
+    print(
+        f"\ntotal wall time {results['total_wall_s']:.0f} s; 1-min load average "
+        f"{load_before[0]:.2f} before, {results['loadavg_after'][0]:.2f} after"
+    )
+    write_json(out, results)

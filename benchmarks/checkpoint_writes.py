@@ -45,12 +45,11 @@ import numpy as np
 import optax
 from _common import (
     config,
+    finish,
     load_average,
     median,
     regression_data,
-    source_fingerprint,
     table,
-    write_json,
 )
 
 import eqfit
@@ -239,8 +238,6 @@ def main() -> None:
     modelled = (none + EPOCHS * write) / none
     cfg = {
         **config(),
-        "eqfit": eqfit.__version__,
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "model": f"eqfit.models.MLP({FEATURES}, {FEATURES}, {WIDTH}, 1)",
         "optimizer": "optax.adam(1e-4)",
         "num_samples": NUM_SAMPLES,
@@ -307,12 +304,8 @@ def main() -> None:
         "bitwise_equal": bitwise,
         "target": TARGET,
         "config": cfg,
-        "total_wall_s": time.perf_counter() - start,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    print(f"\ntotal wall time {results['total_wall_s']:.0f} s")
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

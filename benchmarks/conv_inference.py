@@ -32,7 +32,6 @@ compiled. The machine's load average is printed before and after.
 """
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -47,13 +46,12 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    finish,
     interleave,
     load_average,
-    source_fingerprint,
     table,
     timed,
     TRACE_EVENT,
-    write_json,
 )
 from model_families import CNN, images
 
@@ -412,11 +410,6 @@ def main() -> None:
 
     cfg = {
         **config(),
-        "equinox": eqx.__version__,
-        "optax": optax.__version__,
-        "eqfit": eqfit.__version__,
-        "eqfit_path": str(Path(eqfit.__file__).parent),
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "optimizer": f"optax.adam({LEARNING_RATE})",
         "batch_size": BATCH_SIZE,
         "epochs": EPOCHS,
@@ -436,15 +429,7 @@ def main() -> None:
     )
     results: dict[str, Any] = {"heads": report(heads, measured)}
     results["config"] = cfg
-    results["total_wall_s"] = time.perf_counter() - start
-    results["loadavg_before"] = load_before
-    results["loadavg_after"] = os.getloadavg()
-    print(
-        f"\ntotal wall time {results['total_wall_s']:.0f} s; load average "
-        f"{' '.join(f'{x:.2f}' for x in load_before)} before, "
-        f"{' '.join(f'{x:.2f}' for x in results['loadavg_after'])} after"
-    )
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

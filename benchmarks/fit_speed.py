@@ -38,13 +38,12 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    finish,
     load_average,
     median,
     regression_data,
-    source_fingerprint,
     table,
     timed,
-    write_json,
 )
 
 import eqfit
@@ -541,11 +540,6 @@ def main() -> None:
 
     cfg = {
         **config(),
-        "equinox": eqx.__version__,
-        "optax": optax.__version__,
-        "eqfit": eqfit.__version__,
-        "eqfit_path": str(Path(eqfit.__file__).parent),
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "model": f"eqfit.models.MLP({IN_FEATURES}, 'scalar', {WIDTH}, {DEPTH})",
         "optimizer": f"optax.adam({LEARNING_RATE})",
         "loss": "eqfit.losses.mse",
@@ -572,14 +566,7 @@ def main() -> None:
     )
     results["fixed_cost"] = fixed
     results["config"] = cfg
-    results["total_wall_s"] = time.perf_counter() - start
-    results["loadavg_before"] = load_before
-    results["loadavg_after"] = os.getloadavg()
-    print(
-        f"\ntotal wall time {results['total_wall_s']:.0f} s; 1-min load average "
-        f"{load_before[0]:.2f} before, {results['loadavg_after'][0]:.2f} after"
-    )
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ usual loop (`benchmarks/model_families.py` shows it for a CNN and a conv autoenc
 
 import argparse
 import importlib.util
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -50,12 +49,11 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    finish,
     load_average,
     median,
-    source_fingerprint,
     table,
     timed,
-    write_json,
 )
 
 import eqfit
@@ -391,11 +389,6 @@ def main() -> None:
     example = EXAMPLE
     cfg = {
         **config(),
-        "equinox": eqx.__version__,
-        "optax": optax.__version__,
-        "eqfit": eqfit.__version__,
-        "eqfit_path": str(Path(eqfit.__file__).parent),
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "optimizers": f"optax.adam({LEARNING_RATE}, b1={B1}), twice",
         "model": f"examples/gan.py, latent {example.LATENT}, features {example.FEATURES}, "
         f"{example.SIZE}x{example.SIZE}",
@@ -419,14 +412,7 @@ def main() -> None:
     )
     results: dict[str, Any] = report(problem, measured)
     results["config"] = cfg
-    results["total_wall_s"] = time.perf_counter() - start
-    results["loadavg_before"] = load_before
-    results["loadavg_after"] = os.getloadavg()
-    print(
-        f"\ntotal wall time {results['total_wall_s']:.0f} s; 1-min load average "
-        f"{load_before[0]:.2f} before, {results['loadavg_after'][0]:.2f} after"
-    )
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

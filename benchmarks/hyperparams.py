@@ -20,7 +20,6 @@ compile-event listener counts). Target: `schedules` / `plain` at most 1.05.
 """
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,12 +34,11 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    finish,
     interleave,
     load_average,
     regression_data,
-    source_fingerprint,
     table,
-    write_json,
 )
 
 import eqfit
@@ -129,10 +127,6 @@ def main() -> None:
 
     cfg = {
         **config(),
-        "equinox": eqx.__version__,
-        "optax": optax.__version__,
-        "eqfit": eqfit.__version__,
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "model": f"eqfit.models.MLP({IN_FEATURES}, 'scalar', {WIDTH}, {DEPTH})",
         "schedule": f"optax.cosine_decay_schedule(1e-3, {STEPS})",
         "num_samples": NUM_SAMPLES,
@@ -163,12 +157,8 @@ def main() -> None:
         "checks": checks,
         "steady_recompiles": recompiles,
         "config": cfg,
-        "total_wall_s": time.perf_counter() - start,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    print(f"\ntotal wall time {results['total_wall_s']:.0f} s")
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

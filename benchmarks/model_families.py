@@ -47,7 +47,6 @@ several times slower in `eqfit` and `scan` than in the usual loop.
 """
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -64,13 +63,12 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    finish,
     load_average,
     median,
     regression_data,
-    source_fingerprint,
     table,
     timed,
-    write_json,
 )
 
 import eqfit
@@ -494,11 +492,6 @@ def main() -> None:
 
     cfg = {
         **config(),
-        "equinox": eqx.__version__,
-        "optax": optax.__version__,
-        "eqfit": eqfit.__version__,
-        "eqfit_path": str(Path(eqfit.__file__).parent),
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "optimizer": f"optax.adam({LEARNING_RATE})",
         "batch_size": BATCH_SIZE,
         "repeats": repeats,
@@ -515,14 +508,7 @@ def main() -> None:
     )
     results: dict[str, Any] = {"families": report(families, measured)}
     results["config"] = cfg
-    results["total_wall_s"] = time.perf_counter() - start
-    results["loadavg_before"] = load_before
-    results["loadavg_after"] = os.getloadavg()
-    print(
-        f"\ntotal wall time {results['total_wall_s']:.0f} s; 1-min load average "
-        f"{load_before[0]:.2f} before, {results['loadavg_after'][0]:.2f} after"
-    )
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ it. Needs gymnax (`pip install -e ".[rl]"`).
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -34,9 +33,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from _common import config, interleave, load_average, median, table, write_json
-
-import eqfit
+from _common import config, finish, interleave, load_average, median, table
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -180,16 +177,9 @@ def main() -> None:
         "first_call_ratio_median_of_pairs": first_ratio,
         "same_returns": same_returns,
         "largest_network_difference": max(differences),
-        "config": {**config(), "eqfit": eqfit.__version__},
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "total_wall_s": time.perf_counter() - began,
+        "config": config(),
     }
-    print(
-        f"\ntotal wall time {results['total_wall_s']:.0f} s; 1-min load average "
-        f"{load_before[0]:.2f} before, {results['loadavg_after'][0]:.2f} after"
-    )
-    write_json(args.out, results)
+    finish(args.out, results, began, load_before)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ compile-event listener counts):
 """
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -41,13 +40,12 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    finish,
     load_average,
     median,
     regression_data,
-    source_fingerprint,
     table,
     timed,
-    write_json,
 )
 
 import eqfit
@@ -151,10 +149,6 @@ def main() -> None:
     after_times = {case: median(after_epochs[case]) for case in CASES}
     cfg = {
         **config(),
-        "equinox": eqx.__version__,
-        "optax": optax.__version__,
-        "eqfit": eqfit.__version__,
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "model": f"eqfit.models.MLP({IN_FEATURES}, 'scalar', {WIDTH}, {DEPTH})",
         "num_samples": NUM_SAMPLES,
         "epochs": EPOCHS,
@@ -204,12 +198,8 @@ def main() -> None:
         "model_bitwise_equal_to_plain": same,
         "steady_recompiles": recompiles,
         "config": cfg,
-        "total_wall_s": time.perf_counter() - start,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    print(f"\ntotal wall time {results['total_wall_s']:.0f} s")
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

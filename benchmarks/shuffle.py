@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import config, interleave, median, source_fingerprint, table, write_json
+from _common import config, interleave, median, table, write_json
 
 import eqfit
 from eqfit._core._data import epoch_order, shuffle_seed
@@ -161,7 +161,6 @@ def main() -> None:
     )
     cfg = {
         **config(),
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "repeats": repeats,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),

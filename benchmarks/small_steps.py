@@ -56,7 +56,6 @@ compile-event listener counts the XLA compilations of each way's timed calls: th
 """
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -72,13 +71,12 @@ import optax
 from _common import (
     CompileEvents,
     config,
+    finish,
     load_average,
     median,
     regression_data,
-    source_fingerprint,
     table,
     timed,
-    write_json,
 )
 
 import eqfit
@@ -510,11 +508,6 @@ def main() -> None:
 
     cfg = {
         **config(),
-        "equinox": eqx.__version__,
-        "optax": optax.__version__,
-        "eqfit": eqfit.__version__,
-        "eqfit_path": str(Path(eqfit.__file__).parent),
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "repeats": repeats,
         "inner_runs_per_sample": inner,
         "workloads": names,
@@ -528,14 +521,7 @@ def main() -> None:
     )
     results: dict[str, Any] = {"workloads": report(workloads, measured)}
     results["config"] = cfg
-    results["total_wall_s"] = time.perf_counter() - start
-    results["loadavg_before"] = load_before
-    results["loadavg_after"] = os.getloadavg()
-    print(
-        f"\ntotal wall time {results['total_wall_s']:.0f} s; 1-min load average "
-        f"{load_before[0]:.2f} before, {results['loadavg_after'][0]:.2f} after"
-    )
-    write_json(args.out, results)
+    finish(args.out, results, start, load_before)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ from _common import (
     load_average,
     median,
     regression_data,
-    source_fingerprint,
     table,
     write_json,
 )
@@ -362,8 +361,6 @@ def main() -> None:
         )
     cfg = {
         **config(),
-        "eqfit_path": str(Path(eqfit.__file__).parent),
-        "eqfit_source_sha256": source_fingerprint(Path(eqfit.__file__).parent),
         "repeats": repeats,
         "reference_epochs": args.reference_epochs,
         "peak_flops": peak,
