@@ -22,8 +22,9 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._core._policy import Checkpoint
-from .._keep._checkpoint import Checkpoints, Writer
+from .._keep._checkpoint import Checkpoints
 from .._keep._identity import learned_config
+from .._keep._writer import Writer
 from .._program._schedule import Schedule
 from .._program._state import TrainState
 from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES

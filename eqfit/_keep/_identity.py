@@ -15,7 +15,6 @@ from .._program._schedule import Schedule
 from .._program._state import Callables
 from .._step._record import Kind
 from .._step._updates import builtin
-from ._checkpoint import as_plain
 
 
 def checkpoint_config(
@@ -109,3 +108,12 @@ def _real_model_config(loop: Loop) -> dict[str, Any]:
         if names:
             config[key] = list(names)
     return config
+
+
+def as_plain(value: Any) -> Any:
+    """numpy scalars and arrays in a config, as JSON can hold them."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
