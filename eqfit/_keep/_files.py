@@ -34,7 +34,9 @@ def write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-_PIECE = 1 << 20  # bytes: well within a core's L2 cache
+# The bytes a state file is written and read in at a time, each piece checksummed while
+# it is in the CPU's cache: well within a core's L2.
+_PIECE = 1 << 20
 
 
 class _Stream:
@@ -160,7 +162,7 @@ def file_checksum(path: Path, kind: str) -> str:
     holds it (hexadecimal).
     """
     crc, digest = 0, hashlib.sha256()
-    chunk = bytearray(1 << 22)
+    chunk = bytearray(_PIECE)
     with open(path, "rb", buffering=0) as f:
         while size := f.readinto(chunk):
             part = memoryview(chunk)[:size]
