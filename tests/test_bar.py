@@ -30,7 +30,8 @@ from eqfit._host._progress import wrapped
 
 
 # A short run's time, as the last line writes it: `2.4ms`, or `1.23s` from 0.1 s.
-DURATION = r"(\d+(\.\d+)?ms|\d+\.\d\ds)"
+# `eqfit`'s durations, each form: `4.2ms`, `0.35s`, `42.5s`, `3m07s`, `2h05m`.
+DURATION = r"(\d+(\.\d+)?ms|\d+\.\d+s|\d+m\d\ds|\d+h\d\dm)"
 
 
 HERE = Path(__file__).parent
@@ -264,19 +265,20 @@ def test_a_log_says_where_and_why_a_run_stopped_early(tmp_path, capsys):
 # A long epoch in a log: a line about every `INTERVAL` seconds between its epoch lines (an
 # hour's epoch gets one a minute), by the environment's knob.
 INTERVAL = 0.4
+STEPS = 30000  # an epoch's: long enough for several of `INTERVAL`'s lines, short for a test
 STEP_LINE = re.compile(
-    r"epoch (\d)/3, step (\d+)/300000: loss=\S+ \d+(\.\d+)?[kMG]? samples/s", re.ASCII
+    rf"epoch (\d)/3, step (\d+)/{3 * STEPS}: loss=\S+ \d+(\.\d+)?[kMG]? samples/s", re.ASCII
 )
 
 
 @pytest.mark.heavy
 def test_a_long_epoch_in_a_log_writes_a_line_now_and_then_and_a_signal_is_named(tmp_path):
-    """Epochs of 100,000 steps (seconds each): between the epoch lines, one line about
+    """Epochs of `STEPS` steps (seconds each): between the epoch lines, one line about
     each `INTERVAL` with the step reached, each epoch line soon after its epoch's end, and
     after a SIGTERM a line naming it, the step and the checkpoint written there.
     """
     process = subprocess.Popen(
-        [sys.executable, str(HERE / "early_end_worker.py"), "log", str(tmp_path), "100000"],
+        [sys.executable, str(HERE / "early_end_worker.py"), "log", str(tmp_path), str(STEPS)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,  # a pipe: no terminal, so the lines
         text=True,
@@ -316,8 +318,8 @@ def test_a_long_epoch_in_a_log_writes_a_line_now_and_then_and_a_signal_is_named(
     assert signal_name == "SIGTERM"
     *body, (_, last) = lines[1:]
     assert re.fullmatch(
-        rf"training stopped by SIGTERM at epoch 3/3, step {trained}/300000, in \S+; "
-        rf"checkpoint: {re.escape(str(tmp_path))}/ckpt-000002-{int(trained) - 200000:06d}\n",
+        rf"training stopped by SIGTERM at epoch 3/3, step {trained}/{3 * STEPS}, in {DURATION}; "
+        rf"checkpoint: {re.escape(str(tmp_path))}/ckpt-000002-{int(trained) - 2 * STEPS:06d}\n",
         last,
     ), last
     steps: list[tuple[float, int]] = []  # (arrived, step) of each line inside an epoch
@@ -327,10 +329,10 @@ def test_a_long_epoch_in_a_log_writes_a_line_now_and_then_and_a_signal_is_named(
         if found is None:  # an epoch's line, soon after its end (by the last lines' speed)
             epochs += 1
             # Its values, and its time: seconds long.
-            assert re.fullmatch(rf"epoch {epochs}/3: loss=\S+ \(\d+\.\d+s\)\n", line), line
+            assert re.fullmatch(rf"epoch {epochs}/3: loss=\S+ \({DURATION}\)\n", line), line
             assert len(steps) >= 2, "an epoch shorter than two lines' interval"
             (t1, s1), (t2, s2) = steps[-2:]
-            ended = t2 + (epochs * 100000 - s2) * (t2 - t1) / (s2 - s1)
+            ended = t2 + (epochs * STEPS - s2) * (t2 - t1) / (s2 - s1)
             assert arrived - ended < 1.0, (line, arrived - ended)
             continue
         steps.append((arrived, int(found.group(2))))
