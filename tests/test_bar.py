@@ -29,9 +29,9 @@ import eqfit
 from eqfit._host._progress import wrapped
 
 
-# A short run's time, as the last line writes it: `2.4ms`, or `1.23s` from 0.1 s.
-# `eqfit`'s durations, each form: `4.2ms`, `0.35s`, `42.5s`, `3m07s`, `2h05m`.
-DURATION = r"(\d+(\.\d+)?ms|\d+\.\d+s|\d+m\d\ds|\d+h\d\dm)"
+# A time as eqfit's lines write it, each form exactly: `2.4ms`, `1.23s` from 0.1 s, `42.5s`
+# from 10 s, `3m07s` from a minute, `2h05m` from an hour.
+DURATION = r"(\d+(\.\d+)?ms|\d\.\d\ds|\d\d\.\ds|\d+m\d\ds|\d+h\d\dm)"
 
 
 HERE = Path(__file__).parent
