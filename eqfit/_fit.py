@@ -20,6 +20,7 @@ from ._core._execution import Execution
 from ._core._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._core._typing import (
     Arrays,
+    Data,
     FilterSpec,
     Flag,
     Integer,
@@ -48,12 +49,6 @@ from ._step._precision import PrecisionLike
 from ._step._updates import AbstractUpdate
 from ._step._validation import ValidationSets
 from ._train import Ready, train
-
-
-# `data` takes arrays, PyTrees of them, memmaps, loaders and generators: too many kinds for
-# one runtime annotation (a PyTree check would flatten a generator), so it is checked by
-# eqfit itself (`_data.check_data`, `_sources`), which names what is wrong.
-Data = object
 
 
 @checked(

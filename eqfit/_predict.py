@@ -1,4 +1,6 @@
-"""Batched inference: `predict` and `evaluate`, each one compiled scan over the data."""
+"""Batched inference: `predict` and `evaluate`, each one compiled scan over the data in
+memory, or over each chunk of data streamed as training streams it (memmaps, loaders).
+"""
 
 import dataclasses
 from collections.abc import Callable
@@ -22,9 +24,11 @@ from ._core._data import (
     num_samples,
 )
 from ._core._execution import choose, Execution
-from ._core._typing import Arrays, ArrayTree, Loss, Metrics, ModelState, PRNGKey
+from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
+from ._host._feeds import inference_chunks, OnDevice
+from ._host._sources import inference_source, Loader, Memmaps
 from ._program._jit import cached_jit
-from ._step._evaluate import add_batches, batch_rows, evaluate_batches
+from ._step._evaluate import add_batches, add_chunk, batch_rows, evaluate_batches
 from ._step._labels import LabelError, raise_found
 from ._step._objective import abstract_key, applies, CONVOLUTION, find_outputs, Objective, takes_key
 from ._step._precision import as_precision, Precision, PrecisionLike
@@ -41,7 +45,7 @@ Output = TypeVar("Output")
 @overload
 def predict(
     model: Callable[..., Output],
-    x: Arrays,
+    x: Data,
     *,
     batch_size: int = 256,
     ensemble: bool = False,
@@ -49,11 +53,12 @@ def predict(
     precision: PrecisionLike = None,
     key: PRNGKey | None = None,
     execution: Execution | Literal["auto"] = "auto",
+    out: ArrayTree | None = None,
 ) -> Output: ...
 @overload
 def predict(
     model: Callable[..., tuple[Output, Any]],
-    x: Arrays,
+    x: Data,
     *,
     batch_size: int = 256,
     ensemble: bool = False,
@@ -61,11 +66,12 @@ def predict(
     precision: PrecisionLike = None,
     key: PRNGKey | None = None,
     execution: Execution | Literal["auto"] = "auto",
+    out: ArrayTree | None = None,
 ) -> Output: ...
 @checked("predict", HINTS)
 def predict(
     model: Callable[..., Any],
-    x: Arrays,
+    x: Data,
     *,
     batch_size: int = 256,
     ensemble: bool = False,
@@ -73,6 +79,7 @@ def predict(
     precision: PrecisionLike = None,
     key: PRNGKey | None = None,
     execution: Execution | Literal["auto"] = "auto",
+    out: ArrayTree | None = None,
 ) -> ArrayTree:
     """Runs `model` over every example of `x`, in batches, in inference mode.
 
@@ -82,12 +89,25 @@ def predict(
     from Python (as `fit`'s `execution=` runs its steps). Either way memory stays at one
     batch's activations however large `x` is, and the outputs agree to float tolerance.
 
+    Data that `fit` streams is streamed here too, through the same reader: memmaps and
+    loaders are read in chunks of batches in a background thread while the device
+    computes, so the inputs are never all in memory (and with `out=`, nor the outputs).
+
     **Arguments:**
 
     - `model`: called on one example, `model(x[i])` (or `model(x[i], state)`).
-    - `x`: the inputs, with a leading example axis: an array, or any PyTree of arrays
-        sharing it (then the model is called on one example's PyTree).
-    - `batch_size`: examples per batch.
+    - `x`: the inputs, any of:
+        - an array with a leading example axis, or any PyTree of arrays sharing it (then
+            the model is called on one example's PyTree); `np.memmap` arrays
+            (`np.load(..., mmap_mode="r")`) are streamed;
+        - a loader: a re-iterable (a PyTorch `DataLoader`, a Grain dataset), an iterator
+            or a generator of batches, read once. A batch that is a tuple (or list) is
+            `(inputs, ...)`, as Keras's `predict` takes a dataset of `(x, y)`: its first
+            item is the input and the rest (the labels) is ignored; any other batch (an
+            array, a dict) is the input itself. So the loader that `fit` trains on
+            predicts as it is; a model of several inputs takes them as a tuple inside the
+            first item, `((x1, x2), y)`.
+    - `batch_size`: examples per batch (a loader's batches are its own).
     - `ensemble`: `model` is a stack of members (as `fit(..., ensemble=True)` takes);
         every member predicts every example.
     - `state`: the model's `eqx.nn.State`, for a stateful model: called as `model(x[i],
@@ -103,23 +123,35 @@ def predict(
         or [`eqfit.PerStep`][]`(unroll)`, programs of `unroll` batches called from
         Python; by default (`"auto"`) `PerStep(1)` where the model convolves on the CPU
         backend, else `WholeRun()`.
+    - `out`: where to write the outputs: a PyTree of numpy arrays shaped as they are
+        (`(n, ...)`, or `(members, n, ...)`), such as an `np.memmap` opened for writing
+        (`np.lib.format.open_memmap(path, mode="w+", ...)`), so that predicting over
+        data larger than memory keeps a chunk's outputs at a time. By default the
+        outputs are returned as JAX arrays.
 
     **Returns:**
 
-    The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True`: to a
-    type checker, what `model` returns (without the state, given one).
+    The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True` (`out`,
+    filled, where given): to a type checker, what `model` returns (without the state,
+    given one).
     """
-    check_alive(model=model, x=x, state=state)
-    x_ = as_data(x if not _is_array(x) else (x,), "x")
+    check_alive(model=model, x=x, state=state, out=out)
     check_batch_size(batch_size)
     policy = as_precision(precision, model=model)
     members = ensemble_size(model) if ensemble else None
     key_ = None if key is None else as_key(key)
+    single = _is_array(x)
+    source = inference_source((x,) if single else x, "x")
+    if source is None:
+        x_ = as_data(x if not single else (x,), "x")
+        inputs = x_[0] if single else x_
+    else:
+        inputs = _inputs(source.like, single or isinstance(source, Loader))
     with reported_as("predict", "x"):
         try:
             args = (
                 eqx.nn.inference_mode(model),
-                x_ if not _is_array(x) else x_[0],
+                inputs,
                 state,
                 batch_size,
                 ensemble,
@@ -127,9 +159,14 @@ def predict(
                 key_,
             )
             unroll = batches_per_program(execution, lambda: _forward_convolves(*args))
-            if unroll is None:
-                return _predict(*args)
-            return _predict_in_calls(args, unroll)
+            if source is not None:
+                first = single or isinstance(source, Loader)
+                return _predict_streamed(args, source, first, unroll, out)
+            outputs = _predict(*args) if unroll is None else _predict_in_calls(args, unroll)
+            if out is None:
+                return outputs
+            _Writer(out, ensemble).write(outputs).check_filled()
+            return out
         except Exception as e:
             if members is not None:
                 # A single model whose arrays happen to share their leading size passes
@@ -140,6 +177,134 @@ def predict(
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _inputs(batch: PyTree, first: bool) -> PyTree:
+    """A streamed batch's inputs: with `first` (a loader's batch, a single memmap read
+    as `(x,)`), a tuple's first item; otherwise the batch.
+    """
+    return batch[0] if first and isinstance(batch, tuple) else batch
+
+
+def _predict_streamed(
+    args: tuple[Any, ...], source: Memmaps | Loader, first: bool, unroll: int | None, out: Any
+) -> Any:
+    """`predict` over streamed data: each chunk's outputs computed as it arrives (one
+    program per chunk's shape), and kept or written to `out`.
+    """
+    model, _, state, batch_size, ensemble, policy, key = args
+    parts = []
+    writer = None if out is None else _Writer(out, ensemble)
+    with inference_chunks(source, batch_size) as chunks:
+        done = _Done()
+        for chunk in chunks:
+            outputs = _predict_chunk(model, state, ensemble, policy, key, unroll, chunk, first)
+            if writer is None:
+                parts.append(outputs)
+            else:
+                writer.write(outputs)
+            done.computed(chunk, outputs)
+        done.computed()
+    if writer is not None:
+        writer.check_filled()
+        return out
+    return _joined(parts, ensemble)
+
+
+def _predict_chunk(
+    model: PyTree,
+    state: PyTree,
+    ensemble: bool,
+    policy: Precision | None,
+    key: Any,
+    unroll: int | None,
+    chunk: OnDevice,
+    first: bool,
+) -> Any:
+    """The outputs of a streamed chunk's batches, its padding dropped."""
+    x, size = _inputs(chunk.data, first), chunk.batch_size
+    rows = chunk.valid * size
+    if unroll is None:
+        outputs = _predict(model, x, state, size, ensemble, policy, key, chunk.offset)
+    else:
+        args = (model, x, state, size, ensemble, policy, key)
+        outputs = _predict_in_calls(args, unroll, rows, chunk.offset)
+    if rows == num_samples(x):
+        return outputs
+    return jax.tree.map(lambda o: o[:, :rows] if ensemble else o[:rows], outputs)
+
+
+class _Done:
+    """Each streamed chunk released (`OnDevice.release`) once what was computed from it
+    is ready: a chunk behind the one just given to the device, which meanwhile computes.
+    """
+
+    def __init__(self) -> None:
+        self.pending: tuple[OnDevice, Any] | None = None
+
+    def computed(self, chunk: OnDevice | None = None, outputs: Any = None) -> None:
+        """`chunk` gave `outputs`; without one, the last is done with."""
+        if self.pending is not None:
+            jax.block_until_ready(self.pending[1])
+            self.pending[0].release()
+        self.pending = None if chunk is None else (chunk, outputs)
+
+
+def _joined(parts: list[Any], ensemble: bool) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree.map(lambda *p: jnp.concatenate(p, axis=1 if ensemble else 0), *parts)
+
+
+class _Writer:
+    """`predict`'s outputs written into `out` (`predict`'s argument) as they come, each
+    piece checked against it.
+    """
+
+    def __init__(self, out: Any, ensemble: bool):
+        self.out, self.axis, self.written = out, 1 if ensemble else 0, 0
+
+    def write(self, outputs: Any) -> "_Writer":
+        if jax.tree.structure(outputs) != jax.tree.structure(self.out):
+            raise TypeError(
+                f"`out` has the structure {jax.tree.structure(self.out)}, but the model's "
+                f"outputs have {jax.tree.structure(outputs)}: give one array per output."
+            )
+        axis, start = self.axis, self.written
+        rows = jax.tree.leaves(outputs)[0].shape[axis]
+        for (path, place), value in zip(
+            jax.tree_util.tree_leaves_with_path(self.out), jax.tree.leaves(outputs)
+        ):
+            value = np.asarray(value)
+            where = f"`out{jax.tree_util.keystr(path)}`"
+            shape = list(value.shape)
+            dims = ", ".join("n" if i == axis else str(d) for i, d in enumerate(shape))
+            if not isinstance(place, np.ndarray) or place.ndim != value.ndim:
+                raise TypeError(
+                    f"{where} must be a numpy array of {value.ndim} dimensions (an "
+                    f"`np.memmap` opened for writing, say) to hold outputs of shape "
+                    f"({dims}); got {type(place).__name__} of shape {tuple(np.shape(place))}."
+                )
+            expected = shape[:axis] + [place.shape[axis]] + shape[axis + 1 :]
+            if list(place.shape) != expected or start + rows > place.shape[axis]:
+                raise ValueError(
+                    f"{where} has shape {tuple(place.shape)}, but the outputs are ({dims}) "
+                    f"with n at least {start + rows} so far: give an array of the outputs' "
+                    "shape."
+                )
+            index = (slice(None),) * axis + (slice(start, start + rows),)
+            np.copyto(place[index], value, casting="same_kind")
+        self.written = start + rows
+        return self
+
+    def check_filled(self) -> None:
+        """Refuses an `out` that the data did not fill."""
+        size = jax.tree.leaves(self.out)[0].shape[self.axis]
+        if self.written != size:
+            raise ValueError(
+                f"`out` holds {size} examples, but `x` gave {self.written}: its rows past "
+                f"{self.written} were not written. Give an array of the outputs' shape."
+            )
 
 
 def batches_per_program(
@@ -188,38 +353,43 @@ def _forward_convolves(
     return convolves
 
 
-def _predict_in_calls(args: tuple[Any, ...], unroll: int) -> Any:
+def _predict_in_calls(
+    args: tuple[Any, ...], unroll: int, rows: int | None = None, offset: Any = None
+) -> Any:
     """`predict` as programs of `unroll` full batches (`_predict_some`), then one of the
-    smaller last batch, called one after another; their outputs joined.
+    smaller last batch, called one after another; their outputs joined. For a streamed
+    chunk, its first `rows` rows (whole batches), numbered from batch `offset` on.
     """
     model, x, state, batch_size, ensemble, policy, key = args
-    num_full = num_samples(x) // batch_size
+    rows = num_samples(x) if rows is None else rows
+    num_full = rows // batch_size
     parts = []
-    for b, count, remainder in batch_calls(num_samples(x), batch_size, unroll):
+    for b, count, remainder in batch_calls(rows, batch_size, unroll):
         first = np.asarray(b, np.int32)  # an array: traced, one program for every call
         out = _predict_some(
-            model, x, state, batch_size, ensemble, policy, key, first, count, remainder
+            model, x, state, batch_size, ensemble, policy, key, first, count, remainder, offset
         )
         if not remainder and b + count > num_full:  # batches past the last full one
-            rows = (num_full - b) * batch_size
-            out = jax.tree.map(lambda o: o[:, :rows] if ensemble else o[:rows], out)
+            kept = (num_full - b) * batch_size
+            out = jax.tree.map(lambda o: o[:, :kept] if ensemble else o[:kept], out)
         parts.append(out)
-    if len(parts) == 1:
-        return parts[0]
-    return jax.tree.map(lambda *p: jnp.concatenate(p, axis=1 if ensemble else 0), *parts)
+    return _joined(parts, ensemble)
 
 
 def _forward(
-    model: PyTree, state: PyTree, policy: Precision | None, key: Any
+    model: PyTree, state: PyTree, policy: Precision | None, key: Any, offset: Any = None
 ) -> Callable[[PyTree, Any], Any]:
     """The forward pass of one batch, `forward(batch, b)` (`b` the batch's number, for
-    its key), in the precision policy's dtypes.
+    its key, counted from `offset` in a streamed chunk), in the precision policy's dtypes.
     """
     if policy is not None:
         model = policy.cast(model)
 
     def forward(x: PyTree, b: Any) -> Any:
-        batch_key = None if key is None else jax.random.fold_in(key, b)
+        if key is None:
+            batch_key = None
+        else:
+            batch_key = jax.random.fold_in(key, b if offset is None else offset + b)
         if policy is None:
             return outputs(model, x, state, batch_key)[0]
         out = outputs(model, policy.cast_batch(x), state, batch_key)[0]
@@ -236,12 +406,16 @@ def _predict_all(
     ensemble: bool,
     policy: Precision | None,
     key: Any = None,
+    offset: Any = None,
 ) -> Any:
+    """The outputs of every example of `x`; of a streamed chunk's, with `offset` the
+    number of its first batch (for the batches' keys).
+    """
     n = num_samples(x)
     num_full, remainder = divmod(n, batch_size)
 
     def run(model: PyTree, state: PyTree) -> Any:
-        forward = _forward(model, state, policy, key)
+        forward = _forward(model, state, policy, key, offset)
         parts = []
         if num_full:
             full = jax.tree.map(
@@ -285,15 +459,17 @@ def _predict_some(
     first: Any,
     count: int,
     remainder: bool,
+    offset: Any = None,
 ) -> Any:
     """`_predict`'s outputs of `count` full batches from batch `first` on (a batch past
     the last full one is computed on the last's rows, for the caller to drop), or with
-    `remainder` of the smaller last batch, written out with no loop around them.
+    `remainder` of the smaller last batch, written out with no loop around them. `offset`:
+    as `_predict_all`'s.
     """
     num_full = num_samples(x) // batch_size
 
     def run(model: PyTree, state: PyTree) -> Any:
-        forward = _forward(model, state, policy, key)
+        forward = _forward(model, state, policy, key, offset)
         if remainder:
             return forward(jax.tree.map(lambda a: a[num_full * batch_size :], x), num_full)
         parts = []
@@ -311,7 +487,7 @@ def _predict_some(
 @checked("evaluate", HINTS)
 def evaluate(
     model: ArrayTree,
-    data: Arrays,
+    data: Data,
     *,
     loss: Loss,
     metrics: Metrics | None = None,
@@ -331,12 +507,16 @@ def evaluate(
     **Arguments:**
 
     - `model`: the model, as `fit` takes it.
-    - `data`: a tuple of arrays sharing their leading axis (or another PyTree of them),
-        as `fit` takes it.
+    - `data`: what `fit`'s `data` takes: a tuple of arrays sharing their leading axis (or
+        another PyTree of them); the same with `np.memmap` arrays; or a loader (a
+        re-iterable, an iterator or a generator of batches, read once, each batch a
+        step's arguments after the model). Memmaps and loaders are streamed as `fit`
+        streams them, in chunks read in a background thread while the device computes:
+        memory holds a few chunks, however large the data.
     - `loss`: `loss(model, *batch)`, or `loss(model, state, *batch) -> (value, state)`.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state`,
         `fn(model, state, *batch)`).
-    - `batch_size`: examples per batch.
+    - `batch_size`: examples per batch (a loader's batches are its own).
     - `state`: the model's `eqx.nn.State`, for stateful models.
     - `precision`: as `fit`'s: the loss and metrics compute under this policy.
     - `key`: for a loss (or model) that requires a keyword `key`, as `fit`'s validation
@@ -353,8 +533,9 @@ def evaluate(
     (see `fit`'s `loss`), and the metrics.
     """
     check_alive(model=model, data=data, state=state)
-    data_ = as_data(data)
     check_batch_size(batch_size)
+    source = inference_source(data, "data")
+    data_ = as_data(data) if source is None else None
     objective = Objective(
         loss,
         tuple((metrics or {}).items()),
@@ -363,9 +544,15 @@ def evaluate(
         precision=as_precision(precision, model=model),
     )
     with reported_as("evaluate", "data"):
+        # A batch's shape, for the loss's outputs: a loader's batches are its own.
+        shapes, size = data_, batch_size
+        if isinstance(source, Memmaps):
+            shapes = source.data
+        elif isinstance(source, Loader):
+            shapes, size = source.first, source.batch_size
         batch = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((min(batch_size, a.shape[0]), *a.shape[1:]), a.dtype),
-            data_,
+            lambda a: jax.ShapeDtypeStruct((min(size, a.shape[0]), *a.shape[1:]), a.dtype),
+            shapes,
         )
         outputs = find_outputs(objective, model, state, batch)
         objective = dataclasses.replace(objective, aux_names=outputs.aux_names, means=outputs.means)
@@ -376,12 +563,17 @@ def evaluate(
                 return outputs.convolves
             return bool(find_outputs(objective, model, state, batch, always=True).convolves)
 
-        args = (objective, model, state, data_, batch_size, key_)
         unroll = batches_per_program(execution, convolves)
-        if unroll is None:
-            values_, labels = _evaluate(*args)
+        if source is not None:
+            values_, labels = _evaluate_streamed(
+                (objective, model, state, source, batch_size, key_), unroll
+            )
+        elif unroll is None:
+            values_, labels = _evaluate(objective, model, state, data_, batch_size, key_)
         else:
-            values_, labels = _evaluate_in_calls(args, unroll)
+            values_, labels = _evaluate_in_calls(
+                (objective, model, state, data_, batch_size, key_), unroll
+            )
         values = np.asarray(values_).tolist()
     if labels is not None:
         raise_found(labels)
@@ -390,6 +582,7 @@ def evaluate(
 
 _evaluate = cached_jit(evaluate_batches)
 _add_batches = cached_jit(add_batches)
+_add_chunk = cached_jit(add_chunk)
 
 
 def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelError | None]:
@@ -404,4 +597,34 @@ def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelEr
         totals, labels = _add_batches(
             objective, model, state, data, batch_size, key, first, count, remainder, totals, labels
         )
+    return totals[0] / totals[1], labels
+
+
+def _evaluate_streamed(args: tuple[Any, ...], unroll: int | None) -> tuple[Any, LabelError]:
+    """`evaluate_batches`' values and label error over streamed data: each chunk's
+    batches added to the totals as the chunk arrives, by one program of the chunk's
+    shape (`add_chunk`), or as `PerStep` runs them, programs of `unroll` batches.
+    """
+    objective, model, state, source, batch_size, key = args
+    totals: Any = np.zeros((2, len(objective.value_names)), np.float32)
+    labels: Any = jax.tree.map(np.asarray, LabelError.none())
+    with inference_chunks(source, batch_size) as chunks:
+        done = _Done()
+        for chunk in chunks:
+            size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
+            calls = [None] if unroll is None else batch_calls(chunk.valid * size, size, unroll)
+            for call in calls:
+                if call is None:
+                    totals, labels = _add_chunk(
+                        objective, model, state, chunk.data, size, key, chunk.offset, valid,
+                        totals, labels,
+                    )  # fmt: skip
+                    continue
+                b, count, _ = call
+                totals, labels = _add_batches(
+                    objective, model, state, chunk.data, size, key, np.asarray(b, np.int32),
+                    count, False, totals, labels, chunk.offset, valid,
+                )  # fmt: skip
+            done.computed(chunk, totals)
+        done.computed()
     return totals[0] / totals[1], labels

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     Integer: TypeAlias = int | np.integer[Any]
     ArrayTree: TypeAlias = Any
     Arrays: TypeAlias = Any
+    Data: TypeAlias = Any
     OptState: TypeAlias = optax.OptState
     ModelState: TypeAlias = eqx.nn.State
     FilterSpec: TypeAlias = Any
@@ -53,6 +54,11 @@ else:
     ArrayTree = PyTree
     # Data in memory: a PyTree of arrays sharing their leading (sample) axis.
     Arrays = PyTree[Shaped[Array | np.ndarray, "_n ..."]]
+    # Data as `fit`, `evaluate` and `predict` take it: arrays, PyTrees of them, memmaps,
+    # loaders and generators. Too many kinds for one runtime annotation (a PyTree check
+    # would flatten a generator): eqfit checks it itself (`_data.check_data`,
+    # `_sources`), and names what is wrong.
+    Data = object
     # What `optimizer.init(params)` returns; `FitResult.opt_state`.
     OptState = PyTree
     # A stateful model's `eqx.nn.State` (or, for an ensemble, a stack of them).

@@ -3,15 +3,21 @@ are moved to the device ahead of time, in a background thread (`ReadAhead`) that
 way out stops.
 """
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
+import jax
 import numpy as np
+from jaxtyping import PyTree
 
 from .._program._state import Inputs, Piece
-from ._sources import Chunk
+from ._sources import Chunk, Loader, Memmaps, one_pass
+
+
+_Fed = TypeVar("_Fed")
 
 
 class Feed(NamedTuple):
@@ -23,7 +29,7 @@ class Feed(NamedTuple):
     epoch_length: int | None = None  # learned from the loader's first pass
 
 
-class ReadAhead:
+class ReadAhead(Generic[_Fed]):
     """Chunks of streamed data turned into feeds (moved to the device) in a background
     thread, at most `depth` ahead of the driver.
 
@@ -33,7 +39,7 @@ class ReadAhead:
     behind, never a hung `fit`.
     """
 
-    def __init__(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed], depth: int = 2):
+    def __init__(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], _Fed], depth: int = 2):
         self.ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._produce, args=(chunks, feed), daemon=True)
@@ -48,7 +54,7 @@ class ReadAhead:
                 pass
         return False
 
-    def _produce(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], Feed]) -> None:
+    def _produce(self, chunks: Iterator[Chunk], feed: Callable[[Chunk], _Fed]) -> None:
         try:
             for chunk in chunks:
                 if self.stop.is_set() or not self._put(feed(chunk)):
@@ -57,7 +63,7 @@ class ReadAhead:
         except BaseException as e:  # surfaced in the training thread
             self._put(e)
 
-    def __iter__(self) -> Iterator[Feed]:
+    def __iter__(self) -> Iterator[_Fed]:
         while True:
             try:
                 item = self.ready.get(timeout=0.05)
@@ -98,6 +104,41 @@ def feeds(
         return map(feed, chunks), lambda: None
     ahead = ReadAhead(chunks, feed)
     return iter(ahead), ahead.close
+
+
+class OnDevice(NamedTuple):
+    """A chunk of an inference's data (`evaluate`, `predict`), moved to the device."""
+
+    data: PyTree  # full batches of `batch_size`, padding after the first `valid`
+    offset: np.ndarray  # the number of its first batch in the data (int32, traced)
+    valid: int  # its batches that are the data's
+    batch_size: int
+    # Call once the programs given `data` are done with it: memmaps read in place drop
+    # its pages then (`Chunk.release`).
+    release: Callable[[], None]
+
+
+@contextlib.contextmanager
+def inference_chunks(source: Memmaps | Loader, batch_size: int) -> Iterator[Iterator[OnDevice]]:
+    """One pass over `source` (`one_pass`'s chunks) moved to the device in a background
+    thread, a few chunks ahead of the programs that take them; the thread is stopped on
+    every way out of the block.
+    """
+
+    def put(chunk: Chunk) -> OnDevice:
+        offset = np.asarray(chunk.first, np.int32)  # an array: traced, one program
+        valid, release = chunk.end - chunk.first, chunk.release or _nothing
+        return OnDevice(jax.device_put(chunk.data), offset, valid, chunk.batch_size, release)
+
+    ahead = ReadAhead(one_pass(source, batch_size), put)
+    try:
+        yield iter(ahead)
+    finally:
+        ahead.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 class DataError(Exception):

@@ -12,12 +12,13 @@ data's size.
 """
 
 import collections.abc
+import functools
 import itertools
 import json
 import mmap
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -26,7 +27,13 @@ from jaxtyping import Array, Key, PyTree
 from .._core._data import as_data, check_data, num_samples, sample_shapes
 from .._keep._checkpoint import newest_config
 from .._program._options import Options
-from .._program._schedule import check_learnable, Schedule, SourceShape
+from .._program._schedule import (
+    check_learnable,
+    plan_passes,
+    Schedule,
+    SourceShape,
+    UNKNOWN,
+)
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
@@ -52,6 +59,9 @@ class Chunk(NamedTuple):
     # A loader without `len`: the first epoch's length, on the chunk that ends it (and
     # every chunk after), learned by reading one batch ahead in its first pass.
     epoch_length: int | None = None
+    # Memmaps read through their mapping (an inference's): drops the chunk's pages from
+    # the process's memory, once the program that reads them is done.
+    release: Callable[[], None] | None = None
 
 
 @runtime_checkable
@@ -80,24 +90,18 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
     """The source of `data`: arrays in memory, memmaps, or a loader. `planning`: for
     `eqfit.plan`, which remembers a one-shot iterator it reads from, for `fit` to refuse.
     """
-    arrays = (np.ndarray, jax.Array)
-    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
-        raise TypeError(
-            f"`data` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A list "
-            "is taken as a loader: a sequence of batches.)"
+    kind = data_kind(data)
+    if kind == "memmaps":
+        return Memmaps(data, options.shuffle, host_seed(options.key))
+    if kind == "loader":
+        directory = None if options.checkpoint is None else options.checkpoint.directory
+        loader = Loader(
+            data,
+            epochs=options.epochs,
+            steps_per_epoch=options.steps_per_epoch,
+            initial_epoch=options.initial_epoch,
+            directory=directory,
         )
-    if isinstance(data, (tuple, dict)):
-        if any(isinstance(a, np.memmap) for a in jax.tree.leaves(data)):
-            return Memmaps(data, options.shuffle, host_seed(options.key))
-    elif isinstance(data, Iterable) and not isinstance(data, (*arrays, str, bytes)):
-        # A list of batches, a loader, an iterator, a generator.
-        if data in _PLANNED:
-            raise ValueError(
-                "`data` is an iterator that `eqfit.plan` has read its first batches from: "
-                "a run on it would miss them. Pass a fresh iterator (a new generator, "
-                "say) to `fit`, and give `plan` one of its own."
-            )
-        loader = Loader(data, options)
         if planning and loader.one_shot:
             try:
                 _PLANNED.add(data)
@@ -105,6 +109,60 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
                 pass
         return loader
     return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
+
+
+def data_kind(data: Any, name: str = "data") -> Literal["arrays", "memmaps", "loader"]:
+    """What `data` is: arrays in memory (a PyTree of them, checked later), memmaps (a
+    tuple or dict holding an `np.memmap`), or a loader (a list of batches, a re-iterable
+    loader, an iterator, a generator). Refuses a list of arrays, and an iterator that
+    `eqfit.plan` has read from.
+    """
+    arrays = (np.ndarray, jax.Array)
+    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
+        raise TypeError(
+            f"`{name}` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A "
+            "list is taken as a loader: a sequence of batches.)"
+        )
+    if isinstance(data, (tuple, dict)):
+        if any(isinstance(a, np.memmap) for a in jax.tree.leaves(data)):
+            return "memmaps"
+    elif isinstance(data, Iterable) and not isinstance(data, (*arrays, str, bytes)):
+        if data in _PLANNED:
+            raise ValueError(
+                f"`{name}` is an iterator that `eqfit.plan` has read its first batches from: "
+                "a run on it would miss them. Pass a fresh iterator (a new generator, "
+                "say) to `fit`, and give `plan` one of its own."
+            )
+        return "loader"
+    return "arrays"
+
+
+def inference_source(data: Any, name: str) -> "Memmaps | Loader | None":
+    """The source that an inference (`evaluate`, `predict`) streams `data` from, read
+    once, in order: memmaps, or a loader (its own batches); `None` for arrays in memory,
+    which go to the device whole.
+    """
+    kind = data_kind(data, name)
+    if kind == "memmaps":
+        return Memmaps(data, shuffle=False, seed=0, mapped=True)
+    if kind == "loader":
+        return Loader(data)
+    return None
+
+
+def one_pass(source: "Memmaps | Loader", batch_size: int) -> Iterator[Chunk]:
+    """Every batch of one pass over `source`, in order, as training streams them: chunks
+    of consecutive full batches, padded to one shape (`Chunk.end` says where the real
+    ones end), and the smaller last batch in a chunk of its own. `batch_size`: a
+    memmap's; a loader's batches are its own.
+    """
+    if isinstance(source, Memmaps):
+        passes = plan_passes(source.num_samples, batch_size, drop_remainder=False)
+        schedule = Schedule(batch_size, passes.steps_per_pass, 0, 1, passes)
+    else:  # a loader without `len` shows its pass's end as it is read
+        length = UNKNOWN if source.length is None else source.length
+        schedule = Schedule(source.batch_size, length, 0, 1, columns=1)
+    return source.chunks(schedule, 0, schedule.total)
 
 
 # The one-shot iterators (generators, say) that `plan` read from, held weakly: a `fit`
@@ -221,9 +279,20 @@ class Memmaps(_Streamed):
     mapping, so pages already trained on are not held in this process's memory.
     """
 
-    def __init__(self, data: PyTree, shuffle: bool, seed: int, rows: np.ndarray | None = None):
+    def __init__(
+        self,
+        data: PyTree,
+        shuffle: bool,
+        seed: int,
+        rows: np.ndarray | None = None,
+        mapped: bool = False,
+    ):
         check_data(data)  # the same checks as in-memory data, nothing read
         self.data, self.shuffle, self.seed = data, shuffle, seed
+        # Rows read as views of the mapping, not copied (an inference, whose chunks the
+        # device reads in place): each chunk's pages are dropped once it is done with
+        # (`Chunk.release`), so memory still holds a few chunks.
+        self.mapped = mapped and rows is None
         self.rows = rows  # the training rows (sorted), when some are held out
         self.num_samples = num_samples(data) if rows is None else len(rows)
         self.like = jax.tree.map(lambda a: np.zeros((1, *a.shape[1:]), a.dtype), data)
@@ -284,7 +353,42 @@ class Memmaps(_Streamed):
             # half a million indices in milliseconds, and the device never waits for it.
             within = np.arange(count) if rng is None else rng.permutation(count)
             first = first_step + step
-            yield Chunk(self.read(start, start + count), within, first, first + batches, batch)
+            data, release = self.read(start, start + count), None
+            if self.mapped:
+                data = jax.tree.map(lambda a: a[start : start + count], self.data)
+                _advise_rows(self.data, start, start + count, _POPULATE_READ)
+                release = functools.partial(_advise_rows, self.data, start, start + count)
+            yield Chunk(data, within, first, first + batches, batch, release=release)
+
+
+# Linux's `MADV_POPULATE_READ` (5.14 on; Python's `mmap` names it from 3.13): maps a
+# range's pages into the process now, so that the reading thread takes the page faults
+# rather than the program that reads the rows.
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def _advise_rows(data: PyTree, start: int, stop: int, advice: int = mmap.MADV_DONTNEED) -> None:
+    """Advises the kernel on the pages of rows `start` to `stop` of each memmap of
+    `data`: by default drops them from the process's memory (`MADV_DONTNEED`). A
+    read-only mapping of a file reads them again from the file (the page cache) if they
+    are touched after, so advice changes what memory holds, never what the rows are; a
+    kernel that does not know the advice is not asked again.
+    """
+    for a in jax.tree.leaves(data):
+        if not (isinstance(a, np.memmap) and isinstance(a.base, mmap.mmap)):
+            continue
+        row = a.dtype.itemsize * int(np.prod(a.shape[1:]))
+        begin = a.offset % mmap.ALLOCATIONGRANULARITY + start * row  # in the mapping
+        aligned = begin - begin % mmap.PAGESIZE
+        if advice in _UNKNOWN_ADVICE:
+            continue
+        try:
+            a.base.madvise(advice, aligned, (stop - start) * row + begin - aligned)
+        except OSError:
+            _UNKNOWN_ADVICE.add(advice)
+
+
+_UNKNOWN_ADVICE: set[int] = set()
 
 
 def _read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -318,12 +422,20 @@ class Loader(_Streamed):
     trained (as every pass before it is, with `len` too), is counted on opening.
     """
 
-    def __init__(self, loader: Iterable[Any], options: Options):
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        *,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        initial_epoch: int = 0,
+        directory: Any = None,
+    ):
         self.loader = loader
         self.one_shot = isinstance(loader, collections.abc.Iterator)
         self.passes_done = 0
         length = _length(loader)
-        if length is not None and length >= 2**31 and options.steps_per_epoch is None:
+        if length is not None and length >= 2**31 and steps_per_epoch is None:
             raise ValueError(
                 f"`data` says it has {length} batches (`len`), more than a run can count: it "
                 "is endless, or repeats. Pass `steps_per_epoch=`, the number of batches each "
@@ -331,11 +443,11 @@ class Loader(_Streamed):
             )
         self.length = length  # batches in a pass, if known
         # Neither `len` nor `steps_per_epoch`: an epoch is as long as the first pass.
-        self.unsaid = self.learns = options.steps_per_epoch is None and length is None
+        self.unsaid = self.learns = steps_per_epoch is None and length is None
         self.stored: int | None = None  # that length, as the checkpoints resumed keep it
-        self.directory = None if options.checkpoint is None else options.checkpoint.directory
+        self.directory = directory  # the run's checkpoints, that may keep that length
         if self.learns:
-            check_learnable(self.one_shot, options)
+            check_learnable(self.one_shot, epochs)
         self.stream = self._batches()
         try:
             first = next(self.stream)
@@ -348,7 +460,7 @@ class Loader(_Streamed):
         self.read = self._checked(itertools.chain([first], self.stream))
         if self.unsaid:
             self.length = self.stored = self._stored_length()
-            if self.length is None and options.initial_epoch:
+            if self.length is None and initial_epoch:
                 self.length = self._count_first_pass()
             self.learns = self.length is None
 

@@ -272,16 +272,16 @@ def check_profile(options: Options, schedule: Schedule) -> None:
         )
 
 
-def check_learnable(one_shot: bool, options: Options) -> None:
+def check_learnable(one_shot: bool, epochs: int) -> None:
     """Refuses, before any batch is read, a run that needs an epoch's length before the
     first epoch can show it (a loader without `len` or `steps_per_epoch`). `initial_epoch`
     and checkpoints need not: the passes before `initial_epoch` are read, the first
     teaching the length, and checkpoints are written once it is learned, and keep it.
     """
     need = None
-    if one_shot and options.epochs > 1:
+    if one_shot and epochs > 1:
         need = (
-            f"trains for `epochs`={options.epochs}, but it is an iterator (or generator): "
+            f"trains for `epochs`={epochs}, but it is an iterator (or generator): "
             "one pass, which eqfit cannot cut into epochs without knowing their length"
         )
     elif jax.process_count() > 1:

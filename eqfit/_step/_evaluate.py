@@ -40,13 +40,38 @@ def evaluate_batches(
     Where the loss gets a key (`evaluation_needs_key`), batch `b` (counted from 0) gets
     `jax.random.fold_in(key, b)`; without `key`, every batch gets `jax.random.key(0)`.
     """
+    total, labels = sum_batches(objective, model, model_state, data, batch_size, key)
+    # A sum over a sum: the mean over the whole data (NaN, 0 / 0, where weights sum to 0).
+    return total[0] / total[1], labels
+
+
+def sum_batches(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    data: PyTree,
+    batch_size: int,
+    key: Key[Array, ""] | None = None,
+    offset: Int[ArrayLike, ""] | None = None,
+    valid: Int[ArrayLike, ""] | None = None,
+) -> tuple[Float[Array, "2 values"], LabelError | None]:
+    """`evaluate_batches`' totals and weights (`batch_totals`'), summed over `data`'s
+    batches, before their quotient; and the first label out of range met.
+
+    A streamed chunk of a larger set (`offset` and `valid` given) holds only full
+    batches: `offset` is the number of its first batch in the set (its keys are the
+    set's), and only its first `valid` batches count; the rest (the padding that keeps
+    every chunk one shape) are computed and dropped.
+    """
     uses_key = evaluation_needs_key(objective, model)
     model = eqx.nn.inference_mode(model)
     num = jax.tree.leaves(data)[0].shape[0]
     num_full, remainder = divmod(num, batch_size)
 
     def batch_key(b: int | Array) -> Key[Array, ""] | None:
-        return evaluation_key(key, b) if uses_key else None
+        if not uses_key:
+            return None
+        return evaluation_key(key, b if offset is None else jnp.asarray(offset) + b)
 
     total, labels = jnp.zeros((2, len(objective.value_names))), None
     if num_full:
@@ -60,6 +85,10 @@ def evaluate_batches(
             batch_values, batch_labels = batch_totals(
                 objective, model, model_state, batch_, batch_key(b)
             )
+            if valid is not None:  # a chunk's padding batch counts for nothing
+                batch_values = jnp.where(b < valid, batch_values, 0.0)
+                if batch_labels is not None:
+                    batch_labels = batch_labels._replace(found=batch_labels.found & (b < valid))
             return total + batch_values, batch_labels
 
         # Each batch's label check is an output of the scan (none where nothing checks
@@ -74,8 +103,31 @@ def evaluate_batches(
             objective, model, model_state, last, batch_key(num_full)
         )
         total, labels = total + last_values, either(labels, last_labels)
-    # A sum over a sum: the mean over the whole data (NaN, 0 / 0, where weights sum to 0).
-    return total[0] / total[1], labels
+    return total, labels
+
+
+def add_chunk(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    chunk: PyTree,
+    batch_size: int,
+    key: Key[Array, ""] | None,
+    offset: Int[ArrayLike, ""],
+    valid: Int[ArrayLike, ""],
+    totals: Float[Array, "2 values"],
+    labels: LabelError,
+) -> tuple[Float[Array, "2 values"], LabelError]:
+    """A streamed chunk's first `valid` batches (numbered from `offset` in the set)
+    added to the totals so far, and the first label out of range kept: one program per
+    chunk's shape, called as chunks arrive. After every chunk, `totals[0] / totals[1]`
+    is `evaluate_batches`' value over the whole set (to float rounding: the sums are
+    taken chunk by chunk).
+    """
+    chunk_totals, found = sum_batches(
+        objective, model, model_state, chunk, batch_size, key, offset, valid
+    )
+    return totals + chunk_totals, labels if found is None else labels.or_else(found)
 
 
 def add_batches(
@@ -90,13 +142,16 @@ def add_batches(
     remainder: bool,
     totals: Float[Array, "2 values"],
     labels: LabelError,
+    offset: Int[ArrayLike, ""] | None = None,
+    valid: Int[ArrayLike, ""] | None = None,
 ) -> tuple[Float[Array, "2 values"], LabelError]:
     """`evaluate_batches` in pieces, for programs called one after the other with no
     loop around their batches: `count` full batches of `data` from batch `first` on
     (those past the last full batch computed and dropped), or with `remainder` its
     smaller last batch, each batch's totals added to `totals` in `evaluate_batches`'
     order, the first label out of range met kept in `labels`. `totals[0] / totals[1]`
-    after every batch is `evaluate_batches`' value.
+    after every batch is `evaluate_batches`' value. `offset` and `valid`: for a
+    streamed chunk, as `sum_batches` takes them.
     """
     uses_key = evaluation_needs_key(objective, model)
     model = eqx.nn.inference_mode(model)
@@ -109,12 +164,16 @@ def add_batches(
             b = jnp.asarray(first, jnp.int32) + j
             start = jnp.minimum(b, num_full - 1) * batch_size  # in range: a past one is dropped
             batch = jax.tree.map(lambda a: batch_rows(a, start, batch_size), data)
-        batch_key = evaluation_key(key, b) if uses_key else None
+        batch_key = None
+        if uses_key:
+            batch_key = evaluation_key(key, b if offset is None else jnp.asarray(offset) + b)
         values, found = batch_totals(objective, model, model_state, batch, batch_key)
         if not remainder:
-            values = jnp.where(b < num_full, values, 0.0)
+            values = jnp.where(b < (num_full if valid is None else valid), values, 0.0)
         totals = totals + values
         if found is not None:
+            if valid is not None:  # a chunk's padding batch finds nothing
+                found = found._replace(found=found.found & (b < valid))
             labels = labels.or_else(found)
     return totals, labels
 
