@@ -19,7 +19,6 @@ from ._core._early_stopping import EarlyStopping
 from ._core._execution import Execution
 from ._core._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._core._typing import (
-    Arrays,
     Data,
     FilterSpec,
     Flag,
@@ -107,7 +106,7 @@ def fit(
     trains: Callable[[Any], Any] | None = None,
     opt_state: OptState | None = None,
     state: ModelState | None = None,
-    validation_data: Arrays | ValidationSets | None = None,
+    validation_data: Data | ValidationSets | None = None,
     validation_split: float | None = None,
     validation_freq: Integer = 1,
     metrics: Metrics | None = None,

@@ -25,9 +25,10 @@ from ._core._data import (
 )
 from ._core._execution import choose, Execution
 from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
-from ._host._feeds import inference_chunks, OnDevice
+from ._host._feeds import inference_chunks
 from ._host._sources import inference_source, Loader, Memmaps
 from ._program._jit import cached_jit
+from ._program._state import OnDevice
 from ._step._evaluate import add_batches, add_chunk, batch_rows, evaluate_batches
 from ._step._labels import LabelError, raise_found
 from ._step._objective import abstract_key, applies, CONVOLUTION, find_outputs, Objective, takes_key

@@ -13,12 +13,13 @@ from jaxtyping import PyTree
 
 from ._core._checks import reported_as
 from ._host._drive import drive, feeds
+from ._host._feeds import validation_reader
 from ._host._observers import Callbacks, Checkpointing, copy_taken, Costs, EpochModels, Observer
 from ._host._plan import Plan
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
 from ._host._signals import Interrupt
-from ._host._sources import Source
+from ._host._sources import Source, StreamedSets
 from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
 from ._keep._resume import open_store, resume
@@ -75,20 +76,27 @@ def train(
         stack.callback(starting.join)
     store, begin = None, schedule.begin
     if not isinstance(starting, Starting) and options.checkpoint is not None:
+        val_data = ready.val_data
+        if isinstance(val_data, StreamedSets):  # described by the sets themselves
+            val_data = [opened.describe() for opened in val_data.sets]
         config = checkpoint_config(
-            loop, starting, ready.source.describe(), ready.val_data, options.objects, options.key
+            loop, starting, ready.source.describe(), val_data, options.objects, options.key
         )
         store = open_store(options, config, schedule)
         stack.callback(store.close)
         starting, begin = resume(store, starting, schedule)
+    streams = ready.val_data if isinstance(ready.val_data, StreamedSets) else None
     template = Inputs(
         None,
-        placement.put(ready.val_data, sharded=True),
+        None if streams is not None else placement.put(ready.val_data, sharded=True),
         placement.put(keys),
         placement.put(consts),
     )
     chunks = ready.source.chunks(schedule, begin, schedule.total)
-    train_feeds, stop_feeds = feeds(chunks, template, placement.put, ready.source.streamed)
+    validation = None if streams is None else validation_reader(streams, placement.put)
+    train_feeds, stop_feeds = feeds(
+        chunks, template, placement.put, ready.source.streamed, validation
+    )
     stack.callback(stop_feeds)
     observers = observers_for(
         options,

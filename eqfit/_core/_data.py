@@ -2,8 +2,8 @@
 
 import functools
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -62,6 +62,24 @@ def as_data(data: Any, name: str = "data") -> PyTree:
     """
     check_data(data, name)
     return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), data)
+
+
+def data_kind(data: Any) -> Literal["arrays", "memmaps", "loader"]:
+    """What `data` is, as `fit`, `evaluate` and `predict` take it: arrays in memory (a
+    PyTree of them, checked later), memmaps (a tuple or dict holding an `np.memmap`),
+    or a loader (a list of batches, a re-iterable loader, an iterator, a generator). A
+    list of arrays is taken for arrays, which `check_data` refuses (pass a tuple). Reads
+    nothing.
+    """
+    arrays = (np.ndarray, jax.Array)
+    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
+        return "arrays"
+    if isinstance(data, (tuple, dict)):
+        if any(isinstance(a, np.memmap) for a in jax.tree.leaves(data)):
+            return "memmaps"
+    elif isinstance(data, Iterable) and not isinstance(data, (*arrays, str, bytes)):
+        return "loader"
+    return "arrays"
 
 
 def check_data(data: Any, name: str = "data") -> None:

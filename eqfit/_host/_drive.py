@@ -368,7 +368,7 @@ class Drive:
             # several, every process makes the same calls, agreed at each call).
             stopping = None if self.several else lambda: interrupt.requested
             current, self.report, stop = call(
-                self.current, feed.inputs, self.position, stop, stopping
+                self.current, feed.inputs, self.position, stop, stopping, feed.validation
             )
             self.current = current
             ran = _is_done(self.report.step)

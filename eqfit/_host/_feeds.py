@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .._program._state import Inputs, Piece
-from ._sources import Chunk, Loader, Memmaps, one_pass
+from .._program._state import Inputs, OnDevice, Piece, ReadSet
+from ._sources import Chunk, Loader, Memmaps, one_pass, StreamedSets
 
 
 _Fed = TypeVar("_Fed")
@@ -27,6 +27,7 @@ class Feed(NamedTuple):
     end: int
     batch_size: int
     epoch_length: int | None = None  # learned from the loader's first pass
+    validation: ReadSet | None = None  # where validation streams: how to read its sets
 
 
 class ReadAhead(Generic[_Fed]):
@@ -86,10 +87,15 @@ _DONE = object()
 
 
 def feeds(
-    chunks: Iterator[Chunk], template: Inputs, put: Callable[..., Any], streamed: bool
+    chunks: Iterator[Chunk],
+    template: Inputs,
+    put: Callable[..., Any],
+    streamed: bool,
+    validation: ReadSet | None = None,
 ) -> tuple[Iterator[Feed], Callable[[], None]]:
     """The program's feeds from a source's chunks, and how to stop making them. Streamed
-    chunks are moved to the device ahead of time, in a background thread.
+    chunks are moved to the device ahead of time, in a background thread. `validation`:
+    how the run reads its validation sets, where they stream.
     """
 
     def feed(chunk: Chunk) -> Feed:
@@ -98,7 +104,7 @@ def feeds(
         else:
             piece = Piece(chunk.order, np.int32(chunk.first), np.int32(chunk.end))
             inputs = template._replace(data=put(chunk.data, sharded=True), piece=put(piece))
-        return Feed(inputs, chunk.end, chunk.batch_size, chunk.epoch_length)
+        return Feed(inputs, chunk.end, chunk.batch_size, chunk.epoch_length, validation)
 
     if not streamed:
         return map(feed, chunks), lambda: None
@@ -106,31 +112,41 @@ def feeds(
     return iter(ahead), ahead.close
 
 
-class OnDevice(NamedTuple):
-    """A chunk of an inference's data (`evaluate`, `predict`), moved to the device."""
-
-    data: PyTree  # full batches of `batch_size`, padding after the first `valid`
-    offset: np.ndarray  # the number of its first batch in the data (int32, traced)
-    valid: int  # its batches that are the data's
-    batch_size: int
-    # Call once the programs given `data` are done with it: memmaps read in place drop
-    # its pages then (`Chunk.release`).
-    release: Callable[[], None]
-
-
-@contextlib.contextmanager
-def inference_chunks(source: Memmaps | Loader, batch_size: int) -> Iterator[Iterator[OnDevice]]:
+def inference_chunks(
+    source: Memmaps | Loader, batch_size: int
+) -> contextlib.AbstractContextManager[Iterator[OnDevice]]:
     """One pass over `source` (`one_pass`'s chunks) moved to the device in a background
     thread, a few chunks ahead of the programs that take them; the thread is stopped on
     every way out of the block.
     """
+    return on_device(one_pass(source, batch_size), jax.device_put)
 
-    def put(chunk: Chunk) -> OnDevice:
+
+def validation_reader(streams: StreamedSets, put: Callable[..., Any]) -> ReadSet:
+    """How a run reads its streamed validation sets: each set's pass on the run's
+    devices (`put`, the placement's), as `inference_chunks` reads.
+    """
+
+    def read(i: int, batch_size: int) -> contextlib.AbstractContextManager[Iterator[OnDevice]]:
+        return on_device(streams.sets[i].chunks(batch_size), lambda x: put(x, sharded=True))
+
+    return read
+
+
+@contextlib.contextmanager
+def on_device(
+    chunks: Iterator[Chunk], put: Callable[[PyTree], PyTree]
+) -> Iterator[Iterator[OnDevice]]:
+    """`chunks` moved to the device by `put` in a background thread, a few ahead of the
+    programs that take them; the thread is stopped on every way out of the block.
+    """
+
+    def moved(chunk: Chunk) -> OnDevice:
         offset = np.asarray(chunk.first, np.int32)  # an array: traced, one program
         valid, release = chunk.end - chunk.first, chunk.release or _nothing
-        return OnDevice(jax.device_put(chunk.data), offset, valid, chunk.batch_size, release)
+        return OnDevice(put(chunk.data), offset, valid, chunk.batch_size, release)
 
-    ahead = ReadAhead(one_pass(source, batch_size), put)
+    ahead = ReadAhead(chunks, moved)
     try:
         yield iter(ahead)
     finally:

@@ -12,7 +12,7 @@ from .._program._parallel import check_batch_split, global_rows
 from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
-from ._sources import open_source, Source
+from ._sources import open_source, Reread, Source, StreamedSets
 
 
 def open_data(
@@ -25,6 +25,8 @@ def open_data(
     """
     source = open_source(data, options, planning=planning)
     like = sample_shapes(source.like)
+    if options.validation is not None and options.validation.streamed:
+        return source, _streamed_sets(validation_data, like)
     if isinstance(validation_data, ValidationSets):
         sets = {}
         for name, given in validation_data.items():
@@ -55,6 +57,27 @@ def open_data(
             f"{sample_shapes(val)} (path, shape of one sample, dtype)."
         )
     return source, val
+
+
+def _streamed_sets(validation_data: Any, like: list[list[Any]]) -> StreamedSets:
+    """The validation sets of a run whose validation streams, each opened and checked to
+    be like the training data (`like`, its sample shapes).
+    """
+    if isinstance(validation_data, ValidationSets):
+        named = [(f"validation_data[{n!r}]", d) for n, d in validation_data.items()]
+    else:
+        named = [("validation_data", validation_data)]
+    sets = []
+    for what, given in named:
+        opened = Reread(given, what)
+        if sample_shapes(opened.like) != like:
+            raise ValueError(
+                f"`{what}` must hold arrays like `data`'s, one sample apart: `data`'s samples "
+                f"have {like}, `{what}`'s {sample_shapes(opened.like)} (path, shape of one "
+                "sample, dtype)."
+            )
+        sets.append(opened)
+    return StreamedSets(tuple(sets))
 
 
 def _several_datasets(validation_data: Any, like: list[list[Any]]) -> bool:

@@ -29,7 +29,7 @@ from .._step._evaluate import evaluate_batches
 from ._flops import Flops, program_flops
 from ._observers import Costs
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
-from ._sources import Source
+from ._sources import Source, StreamedSets
 
 
 def memory_of(compiled: Any) -> Memory:
@@ -261,12 +261,30 @@ def make_plan(
     """
     # A second plan of the same run (a second `fit` with the bar, say) is the first: its
     # programs are compiled, and lowering them again would trace the whole run anew.
+    val_data = _validation_like(loop, val_data)
     name = ("plan", _shapes((start_args, source.like, val_data)), options.peak_flops)
     plan = PROGRAM_CACHE.fact(program_key(loop), name)
     if plan is None:
         plan = _compile_plan(loop, model, source, val_data, start_args, options)
         PROGRAM_CACHE.set_fact(program_key(loop), name, plan)
     return plan
+
+
+def _validation_like(loop: Loop, val_data: PyTree | None) -> PyTree | None:
+    """The validation data as the plan sees it: in memory, the arrays; streamed
+    (`StreamedSets`), each set's arrays as `jax.ShapeDtypeStruct`s (named sets by their
+    names), which the run's programs never take as inputs; `None` where a set's length is
+    not known ahead (a loader without `len`).
+    """
+    if not isinstance(val_data, StreamedSets):
+        return val_data
+    sets = [opened.abstract() for opened in val_data.sets]
+    if any(s is None for s in sets):
+        return None
+    assert loop.validation is not None
+    if loop.validation.sets:
+        return dict(zip(loop.validation.sets, sets))
+    return sets[0]
 
 
 def _shapes(tree: PyTree) -> tuple[Any, ...]:
@@ -326,9 +344,10 @@ def _compile_plan_in(
     if loop.members is not None:  # as `start` splits it
         key = jax.random.split(key, loop.members)
     consts = start_args.consts
+    streams = loop.validation is not None and loop.validation.streamed
     inputs = Inputs(
         placement.put(_first_data(source, loop), sharded=True),
-        placement.put(val_data, sharded=True),
+        None if streams else placement.put(val_data, sharded=True),
         placement.put(key),
         placement.put(consts),
     )

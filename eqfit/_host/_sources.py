@@ -18,13 +18,13 @@ import json
 import mmap
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 from jaxtyping import Array, Key, PyTree
 
-from .._core._data import as_data, check_data, num_samples, sample_shapes
+from .._core._data import as_data, check_data, data_kind, num_samples, sample_shapes
 from .._keep._checkpoint import newest_config
 from .._program._options import Options
 from .._program._schedule import (
@@ -90,10 +90,22 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
     """The source of `data`: arrays in memory, memmaps, or a loader. `planning`: for
     `eqfit.plan`, which remembers a one-shot iterator it reads from, for `fit` to refuse.
     """
+    arrays = (np.ndarray, jax.Array)
+    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
+        raise TypeError(
+            f"`data` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A list "
+            "is taken as a loader: a sequence of batches.)"
+        )
     kind = data_kind(data)
     if kind == "memmaps":
         return Memmaps(data, options.shuffle, host_seed(options.key))
     if kind == "loader":
+        if data in _PLANNED:
+            raise ValueError(
+                "`data` is an iterator that `eqfit.plan` has read its first batches from: "
+                "a run on it would miss them. Pass a fresh iterator (a new generator, "
+                "say) to `fit`, and give `plan` one of its own."
+            )
         directory = None if options.checkpoint is None else options.checkpoint.directory
         loader = Loader(
             data,
@@ -111,43 +123,75 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
     return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
 
 
-def data_kind(data: Any, name: str = "data") -> Literal["arrays", "memmaps", "loader"]:
-    """What `data` is: arrays in memory (a PyTree of them, checked later), memmaps (a
-    tuple or dict holding an `np.memmap`), or a loader (a list of batches, a re-iterable
-    loader, an iterator, a generator). Refuses a list of arrays, and an iterator that
-    `eqfit.plan` has read from.
-    """
-    arrays = (np.ndarray, jax.Array)
-    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
-        raise TypeError(
-            f"`{name}` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A "
-            "list is taken as a loader: a sequence of batches.)"
-        )
-    if isinstance(data, (tuple, dict)):
-        if any(isinstance(a, np.memmap) for a in jax.tree.leaves(data)):
-            return "memmaps"
-    elif isinstance(data, Iterable) and not isinstance(data, (*arrays, str, bytes)):
-        if data in _PLANNED:
-            raise ValueError(
-                f"`{name}` is an iterator that `eqfit.plan` has read its first batches from: "
-                "a run on it would miss them. Pass a fresh iterator (a new generator, "
-                "say) to `fit`, and give `plan` one of its own."
-            )
-        return "loader"
-    return "arrays"
-
-
 def inference_source(data: Any, name: str) -> "Memmaps | Loader | None":
     """The source that an inference (`evaluate`, `predict`) streams `data` from, read
     once, in order: memmaps, or a loader (its own batches); `None` for arrays in memory,
     which go to the device whole.
     """
-    kind = data_kind(data, name)
+    kind = data_kind(data)
     if kind == "memmaps":
         return Memmaps(data, shuffle=False, seed=0, mapped=True)
     if kind == "loader":
         return Loader(data)
     return None
+
+
+class Reread:
+    """A validation set that streams, read a pass per validation as an inference reads
+    (`one_pass`): memmaps read again, a loader opened anew (a fresh pass; told
+    `set_epoch(0)` each time, if it listens), arrays in memory (in a run whose other sets
+    stream) read from the host. Opening it reads a loader's first batch, for its shape.
+    """
+
+    def __init__(self, data: Any, name: str):
+        self.data, self.name, self.fresh = data, name, True
+        source = inference_source(data, name)
+        if source is None:  # arrays in memory, read a chunk at a time as a memmap is
+            check_data(data, name)
+            source = Memmaps(jax.tree.map(np.asarray, data), shuffle=False, seed=0)
+        self.source: Memmaps | Loader = source
+
+    @property
+    def like(self) -> PyTree:
+        return self.source.like
+
+    def describe(self) -> list[list[Any]]:
+        """What identifies the set for a checkpoint: its size (a loader: its type) and its
+        sample shapes.
+        """
+        if isinstance(self.source, Memmaps):
+            return self.source.describe()
+        return [["loader", type(self.data).__qualname__], *sample_shapes(self.source.first)]
+
+    def abstract(self) -> PyTree | None:
+        """The whole set as `jax.ShapeDtypeStruct`s, by its rows (a loader's: its length
+        times its batch size, where it says its length); `None` where not known.
+        """
+        source = self.source
+        if isinstance(source, Memmaps):
+            rows: int | None = source.num_samples
+        else:
+            rows = None if source.length is None else source.length * source.batch_size
+        if rows is None:
+            return None
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), self.like
+        )
+
+    def chunks(self, batch_size: int) -> Iterator[Chunk]:
+        """The set's batches, a pass, as `one_pass` gives them."""
+        if not self.fresh and isinstance(self.source, Loader):
+            self.source = Loader(self.data)
+        self.fresh = False
+        return one_pass(self.source, batch_size)
+
+
+class StreamedSets(NamedTuple):
+    """The validation sets of a run whose validation streams (`Validation.streamed`),
+    in the order of their values.
+    """
+
+    sets: tuple[Reread, ...]
 
 
 def one_pass(source: "Memmaps | Loader", batch_size: int) -> Iterator[Chunk]:

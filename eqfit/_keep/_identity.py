@@ -22,13 +22,14 @@ def checkpoint_config(
 ) -> dict[str, Any]:
     """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
     that a run may resume on others. A run names its loss, or each of its updates (its
-    name, its class, its loss where it has one, how often it runs).
+    name, its class, its loss where it has one, how often it runs). `val_data`: the
+    validation arrays, or where validation streams, each set's description (a list).
     """
     schedule = loop.schedule
     config = {
         "state": describe(state),
         "data": data,
-        "validation_data": describe(val_data),
+        "validation_data": val_data if isinstance(val_data, list) else describe(val_data),
         "batch_size": schedule.batch_size,
         "passes": None if schedule.passes is None else [as_plain(v) for v in schedule.passes],
         "steps_per_epoch": None if schedule.learning else schedule.steps_per_epoch,

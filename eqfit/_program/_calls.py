@@ -17,8 +17,8 @@ from .._core._data import batch_calls
 from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
-from ._program import close, run, unrolled, validation_batches
-from ._state import CallEnd, Inputs, Report, TrainState, ValAt, ValSums
+from ._program import close, run, unrolled, validation_batches, validation_chunk
+from ._state import CallEnd, Inputs, ReadSet, Report, TrainState, ValAt, ValSums
 
 
 def program_key(loop: Loop) -> tuple[str, Loop]:
@@ -49,10 +49,12 @@ class Program(abc.ABC):
         begin: int,
         stop: int,
         stopping: Callable[[], bool] | None = None,
+        validation: ReadSet | None = None,
     ) -> tuple[TrainState, Report, int]:
         """Returns the state, the report, and the position the call goes to: `stop`, or
         less where `stopping()` turned true on the way (a signal), where a program of
-        few steps a call sees it.
+        few steps a call sees it. `validation`: how to read the validation sets, where
+        they stream (`Validation.streamed`).
         """
 
     @abc.abstractmethod
@@ -64,10 +66,18 @@ class Program(abc.ABC):
 
 
 class WholeRunCalls(Program):
-    """`WholeRun`'s: `run`, compiled by the placement, the state donated."""
+    """`WholeRun`'s: `run`, compiled by the placement, the state donated. Where validation
+    streams, a call of `run` to each epoch end on the way, which the host then closes
+    (`EpochCloses`): the sets are read as the epoch ends, not held in the program.
+    """
 
     def __init__(self, loop: Loop):
+        self.loop = loop
         self.compiled: Any = loop.placement.compile(functools.partial(run, loop), (0,))
+        validation = loop.validation
+        self.closes = None
+        if validation is not None and validation.streamed:
+            self.closes = EpochCloses(loop, None)
 
     def __call__(
         self,
@@ -76,12 +86,135 @@ class WholeRunCalls(Program):
         begin: int,
         stop: int,
         stopping: Callable[[], bool] | None = None,
+        validation: ReadSet | None = None,
     ) -> tuple[TrainState, Report, int]:
-        del begin, stopping  # the state knows where it is; one call, to `stop`
-        return *self.compiled(state, inputs, np.int32(stop)), stop
+        del stopping  # one call, to `stop` (or the epoch ends on the way)
+        if self.closes is None:  # the state knows where it is
+            return *self.compiled(state, inputs, np.int32(stop)), stop
+        schedule, position = self.loop.schedule, begin
+        while True:
+            reached = stop if schedule.learning else min(stop, schedule.next_epoch_end(position))
+            state, report = self.compiled(state, inputs, np.int32(reached))
+            if reached > position and schedule.is_epoch_end(reached):
+                state, report = self.closes(state, inputs, reached, validation)
+            if reached >= stop or reached == position:
+                return state, report, reached
+            position = reached
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
         return [self.compiled.lower(state, inputs, np.int32(stop))]
+
+
+class EpochCloses:
+    """An epoch's end as the host makes it, where the run's program leaves it to the host
+    (`PerStep`'s, and every run whose validation streams): each set's validation sums,
+    added up by programs of its batches, then one call of `close`. A set in memory is
+    read by `validation_batches`, `unroll` batches a call; a streamed set by
+    `validation_chunk`, a chunk a call (all its batches in a scan where `unroll` is
+    `None`, else `unroll` batches a call), as the chunks arrive.
+    """
+
+    def __init__(self, loop: Loop, unroll: int | None):
+        self.loop, self.unroll = loop, unroll
+        self.close: Any = loop.placement.compile(functools.partial(close, loop), (0,))
+        self.programs: dict[tuple[Any, ...], Any] = {}  # by kind, set, size, batches
+
+    def __call__(
+        self, state: TrainState, inputs: Inputs, end: int, validation: ReadSet | None
+    ) -> tuple[TrainState, Report]:
+        """The epoch that ends at step `end` validated, if due, and closed."""
+        sums: tuple[ValSums, ...] = ()
+        loop_validation, schedule = self.loop.validation, self.loop.schedule
+        if loop_validation is not None:
+            epoch = schedule.epoch_of(end - 1)
+            due = epoch % loop_validation.freq == 0
+            sets = loop_validation.sets or (None,)
+            sums = tuple(
+                self.validate(state, inputs, i, epoch, due, validation) for i in range(len(sets))
+            )
+        return self.close(state, (inputs, sums), CallEnd(np.int32(end), np.bool_(False)))
+
+    def validate(
+        self,
+        state: TrainState,
+        inputs: Inputs,
+        i: int,
+        epoch: int,
+        due: bool,
+        validation: ReadSet | None,
+    ) -> ValSums:
+        """Validation set `i`'s sums at epoch `epoch`: its batches, and its smaller last
+        batch; none where validation is not `due` (its values are NaN).
+        """
+        loop = self.loop
+        members = () if loop.members is None else (loop.members,)
+        values = len(loop.val_names) // max(len(self.sets()), 1)
+        none = LabelError.none()
+        sums = ValSums(
+            np.zeros((*members, 2, values), np.float32),
+            jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (*members, *x.shape)), none),
+        )
+        sums = loop.placement.put(sums)
+        if not due:
+            return sums
+        if validation is not None:
+            return self.validate_streamed(state, inputs, i, epoch, validation, sums)
+        name = self.sets()[i]
+        data = inputs.val_data if name is None else inputs.val_data[name]
+        rows = loop.placement.rows(data)
+        batch_size, unroll = loop.schedule.batch_size, self.unroll or 1
+        for b, count, remainder in batch_calls(rows, batch_size, unroll):
+            at = ValAt(np.int32(b), np.int32(epoch))
+            sums = self.program("batches", i, count, remainder)((state, sums), inputs, at)
+        return sums
+
+    def validate_streamed(
+        self,
+        state: TrainState,
+        inputs: Inputs,
+        i: int,
+        epoch: int,
+        validation: ReadSet,
+        sums: ValSums,
+    ) -> ValSums:
+        """A streamed set `i`'s sums at epoch `epoch`, its chunks added as they arrive."""
+        with validation(i, self.loop.schedule.batch_size) as chunks:
+            done: tuple[Any, Callable[[], None]] | None = None
+            for chunk in chunks:
+                size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
+                calls: list[tuple[int, int | None]] = [(0, None)]
+                if self.unroll is not None:
+                    calls = [
+                        (b, c) for b, c, _ in batch_calls(chunk.valid * size, size, self.unroll)
+                    ]
+                for b, count in calls:
+                    at = ValAt(np.int32(b), np.int32(epoch), chunk.offset, valid)
+                    program = self.program("chunk", i, size, count)
+                    sums = program((state, sums), (inputs, chunk.data), at)
+                # The chunk before is done with once this one's sums are queued after it.
+                if done is not None:
+                    jax.block_until_ready(done[0])
+                    done[1]()
+                done = (sums, chunk.release)
+            if done is not None:
+                jax.block_until_ready(done[0])
+                done[1]()
+        return sums
+
+    def sets(self) -> tuple[Any, ...]:
+        validation = self.loop.validation
+        assert validation is not None
+        return validation.sets or (None,)
+
+    def program(self, kind: str, i: int, *sizes: Any) -> Any:
+        """The program of set `i`'s batches: `"batches"`, `validation_batches` (of
+        `count` batches, or the smaller last); `"chunk"`, `validation_chunk` (of a chunk
+        of batches of a size, `count` of them or all)."""
+        if (kind, i, *sizes) not in self.programs:
+            make = validation_batches if kind == "batches" else validation_chunk
+            fn = functools.partial(make, self.loop, i, *sizes)
+            self.programs[kind, i, *sizes] = self.loop.placement.compile(fn)
+        return self.programs[kind, i, *sizes]
 
 
 # How many calls of a `PerStep` program the host queues ahead of the device: enough
@@ -93,10 +226,9 @@ class StepCalls(Program):
     """`PerStep`'s: calls of `unrolled`, each of `unroll` steps or of a pass's smaller
     last batch, dispatched one after the other with no wait between them; the host
     follows the run's position by the schedule (a run that stops makes the calls after
-    it no-ops, and its report says where it stopped). At an epoch's end, calls of
-    `validation_batches`, each of `unroll` batches of a set or of its smaller last
-    batch, then one of `close`: validation runs as the steps do, with no loop around
-    its batches.
+    it no-ops, and its report says where it stopped). At an epoch's end, `EpochCloses`:
+    calls of `unroll` batches of each set (or of its smaller last batch), then one of
+    `close`: validation runs as the steps do, with no loop around its batches.
     """
 
     def __init__(self, loop: Loop, unroll: int):
@@ -104,8 +236,7 @@ class StepCalls(Program):
         compile = loop.placement.compile
         self.full: Any = compile(functools.partial(unrolled, loop, unroll, False), (0,))
         self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
-        self.close: Any = compile(functools.partial(close, loop), (0,))
-        self.validations: dict[tuple[int, int, bool], Any] = {}  # by set, batches, remainder
+        self.closes = EpochCloses(loop, unroll)
 
     def __call__(
         self,
@@ -114,6 +245,7 @@ class StepCalls(Program):
         begin: int,
         stop: int,
         stopping: Callable[[], bool] | None = None,
+        validation: ReadSet | None = None,
     ) -> tuple[TrainState, Report, int]:
         schedule, position, fresh = self.loop.schedule, begin, True
         if not schedule.learning:
@@ -127,7 +259,7 @@ class StepCalls(Program):
             state, report = (self.last if last else self.full)(state, inputs, until)
             fresh = False
             if reached > position and schedule.is_epoch_end(reached):
-                state, report = self.close_epoch(state, inputs, reached)
+                state, report = self.closes(state, inputs, reached, validation)
             if reached >= stop or reached == position:
                 return state, report, reached
             position = reached
@@ -136,48 +268,6 @@ class StepCalls(Program):
                 in_flight.popleft().block_until_ready()
             if stopping is not None and stopping():
                 return state, report, position
-
-    def close_epoch(self, state: TrainState, inputs: Inputs, end: int) -> tuple[TrainState, Report]:
-        """The epoch that ends at step `end` validated, if due, and closed."""
-        sums: tuple[ValSums, ...] = ()
-        validation, schedule = self.loop.validation, self.loop.schedule
-        if validation is not None:
-            epoch = schedule.epoch_of(end - 1)
-            due = epoch % validation.freq == 0
-            sets = validation.sets or (None,)
-            sums = tuple(self.validate(state, inputs, i, epoch, due) for i in range(len(sets)))
-        return self.close(state, (inputs, sums), CallEnd(np.int32(end), np.bool_(False)))
-
-    def validate(self, state: TrainState, inputs: Inputs, i: int, epoch: int, due: bool) -> ValSums:
-        """Validation set `i`'s sums at epoch `epoch`: its batches, `unroll` a call, and
-        its smaller last batch; none where validation is not `due` (its values are NaN).
-        """
-        loop = self.loop
-        validation = loop.validation
-        assert validation is not None
-        data = inputs.val_data[validation.sets[i]] if validation.sets else inputs.val_data
-        members = () if loop.members is None else (loop.members,)
-        values = len(loop.val_names) // max(len(validation.sets), 1)
-        none = LabelError.none()
-        sums = ValSums(
-            np.zeros((*members, 2, values), np.float32),
-            jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (*members, *x.shape)), none),
-        )
-        sums = loop.placement.put(sums)
-        if not due:
-            return sums
-        rows = loop.placement.rows(data)
-        for b, count, remainder in batch_calls(rows, loop.schedule.batch_size, self.unroll):
-            at = ValAt(np.int32(b), np.int32(epoch))
-            sums = self.validation(i, count, remainder)((state, sums), inputs, at)
-        return sums
-
-    def validation(self, i: int, count: int, remainder: bool) -> Any:
-        """The program of set `i`'s `count` batches, or of its smaller last batch."""
-        if (i, count, remainder) not in self.validations:
-            fn = functools.partial(validation_batches, self.loop, i, count, remainder)
-            self.validations[i, count, remainder] = self.loop.placement.compile(fn)
-        return self.validations[i, count, remainder]
 
     def next_call(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
         """Whether the call from `position` is the pass's smaller last batch's, and the

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, Key, PyTree
 
 from .._core._early_stopping import StoppingState
-from .._step._evaluate import add_batches, evaluate_batches, evaluation_needs_key
+from .._step._evaluate import add_batches, add_chunk, evaluate_batches, evaluation_needs_key
 from .._step._labels import LabelError
 from ._loop import Loop, Rebuilt
 from ._records import epoch_values, put
@@ -154,6 +154,37 @@ class EpochEnd:
             jnp.asarray(sums.totals),
             sums.label_error,
         )
+        return ValSums(totals, label_error)
+
+    def chunk(
+        self,
+        state: TrainState,
+        sums: ValSums,
+        set_index: int,
+        chunk: PyTree,
+        batch_size: int,
+        count: int | None,
+        at: ValAt,
+    ) -> ValSums:
+        """`validation_chunk`'s (the program's) for one member: a streamed set's chunk
+        (`OnDevice`), its batches added to the sums as `validate` adds a set's in memory
+        (the same keys, by the batch's number in the set): by one scan (`count` `None`),
+        or `count` batches from the chunk's batch `at.batch` on, written out.
+        """
+        assert at.offset is not None and at.valid is not None
+        model = self.model(state)
+        objective, key = self.parts.objective, self.set_key(model, at.epoch, set_index)
+        totals = jnp.asarray(sums.totals)
+        if count is None:
+            totals, label_error = add_chunk(
+                objective, model, state.model_state, chunk, batch_size, key, at.offset,
+                at.valid, totals, sums.label_error,
+            )  # fmt: skip
+        else:
+            totals, label_error = add_batches(
+                objective, model, state.model_state, chunk, batch_size, key, at.batch, count,
+                False, totals, sums.label_error, at.offset, at.valid,
+            )  # fmt: skip
         return ValSums(totals, label_error)
 
     def summed(

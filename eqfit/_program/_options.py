@@ -9,7 +9,7 @@ import dataclasses
 import math
 import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
 from .._core._checks import as_int, as_real
-from .._core._data import as_key, check_alive, ensemble_size
+from .._core._data import as_key, check_alive, data_kind, ensemble_size
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution
 from .._core._extras import require_orbax
@@ -74,6 +74,9 @@ class Validation:
     sets: tuple[str, ...] = ()
     freq: int = 1  # validate the epochs whose number is a multiple of it
     ema: bool = False  # validate the average (and early stopping reads its values)
+    # The sets are read as training streams its data (memmaps, loaders), a pass a
+    # validation, and their batches given to programs of their own at an epoch's end.
+    streamed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +313,8 @@ def check_options(
         )
     validation = None
     if validates:
-        validation = Validation(sets, validation_freq, validate_ema)
+        streamed = _streamed_validation(validation_data, validation_freq, initial_epoch, epochs)
+        validation = Validation(sets, validation_freq, validate_ema, streamed)
     if shard is not None and checkpoint is not None:
         require_orbax()
     if data is None:
@@ -479,6 +483,37 @@ def _filter_spec(model: Any, trains: Any, filter_spec: Any, updates: Any) -> Any
     return trained_spec(model, trains, "`trains`")
 
 
+def _streamed_validation(validation_data: Any, freq: int, initial_epoch: Any, epochs: Any) -> bool:
+    """Whether `validation_data` streams (memmaps, loaders), as `data` can: then each
+    validation reads its sets anew. Refuses an iterator (a generator) that the run would
+    read more than once, and a streamed set over several processes.
+    """
+    given = validation_data.items() if isinstance(validation_data, ValidationSets) else None
+    named = list(given) if given is not None else [(None, validation_data)]
+    streamed = False
+    for name, data in named:
+        what = "`validation_data`" if name is None else f"`validation_data`'s set {name!r}"
+        if data is None or data_kind(data) == "arrays":
+            continue
+        streamed = True
+        validations = sum(e % freq == 0 for e in range(int(initial_epoch) + 1, int(epochs) + 1))
+        if isinstance(data, Iterator) and validations > 1:
+            raise ValueError(
+                f"{what} is an iterator (a generator, say), which can be read once, but this "
+                f"run validates {validations} times (epochs {int(initial_epoch) + 1} to "
+                f"{int(epochs)}, every {freq}). Pass something read anew at each validation: a "
+                "list of batches, a re-iterable loader (a class whose `__iter__` makes the "
+                "generator), or the arrays (memmaps too); or validate once."
+            )
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"{what} streams (memmaps or a loader), which a run over several processes "
+                "does not do yet: each process would read its own validation rows at its own "
+                "pace. Pass the validation rows as arrays in memory."
+            )
+    return streamed
+
+
 def _refuse_list_of_sets(validation_data: Any) -> None:
     """Refuses a list of datasets for `validation_data`, showing the named form. (A list
     of arrays is refused by the data's own check, with the advice to pass a tuple.)
@@ -490,7 +525,9 @@ def _refuse_list_of_sets(validation_data: Any) -> None:
     n = len(validation_data)
     raise TypeError(
         f"`validation_data` is a list of {n} datasets: a list (or tuple) of them would be "
-        f"taken for one dataset's arrays. {naming_advice(n, 'list')}"
+        f"taken for one dataset's arrays. {naming_advice(n, 'list')} (If they are batches of "
+        "one set, pass the loader that yields them instead: a PyTorch `DataLoader`, a Grain "
+        "dataset, or an object whose `__iter__` yields them.)"
     )
 
 

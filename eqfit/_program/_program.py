@@ -178,6 +178,32 @@ def validation_batches(
     return jax.vmap(one)(state, sums, inputs.key)
 
 
+def validation_chunk(
+    loop: Loop,
+    set_index: int,
+    batch_size: int,
+    count: int | None,
+    carry: tuple[TrainState, ValSums],
+    read: tuple[Inputs, PyTree],
+    at: ValAt,
+) -> ValSums:
+    """A streamed validation set's chunk (`read`'s, after the inputs) added to the sums so
+    far (`carry`'s), at the epoch's end, by the host's calls (`EpochEnd.chunk`): all its
+    batches in one scan (`count` `None`), or `count` of them written out (`PerStep`).
+    """
+    state, sums = carry
+    inputs, chunk = read
+    parts = loop.parts(inputs.consts)
+
+    def one(state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
+        end = EpochEnd(loop, parts, inputs, key)
+        return end.chunk(state, sums, set_index, chunk, batch_size, count, at)
+
+    if loop.members is None:
+        return one(state, sums, inputs.key)
+    return jax.vmap(one)(state, sums, inputs.key)
+
+
 def close(
     loop: Loop,
     state: TrainState,
@@ -369,6 +395,8 @@ class _Member:
                 state = jax.lax.while_loop(
                     remainder_due, lambda s: batch_step(s, remainder, False), state
                 )
+            if loop.validation is not None and loop.validation.streamed:
+                return state  # the host validates, then closes it (`close`)
             closes = (state.step == epoch_end) & _running(state)
             return jax.lax.cond(closes, self.epoch_end().close, lambda s: s, state)
 

@@ -3,10 +3,12 @@ what it reads and never changes, and what each call reports to the host. All PyT
 arrays, with named fields.
 """
 
+import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
@@ -115,11 +117,34 @@ class CallEnd(NamedTuple):
 
 class ValAt(NamedTuple):
     """Where a call of a `PerStep` run's validation begins, from the host: the batch of
-    the set (counted from 0), and the epoch validated.
+    the set (counted from 0; of the chunk, for a streamed set's), and the epoch
+    validated; for a streamed set's chunk (`OnDevice`), its `offset` and `valid`.
     """
 
     batch: Int[ArrayLike, ""]
     epoch: Int[ArrayLike, ""]
+    offset: Int[ArrayLike, ""] | None = None
+    valid: Int[ArrayLike, ""] | None = None
+
+
+class OnDevice(NamedTuple):
+    """A chunk of data streamed to an inference (`evaluate`, `predict`, a streamed
+    validation set), on the device.
+    """
+
+    data: PyTree  # full batches of `batch_size`, padding after the first `valid`
+    offset: np.ndarray  # the number of its first batch in the data (int32, traced)
+    valid: int  # its batches that are the data's
+    batch_size: int
+    # Call once the programs given `data` are done with it: memmaps read in place drop
+    # its pages then.
+    release: Callable[[], None]
+
+
+# How a run whose validation streams reads a set: `read(i, batch_size)` opens set `i`'s
+# pass, its chunks placed on the run's devices as they are read (in a background thread
+# that leaving the block stops).
+ReadSet = Callable[[int, int], contextlib.AbstractContextManager[Iterator[OnDevice]]]
 
 
 class ValSums(NamedTuple):

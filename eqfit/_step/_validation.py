@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, final
 
-from .._core._typing import Arrays
+from .._core._typing import Data
 
 
 # A set's name goes into the history's names, `val_<name>_loss`: a word, so that the name
@@ -38,7 +38,7 @@ class ValidationSets(Mapping[str, Any]):
 
     __slots__ = ("_sets",)
 
-    def __init__(self, **sets: Arrays):
+    def __init__(self, **sets: Data):
         if not sets:
             raise ValueError(
                 "`eqfit.ValidationSets()` holds no set: name each, "

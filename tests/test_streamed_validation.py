@@ -1,0 +1,197 @@
+"""`fit`'s validation on every kind of data `fit` trains on: memmaps, loaders with and
+without `len`, a generator where the run validates once, streamed in chunks at each
+epoch's end; its values equal validation over the same data in memory, on every way of
+running, and training unchanged by it.
+"""
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+from jax.sharding import AxisType, Mesh
+
+import eqfit
+
+
+N, VAL, FEATURES, BATCH = 160, 83, 4, 16  # 83: a smaller last validation batch
+
+
+@pytest.fixture(scope="module")
+def problem(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    w = np.arange(1.0, FEATURES + 1, dtype=np.float32)
+    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
+    xv = rng.normal(size=(VAL, FEATURES)).astype(np.float32)
+    y, yv = np.sin(x @ w), np.sin(xv @ w)
+    folder = tmp_path_factory.mktemp("validation")
+    np.save(folder / "xv.npy", xv)
+    np.save(folder / "yv.npy", yv.astype(np.float32))
+    memmaps = tuple(np.load(folder / f"{n}.npy", mmap_mode="r") for n in ("xv", "yv"))
+    return (x, y.astype(np.float32)), (xv, yv.astype(np.float32)), memmaps
+
+
+class Batches:
+    """A re-iterable loader, in order, with `len` or without; counts its passes."""
+
+    def __init__(self, data, with_len=True):
+        self.data, self.with_len, self.passes = data, with_len, 0
+
+    def __len__(self):
+        if not self.with_len:
+            raise TypeError("no len")
+        return -(-len(self.data[0]) // BATCH)
+
+    def __iter__(self):
+        self.passes += 1
+        for i in range(0, len(self.data[0]), BATCH):
+            yield tuple(a[i : i + BATCH] for a in self.data)
+
+
+def generator(data):
+    for i in range(0, len(data[0]), BATCH):
+        yield tuple(a[i : i + BATCH] for a in data)
+
+
+def model_of(key=0):
+    return eqfit.models.MLP(FEATURES, "scalar", 8, 1, key=jax.random.key(key))
+
+
+def kwargs(**more):
+    return (
+        dict(
+            loss=eqfit.losses.mse,
+            optimizer=optax.adam(1e-2),
+            key=jax.random.key(1),
+            epochs=3,
+            batch_size=BATCH,
+            metrics={"mae": lambda m, x, y: abs(jax.vmap(m)(x) - y).mean()},
+        )
+        | more
+    )
+
+
+def streamed(kind, problem):
+    _, val, memmaps = problem
+    if kind == "memmaps":
+        return memmaps
+    if kind == "generator":
+        return generator(val)
+    return Batches(val, with_len=kind == "loader")
+
+
+def assert_same_run(got, expected, exact_values=False):
+    """The same validation values (to float tolerance) and the same training."""
+    names = [n for n in expected.history.values if n.startswith("val_")]
+    assert names and names == [n for n in got.history.values if n.startswith("val_")]
+    for name in names:
+        np.testing.assert_allclose(got.history[name], expected.history[name], rtol=1e-6)
+    np.testing.assert_array_equal(got.history["loss"], expected.history["loss"])
+    assert_trees_close(got.model, expected.model, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["memmaps", "loader", "loader without len"])
+def test_validation_streams_every_kind_of_data_as_arrays_in_memory(kind, problem):
+    train, val, _ = problem
+    expected = eqfit.fit(model_of(), train, validation_data=val, **kwargs())
+    got = eqfit.fit(model_of(), train, validation_data=streamed(kind, problem), **kwargs())
+    assert_same_run(got, expected)
+
+
+def test_a_generator_validates_a_run_that_validates_once(problem):
+    train, val, _ = problem
+    once = kwargs(validation_freq=3)
+    expected = eqfit.fit(model_of(), train, validation_data=val, **once)
+    got = eqfit.fit(model_of(), train, validation_data=generator(val), **once)
+    assert_same_run(got, expected)
+    assert np.isnan(got.history["val_loss"][:2]).all()
+
+
+def test_a_generator_read_more_than_once_is_refused_before_training(problem):
+    train, val, _ = problem
+    loader = Batches(train)
+    with pytest.raises(ValueError, match=r"`validation_data` is an iterator .* validates 3 times"):
+        eqfit.fit(model_of(), loader, validation_data=generator(val), **kwargs())
+    assert loader.passes == 0  # refused before any data was read
+    sets = eqfit.ValidationSets(a=val, b=generator(val))
+    with pytest.raises(ValueError, match=r"`validation_data`'s set 'b' is an iterator"):
+        eqfit.fit(model_of(), train, validation_data=sets, **kwargs(validation_freq=2, epochs=4))
+
+
+def mesh():
+    return Mesh(np.array(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+
+
+WAYS = {
+    "per step": dict(execution=eqfit.PerStep(3)),
+    "devices": dict(devices=8, batch_size=32),
+    "mesh": dict(batch_size=32),  # the mesh is made in the test: jax.devices() at run time
+    "bar": dict(progress=True),
+    "early stopping": dict(early_stopping=eqfit.EarlyStopping(patience=0, monitor="val_mae")),
+    "ema": dict(ema=0.9, validate_ema=True),
+}
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_streamed_validation_on_every_way_of_running(way, problem, capsys):
+    train, val, memmaps = problem
+    more = WAYS[way] | ({"mesh": mesh()} if way == "mesh" else {})
+    expected = eqfit.fit(model_of(), train, validation_data=val, **kwargs(**more))
+    for data in (Batches(val), memmaps):
+        got = eqfit.fit(model_of(), train, validation_data=data, **kwargs(**more))
+        assert_same_run(got, expected)
+    capsys.readouterr()
+
+
+def test_streamed_validation_of_an_ensemble_validates_each_member(problem):
+    train, val, memmaps = problem
+    keys = jax.random.split(jax.random.key(4), 3)
+    stack = eqx.filter_vmap(lambda k: eqfit.models.MLP(FEATURES, "scalar", 8, 1, key=k))(keys)
+    expected = eqfit.fit(stack, train, validation_data=val, ensemble=True, **kwargs())
+    got = eqfit.fit(stack, train, validation_data=memmaps, ensemble=True, **kwargs())
+    assert_same_run(got, expected)
+    # Each member's own value: its trained model's, evaluated alone.
+    second = jax.tree.map(lambda a: a[1] if eqx.is_array(a) else a, got.model)
+    alone = eqfit.evaluate(second, val, loss=eqfit.losses.mse, batch_size=BATCH)
+    np.testing.assert_allclose(got.history["val_loss"][-1, 1], alone["loss"], rtol=1e-5)
+
+
+def test_named_sets_stream_each_its_own_way(problem):
+    train, val, memmaps = problem
+    half = tuple(a[:40] for a in val)
+    in_memory = eqfit.ValidationSets(whole=val, half=half, again=val)
+    sets = eqfit.ValidationSets(whole=memmaps, half=half, again=Batches(val, with_len=False))
+    expected = eqfit.fit(model_of(), train, validation_data=in_memory, **kwargs())
+    got = eqfit.fit(model_of(), train, validation_data=sets, **kwargs())
+    assert_same_run(got, expected)
+    assert set(got.history.values) >= {"val_whole_loss", "val_half_loss", "val_again_mae"}
+
+
+def test_streamed_validation_is_checked_against_the_data(problem):
+    train, val, _ = problem
+    wide = (np.zeros((10, FEATURES + 1), np.float32), np.zeros(10, np.float32))
+    with pytest.raises(ValueError, match=r"`validation_data` must hold arrays like `data`'s"):
+        eqfit.fit(model_of(), train, validation_data=Batches(wide), **kwargs())
+
+
+def test_a_loader_that_fails_in_validation_hands_back_the_training(problem):
+    train, val, _ = problem
+
+    class Failing(Batches):
+        def __iter__(self):
+            yield tuple(a[:BATCH] for a in val)
+            raise RuntimeError("the validation disk went away")
+
+    with pytest.raises(RuntimeError, match="the validation disk went away"):
+        eqfit.fit(model_of(), train, validation_data=Failing(val), **kwargs())
+
+
+def test_plan_counts_a_streamed_validation_pass(problem):
+    train, val, memmaps = problem
+    in_memory = eqfit.plan(model_of(), train, validation_data=val, **kwargs())
+    plan = eqfit.plan(model_of(), train, validation_data=memmaps, **kwargs())
+    assert plan.validations == in_memory.validations == 3
+    assert plan.validation_flops == pytest.approx(in_memory.validation_flops, rel=1e-6)
+    # The run's program holds no validation set: its arguments are smaller.
+    assert plan.memory.argument < in_memory.memory.argument
