@@ -213,11 +213,14 @@ def fit(
 
     *What is measured, and when to stop:*
 
-    - `validation_data`: data like `data`'s (arrays in memory), evaluated after each epoch
-        in inference mode, recorded as `val_loss`, `val_<metric>`; or several sets, each
-        named, [`eqfit.ValidationSets`][]`(clean=(x, y), noisy=(xn, yn))`, recorded as
-        `val_clean_loss`, `val_noisy_<metric>`. A loss that requires a `key` gets a new
-        one for each batch of each epoch, derived from `key`.
+    - `validation_data`: data like `data`'s, evaluated after each epoch in inference
+        mode, recorded as `val_loss`, `val_<metric>`; or several sets, each named,
+        [`eqfit.ValidationSets`][]`(clean=(x, y), noisy=(xn, yn))`, recorded as
+        `val_clean_loss`, `val_noisy_<metric>`. Arrays in memory go to the device once;
+        memmaps and loaders (a re-iterable one, read anew at each validation; an iterator
+        or generator only where the run validates once) stream, a pass at each validated
+        epoch's end, in chunks read in a background thread. A loss that requires a `key`
+        gets a new one for each batch of each epoch, derived from `key`.
     - `validation_split`: instead, hold out this fraction of `data`'s samples (arrays or
         memmaps), chosen from `key`.
     - `validation_freq`: validate every this many epochs: the epochs whose number
