@@ -65,6 +65,7 @@ from ._train import Ready, train
                 "steps_per_epoch",
                 "batch_size",
                 "validation_freq",
+                "log_every",
                 "checkpoint_every",
                 "microbatches",
             )
@@ -110,6 +111,7 @@ def fit(
     validation_split: float | None = None,
     validation_freq: Integer = 1,
     metrics: Metrics | None = None,
+    log_every: Integer | None = None,
     early_stopping: EarlyStopping | None = None,
     on_nan: Literal["raise", "stop", "skip"] = "raise",
     callbacks: Sequence[Callback] = (),
@@ -229,6 +231,14 @@ def fit(
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
         `fn(model, state, *batch)`), recorded per epoch on the training batches and on
         the validation data.
+    - `log_every`: also tell the callbacks the training values every this many steps
+        (counted from the first step ever, across epochs): each callback with
+        `on_train_batch_end(step, logs)` gets, after every n-th step, the step's global
+        number (its count from the first ever) and the values of the n steps before it,
+        reduced as an epoch's are (the loss and metrics their mean over the samples).
+        The loggers of `eqfit.callbacks` write them, so a run of one long epoch logs a
+        curve. Computed inside the program at each call's end, and read with the call's
+        report: no step waits for the host.
     - `early_stopping`: an [`eqfit.EarlyStopping`][], carried out on the device.
     - `on_nan`: what a NaN or infinite loss does. `"raise"`: stop, and raise
         [`eqfit.NonFiniteLossError`][] holding the last finite model. `"stop"`: stop and
@@ -387,6 +397,7 @@ def fit(
         validation_split=validation_split,
         validation_freq=validation_freq,
         metrics=metrics,
+        log_every=log_every,
         early_stopping=early_stopping,
         callbacks=callbacks,
         devices=devices,

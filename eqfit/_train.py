@@ -212,6 +212,7 @@ def train_config(options: Options, loop: Loop) -> dict[str, Any]:
         "validation_split": options.validation_split,
         "validation_sets": None if validation is None else list(validation.sets) or None,
         "validation_freq": 1 if validation is None else validation.freq,
+        "log_every": options.log_every,
         "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
         "precision": precision,
         "ema": None if average is None else average.momentum,

@@ -25,7 +25,9 @@ from typing import Any
 class CSVLogger:
     """Writes each epoch's values to a CSV file as training goes: a row per epoch, a
     column per value, the first one `epoch`. The file is flushed after each row, so it
-    can be read while training runs.
+    can be read while training runs. With `fit(..., log_every=n)`, the values of every n
+    steps go to a second file beside it, `<name>.steps.csv` (`log.steps.csv` for
+    `log.csv`): a row per n-th step, the first column `step`, its global number.
 
     **Arguments:**
 
@@ -40,34 +42,51 @@ class CSVLogger:
         self.path: Path = Path(path)
         self.append: bool = append
         self.separator: str = separator
-        self._file: Any = None
-        self._writer: Any = None
-        self._columns: list[str] = []
+        self.steps_path: Path = self.path.with_name(f"{self.path.stem}.steps{self.path.suffix}")
+        self._tables: dict[Path, _CsvTable] = {}
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
         """Writes epoch `epoch`'s row."""
-        if self._file is None:
-            exists = self.append and self.path.exists() and self.path.stat().st_size > 0
-            self._file = open(self.path, "a" if self.append else "w", newline="")  # noqa: SIM115
-            self._writer = csv.writer(self._file, delimiter=self.separator)
-            self._columns = ["epoch", *logs]
-            if not exists:
-                self._writer.writerow(self._columns)
-        self._writer.writerow([epoch, *(logs.get(name) for name in self._columns[1:])])
-        self._file.flush()
+        self._table(self.path, "epoch", logs).write(epoch, logs)
+
+    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+        """Writes step `step`'s row (`log_every`) to `steps_path`."""
+        self._table(self.steps_path, "step", logs).write(step, logs)
+
+    def _table(self, path: Path, first: str, logs: dict[str, float]) -> "_CsvTable":
+        if path not in self._tables:
+            self._tables[path] = _CsvTable(path, self.append, self.separator, [first, *logs])
+        return self._tables[path]
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
-        """Closes the file."""
+        """Closes the files."""
         del logs
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for table in self._tables.values():
+            table.file.close()
+        self._tables.clear()
+
+
+class _CsvTable:
+    """One CSV file of `CSVLogger`'s, open: its rows written as they come, and flushed."""
+
+    def __init__(self, path: Path, append: bool, separator: str, columns: list[str]):
+        exists = append and path.exists() and path.stat().st_size > 0
+        self.file: Any = open(path, "a" if append else "w", newline="")  # noqa: SIM115
+        self.writer: Any = csv.writer(self.file, delimiter=separator)
+        self.columns = columns
+        if not exists:
+            self.writer.writerow(columns)
+
+    def write(self, first: int, logs: dict[str, float]) -> None:
+        self.writer.writerow([first, *(logs.get(name) for name in self.columns[1:])])
+        self.file.flush()
 
 
 class TensorBoard:
     """Writes each epoch's values as TensorBoard scalars, one per name, at the epoch's
-    number. Needs tensorboardX: `pip install "eqfit[tensorboard]"` (imported only when
-    the first epoch is written).
+    number. With `fit(..., log_every=n)`, the values of every n steps too, as
+    `step/<name>` at the step's global number. Needs tensorboardX: `pip install
+    "eqfit[tensorboard]"` (imported only when the first values are written).
 
     **Arguments:**
 
@@ -82,6 +101,13 @@ class TensorBoard:
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
         """Writes epoch `epoch`'s values."""
+        self._write(logs, epoch, "")
+
+    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+        """Writes step `step`'s values (`log_every`), as `step/<name>`."""
+        self._write(logs, step, "step/")
+
+    def _write(self, logs: dict[str, float], at: int, prefix: str) -> None:
         if self._writer is None:
             try:
                 from tensorboardX import SummaryWriter
@@ -90,7 +116,7 @@ class TensorBoard:
                 raise ImportError(f"eqfit.callbacks.TensorBoard needs tensorboardX: {hint}") from e
             self._writer = SummaryWriter(str(self.logdir))
         for name, value in logs.items():
-            self._writer.add_scalar(name, value, epoch)
+            self._writer.add_scalar(prefix + name, value, at)
         self._writer.flush()
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
@@ -105,6 +131,10 @@ class WandbLogger:
     """Logs each epoch's values to a Weights & Biases run, at the epoch's number as the
     run's step, and the run's arguments (`fit`'s epochs, batch size, precision, ...) to
     its config. Needs wandb: `pip install "eqfit[wandb]"` (imported once training starts).
+
+    With `fit(..., log_every=n)`, the values of every n steps too, as `step/<name>`, and
+    then every value at the global step number as the run's step (W&B's steps only go
+    up): an epoch's at the step that ends it, with its number as `epoch`.
 
     The run is `run` if given, else the active one (`wandb.run`) if no argument asks for a
     new one: either is left open. Else the logger starts one with `wandb.init` as training
@@ -149,6 +179,7 @@ class WandbLogger:
         self._run: Any = None
         self._started = False  # the run is the logger's own, to finish
         self._error: BaseException | None = None  # being handled when training began
+        self._steps_per_epoch: int | None = None  # with `log_every`: epochs at their steps
 
     def on_train_begin(self, config: dict[str, Any]) -> None:
         """Starts the run, or takes the given or active one, and adds `config` to its
@@ -164,13 +195,27 @@ class WandbLogger:
             run = wandb.init(**self.init_kwargs)
         self._run = run
         run.config.update(config, allow_val_change=True)
+        if config.get("log_every") is not None:
+            self._steps_per_epoch = config.get("steps_per_epoch")
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
-        """Logs epoch `epoch`'s values at step `epoch`."""
+        """Logs epoch `epoch`'s values at step `epoch` (with `log_every`, at the global
+        step that ends it, with `epoch`).
+        """
         if self._run is None:  # called outside `fit`
             self.on_train_begin({})
         run: Any = self._run
-        run.log(dict(logs), step=epoch)
+        if self._steps_per_epoch is None:
+            run.log(dict(logs), step=epoch)
+        else:
+            run.log({"epoch": epoch, **logs}, step=epoch * self._steps_per_epoch)
+
+    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+        """Logs step `step`'s values (`log_every`) as `step/<name>`, at step `step`."""
+        if self._run is None:  # called outside `fit`
+            self.on_train_begin({})
+        run: Any = self._run
+        run.log({f"step/{name}": value for name, value in logs.items()}, step=step)
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
         """Finishes the run if the logger started it."""
@@ -183,8 +228,9 @@ class WandbLogger:
 class MLflowLogger:
     """Logs each epoch's values to an MLflow run as metrics, at the epoch's number as
     their step, and the run's arguments (`fit`'s epochs, batch size, precision, ...) as
-    its params (nested ones by dotted names). Needs MLflow: `pip install "eqfit[mlflow]"`
-    (imported once training starts).
+    its params (nested ones by dotted names). With `fit(..., log_every=n)`, the values of
+    every n steps too, as metrics `step/<name>` at the step's global number. Needs
+    MLflow: `pip install "eqfit[mlflow]"` (imported once training starts).
 
     The run is `run` if given, else the active one (`mlflow.start_run()`'s) if no argument
     asks for another: either is left open. Else the logger starts one (or continues
@@ -277,13 +323,20 @@ class MLflowLogger:
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
         """Logs epoch `epoch`'s values at step `epoch`."""
+        self._log(logs, epoch, "")
+
+    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+        """Logs step `step`'s values (`log_every`) as `step/<name>`, at step `step`."""
+        self._log(logs, step, "step/")
+
+    def _log(self, logs: dict[str, float], at: int, prefix: str) -> None:
         from mlflow.entities import Metric
 
         if self._client is None:  # called outside `fit`
             self.on_train_begin({})
         client: Any = self._client
         stamp = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), stamp, epoch) for k, v in logs.items()]
+        metrics = [Metric(prefix + k, float(v), stamp, at) for k, v in logs.items()]
         client.log_batch(self.run_id, metrics=metrics)
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:

@@ -225,3 +225,19 @@ def test_wandb_logger_logs_each_epoch_and_the_arguments(problem, offline_wandb):
     assert config["metrics"] == ["mae"] and config["precision"] is None
     (exit_record,) = [r for r in records if r["type"] == "exit"]
     assert exit_record["exit"].get("exit_code", 0) == 0
+
+
+@pytest.mark.heavy
+def test_wandb_logger_logs_every_n_steps_at_the_global_step(problem, offline_wandb):
+    # With `log_every`, every value goes at the global step (W&B's steps only go up):
+    # the n steps' as `step/<name>`, an epoch's at the step that ends it, with `epoch`.
+    logger = eqfit.callbacks.WandbLogger(project="eqfit-test", name="steps", dir=offline_wandb)
+    result = problem([logger], log_every=2)  # 4 steps an epoch
+    (run_dir,) = (offline_wandb / "wandb").glob("offline-run-*")
+    history = [r["history"]["item"] for r in wandb_records(run_dir) if r["type"] == "history"]
+    assert [row["_step"] for row in history] == [2, 4, 6, 8, 10, 12]
+    assert [row.get("epoch") for row in history] == [None, 1, None, 2, None, 3]
+    loss = result.history.step_loss.reshape(-1)  # batches of one size: plain means
+    expected = [loss[i : i + 2].mean() for i in range(0, 12, 2)]
+    np.testing.assert_allclose([row["step/loss"] for row in history], expected, rtol=1e-5)
+    assert [row["loss"] for row in history if "loss" in row] == list(result.history["loss"])

@@ -261,11 +261,30 @@ class _Reader:
             epoch_loss=loss,
             ended=tuple(ended),
             samples_per_second=self.throughput.recent(),
+            logged=self._logged(report, begin, position),
         )
         for observer in self.observers:
             if observer.on_progress(progress):
                 self.finished = self.by_observer = True
         self.finished |= stopped
+
+    def _logged(self, report: Report, begin: int, position: int) -> tuple[Any, ...]:
+        """The n-th steps (`log_every=n`) after `begin` up to `position`, each with its
+        values from the report's log table (an ensemble's: its members' mean, as an
+        epoch's).
+        """
+        every, schedule = self.loop.log_every, self.loop.schedule
+        if every is None or report.log_values is None or position // every <= begin // every:
+            return ()
+        table = np.asarray(self.loop.placement.host(report.log_values))
+        rows = table.reshape(-1, *table.shape[-2:])  # members first, if any
+        names = self.loop.log_names[: rows.shape[-1]]
+        first = schedule.begin // every
+        logged = []
+        for k in range(begin // every, position // every):
+            values = _mean_of_finished(rows[:, k - first]).tolist()
+            logged.append(((k + 1) * every, dict(zip(names, values))))
+        return tuple(logged)
 
 
 def _mean_of_finished(rows: np.ndarray) -> np.ndarray:

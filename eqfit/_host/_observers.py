@@ -40,8 +40,11 @@ class Callback(Protocol):
     initial_epoch, batch_size, steps_per_epoch, shuffle, drop_remainder, on_nan, metrics,
     validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
     microbatches, ensemble_members, devices, checkpoint, checkpoint_every,
-    checkpoint_every_steps, checkpoint_every_seconds, signals, schedules, profile);
-    `on_train_end(logs)`,
+    checkpoint_every_steps, checkpoint_every_seconds, signals, schedules, profile,
+    log_every); `on_train_batch_end(step, logs)`, called with `fit(..., log_every=n)`
+    after every n-th step with the step's global number (the steps done since the first
+    ever) and the n steps' training values (Keras's hook of that name gets the batch's
+    index in its epoch, and every batch); `on_train_end(logs)`,
     called once when training ends (however it ends, `on_train_begin` called or not) with
     the last epoch's values; and a class attribute `stops_training = False` if it never
     returns `True`: then the device is not held up for it, and it sees each epoch once the
@@ -100,6 +103,9 @@ class Progress(NamedTuple):
     epoch_loss: float  # that epoch's mean loss so far (the epoch's own, once it ended)
     ended: tuple[tuple[int, dict[str, float]], ...]  # epochs that ended, with their values
     samples_per_second: float | None = None  # over the last few calls read
+    # With `log_every=n`: each n-th step reached (its global count), with the training
+    # values of the n steps before it.
+    logged: tuple[tuple[int, dict[str, float]], ...] = ()
 
 
 class Observer:
@@ -207,7 +213,13 @@ class Callbacks(Observer):
         self.taken = {p: x for p, x in self.taken.items() if p == schedule.steps_per_epoch}
 
     def on_progress(self, progress: Progress) -> bool:
+        logged = list(progress.logged)
         for epoch, logs in progress.ended:
+            # The n-th steps up to the epoch's end first (a step at its end too), as
+            # Keras calls `on_train_batch_end` before `on_epoch_end`.
+            end = epoch * self.schedule.steps_per_epoch
+            while logged and logged[0][0] <= end:
+                self.batch_end(*logged.pop(0))
             self.last_logs = logs
             taken = self.taken.pop(epoch * self.schedule.steps_per_epoch, None)
             models = None
@@ -220,7 +232,17 @@ class Callbacks(Observer):
                     cast(ModelCallback[Any], callback).on_epoch_model(epoch, *models)
             if self.stopped:
                 break
+        if not self.stopped:
+            for step, logs in logged:
+                self.batch_end(step, logs)
         return self.stopped
+
+    def batch_end(self, step: int, logs: dict[str, float]) -> None:
+        """The callbacks with `on_train_batch_end` told of step `step` (`log_every`)."""
+        for callback in self.callbacks:
+            batch_end = getattr(callback, "on_train_batch_end", None)
+            if callable(batch_end):
+                batch_end(step, dict(logs))
 
     def close(self) -> None:
         self.taken.clear()

@@ -100,6 +100,7 @@ def make_loop(
         else tuple(np.dtype(a.dtype) for a in params),
         updates=infos,
         samples_per_step=_samples_per_step(objects.updates),
+        log_every=options.log_every,
     )
     consts = Consts(frozen, object_arrays)
     shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)

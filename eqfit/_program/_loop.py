@@ -65,6 +65,7 @@ class Loop:
     # The samples a step processes, where its updates say (`AbstractUpdate.samples`);
     # `None`: the batch's rows.
     samples_per_step: int | None = None
+    log_every: int | None = None  # the callbacks get the training values every n steps
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:

@@ -109,6 +109,7 @@ class Options:
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
     profile: Profile | None = None  # checked against the run's steps by `check_profile`
     execution: Execution | Literal["auto"] = "auto"  # checked against the run by `choose`
+    log_every: int | None = None  # tell the callbacks the training values every n steps
 
 
 EARLY_STOPPING = "`early_stopping.monitor`"
@@ -188,6 +189,7 @@ def check_options(
     profile: Any = None,
     execution: Execution | Literal["auto"] = "auto",
     validation_freq: Any = 1,
+    log_every: Any = None,
     data: Any = None,
     opt_state: Any = None,
     loss: Any = None,
@@ -321,6 +323,7 @@ def check_options(
         _check_no_data(updates, steps_per_epoch, batch_size, validates, metrics, mesh, devices)
         batch_size, shuffle = 1, False  # one step a row of `no_data`'s
     options = Options(
+        log_every=_log_every(log_every),
         key=as_key(key),
         epochs=epochs,
         initial_epoch=initial_epoch,
@@ -481,6 +484,19 @@ def _filter_spec(model: Any, trains: Any, filter_spec: Any, updates: Any) -> Any
             "picks parts of the model by name, `filter_spec` is `eqx.partition`'s)."
         )
     return trained_spec(model, trains, "`trains`")
+
+
+def _log_every(log_every: Any) -> int | None:
+    """`log_every` checked: `None`, or a whole number of steps, 1 or more."""
+    if log_every is None:
+        return None
+    every = as_int(log_every)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"`log_every` must be a whole number of steps, 1 or more (tell the callbacks the "
+            f"training values every n-th step), or None; got {log_every!r}."
+        )
+    return every
 
 
 def _streamed_validation(validation_data: Any, freq: int, initial_epoch: Any, epochs: Any) -> bool:

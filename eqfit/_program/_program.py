@@ -25,7 +25,7 @@ from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._epoch_end import EpochEnd
 from ._loop import lay_out_state, Loop, Rebuilt
-from ._records import fresh_record, put_cell, running_pair
+from ._records import fresh_log, fresh_record, logged, put_cell, running_pair
 from ._state import CallEnd, Consts, Inputs, Report, Steps, Stop, TrainState, ValAt, ValSums
 
 
@@ -81,6 +81,7 @@ def start(
             batch_sizes=jnp.zeros((rows, steps), jnp.int32),
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
             running=jnp.zeros(2),
+            log_values=fresh_log(loop),
         )
 
     if loop.members is None:
@@ -240,6 +241,7 @@ class _Member:
 
     def run(self, state: TrainState) -> tuple[TrainState, Report]:
         loop, schedule = self.loop, self.loop.schedule
+        begin = state.step
         stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
         if schedule.learning:  # each call's steps are recorded afresh, for the host
             state = fresh_record(state)
@@ -268,7 +270,7 @@ class _Member:
                 return self.run_steps(state, order, first, end, remainder, step_key)
 
             state = jax.lax.while_loop(more, one_pass, state)
-        return self.finish(state)
+        return self.finish(state, begin)
 
     def unrolled(
         self, state: TrainState, until: CallEnd, unroll: int, remainder: bool
@@ -323,7 +325,7 @@ class _Member:
             stepped = self.step_at(state._replace(step=t), rows(t), full, step_key)
             state = jax.tree.map(lambda a, b: jnp.where(active, a, b), stepped, state)
 
-        return self.finish(state)
+        return self.finish(state, begin)
 
     def epoch_end(self) -> EpochEnd:
         """The member's epoch end (its values, validation, early stopping)."""
@@ -336,9 +338,15 @@ class _Member:
         """
         return jax.random.fold_in(self.key, 1) if self.loop.use_key else None
 
-    def finish(self, state: TrainState) -> tuple[TrainState, Report]:
-        """The state at the call's end, laid out as `shard=` asks, and its report."""
+    def finish(
+        self, state: TrainState, begin: Int[Array, ""] | None = None
+    ) -> tuple[TrainState, Report]:
+        """The state at the call's end (from step `begin`: its n-th steps logged, with
+        `log_every=n`), laid out as `shard=` asks, and its report.
+        """
         loop = self.loop
+        if begin is not None:
+            state = logged(loop, state, begin)
         if loop.param_shardings() is not None:
             params, opt_state = lay_out_state(
                 loop, self.parts.optimizer, state.params, state.opt_state
@@ -505,6 +513,7 @@ class _Member:
             steps=Steps(state.step_loss[0], state.step_values[0], state.batch_sizes[0])
             if self.loop.schedule.learning
             else None,
+            log_values=state.log_values,
         )
 
 

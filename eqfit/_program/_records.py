@@ -95,3 +95,63 @@ def epoch_values(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Ar
     return loop.record.epoch_values(
         at_row(state.step_loss), at_row(state.step_values), at_row(state.batch_sizes)
     )
+
+
+# -- `log_every=n`: the training values of every n steps, a row of the log table each.
+
+
+def log_rows(loop: Loop) -> int:
+    """The rows of the run's log table: one for each n-th step this run reaches (its
+    global step count a multiple of `log_every`), and one to trace with if none.
+    """
+    every, schedule = loop.log_every, loop.schedule
+    assert every is not None
+    return max(schedule.total // every - schedule.begin // every, 1)
+
+
+def fresh_log(loop: Loop) -> Float[Array, "logs values"] | None:
+    """The log table at the run's start: NaN in every row; `None` without `log_every`."""
+    if loop.log_every is None:
+        return None
+    values = len(loop.log_names) - len(loop.val_names)
+    return jnp.full((log_rows(loop), values), jnp.nan, jnp.float32)
+
+
+def logged(loop: Loop, state: TrainState, begin: Int[Array, ""]) -> TrainState:
+    """`state` with a row of its log table written for each n-th step that the call from
+    step `begin` reached (`log_every=n`): the training values of the n steps before it,
+    reduced from the record as an epoch's are (`Record.epoch_values`). Run once at a
+    call's end, not at each step: the steps pay nothing for it.
+    """
+    every, schedule = loop.log_every, loop.schedule
+    if every is None or state.log_values is None:
+        return state
+    first = schedule.begin // every  # the run's first n-th step is `(first + 1) * every`
+    rows, columns = state.step_loss.shape
+    cells = rows * columns
+    width = min(every, cells)  # a window of the record's cells, laid end to end
+    step_loss = state.step_loss.reshape(cells)
+    step_values = state.step_values.reshape(cells, -1)
+    sizes = state.batch_sizes.reshape(cells)
+
+    def write(k: Int[Array, ""], table: Array) -> Array:
+        end = (k + 1) * every  # the steps `end - every` to `end`, those of this run
+        low = jnp.maximum(end - every, schedule.begin)
+        cell_low = schedule.record_cell(low)
+        start = jnp.clip(cell_low, 0, cells - width)
+        index = start + jnp.arange(width)
+        inside = (index >= cell_low) & (index < schedule.record_cell(end - 1) + 1)
+
+        def window(record: Array, fill: Any) -> Array:
+            piece = jax.lax.dynamic_slice_in_dim(record, start, width)
+            mask = inside.reshape(width, *(1,) * (piece.ndim - 1))
+            return jnp.where(mask, piece, fill)
+
+        values = loop.record.epoch_values(
+            window(step_loss, jnp.nan), window(step_values, jnp.nan), window(sizes, 0)
+        )
+        return put(table, values, k - first)
+
+    stop = jax.lax.div(state.step, jnp.asarray(every, state.step.dtype))
+    lo = jax.lax.div(jnp.asarray(begin, state.step.dtype), jnp.asarray(every, state.step.dtype))
+    return state._replace(log_values=jax.lax.fori_loop(lo, stop, write, state.log_values))

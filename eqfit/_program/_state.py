@@ -82,6 +82,9 @@ class TrainState(NamedTuple):
     # The epoch in progress: its finite steps' losses weighted by their batch sizes,
     # summed, and the sizes summed (for the bar; the epoch's value is `epoch_values`').
     running: Float[Array, "2"]
+    # With `log_every=n`: the training values of the n steps before each n-th step of
+    # this run, a row each (NaN until reached); `None` without.
+    log_values: Float[Array, "logs values"] | None = None
 
 
 class Piece(NamedTuple):
@@ -181,3 +184,4 @@ class Report(NamedTuple):
     # With `restore_best`: the trained arrays, model state and average to return.
     trained: tuple[PyTree, PyTree, PyTree] | None
     steps: Steps | None = None  # while the epoch's length is learned: this call's steps
+    log_values: Float[Array, "*members logs values"] | None = None  # `TrainState`'s
