@@ -2,8 +2,10 @@
 
 A callback is any object with `on_epoch_end(epoch, logs) -> bool | None` (epochs counted
 from 1), called on the host after each epoch; it may also have `on_train_begin(config)`,
-called once as training starts with the run's arguments, and `on_train_end(logs)`,
-called once training ends (however it ends), with the last epoch's values. One whose
+called once as training starts with the run's arguments, `on_train_batch_end(step, logs)`,
+called with `fit(..., log_every=n)` after every n-th step with its global number and the
+n steps' values (each logger here writes them), and `on_train_end(logs)`, called once
+training ends (however it ends), with the last epoch's values. One whose
 class says `stops_training = False` (these do) never stops training, so the device need
 not wait for it: the next epoch is queued before it sees the last.
 """

@@ -270,21 +270,18 @@ class _Reader:
 
     def _logged(self, report: Report, begin: int, position: int) -> tuple[Any, ...]:
         """The n-th steps (`log_every=n`) after `begin` up to `position`, each with its
-        values from the report's log table (an ensemble's: its members' mean, as an
-        epoch's).
+        values from the report's (an ensemble's: its members' mean, as an epoch's).
         """
-        every, schedule = self.loop.log_every, self.loop.schedule
-        if every is None or report.log_values is None or position // every <= begin // every:
+        every, logs = self.loop.log_every, report.logs
+        if every is None or logs is None or position // every <= begin // every:
             return ()
-        table = np.asarray(self.loop.placement.host(report.log_values))
-        rows = table.reshape(-1, *table.shape[-2:])  # members first, if any
+        values, first = (np.asarray(x) for x in self.loop.placement.host(logs))
+        rows = values.reshape(-1, *values.shape[-2:])  # members first, if any
+        low = int(first.reshape(-1)[0])  # the run's first n-th step's row
         names = self.loop.log_names[: rows.shape[-1]]
-        first = schedule.begin // every
-        logged = []
-        for k in range(begin // every, position // every):
-            values = _mean_of_finished(rows[:, k - first]).tolist()
-            logged.append(((k + 1) * every, dict(zip(names, values))))
-        return tuple(logged)
+        ks = range(begin // every, position // every)
+        table = _mean_of_finished(rows[:, ks[0] - low : ks[-1] - low + 1]).tolist()
+        return tuple(((k + 1) * every, dict(zip(names, row))) for k, row in zip(ks, table))
 
 
 def _mean_of_finished(rows: np.ndarray) -> np.ndarray:

@@ -182,6 +182,8 @@ class Callbacks(Observer):
         self.last_logs: dict[str, float] = {}
         self.stopped = False
         self.watch = [callable(getattr(c, "on_epoch_model", None)) for c in callbacks]
+        hooks = [getattr(c, "on_train_batch_end", None) for c in callbacks]
+        self.batch_ends = [hook for hook in hooks if callable(hook)]  # `log_every`'s
         self.models = models if any(self.watch) else None
         # Copies of the trained arrays at epoch ends, by position, until their epoch's
         # report is read; while the epoch's length is learned, the last call's.
@@ -239,10 +241,8 @@ class Callbacks(Observer):
 
     def batch_end(self, step: int, logs: dict[str, float]) -> None:
         """The callbacks with `on_train_batch_end` told of step `step` (`log_every`)."""
-        for callback in self.callbacks:
-            batch_end = getattr(callback, "on_train_batch_end", None)
-            if callable(batch_end):
-                batch_end(step, dict(logs))
+        for batch_end in self.batch_ends:
+            batch_end(step, dict(logs))
 
     def close(self) -> None:
         self.taken.clear()

@@ -17,7 +17,7 @@ from .._core._data import batch_calls
 from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
-from ._program import close, run, unrolled, validation_batches, validation_chunk
+from ._program import close, logs, run, unrolled, validation_batches, validation_chunk
 from ._state import CallEnd, Inputs, ReadSet, Report, TrainState, ValAt, ValSums
 
 
@@ -98,7 +98,7 @@ class WholeRunCalls(Program):
             if reached > position and schedule.is_epoch_end(reached):
                 state, report = self.closes(state, inputs, reached, validation)
             if reached >= stop or reached == position:
-                return state, report, reached
+                return state, self.closes.logged(state, inputs, report), reached
             position = reached
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
@@ -118,6 +118,16 @@ class EpochCloses:
         self.loop, self.unroll = loop, unroll
         self.close: Any = loop.placement.compile(functools.partial(close, loop), (0,))
         self.programs: dict[tuple[Any, ...], Any] = {}  # by kind, set, size, batches
+        self.logs: Any = None
+        if loop.log_every is not None:
+            self.logs = loop.placement.compile(functools.partial(logs, loop))
+
+    def logged(self, state: TrainState, inputs: Inputs, report: Report) -> Report:
+        """`report` with the n-th steps' values (`log_every`), at a drive's call's end."""
+        if self.logs is None:
+            return report
+        until = CallEnd(np.int32(0), np.bool_(False))
+        return report._replace(logs=self.logs(state, inputs, until))
 
     def __call__(
         self, state: TrainState, inputs: Inputs, end: int, validation: ReadSet | None
@@ -261,13 +271,13 @@ class StepCalls(Program):
             if reached > position and schedule.is_epoch_end(reached):
                 state, report = self.closes(state, inputs, reached, validation)
             if reached >= stop or reached == position:
-                return state, report, reached
+                return state, self.closes.logged(state, inputs, report), reached
             position = reached
             in_flight.append(report.step)
             if len(in_flight) > AHEAD:
                 in_flight.popleft().block_until_ready()
             if stopping is not None and stopping():
-                return state, report, position
+                return state, self.closes.logged(state, inputs, report), position
 
     def next_call(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
         """Whether the call from `position` is the pass's smaller last batch's, and the

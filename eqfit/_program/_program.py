@@ -25,8 +25,19 @@ from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._epoch_end import EpochEnd
 from ._loop import lay_out_state, Loop, Rebuilt
-from ._records import fresh_log, fresh_record, logged, put_cell, running_pair
-from ._state import CallEnd, Consts, Inputs, Report, Steps, Stop, TrainState, ValAt, ValSums
+from ._records import fresh_record, logs_of, put_cell, running_pair
+from ._state import (
+    CallEnd,
+    Consts,
+    Inputs,
+    Logs,
+    Report,
+    Steps,
+    Stop,
+    TrainState,
+    ValAt,
+    ValSums,
+)
 
 
 def start(
@@ -81,7 +92,6 @@ def start(
             batch_sizes=jnp.zeros((rows, steps), jnp.int32),
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
             running=jnp.zeros(2),
-            log_values=fresh_log(loop),
         )
 
     if loop.members is None:
@@ -229,6 +239,18 @@ def close(
     return jax.vmap(one)(state, sums, inputs.key)
 
 
+def logs(loop: Loop, state: TrainState, inputs: Inputs, until: CallEnd) -> Logs | None:
+    """The n-th steps' values (`log_every`) as the state's record holds them, for a drive's
+    call made of several programs (`PerStep`'s, or where the host closes epochs): called
+    once after them, so they pay nothing for it.
+    """
+    del inputs, until  # the placement's programs take three arguments
+
+    if loop.members is None:
+        return logs_of(loop, state)
+    return jax.vmap(lambda member: logs_of(loop, member))(state)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Member:
     """One member's run, while tracing: the loop's pieces with their shared arguments."""
@@ -241,7 +263,6 @@ class _Member:
 
     def run(self, state: TrainState) -> tuple[TrainState, Report]:
         loop, schedule = self.loop, self.loop.schedule
-        begin = state.step
         stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
         if schedule.learning:  # each call's steps are recorded afresh, for the host
             state = fresh_record(state)
@@ -270,7 +291,7 @@ class _Member:
                 return self.run_steps(state, order, first, end, remainder, step_key)
 
             state = jax.lax.while_loop(more, one_pass, state)
-        return self.finish(state, begin)
+        return self.finish(state, logs=True)
 
     def unrolled(
         self, state: TrainState, until: CallEnd, unroll: int, remainder: bool
@@ -325,7 +346,7 @@ class _Member:
             stepped = self.step_at(state._replace(step=t), rows(t), full, step_key)
             state = jax.tree.map(lambda a, b: jnp.where(active, a, b), stepped, state)
 
-        return self.finish(state, begin)
+        return self.finish(state)
 
     def epoch_end(self) -> EpochEnd:
         """The member's epoch end (its values, validation, early stopping)."""
@@ -338,15 +359,11 @@ class _Member:
         """
         return jax.random.fold_in(self.key, 1) if self.loop.use_key else None
 
-    def finish(
-        self, state: TrainState, begin: Int[Array, ""] | None = None
-    ) -> tuple[TrainState, Report]:
-        """The state at the call's end (from step `begin`: its n-th steps logged, with
-        `log_every=n`), laid out as `shard=` asks, and its report.
+    def finish(self, state: TrainState, logs: bool = False) -> tuple[TrainState, Report]:
+        """The state at the call's end, laid out as `shard=` asks, and its report; with
+        `logs` (a call of the drive's whole), the n-th steps' values (`log_every`).
         """
         loop = self.loop
-        if begin is not None:
-            state = logged(loop, state, begin)
         if loop.param_shardings() is not None:
             params, opt_state = lay_out_state(
                 loop, self.parts.optimizer, state.params, state.opt_state
@@ -355,7 +372,7 @@ class _Member:
             if state.average is not None:
                 average, _ = lay_out_state(loop, self.parts.optimizer, state.average, None)
                 state = state._replace(average=average)
-        return state, self.report(state)
+        return state, self.report(state, logs_of(loop, state) if logs else None)
 
     def run_steps(
         self,
@@ -491,7 +508,7 @@ class _Member:
         state = jax.tree.map(lambda a, b: jnp.where(closes, a, b), closed, state)
         return self.finish(state)
 
-    def report(self, state: TrainState) -> Report:
+    def report(self, state: TrainState, logs: Logs | None = None) -> Report:
         stopping = self.loop.early_stopping
         trained = None
         if stopping is not None and stopping.restore_best:
@@ -513,7 +530,7 @@ class _Member:
             steps=Steps(state.step_loss[0], state.step_values[0], state.batch_sizes[0])
             if self.loop.schedule.learning
             else None,
-            log_values=state.log_values,
+            logs=logs,
         )
 
 

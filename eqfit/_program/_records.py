@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._step._step import StepResult
 from ._loop import Loop
-from ._state import Steps, TrainState
+from ._state import Logs, Steps, TrainState
 
 
 def running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
@@ -97,61 +97,46 @@ def epoch_values(state: TrainState, row: Int[Array, ""], loop: Loop) -> Float[Ar
     )
 
 
-# -- `log_every=n`: the training values of every n steps, a row of the log table each.
+# -- `log_every=n`: the training values of every n steps, reduced from the record.
 
 
 def log_rows(loop: Loop) -> int:
-    """The rows of the run's log table: one for each n-th step this run reaches (its
-    global step count a multiple of `log_every`), and one to trace with if none.
+    """The n-th steps this run reaches (its global step count a multiple of `log_every`),
+    at least one.
     """
     every, schedule = loop.log_every, loop.schedule
     assert every is not None
     return max(schedule.total // every - schedule.begin // every, 1)
 
 
-def fresh_log(loop: Loop) -> Float[Array, "logs values"] | None:
-    """The log table at the run's start: NaN in every row; `None` without `log_every`."""
-    if loop.log_every is None:
-        return None
-    values = len(loop.log_names) - len(loop.val_names)
-    return jnp.full((log_rows(loop), values), jnp.nan, jnp.float32)
-
-
-def logged(loop: Loop, state: TrainState, begin: Int[Array, ""]) -> TrainState:
-    """`state` with a row of its log table written for each n-th step that the call from
-    step `begin` reached (`log_every=n`): the training values of the n steps before it,
-    reduced from the record as an epoch's are (`Record.epoch_values`). Run once at a
-    call's end, not at each step: the steps pay nothing for it.
+def logs_of(loop: Loop, state: TrainState) -> Logs | None:
+    """What a call reports of the n-th steps (`log_every=n`): each of the run's, the
+    training values of the n steps before it, reduced from the record as an epoch's are
+    (`Record.epoch_values`), NaN for one the run has not reached. Computed at the end of
+    the drive's call (a second's steps or so), all at once from the record, so the
+    steps pay nothing for it.
     """
     every, schedule = loop.log_every, loop.schedule
-    if every is None or state.log_values is None:
-        return state
+    if every is None:
+        return None
     first = schedule.begin // every  # the run's first n-th step is `(first + 1) * every`
-    rows, columns = state.step_loss.shape
-    cells = rows * columns
-    width = min(every, cells)  # a window of the record's cells, laid end to end
-    step_loss = state.step_loss.reshape(cells)
-    step_values = state.step_values.reshape(cells, -1)
-    sizes = state.batch_sizes.reshape(cells)
+    rows, low = log_rows(loop), jnp.asarray(first, jnp.int32)
+    cells = state.step_loss.size
+    steps = low * every + jnp.arange(rows * every, dtype=jnp.int32)  # each row's n steps
+    cell = schedule.record_cell(steps)
+    inside = (steps >= schedule.begin) & (steps < state.step) & (cell < cells)
+    index = jnp.clip(cell, 0, cells - 1)
 
-    def write(k: Int[Array, ""], table: Array) -> Array:
-        end = (k + 1) * every  # the steps `end - every` to `end`, those of this run
-        low = jnp.maximum(end - every, schedule.begin)
-        cell_low = schedule.record_cell(low)
-        start = jnp.clip(cell_low, 0, cells - width)
-        index = start + jnp.arange(width)
-        inside = (index >= cell_low) & (index < schedule.record_cell(end - 1) + 1)
+    def gathered(record: Array, fill: Any) -> Array:
+        flat = record.reshape(cells, *record.shape[2:])
+        picked = flat.at[index].get(mode="promise_in_bounds")
+        mask = inside.reshape(-1, *(1,) * (picked.ndim - 1))
+        return jnp.where(mask, picked, fill).reshape(rows, every, *picked.shape[1:])
 
-        def window(record: Array, fill: Any) -> Array:
-            piece = jax.lax.dynamic_slice_in_dim(record, start, width)
-            mask = inside.reshape(width, *(1,) * (piece.ndim - 1))
-            return jnp.where(mask, piece, fill)
-
-        values = loop.record.epoch_values(
-            window(step_loss, jnp.nan), window(step_values, jnp.nan), window(sizes, 0)
-        )
-        return put(table, values, k - first)
-
-    stop = jax.lax.div(state.step, jnp.asarray(every, state.step.dtype))
-    lo = jax.lax.div(jnp.asarray(begin, state.step.dtype), jnp.asarray(every, state.step.dtype))
-    return state._replace(log_values=jax.lax.fori_loop(lo, stop, write, state.log_values))
+    values = jax.vmap(loop.record.epoch_values)(
+        gathered(state.step_loss, jnp.nan),
+        gathered(state.step_values, jnp.nan),
+        gathered(state.batch_sizes, 0),
+    )
+    reached = (low + 1 + jnp.arange(rows)) * every <= state.step
+    return Logs(jnp.where(reached[:, None], values, jnp.nan), low)

@@ -82,9 +82,6 @@ class TrainState(NamedTuple):
     # The epoch in progress: its finite steps' losses weighted by their batch sizes,
     # summed, and the sizes summed (for the bar; the epoch's value is `epoch_values`').
     running: Float[Array, "2"]
-    # With `log_every=n`: the training values of the n steps before each n-th step of
-    # this run, a row each (NaN until reached); `None` without.
-    log_values: Float[Array, "logs values"] | None = None
 
 
 class Piece(NamedTuple):
@@ -160,6 +157,17 @@ class ValSums(NamedTuple):
     label_error: LabelError
 
 
+class Logs(NamedTuple):
+    """With `log_every=n`, what a call reports of the n-th steps: the training values of
+    the n steps before each of `rows` n-th steps from the `first`-th on (the n-th steps
+    counted from the first step ever, from 0: step `(first + r + 1) * n` is row `r`),
+    NaN for one not reached.
+    """
+
+    values: Float[Array, "*members rows values"]
+    first: Int[Array, "*members"]
+
+
 class Steps(NamedTuple):
     """The record of one call's steps, while the epoch's length is learned: column
     `t % Schedule.columns` holds step `t`'s (NaN, or 0 for sizes, where none ran).
@@ -184,4 +192,4 @@ class Report(NamedTuple):
     # With `restore_best`: the trained arrays, model state and average to return.
     trained: tuple[PyTree, PyTree, PyTree] | None
     steps: Steps | None = None  # while the epoch's length is learned: this call's steps
-    log_values: Float[Array, "*members logs values"] | None = None  # `TrainState`'s
+    logs: "Logs | None" = None  # with `log_every`: the n-th steps around the call's
