@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import worker_env
 
@@ -239,13 +240,13 @@ def test_a_loader_that_fails_surfaces_and_stops_the_reader(arrays, model):
 
 
 @pytest.mark.heavy
-def test_evaluate_over_a_memmap_larger_than_a_gib_holds_a_few_chunks(tmp_path):
+def test_evaluate_and_validation_over_a_memmap_larger_than_a_gib_hold_a_few_chunks(tmp_path):
     # Its own process, whose peak resident memory is read before and after the call.
     script = textwrap.dedent(
         """
         import sys
         from pathlib import Path
-        import jax, numpy as np, eqfit
+        import jax, numpy as np, optax, eqfit
 
         folder, rows = Path(sys.argv[1]), 2_200_000
         x = np.lib.format.open_memmap(folder / "x.npy", "w+", np.float32, (rows, 128))
@@ -266,6 +267,13 @@ def test_evaluate_over_a_memmap_larger_than_a_gib_holds_a_few_chunks(tmp_path):
         before = status("VmRSS")
         value = eqfit.evaluate(model, (x, y), loss=eqfit.losses.mse)["loss"]
         print(status("VmHWM") - before, value)
+        # The same set as `fit`'s validation data, for two epochs of a small training set.
+        train = (np.asarray(x[:512]), np.asarray(y[:512]))
+        kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.01), key=jax.random.key(1))
+        Path("/proc/self/clear_refs").write_text("5")
+        before = status("VmRSS")
+        result = eqfit.fit(model, train, validation_data=(x, y), epochs=2, **kwargs)
+        print(status("VmHWM") - before, result.history["val_loss"][-1])
         """
     )
     done = subprocess.run(
@@ -276,6 +284,44 @@ def test_evaluate_over_a_memmap_larger_than_a_gib_holds_a_few_chunks(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    added, value = map(float, done.stdout.split())
-    assert np.isfinite(value)
+    added, value, fit_added, val_loss = map(float, done.stdout.split())
+    assert np.isfinite(value) and np.isfinite(val_loss)
     assert added < 512, f"evaluate of a 1.05 GiB memmap added {added:.0f} MiB at its peak"
+    assert fit_added < 512, f"validating on a 1.05 GiB memmap added {fit_added:.0f} MiB"
+
+
+class Normed(eqx.Module):
+    """A model with BatchNorm: inference reads its state's running statistics."""
+
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(FEATURES, CLASSES, key=key)
+        self.norm = eqx.nn.BatchNorm(CLASSES, axis_name="batch", mode="batch")
+
+    def __call__(self, x, state):
+        return self.norm(self.linear(x), state)
+
+
+def test_a_stateful_model_and_a_precision_stream_as_in_memory(arrays, memmaps):
+    model, state = eqx.nn.make_with_state(Normed)(jax.random.key(2))
+    # Running statistics that are not the initial ones: a few training steps' worth.
+    result = eqfit.fit(
+        model,
+        arrays[:2],
+        state=state,
+        loss=eqfit.losses.softmax_cross_entropy,
+        optimizer=optax.sgd(0.1),
+        key=jax.random.key(0),
+        epochs=1,
+        batch_size=32,
+    )
+    loss = eqfit.losses.softmax_cross_entropy
+    for kw in (dict(state=result.state), dict(state=result.state, precision="bfloat16")):
+        expected = eqfit.predict(result.model, arrays[0], batch_size=16, **kw)
+        got = eqfit.predict(result.model, memmaps[0], batch_size=16, **kw)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+        expected = eqfit.evaluate(result.model, arrays[:2], loss=loss, batch_size=16, **kw)
+        got = eqfit.evaluate(result.model, generator(arrays[:2], 16), loss=loss, **kw)
+        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-6)
