@@ -16,6 +16,7 @@ from ._core._execution import (
 from ._core._policy import Checkpoint as Checkpoint, Profile as Profile
 from ._core._typing import ModelState as ModelState, OptState as OptState
 from ._core._version import __version__ as __version__
+from ._evaluate import evaluate as evaluate
 from ._fit import fit as fit, plan as plan
 from ._history import History as History
 from ._host._observers import Callback as Callback, ModelCallback as ModelCallback
@@ -26,7 +27,7 @@ from ._host._plan import (
     Plan as Plan,
 )
 from ._keep._checkpoint import CheckpointError as CheckpointError
-from ._predict import evaluate as evaluate, predict as predict
+from ._predict import predict as predict
 from ._program._compile import (
     clear_cache as clear_cache,
     enable_compilation_cache as enable_compilation_cache,

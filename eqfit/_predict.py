@@ -1,8 +1,7 @@
-"""Batched inference: `predict` and `evaluate`, each one compiled scan over the data in
+"""`predict`: a model's outputs over data in batches, one compiled scan over the data in
 memory, or over each chunk of data streamed as training streams it (memmaps, loaders).
 """
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
 
@@ -23,20 +22,22 @@ from ._core._data import (
     not_a_stack,
     num_samples,
 )
-from ._core._execution import choose, Execution
-from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
+from ._core._execution import Execution
+from ._core._typing import ArrayTree, Data, ModelState, PRNGKey
 from ._host._feeds import inference_chunks
-from ._host._sources import inference_source, Loader, Memmaps
+from ._host._inference import (
+    batches_per_program,
+    EXECUTION_HINTS,
+    inference_source,
+    Releases,
+)
+from ._host._sources import Loader, Memmaps
 from ._program._jit import cached_jit
 from ._program._state import OnDevice
-from ._step._evaluate import add_batches, add_chunk, batch_rows, evaluate_batches
-from ._step._labels import LabelError, raise_found
-from ._step._objective import abstract_key, applies, CONVOLUTION, find_outputs, Objective, takes_key
+from ._step._evaluate import batch_rows
+from ._step._objective import abstract_key, applies, CONVOLUTION
 from ._step._precision import as_precision, Precision, PrecisionLike
 from .losses import outputs
-
-
-HINTS = {"execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`"}
 
 
 # What the model returns for one example, so what `predict` returns for all of them.
@@ -69,7 +70,7 @@ def predict(
     execution: Execution | Literal["auto"] = "auto",
     out: ArrayTree | None = None,
 ) -> Output: ...
-@checked("predict", HINTS)
+@checked("predict", EXECUTION_HINTS)
 def predict(
     model: Callable[..., Any],
     x: Data,
@@ -142,7 +143,7 @@ def predict(
     members = ensemble_size(model) if ensemble else None
     key_ = None if key is None else as_key(key)
     single = _is_array(x)
-    source = inference_source((x,) if single else x, "x")
+    source = inference_source((x,) if single else x)
     if source is None:
         x_ = as_data(x if not single else (x,), "x")
         inputs = x_[0] if single else x_
@@ -197,7 +198,7 @@ def _predict_streamed(
     parts = []
     writer = None if out is None else _Writer(out, ensemble)
     with inference_chunks(source, batch_size) as chunks:
-        done = _Done()
+        done = Releases()
         for chunk in chunks:
             outputs = _predict_chunk(model, state, ensemble, policy, key, unroll, chunk, first)
             if writer is None:
@@ -233,22 +234,6 @@ def _predict_chunk(
     if rows == num_samples(x):
         return outputs
     return jax.tree.map(lambda o: o[:, :rows] if ensemble else o[:rows], outputs)
-
-
-class _Done:
-    """Each streamed chunk released (`OnDevice.release`) once what was computed from it
-    is ready: a chunk behind the one just given to the device, which meanwhile computes.
-    """
-
-    def __init__(self) -> None:
-        self.pending: tuple[OnDevice, Any] | None = None
-
-    def computed(self, chunk: OnDevice | None = None, outputs: Any = None) -> None:
-        """`chunk` gave `outputs`; without one, the last is done with."""
-        if self.pending is not None:
-            jax.block_until_ready(self.pending[1])
-            self.pending[0].release()
-        self.pending = None if chunk is None else (chunk, outputs)
 
 
 def _joined(parts: list[Any], ensemble: bool) -> Any:
@@ -306,18 +291,6 @@ class _Writer:
                 f"`out` holds {size} examples, but `x` gave {self.written}: its rows past "
                 f"{self.written} were not written. Give an array of the outputs' shape."
             )
-
-
-def batches_per_program(
-    asked: Execution | Literal["auto"], convolves: Callable[[], bool]
-) -> int | None:
-    """The batches of each program of an inference (`predict`, `evaluate`) as `asked`
-    (`execution=`), or by default by `fit`'s rule (`choose`): `None` for one program
-    over all of them.
-    """
-    platform = jax.devices()[0].platform
-    choice = choose(asked, platform=platform, steps_per_epoch=None, convolves=convolves)
-    return choice.execution.steps_per_program()
 
 
 # Whether a model's forward pass convolves, by the abstract model, inputs and options:
@@ -483,149 +456,3 @@ def _predict_some(
     if ensemble:
         return eqx.filter_vmap(run)(model, state)
     return run(model, state)
-
-
-@checked("evaluate", HINTS)
-def evaluate(
-    model: ArrayTree,
-    data: Data,
-    *,
-    loss: Loss,
-    metrics: Metrics | None = None,
-    batch_size: int = 256,
-    state: ModelState | None = None,
-    precision: PrecisionLike = None,
-    key: PRNGKey | None = None,
-    execution: Execution | Literal["auto"] = "auto",
-) -> dict[str, float]:
-    """The loss and metrics of `model` over all of `data`, in batches, in inference mode.
-
-    Each batch's value is weighted by its size, so for a loss that is a mean over the
-    batch's examples the result equals the full-batch value, without its memory. A value
-    that is an `eqfit.Mean` (a masked or token-weighted loss) is the sum of its totals
-    over the sum of its weights, the whole data's weighted mean (NaN if they sum to 0).
-
-    **Arguments:**
-
-    - `model`: the model, as `fit` takes it.
-    - `data`: what `fit`'s `data` takes: a tuple of arrays sharing their leading axis (or
-        another PyTree of them); the same with `np.memmap` arrays; or a loader (a
-        re-iterable, an iterator or a generator of batches, read once, each batch a
-        step's arguments after the model). Memmaps and loaders are streamed as `fit`
-        streams them, in chunks read in a background thread while the device computes:
-        memory holds a few chunks, however large the data.
-    - `loss`: `loss(model, *batch)`, or `loss(model, state, *batch) -> (value, state)`.
-    - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state`,
-        `fn(model, state, *batch)`).
-    - `batch_size`: examples per batch (a loader's batches are its own).
-    - `state`: the model's `eqx.nn.State`, for stateful models.
-    - `precision`: as `fit`'s: the loss and metrics compute under this policy.
-    - `key`: for a loss (or model) that requires a keyword `key`, as `fit`'s validation
-        passes one: batch `b` (counted from 0) gets `jax.random.fold_in(key, b)`. By
-        default every batch gets `jax.random.key(0)`. A loss whose `key` has a default
-        gets none, in inference as in `fit`'s validation.
-    - `execution`: as `predict`'s: one program over every batch ([`eqfit.WholeRun`][]),
-        or programs of `unroll` batches called from Python ([`eqfit.PerStep`][]); by
-        default `PerStep(1)` where the loss or a metric convolves on the CPU backend.
-
-    **Returns:**
-
-    `{"loss": ..., **{name: ...}}` as plain floats: the loss, the aux values it returns
-    (see `fit`'s `loss`), and the metrics.
-    """
-    check_alive(model=model, data=data, state=state)
-    check_batch_size(batch_size)
-    source = inference_source(data, "data")
-    data_ = as_data(data) if source is None else None
-    objective = Objective(
-        loss,
-        tuple((metrics or {}).items()),
-        state is not None,
-        takes_key(loss),
-        precision=as_precision(precision, model=model),
-    )
-    with reported_as("evaluate", "data"):
-        # A batch's shape, for the loss's outputs: a loader's batches are its own.
-        shapes, size = data_, batch_size
-        if isinstance(source, Memmaps):
-            shapes = source.data
-        elif isinstance(source, Loader):
-            shapes, size = source.first, source.batch_size
-        batch = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((min(size, a.shape[0]), *a.shape[1:]), a.dtype),
-            shapes,
-        )
-        outputs = find_outputs(objective, model, state, batch)
-        objective = dataclasses.replace(objective, aux_names=outputs.aux_names, means=outputs.means)
-        key_ = None if key is None else as_key(key)
-
-        def convolves() -> bool:
-            if outputs.convolves is not None:
-                return outputs.convolves
-            return bool(find_outputs(objective, model, state, batch, always=True).convolves)
-
-        unroll = batches_per_program(execution, convolves)
-        if source is not None:
-            values_, labels = _evaluate_streamed(
-                (objective, model, state, source, batch_size, key_), unroll
-            )
-        elif unroll is None:
-            values_, labels = _evaluate(objective, model, state, data_, batch_size, key_)
-        else:
-            values_, labels = _evaluate_in_calls(
-                (objective, model, state, data_, batch_size, key_), unroll
-            )
-        values = np.asarray(values_).tolist()
-    if labels is not None:
-        raise_found(labels)
-    return dict(zip(objective.value_names, values))
-
-
-_evaluate = cached_jit(evaluate_batches)
-_add_batches = cached_jit(add_batches)
-_add_chunk = cached_jit(add_chunk)
-
-
-def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelError | None]:
-    """`evaluate_batches`' values and label error, as programs of `unroll` full batches
-    then one of the smaller last batch (`add_batches`), called one after another.
-    """
-    objective, model, state, data, batch_size, key = args
-    totals: Any = np.zeros((2, len(objective.value_names)), np.float32)
-    labels: Any = jax.tree.map(np.asarray, LabelError.none())
-    for b, count, remainder in batch_calls(num_samples(data), batch_size, unroll):
-        first = np.asarray(b, np.int32)  # an array: traced, one program for every call
-        totals, labels = _add_batches(
-            objective, model, state, data, batch_size, key, first, count, remainder, totals, labels
-        )
-    return totals[0] / totals[1], labels
-
-
-def _evaluate_streamed(args: tuple[Any, ...], unroll: int | None) -> tuple[Any, LabelError]:
-    """`evaluate_batches`' values and label error over streamed data: each chunk's
-    batches added to the totals as the chunk arrives, by one program of the chunk's
-    shape (`add_chunk`), or as `PerStep` runs them, programs of `unroll` batches.
-    """
-    objective, model, state, source, batch_size, key = args
-    totals: Any = np.zeros((2, len(objective.value_names)), np.float32)
-    labels: Any = jax.tree.map(np.asarray, LabelError.none())
-    with inference_chunks(source, batch_size) as chunks:
-        done = _Done()
-        for chunk in chunks:
-            size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
-            calls = [None] if unroll is None else batch_calls(chunk.valid * size, size, unroll)
-            for call in calls:
-                if call is None:
-                    totals, labels = _add_chunk(
-                        objective, model, state, chunk.data, size, key, chunk.offset, valid,
-                        totals, labels,
-                    )  # fmt: skip
-                    continue
-                b, count, _ = call
-                totals, labels = _add_batches(
-                    objective, model, state, chunk.data, size, key, np.asarray(b, np.int32),
-                    count, False, totals, labels, chunk.offset, valid,
-                )  # fmt: skip
-            done.computed(chunk, totals)
-        done.computed()
-    return totals[0] / totals[1], labels

@@ -14,12 +14,13 @@ from jaxtyping import PyTree
 from ._core._checks import reported_as
 from ._host._drive import drive, feeds
 from ._host._feeds import validation_reader
+from ._host._inference import StreamedSets
 from ._host._observers import Callbacks, Checkpointing, copy_taken, Costs, EpochModels, Observer
 from ._host._plan import Plan
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
 from ._host._signals import Interrupt
-from ._host._sources import Source, StreamedSets
+from ._host._sources import Source
 from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
 from ._keep._resume import open_store, resume

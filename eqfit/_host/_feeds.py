@@ -14,7 +14,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._program._state import Inputs, OnDevice, Piece, ReadSet
-from ._sources import Chunk, Loader, Memmaps, one_pass, StreamedSets
+from ._inference import one_pass, StreamedSets
+from ._sources import Chunk, Loader, Memmaps
 
 
 _Fed = TypeVar("_Fed")

@@ -12,7 +12,8 @@ from .._program._parallel import check_batch_split, global_rows
 from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
-from ._sources import open_source, Reread, Source, StreamedSets
+from ._inference import Reread, StreamedSets
+from ._sources import open_source, Source
 
 
 def open_data(

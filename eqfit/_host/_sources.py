@@ -15,7 +15,6 @@ import collections.abc
 import functools
 import itertools
 import json
-import mmap
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -29,11 +28,10 @@ from .._keep._checkpoint import newest_config
 from .._program._options import Options
 from .._program._schedule import (
     check_learnable,
-    plan_passes,
     Schedule,
     SourceShape,
-    UNKNOWN,
 )
+from ._rows import advise_rows, POPULATE_READ, read_rows
 
 
 CHUNK_BYTES = 32 * 2**20  # about this much data per chunk: few enough host copies in flight
@@ -121,92 +119,6 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
                 pass
         return loader
     return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
-
-
-def inference_source(data: Any, name: str) -> "Memmaps | Loader | None":
-    """The source that an inference (`evaluate`, `predict`) streams `data` from, read
-    once, in order: memmaps, or a loader (its own batches); `None` for arrays in memory,
-    which go to the device whole.
-    """
-    kind = data_kind(data)
-    if kind == "memmaps":
-        return Memmaps(data, shuffle=False, seed=0, mapped=True)
-    if kind == "loader":
-        return Loader(data)
-    return None
-
-
-class Reread:
-    """A validation set that streams, read a pass per validation as an inference reads
-    (`one_pass`): memmaps read again, a loader opened anew (a fresh pass; told
-    `set_epoch(0)` each time, if it listens), arrays in memory (in a run whose other sets
-    stream) read from the host. Opening it reads a loader's first batch, for its shape.
-    """
-
-    def __init__(self, data: Any, name: str):
-        self.data, self.name, self.fresh = data, name, True
-        source = inference_source(data, name)
-        if source is None:  # arrays in memory, read a chunk at a time as a memmap is
-            check_data(data, name)
-            source = Memmaps(jax.tree.map(np.asarray, data), shuffle=False, seed=0)
-        self.source: Memmaps | Loader = source
-
-    @property
-    def like(self) -> PyTree:
-        return self.source.like
-
-    def describe(self) -> list[list[Any]]:
-        """What identifies the set for a checkpoint: its size (a loader: its type) and its
-        sample shapes.
-        """
-        if isinstance(self.source, Memmaps):
-            return self.source.describe()
-        return [["loader", type(self.data).__qualname__], *sample_shapes(self.source.first)]
-
-    def abstract(self) -> PyTree | None:
-        """The whole set as `jax.ShapeDtypeStruct`s, by its rows (a loader's: its length
-        times its batch size, where it says its length); `None` where not known.
-        """
-        source = self.source
-        if isinstance(source, Memmaps):
-            rows: int | None = source.num_samples
-        else:
-            rows = None if source.length is None else source.length * source.batch_size
-        if rows is None:
-            return None
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), self.like
-        )
-
-    def chunks(self, batch_size: int) -> Iterator[Chunk]:
-        """The set's batches, a pass, as `one_pass` gives them."""
-        if not self.fresh and isinstance(self.source, Loader):
-            self.source = Loader(self.data)
-        self.fresh = False
-        return one_pass(self.source, batch_size)
-
-
-class StreamedSets(NamedTuple):
-    """The validation sets of a run whose validation streams (`Validation.streamed`),
-    in the order of their values.
-    """
-
-    sets: tuple[Reread, ...]
-
-
-def one_pass(source: "Memmaps | Loader", batch_size: int) -> Iterator[Chunk]:
-    """Every batch of one pass over `source`, in order, as training streams them: chunks
-    of consecutive full batches, padded to one shape (`Chunk.end` says where the real
-    ones end), and the smaller last batch in a chunk of its own. `batch_size`: a
-    memmap's; a loader's batches are its own.
-    """
-    if isinstance(source, Memmaps):
-        passes = plan_passes(source.num_samples, batch_size, drop_remainder=False)
-        schedule = Schedule(batch_size, passes.steps_per_pass, 0, 1, passes)
-    else:  # a loader without `len` shows its pass's end as it is read
-        length = UNKNOWN if source.length is None else source.length
-        schedule = Schedule(source.batch_size, length, 0, 1, columns=1)
-    return source.chunks(schedule, 0, schedule.total)
 
 
 # The one-shot iterators (generators, say) that `plan` read from, held weakly: a `fit`
@@ -355,10 +267,10 @@ class Memmaps(_Streamed):
     def read(self, start: int, stop: int) -> PyTree:
         """Training rows `start` to `stop` (of `self.rows` if set)."""
         if self.rows is None:
-            return jax.tree.map(lambda a: _read_rows(a, start, stop), self.data)
+            return jax.tree.map(lambda a: read_rows(a, start, stop), self.data)
         picked = self.rows[start:stop]
         low, high = int(picked[0]), int(picked[-1]) + 1
-        return jax.tree.map(lambda a: _read_rows(a, low, high)[picked - low], self.data)
+        return jax.tree.map(lambda a: read_rows(a, low, high)[picked - low], self.data)
 
     def chunk_size(self, schedule: Schedule) -> int:
         assert schedule.passes is not None
@@ -400,53 +312,9 @@ class Memmaps(_Streamed):
             data, release = self.read(start, start + count), None
             if self.mapped:
                 data = jax.tree.map(lambda a: a[start : start + count], self.data)
-                _advise_rows(self.data, start, start + count, _POPULATE_READ)
-                release = functools.partial(_advise_rows, self.data, start, start + count)
+                advise_rows(self.data, start, start + count, POPULATE_READ)
+                release = functools.partial(advise_rows, self.data, start, start + count)
             yield Chunk(data, within, first, first + batches, batch, release=release)
-
-
-# Linux's `MADV_POPULATE_READ` (5.14 on; Python's `mmap` names it from 3.13): maps a
-# range's pages into the process now, so that the reading thread takes the page faults
-# rather than the program that reads the rows.
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-
-
-def _advise_rows(data: PyTree, start: int, stop: int, advice: int = mmap.MADV_DONTNEED) -> None:
-    """Advises the kernel on the pages of rows `start` to `stop` of each memmap of
-    `data`: by default drops them from the process's memory (`MADV_DONTNEED`). A
-    read-only mapping of a file reads them again from the file (the page cache) if they
-    are touched after, so advice changes what memory holds, never what the rows are; a
-    kernel that does not know the advice is not asked again.
-    """
-    for a in jax.tree.leaves(data):
-        if not (isinstance(a, np.memmap) and isinstance(a.base, mmap.mmap)):
-            continue
-        row = a.dtype.itemsize * int(np.prod(a.shape[1:]))
-        begin = a.offset % mmap.ALLOCATIONGRANULARITY + start * row  # in the mapping
-        aligned = begin - begin % mmap.PAGESIZE
-        if advice in _UNKNOWN_ADVICE:
-            continue
-        try:
-            a.base.madvise(advice, aligned, (stop - start) * row + begin - aligned)
-        except OSError:
-            _UNKNOWN_ADVICE.add(advice)
-
-
-_UNKNOWN_ADVICE: set[int] = set()
-
-
-def _read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
-    if (
-        isinstance(a, np.memmap)
-        and isinstance(a.base, mmap.mmap)
-        and a.filename is not None
-        and a.flags.c_contiguous
-    ):
-        row = int(np.prod(a.shape[1:]))
-        offset = a.offset + start * row * a.dtype.itemsize
-        out = np.fromfile(a.filename, dtype=a.dtype, count=(stop - start) * row, offset=offset)
-        return out.reshape(stop - start, *a.shape[1:])
-    return np.array(a[start:stop])
 
 
 class Loader(_Streamed):

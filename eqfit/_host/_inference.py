@@ -1,0 +1,138 @@
+"""What an inference reads, and how it runs: the source of `evaluate`'s and `predict`'s
+data (memmaps read in place, a loader), its one pass in order (`one_pass`), each chunk
+released once done with (`Releases`), a run's validation sets that stream (`Reread`,
+`StreamedSets`), a pass each validation; and the batches of each of its programs
+(`batches_per_program`).
+"""
+
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple
+
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from .._core._data import check_data, data_kind, sample_shapes
+from .._core._execution import choose, Execution
+from .._program._schedule import plan_passes, Schedule, UNKNOWN
+from .._program._state import OnDevice
+from ._sources import Chunk, Loader, Memmaps
+
+
+def inference_source(data: Any) -> "Memmaps | Loader | None":
+    """The source that an inference (`evaluate`, `predict`) streams `data` from, read
+    once, in order: memmaps, or a loader (its own batches); `None` for arrays in memory,
+    which go to the device whole.
+    """
+    kind = data_kind(data)
+    if kind == "memmaps":
+        return Memmaps(data, shuffle=False, seed=0, mapped=True)
+    if kind == "loader":
+        return Loader(data)
+    return None
+
+
+class Reread:
+    """A validation set that streams, read a pass per validation as an inference reads
+    (`one_pass`): memmaps read again, a loader opened anew (a fresh pass; told
+    `set_epoch(0)` each time, if it listens), arrays in memory (in a run whose other sets
+    stream) read from the host. Opening it reads a loader's first batch, for its shape.
+    """
+
+    def __init__(self, data: Any, name: str):
+        self.data, self.name, self.fresh = data, name, True
+        source = inference_source(data)
+        if source is None:  # arrays in memory, read a chunk at a time as a memmap is
+            check_data(data, name)
+            source = Memmaps(jax.tree.map(np.asarray, data), shuffle=False, seed=0)
+        self.source: Memmaps | Loader = source
+
+    @property
+    def like(self) -> PyTree:
+        return self.source.like
+
+    def describe(self) -> list[list[Any]]:
+        """What identifies the set for a checkpoint: its size (a loader: its type) and its
+        sample shapes.
+        """
+        if isinstance(self.source, Memmaps):
+            return self.source.describe()
+        return [["loader", type(self.data).__qualname__], *sample_shapes(self.source.first)]
+
+    def abstract(self) -> PyTree | None:
+        """The whole set as `jax.ShapeDtypeStruct`s, by its rows (a loader's: its length
+        times its batch size, where it says its length); `None` where not known.
+        """
+        source = self.source
+        if isinstance(source, Memmaps):
+            rows: int | None = source.num_samples
+        else:
+            rows = None if source.length is None else source.length * source.batch_size
+        if rows is None:
+            return None
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), self.like
+        )
+
+    def chunks(self, batch_size: int) -> Iterator[Chunk]:
+        """The set's batches, a pass, as `one_pass` gives them."""
+        if not self.fresh and isinstance(self.source, Loader):
+            self.source = Loader(self.data)
+        self.fresh = False
+        return one_pass(self.source, batch_size)
+
+
+class StreamedSets(NamedTuple):
+    """The validation sets of a run whose validation streams (`Validation.streamed`),
+    in the order of their values.
+    """
+
+    sets: tuple[Reread, ...]
+
+
+def one_pass(source: "Memmaps | Loader", batch_size: int) -> Iterator[Chunk]:
+    """Every batch of one pass over `source`, in order, as training streams them: chunks
+    of consecutive full batches, padded to one shape (`Chunk.end` says where the real
+    ones end), and the smaller last batch in a chunk of its own. `batch_size`: a
+    memmap's; a loader's batches are its own.
+    """
+    if isinstance(source, Memmaps):
+        passes = plan_passes(source.num_samples, batch_size, drop_remainder=False)
+        schedule = Schedule(batch_size, passes.steps_per_pass, 0, 1, passes)
+    else:  # a loader without `len` shows its pass's end as it is read
+        length = UNKNOWN if source.length is None else source.length
+        schedule = Schedule(source.batch_size, length, 0, 1, columns=1)
+    return source.chunks(schedule, 0, schedule.total)
+
+
+# What `execution=` takes, in words, for the runtime check's messages.
+EXECUTION_HINTS = {"execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`"}
+
+
+def batches_per_program(
+    asked: Execution | Literal["auto"], convolves: Callable[[], bool]
+) -> int | None:
+    """The batches of each program of an inference (`predict`, `evaluate`) as `asked`
+    (`execution=`), or by default by `fit`'s rule (`choose`): `None` for one program
+    over all of them.
+    """
+    platform = jax.devices()[0].platform
+    choice = choose(asked, platform=platform, steps_per_epoch=None, convolves=convolves)
+    return choice.execution.steps_per_program()
+
+
+class Releases:
+    """Each streamed chunk of an inference released (`OnDevice.release`) once what was
+    computed from it is ready: a chunk behind the one just given to the device, which
+    meanwhile computes.
+    """
+
+    def __init__(self) -> None:
+        self.pending: tuple[OnDevice, Any] | None = None
+
+    def computed(self, chunk: OnDevice | None = None, outputs: Any = None) -> None:
+        """`chunk` gave `outputs`; without one, the last is done with."""
+        if self.pending is not None:
+            jax.block_until_ready(self.pending[1])
+            self.pending[0].release()
+        self.pending = None if chunk is None else (chunk, outputs)
