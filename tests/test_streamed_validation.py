@@ -195,3 +195,7 @@ def test_plan_counts_a_streamed_validation_pass(problem):
     assert plan.validation_flops == pytest.approx(in_memory.validation_flops, rel=1e-6)
     # The run's program holds no validation set: its arguments are smaller.
     assert plan.memory.argument < in_memory.memory.argument
+    assert plan.validation_streamed and not in_memory.validation_streamed
+    assert "its sets streamed a chunk at a time" in str(plan)
+    unsized = eqfit.plan(model_of(), train, validation_data=Batches(val, False), **kwargs())
+    assert unsized.flops_lower_bound == "a validation loader that does not say its length"

@@ -163,7 +163,11 @@ class Plan:
     - `execution_why`: why, in words.
     - `flops_lower_bound`: why `flops_per_step` (or `validation_flops`) is a lower
         bound, in words: a `lax.while_loop` whose trip count is not known when compiling,
-        its body counted once; `None` where every loop's count is known.
+        its body counted once, or a streamed validation loader that does not say its
+        length; `None` where every count is known.
+    - `validation_streamed`: the validation sets stream (memmaps, loaders): read from
+        the host a chunk at a time at each validation, so no device holds them, and
+        `memory` leaves them out.
     - `compiled`: the run's compiled program (`jax.stages.Compiled`, or
         Equinox's for `devices=`): `plan.compiled.as_text()` shows its HLO. With
         `PerStep`, the program of full batches' steps that `fit` calls again and again
@@ -187,6 +191,7 @@ class Plan:
     execution_why: str
     compiled: Any = dataclasses.field(repr=False, compare=False)
     flops_lower_bound: str | None = None
+    validation_streamed: bool = False
 
     @property
     def flops(self) -> float | None:
@@ -262,7 +267,8 @@ class Plan:
             f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
         if self.validations:
-            lines.insert(-1, f"validation runs as: {self.execution.describe_batches()}")
+            streamed = ", its sets streamed a chunk at a time" if self.validation_streamed else ""
+            lines.insert(-1, f"validation runs as: {self.execution.describe_batches()}{streamed}")
         if self.memory_limit is not None:
             room = self.memory_limit - self.memory.total
             verdict = "fits" if room >= 0 else "does NOT fit"

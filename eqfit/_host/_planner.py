@@ -365,6 +365,8 @@ def _compile_plan_in(
     compiling_runs = [_in_thread(run.compile) for run in runs]
     threads.extend(compiling_runs)
     step, validation = counting.result()
+    if streams and val_data is None:  # a loader's set: its passes' FLOPs are not known
+        validation = Flops(0.0, "a validation loader that does not say its length")
     compiled = [compiling.result() for compiling in compiling_runs][0]  # the most steps
     devices = devices_of(loop)
     peak = _device_peak(loop, model, options, devices)
@@ -388,6 +390,7 @@ def _compile_plan_in(
         execution_why=loop.execution_why,
         compiled=compiled,
         flops_lower_bound=step.lower_bound or validation.lower_bound,
+        validation_streamed=streams,
     )
 
 
