@@ -199,3 +199,38 @@ def test_plan_counts_a_streamed_validation_pass(problem):
     assert "its sets streamed a chunk at a time" in str(plan)
     unsized = eqfit.plan(model_of(), train, validation_data=Batches(val, False), **kwargs())
     assert unsized.flops_lower_bound == "a validation loader that does not say its length"
+
+
+def test_a_loader_without_len_trains_and_a_loader_validates(problem):
+    # The epoch's length is learned from the first pass; the epoch ends it finds are
+    # where the host validates.
+    train, val, _ = problem
+    unsized = Batches(train, with_len=False)
+    kw = kwargs(shuffle=False)
+    expected = eqfit.fit(model_of(), unsized, validation_data=val, **kw)
+    got = eqfit.fit(model_of(), unsized, validation_data=Batches(val, False), **kw)
+    assert_same_run(got, expected)
+
+
+def test_a_run_stopped_and_resumed_validates_as_one_never_stopped(problem, tmp_path):
+    train, val, memmaps = problem
+
+    class StopAfterFirst:
+        def on_epoch_end(self, epoch, logs):
+            return epoch == 1
+
+    once = eqfit.fit(model_of(), train, validation_data=Batches(val), **kwargs())
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=1)
+    first = eqfit.fit(
+        model_of(),
+        train,
+        validation_data=Batches(val),
+        checkpoint=policy,
+        callbacks=[StopAfterFirst()],
+        **kwargs(),
+    )
+    assert first.history.stop_reason == "callback"
+    resumed = eqfit.fit(
+        model_of(), train, validation_data=Batches(val), checkpoint=policy, **kwargs()
+    )
+    assert_same_run(resumed, once)
