@@ -267,8 +267,11 @@ class Plan:
             f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
         if self.validations:
-            streamed = ", its sets streamed a chunk at a time" if self.validation_streamed else ""
-            lines.insert(-1, f"validation runs as: {self.execution.describe_batches()}{streamed}")
+            runs = self.execution.describe_batches()
+            if self.validation_streamed:  # a program (or its calls) per chunk
+                runs = runs.replace("every batch", "each chunk's batches")
+                runs += ", its sets streamed a chunk at a time"
+            lines.insert(-1, f"validation runs as: {runs}")
         if self.memory_limit is not None:
             room = self.memory_limit - self.memory.total
             verdict = "fits" if room >= 0 else "does NOT fit"
