@@ -215,3 +215,28 @@ def test_log_every_is_checked(data):
 
     with pytest.raises(ValueError, match=r"`log_every=5` with a loader that does not say"):
         eqfit.fit(model, Unsized(), **kwargs())
+
+
+@pytest.mark.parametrize("way", ["per step on devices", "streamed validation"])
+def test_the_host_made_epoch_ends_report_the_same_values(way, data):
+    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
+    x, y = data
+    val = (x[:40], y[:40])
+
+    class Loader:
+        def __iter__(self):
+            for i in range(0, 40, BATCH):
+                yield x[i : i + BATCH], y[i : i + BATCH]
+
+    if way == "per step on devices":
+        more = dict(execution=eqfit.PerStep(2), devices=4)
+        streamed = more
+    else:
+        more, streamed = dict(validation_data=val), dict(validation_data=Loader())
+    told = []
+    for extra in (more, streamed):
+        recorder = Recorder()
+        result = eqfit.fit(model, data, callbacks=[recorder], **kwargs(**extra))
+        assert_logs(recorder.steps(), expected_logs(result.history))
+        told.append(recorder.steps())
+    assert [s for s, _ in told[0]] == [s for s, _ in told[1]] == [5, 10, 15, 20]

@@ -291,7 +291,10 @@ class _Member:
                 return self.run_steps(state, order, first, end, remainder, step_key)
 
             state = jax.lax.while_loop(more, one_pass, state)
-        return self.finish(state, logs=True)
+        # The n-th steps' values (`log_every`), but where the host closes the epochs: it
+        # reports them once it has (`EpochCloses.logged`).
+        validation = loop.validation
+        return self.finish(state, logs=validation is None or not validation.streamed)
 
     def unrolled(
         self, state: TrainState, until: CallEnd, unroll: int, remainder: bool
