@@ -14,9 +14,10 @@ from ._core._data import as_data, as_key, batch_calls, check_alive, check_batch_
 from ._core._execution import Execution
 from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
 from ._host._feeds import inference_chunks
-from ._host._inference import batches_per_program, EXECUTION_HINTS, inference_source, Releases
+from ._host._inference import batches_per_program, EXECUTION_HINTS, inference_source
 from ._host._sources import Loader, Memmaps
 from ._program._jit import cached_jit
+from ._program._state import Releases
 from ._step._evaluate import add_batches, add_chunk, evaluate_batches
 from ._step._labels import LabelError, raise_found
 from ._step._objective import find_outputs, Objective, takes_key

@@ -29,11 +29,10 @@ from ._host._inference import (
     batches_per_program,
     EXECUTION_HINTS,
     inference_source,
-    Releases,
 )
 from ._host._sources import Loader, Memmaps
 from ._program._jit import cached_jit
-from ._program._state import OnDevice
+from ._program._state import OnDevice, Releases
 from ._step._evaluate import batch_rows
 from ._step._objective import abstract_key, applies, CONVOLUTION
 from ._step._precision import as_precision, Precision, PrecisionLike

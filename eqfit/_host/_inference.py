@@ -1,8 +1,7 @@
 """What an inference reads, and how it runs: the source of `evaluate`'s and `predict`'s
-data (memmaps read in place, a loader), its one pass in order (`one_pass`), each chunk
-released once done with (`Releases`), a run's validation sets that stream (`Reread`,
-`StreamedSets`), a pass each validation; and the batches of each of its programs
-(`batches_per_program`).
+data (memmaps read in place, a loader), its one pass in order (`one_pass`), a run's
+validation sets that stream (`Reread`, `StreamedSets`), a pass each validation; and the
+batches of each of its programs (`batches_per_program`).
 """
 
 from collections.abc import Callable, Iterator
@@ -15,7 +14,6 @@ from jaxtyping import PyTree
 from .._core._data import check_data, data_kind, sample_shapes
 from .._core._execution import choose, Execution
 from .._program._schedule import plan_passes, Schedule, UNKNOWN
-from .._program._state import OnDevice
 from ._sources import Chunk, Loader, Memmaps
 
 
@@ -119,20 +117,3 @@ def batches_per_program(
     platform = jax.devices()[0].platform
     choice = choose(asked, platform=platform, steps_per_epoch=None, convolves=convolves)
     return choice.execution.steps_per_program()
-
-
-class Releases:
-    """Each streamed chunk of an inference released (`OnDevice.release`) once what was
-    computed from it is ready: a chunk behind the one just given to the device, which
-    meanwhile computes.
-    """
-
-    def __init__(self) -> None:
-        self.pending: tuple[OnDevice, Any] | None = None
-
-    def computed(self, chunk: OnDevice | None = None, outputs: Any = None) -> None:
-        """`chunk` gave `outputs`; without one, the last is done with."""
-        if self.pending is not None:
-            jax.block_until_ready(self.pending[1])
-            self.pending[0].release()
-        self.pending = None if chunk is None else (chunk, outputs)

@@ -18,7 +18,7 @@ from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
 from ._program import close, logs, run, unrolled, validation_batches, validation_chunk
-from ._state import CallEnd, Inputs, ReadSet, Report, TrainState, ValAt, ValSums
+from ._state import CallEnd, Inputs, ReadSet, Releases, Report, TrainState, ValAt, ValSums
 
 
 def program_key(loop: Loop) -> tuple[str, Loop]:
@@ -189,7 +189,7 @@ class EpochCloses:
     ) -> ValSums:
         """A streamed set `i`'s sums at epoch `epoch`, its chunks added as they arrive."""
         with validation(i, self.loop.schedule.batch_size) as chunks:
-            done: tuple[Any, Callable[[], None]] | None = None
+            done = Releases()
             for chunk in chunks:
                 size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
                 calls: list[tuple[int, int | None]] = [(0, None)]
@@ -201,14 +201,8 @@ class EpochCloses:
                     at = ValAt(np.int32(b), np.int32(epoch), chunk.offset, valid)
                     program = self.program("chunk", i, size, count)
                     sums = program((state, sums), (inputs, chunk.data), at)
-                # The chunk before is done with once this one's sums are queued after it.
-                if done is not None:
-                    jax.block_until_ready(done[0])
-                    done[1]()
-                done = (sums, chunk.release)
-            if done is not None:
-                jax.block_until_ready(done[0])
-                done[1]()
+                done.computed(chunk, sums)
+            done.computed()
         return sums
 
     def sets(self) -> tuple[Any, ...]:

@@ -8,6 +8,7 @@ import enum
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
@@ -139,6 +140,23 @@ class OnDevice(NamedTuple):
     # Call once the programs given `data` are done with it: memmaps read in place drop
     # its pages then.
     release: Callable[[], None]
+
+
+class Releases:
+    """Each streamed chunk of an inference released (`OnDevice.release`) once what was
+    computed from it is ready: a chunk behind the one just given to the device, which
+    meanwhile computes.
+    """
+
+    def __init__(self) -> None:
+        self.pending: tuple[OnDevice, Any] | None = None
+
+    def computed(self, chunk: OnDevice | None = None, outputs: Any = None) -> None:
+        """`chunk` gave `outputs`; without one, the last is done with."""
+        if self.pending is not None:
+            jax.block_until_ready(self.pending[1])
+            self.pending[0].release()
+        self.pending = None if chunk is None else (chunk, outputs)
 
 
 # How a run whose validation streams reads a set: `read(i, batch_size)` opens set `i`'s
