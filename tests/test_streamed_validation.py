@@ -234,3 +234,16 @@ def test_a_run_stopped_and_resumed_validates_as_one_never_stopped(problem, tmp_p
         model_of(), train, validation_data=Batches(val), checkpoint=policy, **kwargs()
     )
     assert_same_run(resumed, once)
+
+
+def test_a_validation_iterator_that_plan_read_is_refused_by_fit(problem):
+    train, val, _ = problem
+    once = kwargs(epochs=1)
+    given = generator(val)
+    eqfit.plan(model_of(), train, validation_data=given, **once)
+    with pytest.raises(ValueError, match=r"`validation_data` is an iterator that `eqfit.plan`"):
+        eqfit.fit(model_of(), train, validation_data=given, **once)
+    # A fresh one trains, and validates as arrays in memory.
+    got = eqfit.fit(model_of(), train, validation_data=generator(val), **once)
+    expected = eqfit.fit(model_of(), train, validation_data=val, **once)
+    assert_same_run(got, expected)

@@ -13,7 +13,7 @@ from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
 from ._inference import Reread, StreamedSets
-from ._sources import open_source, Source
+from ._sources import open_source, refuse_planned, remember_planned, Source
 
 
 def open_data(
@@ -27,7 +27,7 @@ def open_data(
     source = open_source(data, options, planning=planning)
     like = sample_shapes(source.like)
     if options.validation is not None and options.validation.streamed:
-        return source, _streamed_sets(validation_data, like)
+        return source, _streamed_sets(validation_data, like, planning)
     if isinstance(validation_data, ValidationSets):
         sets = {}
         for name, given in validation_data.items():
@@ -60,9 +60,10 @@ def open_data(
     return source, val
 
 
-def _streamed_sets(validation_data: Any, like: list[list[Any]]) -> StreamedSets:
+def _streamed_sets(validation_data: Any, like: list[list[Any]], planning: bool) -> StreamedSets:
     """The validation sets of a run whose validation streams, each opened and checked to
-    be like the training data (`like`, its sample shapes).
+    be like the training data (`like`, its sample shapes). An iterator that `eqfit.plan`
+    read from is refused, and one it reads from now remembered (`planning`).
     """
     if isinstance(validation_data, ValidationSets):
         named = [(f"validation_data[{n!r}]", d) for n, d in validation_data.items()]
@@ -70,7 +71,10 @@ def _streamed_sets(validation_data: Any, like: list[list[Any]]) -> StreamedSets:
         named = [("validation_data", validation_data)]
     sets = []
     for what, given in named:
+        refuse_planned(given, what)
         opened = Reread(given, what)
+        if planning:
+            remember_planned(given)
         if sample_shapes(opened.like) != like:
             raise ValueError(
                 f"`{what}` must hold arrays like `data`'s, one sample apart: `data`'s samples "

@@ -98,12 +98,7 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
     if kind == "memmaps":
         return Memmaps(data, options.shuffle, host_seed(options.key))
     if kind == "loader":
-        if data in _PLANNED:
-            raise ValueError(
-                "`data` is an iterator that `eqfit.plan` has read its first batches from: "
-                "a run on it would miss them. Pass a fresh iterator (a new generator, "
-                "say) to `fit`, and give `plan` one of its own."
-            )
+        refuse_planned(data, "data")
         directory = None if options.checkpoint is None else options.checkpoint.directory
         loader = Loader(
             data,
@@ -112,11 +107,8 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
             initial_epoch=options.initial_epoch,
             directory=directory,
         )
-        if planning and loader.one_shot:
-            try:
-                _PLANNED.add(data)
-            except TypeError:  # not weakly referable (`iter(list)`, `map`): not remembered
-                pass
+        if planning:
+            remember_planned(data)
         return loader
     return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
 
@@ -124,6 +116,26 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
 # The one-shot iterators (generators, say) that `plan` read from, held weakly: a `fit`
 # given one would silently train without the batches `plan` took.
 _PLANNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def refuse_planned(data: Any, name: str) -> None:
+    """Refuses an iterator that `eqfit.plan` has read from (`remember_planned`)."""
+    if isinstance(data, collections.abc.Iterator) and data in _PLANNED:
+        raise ValueError(
+            f"`{name}` is an iterator that `eqfit.plan` has read its first batches from: a "
+            "run on it would miss them. Pass a fresh iterator (a new generator, say) to "
+            "`fit`, and give `plan` one of its own."
+        )
+
+
+def remember_planned(data: Any) -> None:
+    """Remembers a one-shot iterator that `eqfit.plan` read from, for `fit` to refuse."""
+    if not isinstance(data, collections.abc.Iterator):
+        return
+    try:
+        _PLANNED.add(data)
+    except TypeError:  # not weakly referable (`iter(list)`, `map`): not remembered
+        pass
 
 
 def host_seed(key: Key[Array, ""]) -> int:
