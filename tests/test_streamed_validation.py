@@ -247,3 +247,21 @@ def test_a_validation_iterator_that_plan_read_is_refused_by_fit(problem):
     got = eqfit.fit(model_of(), train, validation_data=generator(val), **once)
     expected = eqfit.fit(model_of(), train, validation_data=val, **once)
     assert_same_run(got, expected)
+
+
+@pytest.mark.parametrize("way", ["whole run", "per step"])
+def test_a_stopped_run_reads_its_validation_sets_no_more(way, problem):
+    # Early stopping ends the run at epoch 2 of 6 (the loss falls, "max" mode wants it to
+    # rise): epochs 1 and 2 are validated, and the loader is not read after.
+    # The second run knows the steps' speed from the first: one call of the drive holds
+    # every epoch, and the host must look before it reads the sets at each epoch's end.
+    train, val, _ = problem
+    stop = eqfit.EarlyStopping(monitor="loss", mode="max", patience=0, restore_best=False)
+    more = dict(epochs=6, early_stopping=stop)
+    if way == "per step":
+        more["execution"] = eqfit.PerStep(2)
+    for _ in range(2):
+        loader = Batches(val)
+        result = eqfit.fit(model_of(), train, validation_data=loader, **kwargs(**more))
+        assert result.history.stop_reason == "early_stopping"
+        assert len(result.history["val_loss"]) == 2 and loader.passes == 2

@@ -18,7 +18,17 @@ from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
 from ._program import close, logs, run, unrolled, validation_batches, validation_chunk
-from ._state import CallEnd, Inputs, ReadSet, Releases, Report, TrainState, ValAt, ValSums
+from ._state import (
+    CallEnd,
+    Inputs,
+    ReadSet,
+    Releases,
+    Report,
+    Stop,
+    TrainState,
+    ValAt,
+    ValSums,
+)
 
 
 def program_key(loop: Loop) -> tuple[str, Loop]:
@@ -95,9 +105,11 @@ class WholeRunCalls(Program):
         while True:
             reached = stop if schedule.learning else min(stop, schedule.next_epoch_end(position))
             state, report = self.compiled(state, inputs, np.int32(reached))
+            stopped = False
             if reached > position and schedule.is_epoch_end(reached):
-                state, report = self.closes(state, inputs, reached, validation)
-            if reached >= stop or reached == position:
+                stopped = self.closes.stopped(report)  # the set is read only for a running run
+                state, report = self.closes(state, inputs, reached, None if stopped else validation)
+            if reached >= stop or reached == position or stopped:
                 return state, self.closes.logged(state, inputs, report), reached
             position = reached
 
@@ -122,6 +134,17 @@ class EpochCloses:
         if loop.log_every is not None:
             self.logs = loop.placement.compile(functools.partial(logs, loop))
 
+    def stopped(self, report: Report) -> bool:
+        """Whether the run (every member) stopped by the call that made `report`: read
+        where the validation sets stream, whose reading syncs with the device anyway,
+        so that a stopped run reads none of them.
+        """
+        validation = self.loop.validation
+        if validation is None or not validation.streamed:
+            return False
+        reason = np.asarray(self.loop.placement.host(report.reason))
+        return bool((reason != Stop.RUNNING).all())
+
     def logged(self, state: TrainState, inputs: Inputs, report: Report) -> Report:
         """`report` with the n-th steps' values (`log_every`), at a drive's call's end."""
         if self.logs is None:
@@ -132,12 +155,17 @@ class EpochCloses:
     def __call__(
         self, state: TrainState, inputs: Inputs, end: int, validation: ReadSet | None
     ) -> tuple[TrainState, Report]:
-        """The epoch that ends at step `end` validated, if due, and closed."""
+        """The epoch that ends at step `end` validated, if due, and closed. Where the
+        validation sets stream, `validation` reads them; `None` there: the run has
+        stopped (`stopped`), and nothing is read, since `close` keeps nothing of it.
+        """
         sums: tuple[ValSums, ...] = ()
         loop_validation, schedule = self.loop.validation, self.loop.schedule
         if loop_validation is not None:
             epoch = schedule.epoch_of(end - 1)
             due = epoch % loop_validation.freq == 0
+            if loop_validation.streamed and validation is None:
+                due = False
             sets = loop_validation.sets or (None,)
             sums = tuple(
                 self.validate(state, inputs, i, epoch, due, validation) for i in range(len(sets))
@@ -263,7 +291,8 @@ class StepCalls(Program):
             state, report = (self.last if last else self.full)(state, inputs, until)
             fresh = False
             if reached > position and schedule.is_epoch_end(reached):
-                state, report = self.closes(state, inputs, reached, validation)
+                read = None if self.closes.stopped(report) else validation
+                state, report = self.closes(state, inputs, reached, read)
             if reached >= stop or reached == position:
                 return state, self.closes.logged(state, inputs, report), reached
             position = reached
