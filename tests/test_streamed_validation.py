@@ -265,3 +265,24 @@ def test_a_stopped_run_reads_its_validation_sets_no_more(way, problem):
         result = eqfit.fit(model_of(), train, validation_data=loader, **kwargs(**more))
         assert result.history.stop_reason == "early_stopping"
         assert len(result.history["val_loss"]) == 2 and loader.passes == 2
+
+
+def test_ctrl_c_during_a_streamed_validation_stops_at_that_epochs_end(problem):
+    # Ctrl-C while the loader is read for epoch 2's validation: the run ends there, its
+    # result holding both epochs' validation values, and the loader is not read again.
+    import signal
+
+    train, val, _ = problem
+
+    class Interrupting(Batches):
+        def __iter__(self):
+            if self.passes == 1:  # the second validation: epoch 2's
+                signal.raise_signal(signal.SIGINT)
+            yield from super().__iter__()
+
+    loader = Interrupting(val)
+    with pytest.raises(eqfit.TrainingInterrupted) as info:
+        eqfit.fit(model_of(), train, validation_data=loader, **kwargs(epochs=6))
+    history = info.value.result.history
+    assert len(history["val_loss"]) == 2 and np.isfinite(history["val_loss"]).all()
+    assert loader.passes == 2

@@ -78,7 +78,8 @@ class Program(abc.ABC):
 class WholeRunCalls(Program):
     """`WholeRun`'s: `run`, compiled by the placement, the state donated. Where validation
     streams, a call of `run` to each epoch end on the way, which the host then closes
-    (`EpochCloses`): the sets are read as the epoch ends, not held in the program.
+    (`EpochCloses`): the sets are read as the epoch ends, not held in the program; a
+    signal then stops the call at the next epoch end.
     """
 
     def __init__(self, loop: Loop):
@@ -98,8 +99,7 @@ class WholeRunCalls(Program):
         stopping: Callable[[], bool] | None = None,
         validation: ReadSet | None = None,
     ) -> tuple[TrainState, Report, int]:
-        del stopping  # one call, to `stop` (or the epoch ends on the way)
-        if self.closes is None:  # the state knows where it is
+        if self.closes is None:  # one call, to `stop`: the state knows where it is
             return *self.compiled(state, inputs, np.int32(stop)), stop
         schedule, position = self.loop.schedule, begin
         while True:
@@ -109,7 +109,8 @@ class WholeRunCalls(Program):
             if reached > position and schedule.is_epoch_end(reached):
                 stopped = self.closes.stopped(report)  # the set is read only for a running run
                 state, report = self.closes(state, inputs, reached, None if stopped else validation)
-            if reached >= stop or reached == position or stopped:
+            signalled = stopping is not None and stopping()  # a signal: stop at an epoch end
+            if reached >= stop or reached == position or stopped or signalled:
                 return state, self.closes.logged(state, inputs, report), reached
             position = reached
 
