@@ -274,6 +274,12 @@ def test_evaluate_and_validation_over_a_memmap_larger_than_a_gib_hold_a_few_chun
         before = status("VmRSS")
         result = eqfit.fit(model, train, validation_data=(x, y), epochs=2, **kwargs)
         print(status("VmHWM") - before, result.history["val_loss"][-1])
+        # A view of it, as a validation split by slicing is (its pages are found from the
+        # data pointers: a view's `offset` is its parent's).
+        Path("/proc/self/clear_refs").write_text("5")
+        before = status("VmRSS")
+        value = eqfit.evaluate(model, (x[100_000:], y[100_000:]), loss=eqfit.losses.mse)["loss"]
+        print(status("VmHWM") - before, value)
         """
     )
     done = subprocess.run(
@@ -284,10 +290,11 @@ def test_evaluate_and_validation_over_a_memmap_larger_than_a_gib_hold_a_few_chun
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    added, value, fit_added, val_loss = map(float, done.stdout.split())
-    assert np.isfinite(value) and np.isfinite(val_loss)
+    added, value, fit_added, val_loss, view_added, view_value = map(float, done.stdout.split())
+    assert np.isfinite(value) and np.isfinite(val_loss) and np.isfinite(view_value)
     assert added < 512, f"evaluate of a 1.05 GiB memmap added {added:.0f} MiB at its peak"
     assert fit_added < 512, f"validating on a 1.05 GiB memmap added {fit_added:.0f} MiB"
+    assert view_added < 512, f"evaluate of a view of it added {view_added:.0f} MiB"
 
 
 class Normed(eqx.Module):

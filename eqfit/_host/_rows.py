@@ -10,10 +10,10 @@ import numpy as np
 from jaxtyping import PyTree
 
 
-# Linux's `MADVPOPULATE_READ` (5.14 on; Python's `mmap` names it from 3.13): maps a
+# Linux's `MADV_POPULATE_READ` (5.14 on; Python's `mmap` names it from 3.13): maps a
 # range's pages into the process now, so that the reading thread takes the page faults
 # rather than the program that reads the rows.
-POPULATE_READ = getattr(mmap, "MADVPOPULATE_READ", 22)
+POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 def advise_rows(data: PyTree, start: int, stop: int, advice: int = mmap.MADV_DONTNEED) -> None:
@@ -24,20 +24,37 @@ def advise_rows(data: PyTree, start: int, stop: int, advice: int = mmap.MADV_DON
     kernel that does not know the advice is not asked again.
     """
     for a in jax.tree.leaves(data):
-        if not (isinstance(a, np.memmap) and isinstance(a.base, mmap.mmap)):
+        mapped = _mapping(a)
+        if mapped is None or advice in _UNKNOWN_ADVICE:
             continue
+        mapping, first = mapped
         row = a.dtype.itemsize * int(np.prod(a.shape[1:]))
-        begin = a.offset % mmap.ALLOCATIONGRANULARITY + start * row  # in the mapping
+        begin = first + start * row  # in the mapping
         aligned = begin - begin % mmap.PAGESIZE
-        if advice in _UNKNOWN_ADVICE:
-            continue
         try:
-            a.base.madvise(advice, aligned, (stop - start) * row + begin - aligned)
+            mapping.madvise(advice, aligned, (stop - start) * row + begin - aligned)
         except OSError:
             _UNKNOWN_ADVICE.add(advice)
 
 
 _UNKNOWN_ADVICE: set[int] = set()
+
+
+def _mapping(a: np.ndarray) -> tuple[mmap.mmap, int] | None:
+    """The mapping that the rows of `a` lie in, a memmap or a view of one (`x[-1000:]`),
+    and where its first row starts there; `None` for anything else, or rows not laid
+    out one after the other. (A view's `offset` is its parent's: the place is found from
+    the data pointers instead.)
+    """
+    if not isinstance(a, np.memmap) or not a.flags.c_contiguous:
+        return None
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root, np.memmap) or not isinstance(root.base, mmap.mmap):
+        return None
+    pointer = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return root.base, root.offset % mmap.ALLOCATIONGRANULARITY + pointer
 
 
 def read_rows(a: np.ndarray, start: int, stop: int) -> np.ndarray:
