@@ -321,11 +321,12 @@ class Memmaps(_Streamed):
             # half a million indices in milliseconds, and the device never waits for it.
             within = np.arange(count) if rng is None else rng.permutation(count)
             first = first_step + step
-            data, release = self.read(start, start + count), None
-            if self.mapped:
+            if self.mapped:  # read in place, its pages mapped in now and dropped once done
                 data = jax.tree.map(lambda a: a[start : start + count], self.data)
                 advise_rows(self.data, start, start + count, POPULATE_READ)
                 release = functools.partial(advise_rows, self.data, start, start + count)
+            else:
+                data, release = self.read(start, start + count), None
             yield Chunk(data, within, first, first + batches, batch, release=release)
 
 
