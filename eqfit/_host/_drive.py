@@ -275,9 +275,9 @@ class _Reader:
         every, logs = self.loop.log_every, report.logs
         if every is None or logs is None or position // every <= begin // every:
             return ()
-        values, first = (np.asarray(x) for x in self.loop.placement.host(logs))
+        values = np.asarray(self.loop.placement.host(logs))
         rows = values.reshape(-1, *values.shape[-2:])  # members first, if any
-        low = int(first.reshape(-1)[0])  # the run's first n-th step's row
+        low = self.loop.schedule.begin // every  # row 0's n-th step, counted from 0
         names = self.loop.log_names[: rows.shape[-1]]
         ks = range(begin // every, position // every)
         table = _mean_of_finished(rows[:, ks[0] - low : ks[-1] - low + 1]).tolist()

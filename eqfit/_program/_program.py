@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, Key, PyTree, UInt32
+from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
 from .._step._labels import LabelError
@@ -30,7 +30,6 @@ from ._state import (
     CallEnd,
     Consts,
     Inputs,
-    Logs,
     Report,
     Steps,
     Stop,
@@ -239,7 +238,9 @@ def close(
     return jax.vmap(one)(state, sums, inputs.key)
 
 
-def logs(loop: Loop, state: TrainState, inputs: Inputs, until: CallEnd) -> Logs | None:
+def logs(
+    loop: Loop, state: TrainState, inputs: Inputs, until: CallEnd
+) -> Float[Array, "*members rows values"] | None:
     """The n-th steps' values (`log_every`) as the state's record holds them, for a drive's
     call made of several programs (`PerStep`'s, or where the host closes epochs): called
     once after them, so they pay nothing for it.
@@ -511,7 +512,7 @@ class _Member:
         state = jax.tree.map(lambda a, b: jnp.where(closes, a, b), closed, state)
         return self.finish(state)
 
-    def report(self, state: TrainState, logs: Logs | None = None) -> Report:
+    def report(self, state: TrainState, logs: Array | None = None) -> Report:
         stopping = self.loop.early_stopping
         trained = None
         if stopping is not None and stopping.restore_best:

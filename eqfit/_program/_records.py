@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._step._step import StepResult
 from ._loop import Loop
-from ._state import Logs, Steps, TrainState
+from ._state import Steps, TrainState
 
 
 def running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
@@ -109,7 +109,7 @@ def log_rows(loop: Loop) -> int:
     return max(schedule.total // every - schedule.begin // every, 1)
 
 
-def logs_of(loop: Loop, state: TrainState) -> Logs | None:
+def logs_of(loop: Loop, state: TrainState) -> Float[Array, "rows values"] | None:
     """What a call reports of the n-th steps (`log_every=n`): each of the run's, the
     training values of the n steps before it, reduced from the record as an epoch's are
     (`Record.epoch_values`), NaN for one the run has not reached. Computed at the end of
@@ -120,9 +120,8 @@ def logs_of(loop: Loop, state: TrainState) -> Logs | None:
     if every is None:
         return None
     first = schedule.begin // every  # the run's first n-th step is `(first + 1) * every`
-    rows, low = log_rows(loop), jnp.asarray(first, jnp.int32)
-    cells = state.step_loss.size
-    steps = low * every + jnp.arange(rows * every, dtype=jnp.int32)  # each row's n steps
+    rows, cells = log_rows(loop), state.step_loss.size
+    steps = first * every + jnp.arange(rows * every, dtype=jnp.int32)  # each row's n steps
     cell = schedule.record_cell(steps)
     inside = (steps >= schedule.begin) & (steps < state.step) & (cell < cells)
     index = jnp.clip(cell, 0, cells - 1)
@@ -138,5 +137,5 @@ def logs_of(loop: Loop, state: TrainState) -> Logs | None:
         gathered(state.step_values, jnp.nan),
         gathered(state.batch_sizes, 0),
     )
-    reached = (low + 1 + jnp.arange(rows)) * every <= state.step
-    return Logs(jnp.where(reached[:, None], values, jnp.nan), low)
+    reached = (first + 1 + jnp.arange(rows)) * every <= state.step
+    return jnp.where(reached[:, None], values, jnp.nan)

@@ -175,17 +175,6 @@ class ValSums(NamedTuple):
     label_error: LabelError
 
 
-class Logs(NamedTuple):
-    """With `log_every=n`, what a call reports of the n-th steps: the training values of
-    the n steps before each of `rows` n-th steps from the `first`-th on (the n-th steps
-    counted from the first step ever, from 0: step `(first + r + 1) * n` is row `r`),
-    NaN for one not reached.
-    """
-
-    values: Float[Array, "*members rows values"]
-    first: Int[Array, "*members"]
-
-
 class Steps(NamedTuple):
     """The record of one call's steps, while the epoch's length is learned: column
     `t % Schedule.columns` holds step `t`'s (NaN, or 0 for sizes, where none ran).
@@ -210,4 +199,7 @@ class Report(NamedTuple):
     # With `restore_best`: the trained arrays, model state and average to return.
     trained: tuple[PyTree, PyTree, PyTree] | None
     steps: Steps | None = None  # while the epoch's length is learned: this call's steps
-    logs: "Logs | None" = None  # with `log_every`: the n-th steps around the call's
+    # With `log_every=n`: the training values of the n steps before each n-th step of the
+    # run, a row each (`(begin // n + r + 1) * n` is row `r`, `begin` the run's first
+    # step), NaN for one not reached.
+    logs: Float[Array, "*members rows values"] | None = None
