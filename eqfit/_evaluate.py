@@ -130,8 +130,7 @@ def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelEr
     then one of the smaller last batch (`add_batches`), called one after another.
     """
     objective, model, state, data, batch_size, key = args
-    totals: Any = np.zeros((2, len(objective.value_names)), np.float32)
-    labels: Any = jax.tree.map(np.asarray, LabelError.none())
+    totals, labels = _nothing_yet(objective)
     for b, count, remainder in batch_calls(num_samples(data), batch_size, unroll):
         first = np.asarray(b, np.int32)  # an array: traced, one program for every call
         totals, labels = _add_batches(
@@ -146,25 +145,22 @@ def _evaluate_streamed(args: tuple[Any, ...], unroll: int | None) -> tuple[Any, 
     shape (`add_chunk`), or as `PerStep` runs them, programs of `unroll` batches.
     """
     objective, model, state, source, batch_size, key = args
-    totals: Any = np.zeros((2, len(objective.value_names)), np.float32)
-    labels: Any = jax.tree.map(np.asarray, LabelError.none())
+    totals, labels = _nothing_yet(objective)
     with inference_chunks(source, batch_size) as chunks:
         done = Releases()
         for chunk in chunks:
             size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
-            calls = [None] if unroll is None else batch_calls(chunk.valid * size, size, unroll)
-            for call in calls:
-                if call is None:
-                    totals, labels = _add_chunk(
-                        objective, model, state, chunk.data, size, key, chunk.offset, valid,
-                        totals, labels,
-                    )  # fmt: skip
-                    continue
-                b, count, _ = call
-                totals, labels = _add_batches(
-                    objective, model, state, chunk.data, size, key, np.asarray(b, np.int32),
-                    count, False, totals, labels, chunk.offset, valid,
+            for b, count in chunk.calls(unroll):
+                totals, labels = _add_chunk(
+                    objective, model, state, chunk.data, size, key, chunk.offset, valid,
+                    totals, labels, np.asarray(b, np.int32), count,
                 )  # fmt: skip
             done.computed(chunk, totals)
         done.computed()
     return totals[0] / totals[1], labels
+
+
+def _nothing_yet(objective: Objective) -> tuple[Any, Any]:
+    """The totals and the label error before any batch: zeros, and none found."""
+    totals = np.zeros((2, len(objective.value_names)), np.float32)
+    return totals, jax.tree.map(np.asarray, LabelError.none())

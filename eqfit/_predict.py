@@ -33,7 +33,7 @@ from ._host._inference import (
 from ._host._sources import Loader, Memmaps
 from ._program._jit import cached_jit
 from ._program._state import OnDevice, Releases
-from ._step._evaluate import batch_rows
+from ._step._evaluate import batch_number, batch_rows
 from ._step._objective import abstract_key, applies, CONVOLUTION
 from ._step._precision import as_precision, Precision, PrecisionLike
 from .losses import outputs
@@ -362,7 +362,7 @@ def _forward(
         if key is None:
             batch_key = None
         else:
-            batch_key = jax.random.fold_in(key, b if offset is None else offset + b)
+            batch_key = jax.random.fold_in(key, batch_number(b, offset))
         if policy is None:
             return outputs(model, x, state, batch_key)[0]
         out = outputs(model, policy.cast_batch(x), state, batch_key)[0]

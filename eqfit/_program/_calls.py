@@ -221,12 +221,7 @@ class EpochCloses:
             done = Releases()
             for chunk in chunks:
                 size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
-                calls: list[tuple[int, int | None]] = [(0, None)]
-                if self.unroll is not None:
-                    calls = [
-                        (b, c) for b, c, _ in batch_calls(chunk.valid * size, size, self.unroll)
-                    ]
-                for b, count in calls:
+                for b, count in chunk.calls(self.unroll):
                     at = ValAt(np.int32(b), np.int32(epoch), chunk.offset, valid)
                     program = self.program("chunk", i, size, count)
                     sums = program((state, sums), (inputs, chunk.data), at)

@@ -173,18 +173,11 @@ class EpochEnd:
         """
         assert at.offset is not None and at.valid is not None
         model = self.model(state)
-        objective, key = self.parts.objective, self.set_key(model, at.epoch, set_index)
-        totals = jnp.asarray(sums.totals)
-        if count is None:
-            totals, label_error = add_chunk(
-                objective, model, state.model_state, chunk, batch_size, key, at.offset,
-                at.valid, totals, sums.label_error,
-            )  # fmt: skip
-        else:
-            totals, label_error = add_batches(
-                objective, model, state.model_state, chunk, batch_size, key, at.batch, count,
-                False, totals, sums.label_error, at.offset, at.valid,
-            )  # fmt: skip
+        totals, label_error = add_chunk(
+            self.parts.objective, model, state.model_state, chunk, batch_size,
+            self.set_key(model, at.epoch, set_index), at.offset, at.valid,
+            jnp.asarray(sums.totals), sums.label_error, at.batch, count,
+        )  # fmt: skip
         return ValSums(totals, label_error)
 
     def summed(

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
+from .._core._data import batch_calls
 from .._core._early_stopping import StoppingState
 from .._step._labels import LabelError
 from .._step._precision import LossScale
@@ -140,6 +141,16 @@ class OnDevice(NamedTuple):
     # Call once the programs given `data` are done with it: memmaps read in place drop
     # its pages then.
     release: Callable[[], None]
+
+    def calls(self, unroll: int | None) -> list[tuple[int, int | None]]:
+        """The programs that add up its batches, as `(first, count)`: one over all of
+        them in a scan (`unroll` `None`: `(0, None)`), or `unroll` a call, written out, as
+        `PerStep` runs them (`batch_calls`).
+        """
+        if unroll is None:
+            return [(0, None)]
+        rows = self.valid * self.batch_size
+        return [(b, count) for b, count, _ in batch_calls(rows, self.batch_size, unroll)]
 
 
 class Releases:

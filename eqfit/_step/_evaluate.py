@@ -69,9 +69,7 @@ def sum_batches(
     num_full, remainder = divmod(num, batch_size)
 
     def batch_key(b: int | Array) -> Key[Array, ""] | None:
-        if not uses_key:
-            return None
-        return evaluation_key(key, b if offset is None else jnp.asarray(offset) + b)
+        return evaluation_key(key, batch_number(b, offset)) if uses_key else None
 
     total, labels = jnp.zeros((2, len(objective.value_names))), None
     if num_full:
@@ -85,10 +83,7 @@ def sum_batches(
             batch_values, batch_labels = batch_totals(
                 objective, model, model_state, batch_, batch_key(b)
             )
-            if valid is not None:  # a chunk's padding batch counts for nothing
-                batch_values = jnp.where(b < valid, batch_values, 0.0)
-                if batch_labels is not None:
-                    batch_labels = batch_labels._replace(found=batch_labels.found & (b < valid))
+            batch_values, batch_labels = _drop_padding(batch_values, batch_labels, b, valid)
             return total + batch_values, batch_labels
 
         # Each batch's label check is an output of the scan (none where nothing checks
@@ -117,13 +112,22 @@ def add_chunk(
     valid: Int[ArrayLike, ""],
     totals: Float[Array, "2 values"],
     labels: LabelError,
+    first: Int[ArrayLike, ""] = 0,
+    count: int | None = None,
 ) -> tuple[Float[Array, "2 values"], LabelError]:
     """A streamed chunk's first `valid` batches (numbered from `offset` in the set)
-    added to the totals so far, and the first label out of range kept: one program per
-    chunk's shape, called as chunks arrive. After every chunk, `totals[0] / totals[1]`
-    is `evaluate_batches`' value over the whole set (to float rounding: the sums are
-    taken chunk by chunk).
+    added to the totals so far, and the first label out of range kept: all of them in
+    one scan (`count` `None`), or, as `PerStep` runs them, `count` of them from the
+    chunk's batch `first` on, written out (`add_batches`). One program per chunk's shape
+    (and `count`), called as chunks arrive (`OnDevice.calls`). After every chunk,
+    `totals[0] / totals[1]` is `evaluate_batches`' value over the whole set (to float
+    rounding: the sums are taken chunk by chunk).
     """
+    if count is not None:
+        return add_batches(
+            objective, model, model_state, chunk, batch_size, key, first, count, False,
+            totals, labels, offset, valid,
+        )  # fmt: skip
     chunk_totals, found = sum_batches(
         objective, model, model_state, chunk, batch_size, key, offset, valid
     )
@@ -164,18 +168,36 @@ def add_batches(
             b = jnp.asarray(first, jnp.int32) + j
             start = jnp.minimum(b, num_full - 1) * batch_size  # in range: a past one is dropped
             batch = jax.tree.map(lambda a: batch_rows(a, start, batch_size), data)
-        batch_key = None
-        if uses_key:
-            batch_key = evaluation_key(key, b if offset is None else jnp.asarray(offset) + b)
+        batch_key = evaluation_key(key, batch_number(b, offset)) if uses_key else None
         values, found = batch_totals(objective, model, model_state, batch, batch_key)
-        if not remainder:
-            values = jnp.where(b < (num_full if valid is None else valid), values, 0.0)
+        if not remainder and valid is None:
+            values = jnp.where(b < num_full, values, 0.0)
+        values, found = _drop_padding(values, found, b, valid)
         totals = totals + values
         if found is not None:
-            if valid is not None:  # a chunk's padding batch finds nothing
-                found = found._replace(found=found.found & (b < valid))
             labels = labels.or_else(found)
     return totals, labels
+
+
+def batch_number(b: Any, offset: Int[ArrayLike, ""] | None) -> Any:
+    """Batch `b`'s number in its data, for its key: `b`, or in a streamed chunk whose
+    first batch is the data's `offset`-th, counted from there.
+    """
+    return b if offset is None else jnp.asarray(offset) + b
+
+
+def _drop_padding(
+    values: Array, found: LabelError | None, b: Any, valid: Int[ArrayLike, ""] | None
+) -> tuple[Array, LabelError | None]:
+    """A batch's totals and label check, but where batch `b` pads a streamed chunk (past
+    its `valid` batches): it then adds nothing and finds nothing.
+    """
+    if valid is None:
+        return values, found
+    counts = b < valid
+    if found is not None:
+        found = found._replace(found=found.found & counts)
+    return jnp.where(counts, values, 0.0), found
 
 
 def batch_rows(a: Array, start: Int[Array, ""], size: int) -> Array:
