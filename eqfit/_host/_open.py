@@ -31,14 +31,8 @@ def open_data(
     if isinstance(validation_data, ValidationSets):
         sets = {}
         for name, given in validation_data.items():
-            what = f"validation_data[{name!r}]"
-            sets[name] = as_data(given, what)
-            if sample_shapes(sets[name]) != like:
-                raise ValueError(
-                    f"`validation_data`'s set {name!r} must hold arrays like `data`'s, one "
-                    f"sample apart: `data`'s samples have {like}, `{what}`'s "
-                    f"{sample_shapes(sets[name])} (path, shape of one sample, dtype)."
-                )
+            sets[name] = as_data(given, f"validation_data[{name!r}]")
+            _refuse_unlike(sample_shapes(sets[name]), like, name)
         return source, sets
     if _several_datasets(validation_data, like):
         raise ValueError(
@@ -51,13 +45,23 @@ def open_data(
         val = as_data(validation_data, "validation_data")
     elif options.validation_split is not None:
         source, val = source.hold_out(options.validation_split, options.key)
-    if val is not None and sample_shapes(val) != like:
-        raise ValueError(
-            "`validation_data` must hold arrays like `data`'s, one sample apart: "
-            f"`data`'s samples have {like}, `validation_data`'s "
-            f"{sample_shapes(val)} (path, shape of one sample, dtype)."
-        )
+    if val is not None:
+        _refuse_unlike(sample_shapes(val), like)
     return source, val
+
+
+def _refuse_unlike(got: list[list[Any]], like: list[list[Any]], name: str | None = None) -> None:
+    """Refuses a validation set (set `name` of `ValidationSets`, or the one) whose samples
+    (`got`) are not like `data`'s (`like`): path, shape of one sample, dtype.
+    """
+    if got == like:
+        return
+    subject = "`validation_data`" if name is None else f"`validation_data`'s set {name!r}"
+    what = "validation_data" if name is None else f"validation_data[{name!r}]"
+    raise ValueError(
+        f"{subject} must hold arrays like `data`'s, one sample apart: `data`'s samples have "
+        f"{like}, `{what}`'s {got} (path, shape of one sample, dtype)."
+    )
 
 
 def _streamed_sets(validation_data: Any, like: list[list[Any]], planning: bool) -> StreamedSets:
@@ -66,21 +70,17 @@ def _streamed_sets(validation_data: Any, like: list[list[Any]], planning: bool) 
     read from is refused, and one it reads from now remembered (`planning`).
     """
     if isinstance(validation_data, ValidationSets):
-        named = [(f"validation_data[{n!r}]", d) for n, d in validation_data.items()]
+        named: list[tuple[str | None, Any]] = list(validation_data.items())
     else:
-        named = [("validation_data", validation_data)]
+        named = [(None, validation_data)]
     sets = []
-    for what, given in named:
+    for name, given in named:
+        what = "validation_data" if name is None else f"validation_data[{name!r}]"
         refuse_planned(given, what)
         opened = Reread(given, what)
         if planning:
             remember_planned(given)
-        if sample_shapes(opened.like) != like:
-            raise ValueError(
-                f"`{what}` must hold arrays like `data`'s, one sample apart: `data`'s samples "
-                f"have {like}, `{what}`'s {sample_shapes(opened.like)} (path, shape of one "
-                "sample, dtype)."
-            )
+        _refuse_unlike(sample_shapes(opened.like), like, name)
         sets.append(opened)
     return StreamedSets(tuple(sets))
 

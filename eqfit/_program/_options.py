@@ -9,7 +9,7 @@ import dataclasses
 import math
 import os
 import signal
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
 from .._core._checks import as_int, as_real
-from .._core._data import as_key, check_alive, data_kind, ensemble_size
+from .._core._data import as_key, check_alive, ensemble_size
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution
 from .._core._extras import require_orbax
@@ -29,7 +29,12 @@ from .._step._average import as_average, Average
 from .._step._precision import as_precision, Precision
 from .._step._record import NORMS, record_for, SCALING
 from .._step._updates import AbstractUpdate, builtin, check_updates, Losses, trained_spec
-from .._step._validation import naming_advice, ValidationSets
+from .._step._validation import (
+    check_frequency,
+    refuse_list_of_sets,
+    validation_streams,
+    ValidationSets,
+)
 from ._parallel import choose_placement, Device, Placement
 from ._sharding import resolve
 from ._state import Callables
@@ -257,23 +262,9 @@ def check_options(
         raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {on_nan!r}.")
     if validation_data is not None and validation_split is not None:
         raise ValueError("Give `validation_data` or `validation_split`, not both.")
-    _refuse_list_of_sets(validation_data)
+    refuse_list_of_sets(validation_data)
     validates = validation_data is not None or validation_split is not None
-    if isinstance(validation_freq, bool) or not isinstance(validation_freq, int):
-        raise TypeError(
-            "`validation_freq` must be a whole number of epochs (validate every n-th), got "
-            f"{validation_freq!r}."
-        )
-    if validation_freq < 1:
-        raise ValueError(
-            "`validation_freq` must be 1 or more (validate every n-th epoch), got "
-            f"{validation_freq}."
-        )
-    if validation_freq != 1 and not validates:
-        raise ValueError(
-            f"`validation_freq={validation_freq}` says how often to validate, but this run "
-            "validates nothing: give `validation_data` or `validation_split` too."
-        )
+    check_frequency(validation_freq, validates)
     sets = tuple(validation_data) if isinstance(validation_data, ValidationSets) else ()
     if validation_split is not None:
         fraction = validation_split
@@ -315,7 +306,7 @@ def check_options(
         )
     validation = None
     if validates:
-        streamed = _streamed_validation(validation_data, validation_freq, initial_epoch, epochs)
+        streamed = validation_streams(validation_data, validation_freq, initial_epoch, epochs)
         validation = Validation(sets, validation_freq, validate_ema, streamed)
     if shard is not None and checkpoint is not None:
         require_orbax()
@@ -497,54 +488,6 @@ def _log_every(log_every: Any) -> int | None:
             f"training values every n-th step), or None; got {log_every!r}."
         )
     return every
-
-
-def _streamed_validation(validation_data: Any, freq: int, initial_epoch: Any, epochs: Any) -> bool:
-    """Whether `validation_data` streams (memmaps, loaders), as `data` can: then each
-    validation reads its sets anew. Refuses an iterator (a generator) that the run would
-    read more than once, and a streamed set over several processes.
-    """
-    given = validation_data.items() if isinstance(validation_data, ValidationSets) else None
-    named = list(given) if given is not None else [(None, validation_data)]
-    streamed = False
-    for name, data in named:
-        what = "`validation_data`" if name is None else f"`validation_data`'s set {name!r}"
-        if data is None or data_kind(data) == "arrays":
-            continue
-        streamed = True
-        validations = sum(e % freq == 0 for e in range(int(initial_epoch) + 1, int(epochs) + 1))
-        if isinstance(data, Iterator) and validations > 1:
-            raise ValueError(
-                f"{what} is an iterator (a generator, say), which can be read once, but this "
-                f"run validates {validations} times (epochs {int(initial_epoch) + 1} to "
-                f"{int(epochs)}, every {freq}). Pass something read anew at each validation: a "
-                "list of batches, a re-iterable loader (a class whose `__iter__` makes the "
-                "generator), or the arrays (memmaps too); or validate once."
-            )
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"{what} streams (memmaps or a loader), which a run over several processes "
-                "does not do yet: each process would read its own validation rows at its own "
-                "pace. Pass the validation rows as arrays in memory."
-            )
-    return streamed
-
-
-def _refuse_list_of_sets(validation_data: Any) -> None:
-    """Refuses a list of datasets for `validation_data`, showing the named form. (A list
-    of arrays is refused by the data's own check, with the advice to pass a tuple.)
-    """
-    if not isinstance(validation_data, list) or not validation_data:
-        return
-    if not all(isinstance(d, tuple | dict | list) for d in validation_data):
-        return
-    n = len(validation_data)
-    raise TypeError(
-        f"`validation_data` is a list of {n} datasets: a list (or tuple) of them would be "
-        f"taken for one dataset's arrays. {naming_advice(n, 'list')} (If they are batches of "
-        "one set, pass the loader that yields them instead: a PyTorch `DataLoader`, a Grain "
-        "dataset, or an object whose `__iter__` yields them.)"
-    )
 
 
 # Below this no device eqfit runs on computes: a smaller `peak_flops` is a unit slip

@@ -1,4 +1,6 @@
-"""Several named validation sets, and the names their values take in the history.
+"""Several named validation sets, and the names their values take in the history; and
+the validation data's checks made before any is read: a list of datasets, and whether
+the sets stream (memmaps, loaders).
 
 A plain dict cannot be the named form: `validation_data={"x": x, "y": y}` is one dataset
 whose batches are passed whole, `loss(model, batch)`, as `data`'s are. So the named form
@@ -10,6 +12,9 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, final
 
+import jax
+
+from .._core._data import data_kind
 from .._core._typing import Data
 
 
@@ -123,3 +128,72 @@ def naming_advice(n: int, kind: str) -> str:
         f"Name each set, with `sets` the {kind} you passed: "
         f"`validation_data=eqfit.ValidationSets({call})`, recorded as {recorded}, and so on."
     )
+
+
+def check_frequency(validation_freq: Any, validates: bool) -> None:
+    """Refuses a `validation_freq` that is not a whole number of epochs, 1 or more, and one
+    other than 1 for a run that validates nothing.
+    """
+    if isinstance(validation_freq, bool) or not isinstance(validation_freq, int):
+        raise TypeError(
+            "`validation_freq` must be a whole number of epochs (validate every n-th), got "
+            f"{validation_freq!r}."
+        )
+    if validation_freq < 1:
+        raise ValueError(
+            "`validation_freq` must be 1 or more (validate every n-th epoch), got "
+            f"{validation_freq}."
+        )
+    if validation_freq != 1 and not validates:
+        raise ValueError(
+            f"`validation_freq={validation_freq}` says how often to validate, but this run "
+            "validates nothing: give `validation_data` or `validation_split` too."
+        )
+
+
+def refuse_list_of_sets(validation_data: Any) -> None:
+    """Refuses a list of datasets for `validation_data`, showing the named form. (A list
+    of arrays is refused by the data's own check, with the advice to pass a tuple.)
+    """
+    if not isinstance(validation_data, list) or not validation_data:
+        return
+    if not all(isinstance(d, tuple | dict | list) for d in validation_data):
+        return
+    n = len(validation_data)
+    raise TypeError(
+        f"`validation_data` is a list of {n} datasets: a list (or tuple) of them would be "
+        f"taken for one dataset's arrays. {naming_advice(n, 'list')} (If they are batches of "
+        "one set, pass the loader that yields them instead: a PyTorch `DataLoader`, a Grain "
+        "dataset, or an object whose `__iter__` yields them.)"
+    )
+
+
+def validation_streams(validation_data: Any, freq: int, initial_epoch: Any, epochs: Any) -> bool:
+    """Whether `validation_data` streams (memmaps, loaders), as `data` can: then each
+    validation reads its sets anew. Refuses an iterator (a generator) that the run would
+    read more than once, and a streamed set over several processes.
+    """
+    given = validation_data.items() if isinstance(validation_data, ValidationSets) else None
+    named = list(given) if given is not None else [(None, validation_data)]
+    streamed = False
+    for name, data in named:
+        what = "`validation_data`" if name is None else f"`validation_data`'s set {name!r}"
+        if data is None or data_kind(data) == "arrays":
+            continue
+        streamed = True
+        validations = sum(e % freq == 0 for e in range(int(initial_epoch) + 1, int(epochs) + 1))
+        if isinstance(data, Iterator) and validations > 1:
+            raise ValueError(
+                f"{what} is an iterator (a generator, say), which can be read once, but this "
+                f"run validates {validations} times (epochs {int(initial_epoch) + 1} to "
+                f"{int(epochs)}, every {freq}). Pass something read anew at each validation: a "
+                "list of batches, a re-iterable loader (a class whose `__iter__` makes the "
+                "generator), or the arrays (memmaps too); or validate once."
+            )
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"{what} streams (memmaps or a loader), which a run over several processes "
+                "does not do yet: each process would read its own validation rows at its own "
+                "pace. Pass the validation rows as arrays in memory."
+            )
+    return streamed
