@@ -143,11 +143,14 @@ def predict(
     key_ = None if key is None else as_key(key)
     single = _is_array(x)
     source = inference_source((x,) if single else x)
+    # Whether a streamed batch's first item is the input: `(x,)` read for one memmap, a
+    # loader's `(x, y)`.
+    first = single or isinstance(source, Loader)
     if source is None:
         x_ = as_data(x if not single else (x,), "x")
         inputs = x_[0] if single else x_
     else:
-        inputs = _inputs(source.like, single or isinstance(source, Loader))
+        inputs = _inputs(source.like, first)
     with reported_as("predict", "x"):
         try:
             args = (
@@ -161,7 +164,6 @@ def predict(
             )
             unroll = batches_per_program(execution, lambda: _forward_convolves(*args))
             if source is not None:
-                first = single or isinstance(source, Loader)
                 return _predict_streamed(args, source, first, unroll, out)
             outputs = _predict(*args) if unroll is None else _predict_in_calls(args, unroll)
             if out is None:
