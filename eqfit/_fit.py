@@ -65,6 +65,7 @@ from ._train import Ready, train
                 "steps_per_epoch",
                 "batch_size",
                 "validation_freq",
+                "validation_every",
                 "log_every",
                 "checkpoint_every",
                 "microbatches",
@@ -110,6 +111,7 @@ def fit(
     validation_data: Data | ValidationSets | None = None,
     validation_split: float | None = None,
     validation_freq: Integer = 1,
+    validation_every: Integer | None = None,
     metrics: Metrics | None = None,
     log_every: Integer | None = None,
     early_stopping: EarlyStopping | None = None,
@@ -228,6 +230,16 @@ def fit(
     - `validation_freq`: validate every this many epochs: the epochs whose number
         (counted from 1) is a multiple of it. The others have NaN for their validation
         values, and early stopping on one of these waits for the next validated epoch.
+    - `validation_every`: instead, validate after every this many steps, counted from the
+        first step ever across epochs (a step whose global count it divides), inside the
+        compiled run. Each validation's values go to `history.validations` at its step
+        (`history.validation_steps`), to the callbacks' `on_validation_end(step, logs)`
+        (the loggers write them as `step/val_<name>`), and to early stopping and
+        `Checkpoint(keep_best=)` where they monitor a validation value: they then judge
+        each validation (early stopping's `patience` and `start_from_epoch` count
+        validations). An epoch's validation values in `history.values` are its last
+        validation's. Named so as `log_every` and `checkpoint_every` are: a count of steps,
+        where Lightning's `val_check_interval` takes a count or a fraction of an epoch.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
         `fn(model, state, *batch)`), recorded per epoch on the training batches and on
         the validation data.
@@ -396,6 +408,7 @@ def fit(
         validation_data=validation_data,
         validation_split=validation_split,
         validation_freq=validation_freq,
+        validation_every=validation_every,
         metrics=metrics,
         log_every=log_every,
         early_stopping=early_stopping,

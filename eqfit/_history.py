@@ -85,6 +85,14 @@ class History:
         optimizer's state, `"inner_states/b/inner_state/learning_rate"`); and each of
         `fit(..., schedules=)` at the count the update used.
 
+    - `validation_steps`, `validations`: with `fit(..., validation_every=n)`, the global
+        step (counted from the first ever) of each validation the run made, and its
+        values by name (`"val_loss"`, ...), one entry per validation. The epoch's
+        validation values in `values` are its last validation's (NaN for an epoch with
+        none); empty without `validation_every`.
+    - `best_step`: with `validation_every` and early stopping on a validation value, the
+        step of the best validation (`best_epoch` is the epoch it fell in); else `None`.
+
     For an ensemble every per-epoch value has a last axis of members, `step_loss` and
     `batch_sizes` are `(epochs, steps, members)`, `best_epoch` and `stop_reason` are
     tuples with one entry per member, and a member that stopped early has NaN for the
@@ -103,6 +111,9 @@ class History:
     initial_epoch: int = 0
     step_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     throughput: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    validation_steps: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    validations: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    best_step: int | None | tuple[int | None, ...] = None
 
     @property
     def loss(self) -> np.ndarray:

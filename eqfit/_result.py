@@ -6,6 +6,7 @@ import json
 import signal
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, overload
 
@@ -22,7 +23,7 @@ from ._keep._checkpoint import CheckpointError, versions
 from ._keep._files import read_leaves, write_atomically
 from ._program._loop import Loop
 from ._program._skeleton import unwrap
-from ._program._state import Consts, Stop
+from ._program._state import Consts, Stop, Validations
 from ._step._labels import raise_found
 
 
@@ -149,25 +150,32 @@ def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
     rule = loop.early_stopping
     if rule is None:
         return
-    epochs = history.epoch
+    epochs, where = history.epoch, "epoch(s) {} (counted from 1)"
+    values = history.values.get(rule.monitor)
     looked = epochs > rule.start_from_epoch
     validation = loop.validation
-    if rule.monitor in loop.val_names and validation is not None and validation.freq != 1:
+    if rule.monitor in loop.val_names and loop.val_every is not None:
+        # Each validation was judged (`validation_every`), numbered `step // every`.
+        epochs, where = history.validation_steps, "the validation(s) after step(s) {}"
+        values = history.validations[rule.monitor]
+        looked = epochs // loop.val_every > rule.start_from_epoch
+    elif rule.monitor in loop.val_names and validation is not None and validation.freq != 1:
         looked &= epochs % validation.freq == 0
-    values = history[rule.monitor]
+    assert values is not None
     nan = np.isnan(values) if values.ndim == 1 else np.isnan(values).any(axis=-1)
     found = epochs[looked & nan].tolist()
     if not found:
         return
     shown = ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
+    shown = where.format(shown)
     cause = (
         "a non-finite loss, or a validation set whose `eqfit.Mean` weights sum to 0"
         if rule.monitor in loop.val_names
         else "a non-finite loss, or an epoch whose `eqfit.Mean` weights sum to 0"
     )
     warnings.warn(
-        f"EarlyStopping's monitor {rule.monitor!r} was NaN at epoch(s) {shown} (counted "
-        f"from 1), which never improves on the best and so counts towards the patience "
+        f"EarlyStopping's monitor {rule.monitor!r} was NaN at {shown}, which never improves "
+        "on the best and so counts towards the patience "
         f"({rule.patience}). A NaN comes from {cause}.",
         RuntimeWarning,
         stacklevel=4,
@@ -178,6 +186,27 @@ def outcome_epochs(loop: Loop, outcome: Outcome) -> list[int]:
     """Epochs of this run that each member had a step in (a cut-short one counts)."""
     steps = np.asarray(loop.placement.host(outcome.report.step)).reshape(-1)
     return [loop.schedule.run_epochs(int(t)) for t in steps.tolist()]
+
+
+def _validations(
+    loop: Loop, table: Validations | None, squeeze: Callable[[np.ndarray], np.ndarray]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The history's `validation_steps` and `validations` (`validation_every`): the
+    validations any member made, NaN for a member that did not.
+    """
+    every = loop.val_every
+    if every is None or table is None:
+        return np.zeros(0, np.int64), {}
+    values, done = np.asarray(table.values), np.asarray(table.done)
+    if loop.members is None:
+        values, done = values[None], done[None]
+    made = done.any(axis=0)
+    values = np.where(done[..., None], values, np.nan)[:, made]
+    first = loop.schedule.begin // every + 1
+    steps = (first + np.flatnonzero(made)) * every
+    return steps.astype(np.int64), {
+        name: squeeze(values[..., i]).copy() for i, name in enumerate(loop.val_names)
+    }
 
 
 def _result(
@@ -229,6 +258,12 @@ def _result(
             reasons.append("out_of_data")
     has_stopping = loop.early_stopping is not None
     best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
+    best_steps: list[int | None] = [None for _ in best_epochs]
+    every, rule = loop.val_every, loop.early_stopping
+    if every is not None and rule is not None and rule.monitor in loop.val_names:
+        # Early stopping counted validations: its best is one, `step // every`.
+        best_steps = [None if b is None else b * every for b in best_epochs]
+        best_epochs = [None if t is None else schedule.epoch_of(t - 1) for t in best_steps]
     rows = max(outcome_epochs(loop, outcome))
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
@@ -250,6 +285,8 @@ def _result(
             if name in loop.record.shown  # a weighted mean's weights are not shown
         },
         _throughput(outcome.epoch_figures, schedule.first_epoch, rows),
+        *_validations(loop, placement.host(state.validations), squeeze),
+        tuple(best_steps) if ensemble else best_steps[0],
     )
     if report.trained is not None:
         params, model_state, average = report.trained
@@ -326,6 +363,9 @@ def save(path: PathLike, result: FitResult[Any]) -> None:
             "best_epoch": h.best_epoch,
             "stop_reason": h.stop_reason,
             "step_values": {k: np.asarray(v).tolist() for k, v in h.step_values.items()},
+            "validation_steps": np.asarray(h.validation_steps).tolist(),
+            "validations": {k: np.asarray(v).tolist() for k, v in h.validations.items()},
+            "best_step": h.best_step,
         },
         "versions": versions(),
         "structure": {part: _structure(getattr(result, part)) for part, _ in _PARTS},
@@ -398,6 +438,9 @@ def load(path: PathLike, *, like: Any) -> Any:
         tuple(h["stop_reason"]) if isinstance(h["stop_reason"], list) else h["stop_reason"],
         h["initial_epoch"],
         {k: np.asarray(v, np.float32) for k, v in h.get("step_values", {}).items()},
+        validation_steps=np.asarray(h.get("validation_steps", []), np.int64),
+        validations={k: np.asarray(v, np.float32) for k, v in h.get("validations", {}).items()},
+        best_step=tuple(best) if isinstance(best := h.get("best_step"), list) else best,
     )
     return FitResult(model, opt_state, history, state, ema_model)
 

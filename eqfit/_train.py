@@ -15,7 +15,15 @@ from ._core._checks import reported_as
 from ._host._drive import drive, feeds
 from ._host._feeds import validation_reader
 from ._host._inference import StreamedSets
-from ._host._observers import Callbacks, Checkpointing, copy_taken, Costs, EpochModels, Observer
+from ._host._observers import (
+    BestBy,
+    Callbacks,
+    Checkpointing,
+    copy_taken,
+    Costs,
+    EpochModels,
+    Observer,
+)
 from ._host._plan import Plan
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
@@ -177,7 +185,12 @@ def observers_for(
             return jax.device_get(state)
 
         policy = options.checkpoint
-        monitor = None if policy.keep_best is None else loop.log_names.index(policy.keep_best)
+        monitor, every, best = None, loop.val_every, policy.keep_best
+        if best is not None and every is not None and best in loop.val_names:
+            first = loop.schedule.begin // every * every + every  # row 0's step
+            monitor = BestBy(loop.val_names.index(policy.keep_best), every, first)
+        elif policy.keep_best is not None:
+            monitor = BestBy(loop.log_names.index(policy.keep_best))
         take = placement.get
         observers.append(Checkpointing(store, policy, schedule, interrupt, take, host, monitor))
     if options.profile is not None:
@@ -213,6 +226,7 @@ def train_config(options: Options, loop: Loop) -> dict[str, Any]:
         "validation_split": options.validation_split,
         "validation_sets": None if validation is None else list(validation.sets) or None,
         "validation_freq": 1 if validation is None else validation.freq,
+        "validation_every": None if validation is None else validation.every,
         "log_every": options.log_every,
         "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
         "precision": precision,

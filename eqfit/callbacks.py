@@ -4,7 +4,9 @@ A callback is any object with `on_epoch_end(epoch, logs) -> bool | None` (epochs
 from 1), called on the host after each epoch; it may also have `on_train_begin(config)`,
 called once as training starts with the run's arguments, `on_train_batch_end(step, logs)`,
 called with `fit(..., log_every=n)` after every n-th step with its global number and the
-n steps' values (each logger here writes them), and `on_train_end(logs)`, called once
+n steps' values (each logger here writes them), `on_validation_end(step, logs)`, called
+with `fit(..., validation_every=n)` after each validation with its step's global number
+and its values (each logger here writes them too), and `on_train_end(logs)`, called once
 training ends (however it ends), with the last epoch's values. One whose
 class says `stops_training = False` (these do) never stops training, so the device need
 not wait for it: the next epoch is queued before it sees the last.
@@ -29,7 +31,9 @@ class CSVLogger:
     column per value, the first one `epoch`. The file is flushed after each row, so it
     can be read while training runs. With `fit(..., log_every=n)`, the values of every n
     steps go to a second file beside it, `<name>.steps.csv` (`log.steps.csv` for
-    `log.csv`): a row per n-th step, the first column `step`, its global number.
+    `log.csv`): a row per n-th step, the first column `step`, its global number. With
+    `fit(..., validation_every=n)`, each validation's values go to a third,
+    `<name>.validations.csv`, a row per validation, the first column `step`.
 
     **Arguments:**
 
@@ -45,6 +49,8 @@ class CSVLogger:
         self.append: bool = append
         self.separator: str = separator
         self.steps_path: Path = self.path.with_name(f"{self.path.stem}.steps{self.path.suffix}")
+        name = f"{self.path.stem}.validations{self.path.suffix}"
+        self.validations_path: Path = self.path.with_name(name)
         self._tables: dict[Path, _CsvTable] = {}
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
@@ -54,6 +60,10 @@ class CSVLogger:
     def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
         """Writes step `step`'s row (`log_every`) to `steps_path`."""
         self._table(self.steps_path, "step", logs).write(step, logs)
+
+    def on_validation_end(self, step: int, logs: dict[str, float]) -> None:
+        """Writes the validation at step `step` (`validation_every`) to `validations_path`."""
+        self._table(self.validations_path, "step", logs).write(step, logs)
 
     def _table(self, path: Path, first: str, logs: dict[str, float]) -> "_CsvTable":
         if path not in self._tables:
@@ -87,7 +97,8 @@ class _CsvTable:
 class TensorBoard:
     """Writes each epoch's values as TensorBoard scalars, one per name, at the epoch's
     number. With `fit(..., log_every=n)`, the values of every n steps too, as
-    `step/<name>` at the step's global number. Needs tensorboardX: `pip install
+    `step/<name>` at the step's global number, and with `fit(..., validation_every=n)`
+    each validation's, as `step/val_<name>` at its step's. Needs tensorboardX: `pip install
     "eqfit[tensorboard]"` (imported only when the first values are written).
 
     **Arguments:**
@@ -107,6 +118,10 @@ class TensorBoard:
 
     def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
         """Writes step `step`'s values (`log_every`), as `step/<name>`."""
+        self._write(logs, step, "step/")
+
+    def on_validation_end(self, step: int, logs: dict[str, float]) -> None:
+        """Writes the validation at step `step` (`validation_every`), as `step/val_<name>`."""
         self._write(logs, step, "step/")
 
     def _write(self, logs: dict[str, float], at: int, prefix: str) -> None:
@@ -134,7 +149,8 @@ class WandbLogger:
     run's step, and the run's arguments (`fit`'s epochs, batch size, precision, ...) to
     its config. Needs wandb: `pip install "eqfit[wandb]"` (imported once training starts).
 
-    With `fit(..., log_every=n)`, the values of every n steps too, as `step/<name>`, and
+    With `fit(..., log_every=n)`, the values of every n steps too, as `step/<name>`
+    (with `fit(..., validation_every=n)`, each validation's, as `step/val_<name>`), and
     then every value at the global step number as the run's step (W&B's steps only go
     up): an epoch's at the step that ends it, with its number as `epoch`.
 
@@ -197,7 +213,7 @@ class WandbLogger:
             run = wandb.init(**self.init_kwargs)
         self._run = run
         run.config.update(config, allow_val_change=True)
-        if config.get("log_every") is not None:
+        if config.get("log_every") is not None or config.get("validation_every") is not None:
             self._steps_per_epoch = config.get("steps_per_epoch")
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
@@ -219,6 +235,12 @@ class WandbLogger:
         run: Any = self._run
         run.log({f"step/{name}": value for name, value in logs.items()}, step=step)
 
+    def on_validation_end(self, step: int, logs: dict[str, float]) -> None:
+        """Logs the validation at step `step` (`validation_every`) as `step/val_<name>`,
+        at step `step`.
+        """
+        self.on_train_batch_end(step, logs)
+
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
         """Finishes the run if the logger started it."""
         del logs
@@ -231,7 +253,8 @@ class MLflowLogger:
     """Logs each epoch's values to an MLflow run as metrics, at the epoch's number as
     their step, and the run's arguments (`fit`'s epochs, batch size, precision, ...) as
     its params (nested ones by dotted names). With `fit(..., log_every=n)`, the values of
-    every n steps too, as metrics `step/<name>` at the step's global number. Needs
+    every n steps too, as metrics `step/<name>` at the step's global number, and with
+    `fit(..., validation_every=n)` each validation's, as `step/val_<name>`. Needs
     MLflow: `pip install "eqfit[mlflow]"` (imported once training starts).
 
     The run is `run` if given, else the active one (`mlflow.start_run()`'s) if no argument
@@ -329,6 +352,12 @@ class MLflowLogger:
 
     def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
         """Logs step `step`'s values (`log_every`) as `step/<name>`, at step `step`."""
+        self._log(logs, step, "step/")
+
+    def on_validation_end(self, step: int, logs: dict[str, float]) -> None:
+        """Logs the validation at step `step` (`validation_every`) as `step/val_<name>`,
+        at step `step`.
+        """
         self._log(logs, step, "step/")
 
     def _log(self, logs: dict[str, float], at: int, prefix: str) -> None:

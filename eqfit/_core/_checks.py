@@ -110,6 +110,21 @@ def as_int(value: Any) -> Any:
     return value
 
 
+def as_steps(name: str, value: Any, does: str) -> int | None:
+    """The argument `name`'s `value` checked: `None`, or a whole number of steps, 1 or
+    more (`does`: what happens every n-th step, for the message).
+    """
+    if value is None:
+        return None
+    every = as_int(value)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"`{name}` must be a whole number of steps, 1 or more ({does} every n-th step), "
+            f"or None; got {value!r}."
+        )
+    return every
+
+
 def real_dtype(value: Any) -> Any | None:
     """The dtype of `value` where it is a real number or an array of them (floating,
     integer or bool: a Python or numpy number, a numpy or JAX array); else `None` (a

@@ -46,7 +46,11 @@ class EarlyStopping(eqx.Module):
     - `monitor`: `"loss"`, `"val_loss"`, or a metric's name, with `"val_"` in front for
         its value on the validation data (`"val_<set>_"` on a named set's,
         [`eqfit.ValidationSets`][]). With `fit(..., validation_freq=)`, a validation
-        value is taken only from the epochs validated: the others do not count.
+        value is taken only from the epochs validated: the others do not count. With
+        `fit(..., validation_every=n)`, a validation value is judged at each validation
+        instead of each epoch, and `patience` and `start_from_epoch` count validations
+        (as Lightning's early stopping counts its checks); the best is a validation's,
+        `history.best_step`.
     - `restore_best`: return the parameters (and state) of the best epoch rather than
         the last. It defaults to `True`, unlike Keras's `restore_best_weights=False`: the
         best model is what you asked for by stopping early.

@@ -262,6 +262,7 @@ class _Reader:
             ended=tuple(ended),
             samples_per_second=self.throughput.recent(),
             logged=self._logged(report, begin, position),
+            validated=self._validated(report, begin, position),
         )
         for observer in self.observers:
             if observer.on_progress(progress):
@@ -282,6 +283,24 @@ class _Reader:
         ks = range(begin // every, position // every)
         table = _mean_of_finished(rows[:, ks[0] - low : ks[-1] - low + 1]).tolist()
         return tuple(((k + 1) * every, dict(zip(names, row))) for k, row in zip(ks, table))
+
+    def _validated(self, report: Report, begin: int, position: int) -> tuple[Any, ...]:
+        """The validations (`validation_every=n`) made after `begin` up to `position`,
+        each with its step and values (an ensemble's: the mean of the members that made
+        it, as an epoch's).
+        """
+        every, table = self.loop.val_every, report.validations
+        if every is None or table is None or position // every <= begin // every:
+            return ()
+        values, done = (np.asarray(x) for x in self.loop.placement.host(table))
+        values, done = values.reshape(-1, *values.shape[-2:]), done.reshape(-1, done.shape[-1])
+        low, made = self.loop.schedule.begin // every, []
+        for k in range(begin // every + 1, position // every + 1):
+            row = k - low - 1
+            if done[:, row].any():
+                value = _mean_of_finished(np.where(done[:, row, None], values[:, row], np.nan))
+                made.append((k * every, dict(zip(self.loop.val_names, value.tolist()))))
+        return tuple(made)
 
 
 def _mean_of_finished(rows: np.ndarray) -> np.ndarray:

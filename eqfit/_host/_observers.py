@@ -41,10 +41,13 @@ class Callback(Protocol):
     validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
     microbatches, ensemble_members, devices, checkpoint, checkpoint_every,
     checkpoint_every_steps, checkpoint_every_seconds, signals, schedules, profile,
-    log_every); `on_train_batch_end(step, logs)`, called with `fit(..., log_every=n)`
-    after every n-th step with the step's global number (the steps done since the first
-    ever) and the n steps' training values (Keras's hook of that name gets the batch's
-    index in its epoch, and every batch); `on_train_end(logs)`,
+    log_every, validation_every); `on_train_batch_end(step, logs)`, called with
+    `fit(..., log_every=n)` after every n-th step with the step's global number (the
+    steps done since the first ever) and the n steps' training values (Keras's hook of
+    that name gets the batch's index in its epoch, and every batch);
+    `on_validation_end(step, logs)`, called with `fit(..., validation_every=n)` after
+    each validation with its step's global number and its values (`val_loss`, ...),
+    after that step's `on_train_batch_end`; `on_train_end(logs)`,
     called once when training ends (however it ends, `on_train_begin` called or not) with
     the last epoch's values; and a class attribute `stops_training = False` if it never
     returns `True`: then the device is not held up for it, and it sees each epoch once the
@@ -106,6 +109,8 @@ class Progress(NamedTuple):
     # With `log_every=n`: each n-th step reached (its global count), with the training
     # values of the n steps before it.
     logged: tuple[tuple[int, dict[str, float]], ...] = ()
+    # With `validation_every=n`: each validation made (its step), with its values.
+    validated: tuple[tuple[int, dict[str, float]], ...] = ()
 
 
 class Observer:
@@ -184,6 +189,8 @@ class Callbacks(Observer):
         self.watch = [callable(getattr(c, "on_epoch_model", None)) for c in callbacks]
         hooks = [getattr(c, "on_train_batch_end", None) for c in callbacks]
         self.batch_ends = [hook for hook in hooks if callable(hook)]  # `log_every`'s
+        hooks = [getattr(c, "on_validation_end", None) for c in callbacks]
+        self.validation_ends = [hook for hook in hooks if callable(hook)]  # `validation_every`'s
         self.models = models if any(self.watch) else None
         # Copies of the trained arrays at epoch ends, by position, until their epoch's
         # report is read; while the epoch's length is learned, the last call's.
@@ -215,7 +222,13 @@ class Callbacks(Observer):
         self.taken = {p: x for p, x in self.taken.items() if p == schedule.steps_per_epoch}
 
     def on_progress(self, progress: Progress) -> bool:
-        logged = list(progress.logged)
+        # By step, a step's training values before its validation's (as Lightning
+        # validates after the batch's end).
+        logged = sorted(
+            [(step, 0, logs) for step, logs in progress.logged]
+            + [(step, 1, logs) for step, logs in progress.validated],
+            key=lambda event: event[:2],
+        )
         for epoch, logs in progress.ended:
             # The n-th steps up to the epoch's end first (a step at its end too), as
             # Keras calls `on_train_batch_end` before `on_epoch_end`.
@@ -235,14 +248,17 @@ class Callbacks(Observer):
             if self.stopped:
                 break
         if not self.stopped:
-            for step, logs in logged:
-                self.batch_end(step, logs)
+            for event in logged:
+                self.batch_end(*event)
         return self.stopped
 
-    def batch_end(self, step: int, logs: dict[str, float]) -> None:
-        """The callbacks with `on_train_batch_end` told of step `step` (`log_every`)."""
-        for batch_end in self.batch_ends:
-            batch_end(step, dict(logs))
+    def batch_end(self, step: int, validation: int, logs: dict[str, float]) -> None:
+        """The callbacks told of step `step`: its training values (`log_every`, with
+        `on_train_batch_end`), or where `validation` its validation's (`validation_every`,
+        with `on_validation_end`).
+        """
+        for hook in self.validation_ends if validation else self.batch_ends:
+            hook(step, dict(logs))
 
     def close(self) -> None:
         self.taken.clear()
@@ -262,6 +278,40 @@ class EpochModels(NamedTuple):
 
     take: Callable[[TrainState], PyTree]
     make: Callable[[PyTree], tuple[Any, Any]]
+
+
+class BestBy(NamedTuple):
+    """What `Checkpoint(keep_best=)` judges a checkpoint by: a column of each epoch's
+    values (`TrainState.epoch_values`), or with `every` (`validation_every`, monitoring a
+    validation value) of each validation's (`TrainState.validations`), whose row 0 is
+    the validation after step `first`.
+    """
+
+    column: int
+    every: int | None = None
+    first: int = 0
+
+    def next(self, schedule: Schedule, position: int) -> int:
+        """The next position that may be the best: an epoch's end, or a validation's."""
+        if self.every is None:
+            return schedule.next_epoch_end(position)
+        return schedule.next_multiple(position, self.every)
+
+    def row(self, schedule: Schedule, position: int) -> int | None:
+        """The row of the value judged at `position`, if one is made there."""
+        if self.every is None:
+            return schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
+        return (position - self.first) // self.every if position % self.every == 0 else None
+
+    def values(self, state: PyTree, row: int) -> np.ndarray:
+        """The values judged at `row` of a state on the host, of each member (NaN where
+        none was made).
+        """
+        if self.every is None:
+            return _local(state.epoch_values)[..., row, self.column]
+        table = state.validations
+        done = _local(table.done)[..., row]
+        return np.where(done, _local(table.values)[..., row, self.column], np.nan)
 
 
 class Checkpointing(Observer):
@@ -289,12 +339,12 @@ class Checkpointing(Observer):
         interrupt: Interrupt,
         take: Callable[[TrainState], PyTree],
         host: Callable[[PyTree], PyTree],
-        monitor: int | None,
+        monitor: BestBy | None,
     ):
         self.store, self.policy, self.schedule = store, policy, schedule
         self.interrupt = interrupt
         self.take, self.host = take, host
-        self.monitor = monitor  # `keep_best`'s column in `TrainState.epoch_values`
+        self.monitor = monitor  # `keep_best`'s value
         self.background: bool | None = None  # decided at the first checkpoint
         self.writer = Writer()
         self.relearned = False  # the epoch's length learned, the store not yet told
@@ -312,8 +362,8 @@ class Checkpointing(Observer):
         if schedule.learning:  # no checkpoint is written while the length is learned
             return None
         due = self.policy.next_due(position, schedule.steps_per_epoch)
-        if self.monitor is not None:  # every epoch's end: it may be the best
-            end = schedule.next_epoch_end(position)
+        if self.monitor is not None:  # every epoch's end (or validation): it may be the best
+            end = self.monitor.next(schedule, position)
             due = end if due is None else min(due, end)
         return due
 
@@ -333,7 +383,7 @@ class Checkpointing(Observer):
             or self.interrupt.stopping
             or (seconds is not None and agreed(time.monotonic() - self.since >= seconds))
         )
-        may_be_best = self.monitor is not None and schedule.is_epoch_end(position)
+        may_be_best = self.monitor is not None and self.monitor.row(schedule, position) is not None
         if due or may_be_best:
             self._save(position, state, due)
 
@@ -356,7 +406,7 @@ class Checkpointing(Observer):
         if due:
             self.saved_at, self.since = position, time.monotonic()
         schedule = self.schedule
-        row = schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
+        row = None if self.monitor is None else self.monitor.row(schedule, position)
         taken = self.take(state)
         if self.background is None:
             self.background = in_background(self.policy.background, taken)
@@ -381,10 +431,10 @@ class Checkpointing(Observer):
         host = self.host(state)
         value = None
         if self.monitor is not None and row is not None:
-            rows = _local(host.epoch_values)  # (*members, rows, logs)
+            values = self.monitor.values(host, row)  # each member's
             with warnings.catch_warnings():  # an ensemble whose members all stopped
                 warnings.simplefilter("ignore", RuntimeWarning)
-                value = float(np.nanmean(rows[..., row, self.monitor]))
+                value = float(np.nanmean(values))
             if not math.isfinite(value):
                 value = None
         if not due and (value is None or not self._better(value)):

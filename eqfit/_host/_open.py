@@ -122,10 +122,16 @@ def schedule_for(source: Source, options: Options) -> Schedule:
     check_profile(options, schedule)
     if not schedule.learning:
         warn_if_short(options.step.average, schedule.total - schedule.begin)
-    elif options.log_every is not None:
-        raise ValueError(
-            f"`log_every={options.log_every}` with a loader that does not say its length "
-            "(no `len`): the run's steps are not known before its first epoch ends, and the "
-            "values every n steps are kept for the run's length. Pass `steps_per_epoch=`."
-        )
+    else:
+        every = None if options.validation is None else options.validation.every
+        for name, n, kept in (
+            ("log_every", options.log_every, "the values every n steps are"),
+            ("validation_every", every, "each validation's values are"),
+        ):
+            if n is not None:
+                raise ValueError(
+                    f"`{name}={n}` with a loader that does not say its length (no `len`): "
+                    "the run's steps are not known before its first epoch ends, and "
+                    f"{kept} kept for the run's length. Pass `steps_per_epoch=`."
+                )
     return schedule

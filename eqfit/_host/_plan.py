@@ -146,7 +146,7 @@ class Plan:
     - `steps`: the optimizer steps this run takes (from its first epoch to `epochs`);
         `None` for a loader without `len`, whose epochs are as long as its first pass.
     - `validations`: the validation passes this run makes (the epochs `validation_freq`
-        validates); 0 without validation.
+        validates, or the steps `validation_every` does); 0 without validation.
     - `arrays`: a tuple of [`eqfit.ArrayPlan`][], one for each array of the model.
         `print(plan)` folds the arrays of repeated blocks into one row; this keeps one
         for each.

@@ -227,10 +227,13 @@ def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Co
 
 def validation_passes(loop: Loop) -> int:
     """The validation passes of the run: its epochs whose number `validation_freq`
-    divides (0 without validation).
+    divides, or its steps that `validation_every` does (0 without validation).
     """
     if loop.validation is None:
         return 0
+    if loop.val_every is not None:
+        every, schedule = loop.val_every, loop.schedule
+        return schedule.total // every - schedule.begin // every
     schedule, every = loop.schedule, loop.validation.freq
     last = max(schedule.epochs, schedule.first_epoch)
     return last // every - schedule.first_epoch // every

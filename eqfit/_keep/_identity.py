@@ -56,9 +56,9 @@ def _name(fn: Any) -> str | None:
 
 
 def _validation_config(loop: Loop) -> dict[str, Any]:
-    """Named sets and a `validation_freq`, where given: a run with one unnamed set,
-    validated every epoch, has the config it had before they were, so that its
-    checkpoints still resume.
+    """Named sets, a `validation_freq` and a `validation_every`, where given: a run with
+    one unnamed set, validated every epoch, has the config it had before they were, so
+    that its checkpoints still resume.
     """
     config: dict[str, Any] = {}
     validation = loop.validation
@@ -68,6 +68,8 @@ def _validation_config(loop: Loop) -> dict[str, Any]:
         config["validation_sets"] = list(validation.sets)
     if validation.freq != 1:
         config["validation_freq"] = validation.freq
+    if validation.every is not None:  # the state holds a row for each validation
+        config["validation_every"] = validation.every
     return config
 
 

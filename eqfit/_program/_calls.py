@@ -103,10 +103,10 @@ class WholeRunCalls(Program):
             return *self.compiled(state, inputs, np.int32(stop)), stop
         schedule, position = self.loop.schedule, begin
         while True:
-            reached = stop if schedule.learning else min(stop, schedule.next_epoch_end(position))
+            reached = stop if schedule.learning else min(stop, self.loop.next_boundary(position))
             state, report = self.compiled(state, inputs, np.int32(reached))
             stopped = False
-            if reached > position and schedule.is_epoch_end(reached):
+            if reached > position and self.closes.due(reached):
                 stopped = self.closes.stopped(report)  # the set is read only for a running run
                 state, report = self.closes(state, inputs, reached, None if stopped else validation)
             signalled = stopping is not None and stopping()  # a signal: stop at an epoch end
@@ -135,6 +135,12 @@ class EpochCloses:
         if loop.log_every is not None:
             self.logs = loop.placement.compile(functools.partial(logs, loop))
 
+    def due(self, position: int) -> bool:
+        """Whether the host closes something at `position`: an epoch's end, or a
+        validation's step (`validation_every`).
+        """
+        return self.loop.schedule.is_epoch_end(position) or self.loop.validates_at(position)
+
     def stopped(self, report: Report) -> bool:
         """Whether the run (every member) stopped by the call that made `report`: read
         where the validation sets stream, whose reading syncs with the device anyway,
@@ -156,15 +162,19 @@ class EpochCloses:
     def __call__(
         self, state: TrainState, inputs: Inputs, end: int, validation: ReadSet | None
     ) -> tuple[TrainState, Report]:
-        """The epoch that ends at step `end` validated, if due, and closed. Where the
+        """The epoch that ends at step `end` validated, if due, and closed; with
+        `validation_every`, at a validation's step too, validated there. Where the
         validation sets stream, `validation` reads them; `None` there: the run has
         stopped (`stopped`), and nothing is read, since `close` keeps nothing of it.
         """
         sums: tuple[ValSums, ...] = ()
         loop_validation, schedule = self.loop.validation, self.loop.schedule
         if loop_validation is not None:
+            # The validation's keys are folded from the epoch, or the step (`every`).
             epoch = schedule.epoch_of(end - 1)
             due = epoch % loop_validation.freq == 0
+            if loop_validation.every is not None:
+                epoch, due = end, self.loop.validates_at(end)
             if loop_validation.streamed and validation is None:
                 due = False
             sets = loop_validation.sets or (None,)
@@ -286,7 +296,7 @@ class StepCalls(Program):
             until = CallEnd(np.int32(reached), np.bool_(fresh))
             state, report = (self.last if last else self.full)(state, inputs, until)
             fresh = False
-            if reached > position and schedule.is_epoch_end(reached):
+            if reached > position and self.closes.due(reached):
                 read = None if self.closes.stopped(report) else validation
                 state, report = self.closes(state, inputs, reached, read)
             if reached >= stop or reached == position:
@@ -304,7 +314,7 @@ class StepCalls(Program):
         pass's full batches' end if sooner.
         """
         schedule, passes = self.loop.schedule, self.loop.schedule.passes
-        end = min(stop, schedule.next_epoch_end(position))
+        end = min(stop, self.loop.next_boundary(position))
         if streamed or passes is None:  # a piece's batches are all alike
             return False, max(min(position + self.unroll, end), position)
         first = schedule.pass_start(schedule.pass_of(position))

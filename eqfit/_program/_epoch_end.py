@@ -1,6 +1,6 @@
 """An epoch's end inside the program: its values from the record of its steps,
 validation (each set's batches, computed here or added up by `PerStep`'s programs), and
-early stopping.
+early stopping; and with `validation_every=n`, the validation after an n-th step.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ from .._step._evaluate import add_batches, add_chunk, evaluate_batches, evaluati
 from .._step._labels import LabelError
 from ._loop import Loop, Rebuilt
 from ._records import epoch_values, put
-from ._state import Inputs, Stop, TrainState, ValAt, ValSums
+from ._state import Inputs, Stop, TrainState, ValAt, Validations, ValSums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,9 @@ class EpochEnd:
         validated = None  # every epoch, or not at all
         validation = loop.validation
         validate = self.summed(sums) if sums else self.validate
-        if validation is not None:
+        if validation is not None and validation.every is not None:
+            values = jnp.concatenate([values, self.last_validation(state)])
+        elif validation is not None:
             if validation.freq == 1:  # no branch: the program it always was
                 val, label_error = validate(state, epoch)
             else:
@@ -62,6 +64,8 @@ class EpochEnd:
             return state
         assert state.stopping is not None
         stopping_rule = loop.early_stopping
+        if loop.val_every is not None and stopping_rule.monitor in loop.val_names:
+            return state  # judged at each validation (`validated`)
         monitored = values[loop.log_names.index(stopping_rule.monitor)]
         trained = (state.params, state.average)
 
@@ -79,6 +83,51 @@ class EpochEnd:
             stopping, stop = update(state.stopping)
         reason = jnp.where(stop, Stop.EARLY_STOPPING, state.reason)
         return state._replace(stopping=stopping, reason=reason)
+
+    def validated(
+        self, state: TrainState, sums: tuple[ValSums, ...] = ()
+    ) -> tuple[TrainState, Bool[Array, ""]]:
+        """The validation after global step `state.step`, an n-th (`validation_every=n`):
+        its values in the run's table at their row (computed here, or from `PerStep`'s
+        `sums`), and early stopping judging them where it monitors one; returns the state
+        and whether early stopping stops the run (once the epoch, if it ends here, is
+        closed: `_Member.boundary`). Its keys are folded from the step, as an epoch's
+        validation's are from the epoch.
+        """
+        loop, step, every = self.loop, state.step, self.loop.val_every
+        assert every is not None and state.validations is not None
+        validate = self.summed(sums) if sums else self.validate
+        values, label_error = validate(state, step)
+        number = jax.lax.div(step, jnp.asarray(every, step.dtype))  # of validations ever
+        row = number - loop.schedule.begin // every - 1
+        table = state.validations
+        table = Validations(put(table.values, values, row), put(table.done, True, row))
+        state = state._replace(validations=table, label_error=label_error)
+        rule, stop = loop.early_stopping, jnp.asarray(False)
+        if rule is None or rule.monitor not in loop.val_names:
+            return state, stop
+        assert state.stopping is not None
+        # Validations, not epochs, are what early stopping counts here (its patience, its
+        # `start_from_epoch`, its best: the validation's number, `step // n`).
+        monitored = values[loop.val_names.index(rule.monitor)]
+        trained = (state.params, state.average)
+        stopping, stop = rule.update(state.stopping, monitored, number, trained, state.model_state)
+        return state._replace(stopping=stopping), stop
+
+    def last_validation(self, state: TrainState) -> Array:
+        """The validation values of the epoch that ends at `state.step`, with
+        `validation_every`: its last validation's, NaN where it had none.
+        """
+        loop, step, every = self.loop, state.step, self.loop.val_every
+        assert every is not None and state.validations is not None
+        number = jax.lax.div(step, jnp.asarray(every, step.dtype))  # the last up to here
+        row = number - loop.schedule.begin // every - 1
+        inside = (number * every > step - loop.schedule.steps_per_epoch) & (row >= 0)
+        safe = jnp.maximum(row, 0)
+        table = state.validations
+        values = jax.lax.dynamic_index_in_dim(table.values, safe, 0, False)
+        done = jax.lax.dynamic_index_in_dim(table.done, safe, 0, False)
+        return jnp.where(inside & done, values, jnp.nan)
 
     def validate(self, state: TrainState, epoch: Int[Array, ""]) -> tuple[Array, LabelError]:
         """The validation values of epoch `epoch`'s model (`Loop.val_names`'), and the

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -71,6 +72,27 @@ class Loop:
     def val_sets(self) -> tuple[str, ...] | None:
         """The validation sets' names (`()`: one unnamed set; `None`: no validation)."""
         return None if self.validation is None else self.validation.sets
+
+    @property
+    def val_every(self) -> int | None:
+        """`validation_every`: validate after every n-th step; `None`: at epochs' ends."""
+        return None if self.validation is None else self.validation.every
+
+    def next_boundary(self, position: Any) -> Any:
+        """Where the stretch of steps from `position` (an int, or traced) ends: the epoch's
+        end, or the next n-th step's validation (`validation_every`) if sooner.
+        """
+        end, every = self.schedule.next_epoch_end(position), self.val_every
+        if every is None:
+            return end
+        validation = self.schedule.next_multiple(position, every)
+        if isinstance(position, jax.Array):
+            return jnp.minimum(end, validation)
+        return min(end, validation)
+
+    def validates_at(self, position: int) -> bool:
+        """Whether `validation_every` validates at `position` (never without it)."""
+        return self.val_every is not None and position % self.val_every == 0
 
     @property
     def log_names(self) -> tuple[str, ...]:

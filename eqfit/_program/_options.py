@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
-from .._core._checks import as_int, as_real
+from .._core._checks import as_int, as_real, as_steps
 from .._core._data import as_key, check_alive, ensemble_size
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution
@@ -30,6 +30,7 @@ from .._step._precision import as_precision, Precision
 from .._step._record import NORMS, record_for, SCALING
 from .._step._updates import AbstractUpdate, builtin, check_updates, Losses, trained_spec
 from .._step._validation import (
+    check_every,
     check_frequency,
     refuse_list_of_sets,
     validation_streams,
@@ -82,6 +83,9 @@ class Validation:
     # The sets are read as training streams its data (memmaps, loaders), a pass a
     # validation, and their batches given to programs of their own at an epoch's end.
     streamed: bool = False
+    # `validation_every=`: validate after every n-th step (counted from the first ever),
+    # not at epochs' ends; `None`: at epochs' ends (`freq`).
+    every: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +199,7 @@ def check_options(
     execution: Execution | Literal["auto"] = "auto",
     validation_freq: Any = 1,
     log_every: Any = None,
+    validation_every: Any = None,
     data: Any = None,
     opt_state: Any = None,
     loss: Any = None,
@@ -265,6 +270,7 @@ def check_options(
     refuse_list_of_sets(validation_data)
     validates = validation_data is not None or validation_split is not None
     check_frequency(validation_freq, validates)
+    every = check_every(validation_every, validation_freq, validates)
     sets = tuple(validation_data) if isinstance(validation_data, ValidationSets) else ()
     if validation_split is not None:
         fraction = validation_split
@@ -306,15 +312,17 @@ def check_options(
         )
     validation = None
     if validates:
-        streamed = validation_streams(validation_data, validation_freq, initial_epoch, epochs)
-        validation = Validation(sets, validation_freq, validate_ema, streamed)
+        streamed = validation_streams(
+            validation_data, validation_freq, initial_epoch, epochs, every
+        )
+        validation = Validation(sets, validation_freq, validate_ema, streamed, every)
     if shard is not None and checkpoint is not None:
         require_orbax()
     if data is None:
         _check_no_data(updates, steps_per_epoch, batch_size, validates, metrics, mesh, devices)
         batch_size, shuffle = 1, False  # one step a row of `no_data`'s
     options = Options(
-        log_every=_log_every(log_every),
+        log_every=as_steps("log_every", log_every, "tell the callbacks the training values"),
         key=as_key(key),
         epochs=epochs,
         initial_epoch=initial_epoch,
@@ -475,19 +483,6 @@ def _filter_spec(model: Any, trains: Any, filter_spec: Any, updates: Any) -> Any
             "picks parts of the model by name, `filter_spec` is `eqx.partition`'s)."
         )
     return trained_spec(model, trains, "`trains`")
-
-
-def _log_every(log_every: Any) -> int | None:
-    """`log_every` checked: `None`, or a whole number of steps, 1 or more."""
-    if log_every is None:
-        return None
-    every = as_int(log_every)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"`log_every` must be a whole number of steps, 1 or more (tell the callbacks the "
-            f"training values every n-th step), or None; got {log_every!r}."
-        )
-    return every
 
 
 # Below this no device eqfit runs on computes: a smaller `peak_flops` is a unit slip

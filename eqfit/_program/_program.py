@@ -25,7 +25,7 @@ from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._epoch_end import EpochEnd
 from ._loop import lay_out_state, Loop, Rebuilt
-from ._records import fresh_record, logs_of, put_cell, running_pair
+from ._records import fresh_record, logs_of, put_cell, running_pair, start_validations
 from ._state import (
     CallEnd,
     Consts,
@@ -91,6 +91,7 @@ def start(
             batch_sizes=jnp.zeros((rows, steps), jnp.int32),
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
             running=jnp.zeros(2),
+            validations=None if loop.val_every is None else start_validations(loop),
         )
 
     if loop.members is None:
@@ -301,9 +302,9 @@ class _Member:
         self, state: TrainState, until: CallEnd, unroll: int, remainder: bool
     ) -> tuple[TrainState, Report]:
         """`PerStep`'s program: `unroll` steps written out (each a no-op once the run
-        has reached `until.stop`, the epoch's end or the pass's full batches' end, or has
-        stopped). With `remainder`, one step: the pass's smaller last batch, if the state
-        is at it.
+        has reached `until.stop`, the epoch's end (or a validation's step), or the pass's
+        full batches' end, or has stopped). With `remainder`, one step: the pass's
+        smaller last batch, if the state is at it.
         """
         loop, schedule = self.loop, self.loop.schedule
         if schedule.learning:  # each call of the drive's steps are recorded afresh
@@ -311,8 +312,8 @@ class _Member:
             state = jax.tree.map(lambda a, b: jnp.where(until.fresh, a, b), fresh, state)
         step_key = self.step_key()
         begin = state.step
-        epoch_end = schedule.next_epoch_end(begin)
-        end = jnp.minimum(jnp.minimum(until.stop, schedule.total), epoch_end)
+        boundary = loop.next_boundary(begin)  # the epoch's end, or a validation's step
+        end = jnp.minimum(jnp.minimum(until.stop, schedule.total), boundary)
         piece, passes = self.inputs.piece, schedule.passes
         if piece is not None:  # streamed: this piece's rows
             first, order = piece.first, jnp.asarray(piece.order)
@@ -401,7 +402,8 @@ class _Member:
 
         def between_epoch_ends(state: TrainState) -> TrainState:
             epoch_end = schedule.next_epoch_end(state.step)
-            limit = jnp.minimum(end, epoch_end)
+            boundary = loop.next_boundary(state.step)  # or a validation's, if sooner
+            limit = jnp.minimum(end, boundary)
             full_limit = limit if remainder_step is None else jnp.minimum(limit, remainder_step)
 
             def more_full(state: TrainState) -> Bool[Array, ""]:
@@ -426,10 +428,10 @@ class _Member:
                 )
             if loop.validation is not None and loop.validation.streamed:
                 return state  # the host validates, then closes it (`close`)
-            closes = (state.step == epoch_end) & _running(state)
-            return jax.lax.cond(closes, self.epoch_end().close, lambda s: s, state)
+            at_end = True if loop.val_every is None else state.step == epoch_end
+            return self.boundary(state, state.step == boundary, at_end)
 
-        if schedule.epochs_end_at_pass_ends:
+        if schedule.epochs_end_at_pass_ends and loop.val_every is None:
             # From a step inside a pass to `end`, at or before the pass's end (in memory
             # the caller's loop sees to that, and a memmap's pieces each lie in one pass),
             # no epoch ends but at `end`: one stretch, with no loop around it. A loop
@@ -504,13 +506,49 @@ class _Member:
 
     def closed(self, state: TrainState, sums: tuple[ValSums, ...]) -> tuple[TrainState, Report]:
         """`close`'s (the program's) for one member: the epoch closed if its steps have
-        run to `self.stop`, its end, and the run is still running.
+        run to `self.stop`, its end, and the run is still running (with
+        `validation_every`, also called at a validation's step: validated there if due).
         """
+        reached, epoch_end = state.step == self.stop, True
+        if self.loop.val_every is not None:  # the host also calls it at validations
+            spe = self.loop.schedule.steps_per_epoch
+            epoch_end = jax.lax.rem(state.step, jnp.asarray(spe, state.step.dtype)) == 0
+        return self.finish(self.boundary(state, reached, epoch_end, sums))
 
-        closes = (state.step == self.stop) & _running(state)
-        closed = self.epoch_end().close(state, sums)
-        state = jax.tree.map(lambda a, b: jnp.where(closes, a, b), closed, state)
-        return self.finish(state)
+    def boundary(
+        self,
+        state: TrainState,
+        reached: Bool[Array, ""],
+        epoch_end: Bool[Array, ""] | bool,
+        sums: tuple[ValSums, ...] | None = None,
+    ) -> TrainState:
+        """Where the steps have `reached` a stretch's end (`Loop.next_boundary`): the
+        validation after an n-th step (`validation_every`) if due there, then the epoch's
+        close if one ends there (`epoch_end`), each only while the run runs. Computed
+        under a `cond` inside the run (`sums` `None`), or from `sums` that the host's
+        programs added up, and selected (`closed`).
+        """
+        end, every = self.epoch_end(), self.loop.val_every
+        stop = None
+        if every is not None:
+            step = state.step
+            due = reached & (jax.lax.rem(step, jnp.asarray(every, step.dtype)) == 0)
+            state, stop = _when(
+                due & _running(state),
+                lambda s: end.validated(s, sums or ()),
+                lambda s: (s, jnp.asarray(False)),
+                state,
+                sums,
+            )
+        closes = reached if epoch_end is True else reached & epoch_end
+        # With `validation_every`, the epoch's validation values are its last validation's.
+        closing = () if every is not None else sums or ()
+        state = _when(
+            closes & _running(state), lambda s: end.close(s, closing), lambda s: s, state, sums
+        )
+        if stop is not None:  # an early stop at a validation, once its epoch is closed
+            state = state._replace(reason=jnp.where(stop, Stop.EARLY_STOPPING, state.reason))
+        return state
 
     def report(self, state: TrainState, logs: Array | None = None) -> Report:
         stopping = self.loop.early_stopping
@@ -535,8 +573,25 @@ class _Member:
             if self.loop.schedule.learning
             else None,
             logs=logs,
+            validations=state.validations,
         )
 
 
 def _running(state: TrainState) -> Bool[Array, ""]:
     return state.reason == Stop.RUNNING
+
+
+def _when(
+    due: Bool[Array, ""],
+    fn: Callable[[Any], Any],
+    otherwise: Callable[[Any], Any],
+    state: TrainState,
+    sums: tuple[ValSums, ...] | None,
+) -> Any:
+    """`fn(state)` where `due`, else `otherwise(state)`: under a `cond` inside the run
+    (a validation not due is not computed), or both computed and selected where the host
+    added up the sums (`sums` given: `fn` only divides them).
+    """
+    if sums is None:
+        return jax.lax.cond(due, fn, otherwise, state)
+    return jax.tree.map(lambda a, b: jnp.where(due, a, b), fn(state), otherwise(state))

@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._step._step import StepResult
 from ._loop import Loop
-from ._state import Steps, TrainState
+from ._state import Steps, TrainState, Validations
 
 
 def running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
@@ -104,8 +104,15 @@ def log_rows(loop: Loop) -> int:
     """The n-th steps this run reaches (its global step count a multiple of `log_every`),
     at least one.
     """
-    every, schedule = loop.log_every, loop.schedule
-    assert every is not None
+    assert loop.log_every is not None
+    return rows_every(loop, loop.log_every)
+
+
+def rows_every(loop: Loop, every: int) -> int:
+    """The n-th steps this run reaches (its global step count a multiple of `every`), at
+    least one: the rows of a table with one for each (`log_every`'s, `validation_every`'s).
+    """
+    schedule = loop.schedule
     return max(schedule.total // every - schedule.begin // every, 1)
 
 
@@ -139,3 +146,11 @@ def logs_of(loop: Loop, state: TrainState) -> Float[Array, "rows values"] | None
     )
     reached = (first + 1 + jnp.arange(rows)) * every <= state.step
     return jnp.where(reached[:, None], values, jnp.nan)
+
+
+def start_validations(loop: Loop) -> Validations:
+    """The table of a run's validations every n steps (`validation_every`), none made."""
+    assert loop.val_every is not None
+    rows = rows_every(loop, loop.val_every)
+    values = jnp.full((rows, len(loop.val_names)), jnp.float32(jnp.nan))
+    return Validations(values, jnp.zeros(rows, bool))

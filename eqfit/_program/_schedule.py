@@ -141,6 +141,10 @@ class Schedule:
         steps = self.steps_per_epoch * every
         return (_div(position, steps) + 1) * steps
 
+    def next_multiple(self, position: _Int, n: int) -> _Int:
+        """The first position after `position` that `n` divides (an n-th step's)."""
+        return (_div(position, n) + 1) * n
+
     def is_epoch_end(self, position: int, every: int = 1) -> bool:
         """Whether an epoch ends at `position` (whose number `every` divides)."""
         return position % (self.steps_per_epoch * every) == 0

@@ -60,6 +60,15 @@ class StartArgs(NamedTuple):
     consts: Consts
 
 
+class Validations(NamedTuple):
+    """With `validation_every=n`, the run's validations, a row each: row `r` is the one
+    after global step `(begin // n + r + 1) * n`, `begin` the run's first step.
+    """
+
+    values: Float[Array, "*members rows values"]  # `Loop.val_names`'; NaN where not made
+    done: Bool[Array, "*members rows"]  # whether it was made (the run reached it, running)
+
+
 class TrainState(NamedTuple):
     """Everything a run carries from step to step and from call to call; all arrays.
 
@@ -84,6 +93,7 @@ class TrainState(NamedTuple):
     # The epoch in progress: its finite steps' losses weighted by their batch sizes,
     # summed, and the sizes summed (for the bar; the epoch's value is `epoch_values`').
     running: Float[Array, "2"]
+    validations: Validations | None = None  # with `validation_every=`
 
 
 class Piece(NamedTuple):
@@ -214,3 +224,4 @@ class Report(NamedTuple):
     # run, a row each (`(begin // n + r + 1) * n` is row `r`, `begin` the run's first
     # step), NaN for one not reached.
     logs: Float[Array, "*members rows values"] | None = None
+    validations: Validations | None = None  # with `validation_every=`: the state's

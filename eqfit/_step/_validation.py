@@ -14,6 +14,7 @@ from typing import Any, final
 
 import jax
 
+from .._core._checks import as_steps
 from .._core._data import data_kind
 from .._core._typing import Data
 
@@ -151,6 +152,26 @@ def check_frequency(validation_freq: Any, validates: bool) -> None:
         )
 
 
+def check_every(validation_every: Any, validation_freq: int, validates: bool) -> int | None:
+    """`validation_every` checked: `None`, or a whole number of steps, 1 or more, for a run
+    that validates, and not beside a `validation_freq` (which counts epochs).
+    """
+    validation_every = as_steps("validation_every", validation_every, "validate after")
+    if validation_every is None:
+        return None
+    if not validates:
+        raise ValueError(
+            f"`validation_every={validation_every}` says how often to validate, but this run "
+            "validates nothing: give `validation_data` or `validation_split` too."
+        )
+    if validation_freq != 1:
+        raise ValueError(
+            f"Give `validation_every={validation_every}` (steps) or `validation_freq="
+            f"{validation_freq}` (epochs), not both: they say when to validate two ways."
+        )
+    return validation_every
+
+
 def refuse_list_of_sets(validation_data: Any) -> None:
     """Refuses a list of datasets for `validation_data`, showing the named form. (A list
     of arrays is refused by the data's own check, with the advice to pass a tuple.)
@@ -168,10 +189,13 @@ def refuse_list_of_sets(validation_data: Any) -> None:
     )
 
 
-def validation_streams(validation_data: Any, freq: int, initial_epoch: Any, epochs: Any) -> bool:
+def validation_streams(
+    validation_data: Any, freq: int, initial_epoch: Any, epochs: Any, every: int | None = None
+) -> bool:
     """Whether `validation_data` streams (memmaps, loaders), as `data` can: then each
     validation reads its sets anew. Refuses an iterator (a generator) that the run would
-    read more than once, and a streamed set over several processes.
+    read more than once (with `validation_every`, any: it validates as its steps go), and
+    a streamed set over several processes.
     """
     given = validation_data.items() if isinstance(validation_data, ValidationSets) else None
     named = list(given) if given is not None else [(None, validation_data)]
@@ -182,11 +206,14 @@ def validation_streams(validation_data: Any, freq: int, initial_epoch: Any, epoc
             continue
         streamed = True
         validations = sum(e % freq == 0 for e in range(int(initial_epoch) + 1, int(epochs) + 1))
+        epochs_said = f"epochs {int(initial_epoch) + 1} to {int(epochs)}, every {freq}"
+        when = f"{validations} times ({epochs_said})"
+        if every is not None:
+            validations, when = 2, f"after every {every}-th step (`validation_every`)"
         if isinstance(data, Iterator) and validations > 1:
             raise ValueError(
                 f"{what} is an iterator (a generator, say), which can be read once, but this "
-                f"run validates {validations} times (epochs {int(initial_epoch) + 1} to "
-                f"{int(epochs)}, every {freq}). Pass something read anew at each validation: a "
+                f"run validates {when}. Pass something read anew at each validation: a "
                 "list of batches, a re-iterable loader (a class whose `__iter__` makes the "
                 "generator), or the arrays (memmaps too); or validate once."
             )
