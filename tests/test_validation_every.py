@@ -327,3 +327,38 @@ def test_a_plan_counts_the_validations(problem):
     train, val, _ = problem
     plan = eqfit.plan(model_of(), train, validation_data=val, **kwargs())
     assert plan.validations == 4
+
+
+def test_a_log_shows_each_validation_before_its_epoch(problem, capsys):
+    train, val, _ = problem
+    result = eqfit.fit(model_of(), train, validation_data=val, progress="lines", **kwargs())
+    lines = capsys.readouterr().err.splitlines()
+    shown = [line.split(":")[0] for line in lines if line.startswith(("step", "epoch"))]
+    assert shown == [
+        "step 5",
+        "epoch 1/3",
+        "step 10",
+        "epoch 2/3",
+        "step 15",
+        "step 20",
+        "epoch 3/3",
+    ]
+    first = result.history.validations["val_loss"][0]
+    assert any(line.startswith(f"step 5: val_loss={first:.4g} ") for line in lines)
+
+
+def test_mlflow_logs_each_validation_at_its_step(problem, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    train, val, _ = problem
+    store = (tmp_path / "mlruns").as_uri()
+    logger = eqfit.callbacks.MLflowLogger(experiment_name="validations", tracking_uri=store)
+    result = eqfit.fit(model_of(), train, validation_data=val, callbacks=[logger], **kwargs())
+    client = mlflow.MlflowClient(store)
+    logged = client.get_metric_history(logger.run_id, "step/val_loss")
+    history = result.history
+    assert [m.step for m in logged] == history.validation_steps.tolist()
+    np.testing.assert_allclose(
+        [m.value for m in logged], history.validations["val_loss"], rtol=1e-6
+    )

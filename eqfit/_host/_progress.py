@@ -259,9 +259,15 @@ def wrapped(line: str, width: int | None) -> str:
     return "\n".join(lines)
 
 
+def validation_line(step: int, logs: dict[str, float]) -> str:
+    """A validation's line (`validation_every`): its step and its values."""
+    return f"step {step}: " + " ".join(f"{name}={value:.4g}" for name, value in logs.items())
+
+
 class Lines(Observer):
     """The run as a log shows it, where no bar is drawn: the plan's line once the run
-    starts, a line for each epoch as it ends (the bar's epoch line, unbroken), a line
+    starts, a line for each epoch as it ends (the bar's epoch line, unbroken), and for
+    each validation (`validation_every`) before it, a line
     about every `seconds_per_line()` inside a longer epoch, and a line saying how the
     run ended. Each line is whole and flushed as it is written, so that `tail -f` shows
     it: no carriage return, no frame, no blank line.
@@ -303,8 +309,13 @@ class Lines(Observer):
 
     def on_progress(self, progress: Progress) -> bool:
         schedule = self.schedule
+        validated = list(progress.validated)  # `validation_every`'s, each before its epoch's
         for epoch, logs in progress.ended:
+            while validated and validated[0][0] <= epoch * schedule.steps_per_epoch:
+                self._write(validation_line(*validated.pop(0)))
             self._write(self.epoch_line(epoch, logs))
+        for step, logs in validated:
+            self._write(validation_line(step, logs))
         self.position, self.stopped = progress.position, progress.stopped
         self.epoch = min(progress.epoch, schedule.epochs)
         inside = schedule.learning or not schedule.is_epoch_end(progress.position)
