@@ -187,8 +187,7 @@ def observers_for(
         policy = options.checkpoint
         monitor, every, best = None, loop.val_every, policy.keep_best
         if best is not None and every is not None and best in loop.val_names:
-            first = loop.schedule.begin // every * every + every  # row 0's step
-            monitor = BestBy(loop.val_names.index(policy.keep_best), every, first)
+            monitor = BestBy(loop.val_names.index(best), every, loop.validation_row)
         elif policy.keep_best is not None:
             monitor = BestBy(loop.log_names.index(policy.keep_best))
         take = placement.get

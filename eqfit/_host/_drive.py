@@ -294,9 +294,9 @@ class _Reader:
             return ()
         values, done = (np.asarray(x) for x in self.loop.placement.host(table))
         values, done = values.reshape(-1, *values.shape[-2:]), done.reshape(-1, done.shape[-1])
-        low, made = self.loop.schedule.begin // every, []
+        made = []
         for k in range(begin // every + 1, position // every + 1):
-            row = k - low - 1
+            row = self.loop.validation_row(k * every)
             if done[:, row].any():
                 value = _mean_of_finished(np.where(done[:, row, None], values[:, row], np.nan))
                 made.append((k * every, dict(zip(self.loop.val_names, value.tolist()))))

@@ -234,7 +234,7 @@ class Callbacks(Observer):
             # Keras calls `on_train_batch_end` before `on_epoch_end`.
             end = epoch * self.schedule.steps_per_epoch
             while logged and logged[0][0] <= end:
-                self.batch_end(*logged.pop(0))
+                self.tell(*logged.pop(0))
             self.last_logs = logs
             taken = self.taken.pop(epoch * self.schedule.steps_per_epoch, None)
             models = None
@@ -249,10 +249,10 @@ class Callbacks(Observer):
                 break
         if not self.stopped:
             for event in logged:
-                self.batch_end(*event)
+                self.tell(*event)
         return self.stopped
 
-    def batch_end(self, step: int, validation: int, logs: dict[str, float]) -> None:
+    def tell(self, step: int, validation: int, logs: dict[str, float]) -> None:
         """The callbacks told of step `step`: its training values (`log_every`, with
         `on_train_batch_end`), or where `validation` its validation's (`validation_every`,
         with `on_validation_end`).
@@ -283,13 +283,13 @@ class EpochModels(NamedTuple):
 class BestBy(NamedTuple):
     """What `Checkpoint(keep_best=)` judges a checkpoint by: a column of each epoch's
     values (`TrainState.epoch_values`), or with `every` (`validation_every`, monitoring a
-    validation value) of each validation's (`TrainState.validations`), whose row 0 is
-    the validation after step `first`.
+    validation value) of each validation's (`TrainState.validations`, the validation
+    after step `t` at row `row_of(t)`: `Loop.validation_row`).
     """
 
     column: int
     every: int | None = None
-    first: int = 0
+    row_of: Callable[[int], int] | None = None
 
     def next(self, schedule: Schedule, position: int) -> int:
         """The next position that may be the best: an epoch's end, or a validation's."""
@@ -301,7 +301,8 @@ class BestBy(NamedTuple):
         """The row of the value judged at `position`, if one is made there."""
         if self.every is None:
             return schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
-        return (position - self.first) // self.every if position % self.every == 0 else None
+        assert self.row_of is not None
+        return self.row_of(position) if position % self.every == 0 else None
 
     def values(self, state: PyTree, row: int) -> np.ndarray:
         """The values judged at `row` of a state on the host, of each member (NaN where

@@ -98,9 +98,7 @@ class EpochEnd:
         assert every is not None and state.validations is not None
         validate = self.summed(sums) if sums else self.validate
         values, label_error = validate(state, step)
-        number = jax.lax.div(step, jnp.asarray(every, step.dtype))  # of validations ever
-        row = number - loop.schedule.begin // every - 1
-        table = state.validations
+        row, table = loop.validation_row(step), state.validations
         table = Validations(put(table.values, values, row), put(table.done, True, row))
         state = state._replace(validations=table, label_error=label_error)
         rule, stop = loop.early_stopping, jnp.asarray(False)
@@ -109,6 +107,7 @@ class EpochEnd:
         assert state.stopping is not None
         # Validations, not epochs, are what early stopping counts here (its patience, its
         # `start_from_epoch`, its best: the validation's number, `step // n`).
+        number = loop.schedule.multiples(step, every)
         monitored = values[loop.val_names.index(rule.monitor)]
         trained = (state.params, state.average)
         stopping, stop = rule.update(state.stopping, monitored, number, trained, state.model_state)
@@ -120,9 +119,9 @@ class EpochEnd:
         """
         loop, step, every = self.loop, state.step, self.loop.val_every
         assert every is not None and state.validations is not None
-        number = jax.lax.div(step, jnp.asarray(every, step.dtype))  # the last up to here
-        row = number - loop.schedule.begin // every - 1
-        inside = (number * every > step - loop.schedule.steps_per_epoch) & (row >= 0)
+        row = loop.validation_row(step)  # the last validation's, up to here
+        last = loop.schedule.multiples(step, every) * every
+        inside = (last > step - loop.schedule.steps_per_epoch) & (row >= 0)
         safe = jnp.maximum(row, 0)
         table = state.validations
         values = jax.lax.dynamic_index_in_dim(table.values, safe, 0, False)

@@ -90,6 +90,14 @@ class Loop:
             return jnp.minimum(end, validation)
         return min(end, validation)
 
+    def validation_row(self, position: Any) -> Any:
+        """The row of `TrainState.validations` that the validation after `position` (an
+        int, or traced; one that `validation_every` divides) fills.
+        """
+        every = self.val_every
+        assert every is not None
+        return self.schedule.multiples(position, every) - self.schedule.begin // every - 1
+
     def validates_at(self, position: int) -> bool:
         """Whether `validation_every` validates at `position` (never without it)."""
         return self.val_every is not None and position % self.val_every == 0

@@ -141,6 +141,10 @@ class Schedule:
         steps = self.steps_per_epoch * every
         return (_div(position, steps) + 1) * steps
 
+    def multiples(self, position: _Int, n: int) -> _Int:
+        """The positions up to `position` that `n` divides, but 0 (n-th steps reached)."""
+        return _div(position, n)
+
     def next_multiple(self, position: _Int, n: int) -> _Int:
         """The first position after `position` that `n` divides (an n-th step's)."""
         return (_div(position, n) + 1) * n
