@@ -7,6 +7,7 @@ from . import (
     models as models,
     sharding as sharding,
 )
+from ._buckets import Buckets as Buckets
 from ._core._early_stopping import EarlyStopping as EarlyStopping
 from ._core._execution import (
     Execution as Execution,

@@ -134,7 +134,9 @@ def predict(
 
     The stacked outputs, `(n, ...)`, or `(members, n, ...)` with `ensemble=True` (`out`,
     filled, where given): to a type checker, what `model` returns (without the state,
-    given one).
+    given one). For a loader of buckets (`bucketed = True`, [`eqfit.Buckets`][]), whose
+    batches' outputs differ in shape, a list of each batch's outputs in its order
+    (`Buckets.order()` says which samples each holds).
     """
     check_alive(model=model, x=x, state=state, out=out)
     check_batch_size(batch_size)
@@ -197,6 +199,13 @@ def _predict_streamed(
     """
     model, _, state, batch_size, ensemble, policy, key = args
     parts = []
+    buckets = isinstance(source, Loader) and getattr(source.loader, "bucketed", False) is True
+    if buckets and out is not None:
+        raise ValueError(
+            "`out=` takes outputs of one shape, but `x` is a loader of buckets "
+            "(`bucketed`), whose batches' outputs differ in shape: leave `out` out, and "
+            "take the list of each batch's outputs."
+        )
     writer = None if out is None else _Writer(out, ensemble)
     with inference_chunks(source, batch_size) as chunks:
         done = Releases()
@@ -211,6 +220,8 @@ def _predict_streamed(
     if writer is not None:
         writer.check_filled()
         return out
+    if buckets:  # each batch's own, in the loader's order
+        return parts
     return _joined(parts, ensemble)
 
 
@@ -240,7 +251,16 @@ def _predict_chunk(
 def _joined(parts: list[Any], ensemble: bool) -> Any:
     if len(parts) == 1:
         return parts[0]
-    return jax.tree.map(lambda *p: jnp.concatenate(p, axis=1 if ensemble else 0), *parts)
+    axis = 1 if ensemble else 0
+    shapes = {tuple(np.delete(np.shape(o), axis)) for p in parts for o in jax.tree.leaves(p)[:1]}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"`x`'s batches give outputs of several shapes ({sorted(shapes)} but for the "
+            "examples' axis), which do not stack into one array: a loader of buckets. Give "
+            "its class `bucketed = True` (as `eqfit.Buckets` has) to get a list of each "
+            "batch's outputs."
+        )
+    return jax.tree.map(lambda *p: jnp.concatenate(p, axis=axis), *parts)
 
 
 class _Writer:

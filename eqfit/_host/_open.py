@@ -26,13 +26,14 @@ def open_data(
     """
     source = open_source(data, options, planning=planning)
     like = sample_shapes(source.like)
+    buckets = _bucketed(data)  # a sample's lengths are its bucket's: compared by axes alone
     if options.validation is not None and options.validation.streamed:
-        return source, _streamed_sets(validation_data, like, planning)
+        return source, _streamed_sets(validation_data, like, planning, buckets)
     if isinstance(validation_data, ValidationSets):
         sets = {}
         for name, given in validation_data.items():
             sets[name] = as_data(given, f"validation_data[{name!r}]")
-            _refuse_unlike(sample_shapes(sets[name]), like, name)
+            _refuse_unlike(sample_shapes(sets[name]), like, name, buckets)
         return source, sets
     if _several_datasets(validation_data, like):
         raise ValueError(
@@ -46,15 +47,18 @@ def open_data(
     elif options.validation_split is not None:
         source, val = source.hold_out(options.validation_split, options.key)
     if val is not None:
-        _refuse_unlike(sample_shapes(val), like)
+        _refuse_unlike(sample_shapes(val), like, None, buckets)
     return source, val
 
 
-def _refuse_unlike(got: list[list[Any]], like: list[list[Any]], name: str | None = None) -> None:
+def _refuse_unlike(
+    got: list[list[Any]], like: list[list[Any]], name: str | None = None, buckets: bool = False
+) -> None:
     """Refuses a validation set (set `name` of `ValidationSets`, or the one) whose samples
-    (`got`) are not like `data`'s (`like`): path, shape of one sample, dtype.
+    (`got`) are not like `data`'s (`like`): path, shape of one sample, dtype (with
+    `buckets`, where either is in buckets, the number of a sample's axes for its shape).
     """
-    if got == like:
+    if got == like or (buckets and _axes(got) == _axes(like)):
         return
     subject = "`validation_data`" if name is None else f"`validation_data`'s set {name!r}"
     what = "validation_data" if name is None else f"validation_data[{name!r}]"
@@ -64,7 +68,19 @@ def _refuse_unlike(got: list[list[Any]], like: list[list[Any]], name: str | None
     )
 
 
-def _streamed_sets(validation_data: Any, like: list[list[Any]], planning: bool) -> StreamedSets:
+def _bucketed(data: Any) -> bool:
+    """Whether `data` is a loader whose batches come in several shapes (`eqfit.Buckets`)."""
+    return getattr(data, "bucketed", False) is True
+
+
+def _axes(shapes: list[list[Any]]) -> list[list[Any]]:
+    """`sample_shapes`' rows with each shape as its number of axes: samples of buckets."""
+    return [[path, len(shape), dtype] for path, shape, dtype in shapes]
+
+
+def _streamed_sets(
+    validation_data: Any, like: list[list[Any]], planning: bool, buckets: bool
+) -> StreamedSets:
     """The validation sets of a run whose validation streams, each opened and checked to
     be like the training data (`like`, its sample shapes). An iterator that `eqfit.plan`
     read from is refused, and one it reads from now remembered (`planning`).
@@ -80,7 +96,7 @@ def _streamed_sets(validation_data: Any, like: list[list[Any]], planning: bool) 
         opened = Reread(given, what)
         if planning:
             remember_planned(given)
-        _refuse_unlike(sample_shapes(opened.like), like, name)
+        _refuse_unlike(sample_shapes(opened.like), like, name, buckets or _bucketed(given))
         sets.append(opened)
     return StreamedSets(tuple(sets))
 

@@ -15,6 +15,7 @@ import collections.abc
 import functools
 import itertools
 import json
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -409,8 +410,7 @@ class Loader(_Streamed):
         return count
 
     def shape(self) -> SourceShape:
-        chunk = min(self.per_chunk(self.batch_size), LOADER_CHUNK_BATCHES)
-        return SourceShape(None, self.batch_size, self.length, chunk)
+        return SourceShape(None, self.batch_size, self.length, self.batches_per_chunk())
 
     def describe(self) -> list[list[Any]]:
         # The epoch's length, stored with the run's checkpoints, is then the first pass's.
@@ -424,7 +424,17 @@ class Loader(_Streamed):
         )
 
     def chunk_size(self, schedule: Schedule) -> int:
-        return min(self.per_chunk(schedule.batch_size), LOADER_CHUNK_BATCHES)
+        return self.batches_per_chunk(schedule.batch_size)
+
+    def batches_per_chunk(self, batch_size: int | None = None) -> int:
+        """Full batches a chunk: about `CHUNK_BYTES`, at most `LOADER_CHUNK_BATCHES`; one
+        where the loader says its batches come in several shapes, shuffled among each other
+        (`bucketed = True`, as `eqfit.Buckets`): each a call of one step, so that each shape
+        compiles one program, not one for a chunk and one for a batch between others.
+        """
+        if getattr(self.loader, "bucketed", False) is True:
+            return 1
+        return min(self.per_chunk(batch_size or self.batch_size), LOADER_CHUNK_BATCHES)
 
     def _iterate(self) -> Iterator[Any]:
         """One pass over the loader, telling it which pass it is (`set_epoch`)."""
@@ -463,6 +473,7 @@ class Loader(_Streamed):
         structure = jax.tree.structure(self.first)
         shapes = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(self.first)]
         size, stored = self.batch_size, self.stored
+        met = {sample_shapes_of(self.first)}  # the batches' shapes so far (buckets)
         smaller = None  # the size of the last batch, if smaller: its pass must end there
         step = 0
         for step, (batch, starts_pass, ends_first) in enumerate(stream):
@@ -474,6 +485,17 @@ class Loader(_Streamed):
                 )
             got = _check_batch(batch, step, structure, shapes, size)
             smaller = got if got < size else None
+            if len(met) <= SHAPES_WARNED:
+                met.add(sample_shapes_of(batch))
+                if len(met) > SHAPES_WARNED:
+                    warnings.warn(
+                        f"The loader has yielded batches of more than {SHAPES_WARNED} shapes "
+                        f"(batch {step} has a new one): each compiles programs of its own. Pad "
+                        "to a few bucket lengths (`eqfit.Buckets`) so that a few programs serve "
+                        "every batch.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
             if stored is not None and 0 < step < stored and starts_pass:
                 raise self._changed(f"{step} batches")
             if stored is not None and step == stored and not starts_pass:
@@ -500,6 +522,7 @@ class Loader(_Streamed):
         learned = None  # the first epoch's length, once its last batch is read
 
         def chunk(batches: list[PyTree], batch_size: int, first: int) -> Chunk:
+            # One shape a chunk: a bucket's batches (`sample_shapes_of`) share a program.
             data = jax.tree.map(lambda *parts: np.concatenate(parts), *batches)
             order = np.arange(len(batches) * batch_size)
             return Chunk(data, order, first, first + len(batches), batch_size, learned)
@@ -512,6 +535,9 @@ class Loader(_Streamed):
                     end = min(end, schedule.epochs * learned)
                 if step < begin:  # trained before a resume
                     continue
+                if held and sample_shapes_of(batch) != sample_shapes_of(held[0]):
+                    yield chunk(held, size, step - len(held))  # a new bucket: a new chunk
+                    held = []
                 if got < size:
                     if held:
                         yield chunk(held, size, step - len(held))
@@ -560,12 +586,24 @@ def _as_batch(batch: Any, index: int) -> PyTree:
         raise TypeError(f"The loader's batch {index} is not a PyTree of arrays: {e}") from None
 
 
+# Past this many shapes of a loader's batches, `fit` warns: each compiles its programs.
+SHAPES_WARNED = 8
+
+
+def sample_shapes_of(batch: PyTree) -> tuple[tuple[int, ...], ...]:
+    """The shape of a sample of each of a batch's arrays: what its bucket is."""
+    return tuple(a.shape[1:] for a in jax.tree.leaves(batch))
+
+
 def _check_batch(
     batch: PyTree, index: int, structure: Any, shapes: list[tuple[Any, Any]], size: int
 ) -> int:
     """Refuses a batch unlike the first: another structure, arrays that do not share
-    their leading size, other sample shapes or dtypes, or more samples. Returns its size.
-    (It runs for every batch, so it compares plain tuples; the messages do the work.)
+    their leading size, samples of other dtypes or of another number of axes, or more
+    samples. Returns its size. Samples of other lengths along their axes are a batch of
+    another bucket (a sequence padded to another length), which trains with programs of
+    its own. (It runs for every batch, so it compares plain tuples; the messages do the
+    work.)
     """
     leaves, got_structure = jax.tree.flatten(batch)
     if got_structure != structure:
@@ -580,12 +618,13 @@ def _check_batch(
             f"{[list(np.shape(a)) for a in leaves]}: every array of a batch needs the same "
             "leading (sample) size, or inputs and labels would not line up."
         )
-    if [(a.shape[1:], a.dtype) for a in leaves] != shapes:
+    if [(a.ndim - 1, a.dtype) for a in leaves] != [(len(s), d) for s, d in shapes]:
         got = [[tuple(a.shape[1:]), str(a.dtype)] for a in leaves]
         first = [[tuple(shape), str(dtype)] for shape, dtype in shapes]
         raise ValueError(
             f"The loader's batch {index} has samples of shapes and dtypes {got}, but its "
-            f"first batch had {first}."
+            f"first batch had {first}: each array's dtype and number of axes must stay "
+            "(its lengths may change, a bucket's)."
         )
     got_size = int(sizes[0])
     if got_size > size:

@@ -1,0 +1,196 @@
+"""`Buckets`: sequences of many lengths padded to a few bucket lengths, with a mask, as a
+loader of shuffled batches of one bucket each, which `fit` trains with one program per
+bucket.
+"""
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import Array, Key
+
+
+class Buckets:
+    """Variable-length sequences, padded to the next of a few bucket lengths, as a loader
+    for `fit`, `eqfit.evaluate` and `eqfit.predict`: each batch holds samples of one
+    bucket, so XLA compiles one program per bucket rather than one per length, and none
+    pays for padding to the longest.
+
+    ```python
+    buckets = eqfit.Buckets((tokens, labels), lengths=(16, 32, 64, 128), batch_size=32, key=key)
+    eqfit.fit(model, buckets, loss=masked_loss, optimizer=opt, key=key, epochs=10)
+
+    def masked_loss(model, tokens, labels, mask):  # each batch: the fields, then the mask
+        per_token = ...  # (batch, length)
+        return eqfit.Mean.of(per_token, mask)  # a mean over the real tokens
+    ```
+
+    Each pass yields every sample once: the samples of each bucket in an order shuffled
+    from `key` and the pass (`set_epoch`, which `fit` calls before each), cut into
+    batches of `batch_size`, and the batches of every bucket in a shuffled order. The last
+    batch of a bucket is filled up with rows of padding (mask 0), so every batch is full
+    and a masked mean (`eqfit.Mean` weighted by the mask) is the mean over the real
+    tokens: the same as on the sequences unpadded. The same `key` gives the same batches
+    bit for bit, so a resumed run reads the pass it stopped in as it was.
+
+    **Arguments:**
+
+    - `data`: a tuple of fields, one entry per sample in each: a list of arrays whose
+        first axis is the sample's length (its tokens: every such field of a sample has
+        the same length), or an array with a row per sample (a label per sequence).
+    - `lengths`: the bucket lengths, increasing: a sample goes to the shortest that holds
+        it, and one longer than the longest is refused.
+    - `batch_size`: samples a batch.
+    - `key`: the shuffle's key; `shuffle=False` keeps the samples' order in each bucket
+        and the buckets in order.
+    - `pad`: the value padded positions hold (the mask says which they are).
+
+    A batch is the tuple of the fields, each padded to its bucket's length (`(batch,
+    length, ...)`; a field with a row per sample stays `(batch, ...)`), then the mask,
+    `(batch, length)` float32: 1 at a sample's tokens, 0 at padding.
+
+    How to choose the lengths: a few (4 to 8), so that the programs compile in little
+    time, spread so that each bucket pads its samples little: the quantiles of the
+    samples' lengths (`np.quantile(lengths, [0.25, 0.5, 0.75, 1.0])`, rounded up to a
+    multiple of 8 for the accelerator's tiles) are a good start.
+    """
+
+    # Its batches come in several shapes, shuffled among each other: `fit` reads each as a
+    # call of its own (`Loader.batches_per_chunk`).
+    bucketed: bool = True
+
+    def __init__(
+        self,
+        data: tuple[Any, ...],
+        *,
+        lengths: Sequence[int],
+        batch_size: int,
+        key: Key[Array, ""] | None = None,
+        shuffle: bool = True,
+        pad: float = 0,
+    ):
+        if not isinstance(data, tuple) or not data:
+            raise TypeError(
+                "`Buckets`'s `data` must be a tuple of fields (`(tokens, labels)`), each a "
+                f"list of arrays (one per sample) or an array with a row per sample; got "
+                f"{type(data).__name__}."
+            )
+        bounds = [int(n) for n in lengths]
+        if not bounds or any(n < 1 for n in bounds) or bounds != sorted(set(bounds)):
+            raise ValueError(
+                f"`Buckets`'s `lengths` must be increasing lengths of 1 or more, got {lengths!r}."
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`Buckets`'s `batch_size` must be 1 or more, got {batch_size!r}.")
+        if shuffle and key is None:
+            raise ValueError("`Buckets` shuffles with `key=`: give one, or `shuffle=False`.")
+        self.fields = [_field(f, i) for i, f in enumerate(data)]
+        self.ragged = [isinstance(f, list) for f in self.fields]
+        counts = {len(f) for f in self.fields}
+        if len(counts) > 1:
+            raise ValueError(
+                f"`Buckets`'s fields hold {sorted(counts)} samples: each needs one entry per "
+                "sample."
+            )
+        if not any(self.ragged):
+            raise ValueError(
+                "`Buckets`'s `data` has no field of sequences: give at least one as a list "
+                "of arrays, one per sample, whose first axis is its length."
+            )
+        self.lengths = _sample_lengths(self.fields, self.ragged)
+        too_long = np.flatnonzero(self.lengths > bounds[-1])
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(
+                f"`Buckets`: sample {i} has length {int(self.lengths[i])}, longer than the "
+                f"longest bucket, {bounds[-1]}: add a longer one to `lengths`, or cut it."
+            )
+        self.bounds, self.batch_size, self.shuffle, self.pad = bounds, batch_size, shuffle, pad
+        self.bucket = np.searchsorted(np.asarray(bounds), self.lengths)  # each sample's
+        self.seed = None if key is None else np.asarray(jax.random.key_data(key)).ravel()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The pass the next iteration makes (`fit` calls it before each)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        """Batches a pass."""
+        sizes = np.bincount(self.bucket, minlength=len(self.bounds))
+        return int(sum(-(-int(n) // self.batch_size) for n in sizes))
+
+    def order(self) -> list[tuple[int, np.ndarray]]:
+        """This pass's batches: each its bucket and its samples' indices (shorter than
+        `batch_size` for a bucket's last).
+        """
+        rng = None
+        if self.shuffle:
+            assert self.seed is not None
+            rng = np.random.default_rng([*self.seed.tolist(), self.epoch])
+        batches = []
+        for b in range(len(self.bounds)):
+            members = np.flatnonzero(self.bucket == b)
+            if rng is not None:
+                members = rng.permutation(members)
+            for start in range(0, len(members), self.batch_size):
+                batches.append((b, members[start : start + self.batch_size]))
+        if rng is not None:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        return batches
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, ...]]:
+        for b, samples in self.order():
+            yield self.batch(self.bounds[b], samples)
+
+    def batch(self, length: int, samples: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The samples padded to `length` (and with rows of padding to `batch_size`),
+        each field, then the mask.
+        """
+        size = self.batch_size
+        mask = np.zeros((size, length), np.float32)
+        out = []
+        for field, ragged in zip(self.fields, self.ragged):
+            if ragged:
+                first = field[samples[0]]
+                padded = np.full((size, length, *first.shape[1:]), self.pad, first.dtype)
+                for row, i in enumerate(samples):
+                    padded[row, : len(field[i])] = field[i]
+            else:
+                rows = field[samples]
+                padded = np.zeros((size, *rows.shape[1:]), rows.dtype)
+                padded[: len(samples)] = rows
+            out.append(padded)
+        for row, i in enumerate(samples):
+            mask[row, : self.lengths[i]] = 1.0
+        return (*out, mask)
+
+
+def _field(field: Any, i: int) -> list[np.ndarray] | np.ndarray:
+    """A field as a list of numpy arrays (sequences) or one numpy array (a row a sample)."""
+    if isinstance(field, list | tuple):
+        arrays = [np.asarray(a) for a in field]
+        if any(a.ndim == 0 for a in arrays):
+            raise ValueError(
+                f"`Buckets`'s field {i} holds a scalar: a sequence's array has its length "
+                "first (`(length, ...)`); give a field of one value per sample as an array."
+            )
+        return arrays
+    array = np.asarray(field)
+    if array.ndim == 0:
+        raise ValueError(f"`Buckets`'s field {i} is a scalar: give one entry per sample.")
+    return array
+
+
+def _sample_lengths(fields: list[Any], ragged: list[bool]) -> np.ndarray:
+    """Each sample's length, the same in every field of sequences (refused otherwise)."""
+    per_field = [np.array([len(a) for a in f]) for f, r in zip(fields, ragged) if r]
+    for other in per_field[1:]:
+        differ = np.flatnonzero(other != per_field[0])
+        if differ.size:
+            i = int(differ[0])
+            raise ValueError(
+                f"`Buckets`: sample {i} has sequences of lengths {int(per_field[0][i])} and "
+                f"{int(other[i])} in two fields: a sample's sequences share their length."
+            )
+    return per_field[0]
