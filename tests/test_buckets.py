@@ -200,3 +200,76 @@ def test_predict_gives_each_batchs_outputs(sequences):
             np.testing.assert_allclose(out[row, :n], model(xs[i]), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"`out=` takes outputs of one shape"):
         eqfit.predict(model, data, out=np.zeros((len(xs), 64), np.float32))
+
+
+def mesh():
+    from jax.sharding import AxisType, Mesh
+
+    return Mesh(np.array(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+
+
+WAYS = {
+    "per step": dict(execution=eqfit.PerStep(1)),
+    "bar": dict(progress=True),
+    "devices": dict(devices=4),
+    "mesh": {},  # made in the test
+    "microbatches": dict(microbatches=2),
+}
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_every_way_of_running_trains_the_buckets_alike(way, sequences, capsys):
+    model = GRU(jax.random.key(1))
+    kwargs = dict(loss=masked_loss, optimizer=optax.adam(1e-2), key=jax.random.key(0), epochs=2)
+    whole = eqfit.fit(model, buckets(sequences), **kwargs)
+    more = dict(WAYS[way]) | ({"mesh": mesh()} if way == "mesh" else {})
+    other = eqfit.fit(model, buckets(sequences), **kwargs, **more)
+    exact = way in ("per step", "bar")
+    for a, b in zip(jax.tree.leaves(whole.model), jax.tree.leaves(other.model)):
+        if exact:
+            np.testing.assert_array_equal(a, b)
+        else:  # the batch's mean taken in parts, summed in another order
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    capsys.readouterr()
+
+
+def test_an_ensemble_trains_each_member_on_the_buckets(sequences):
+    keys = jax.random.split(jax.random.key(1), 2)
+    stack = eqx.filter_vmap(GRU)(keys)
+    kwargs = dict(loss=masked_loss, optimizer=optax.adam(1e-2), epochs=1)
+    result = eqfit.fit(stack, buckets(sequences), ensemble=True, key=jax.random.key(0), **kwargs)
+    for m in range(2):
+        alone = eqfit.fit(
+            GRU(keys[m]), buckets(sequences), key=jax.random.split(jax.random.key(0), 2)[m],
+            **kwargs,
+        )  # fmt: skip
+        member = jax.tree.map(lambda a: a[m], jax.tree.leaves(result.model))
+        for a, b in zip(member, jax.tree.leaves(alone.model)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_rows_have_the_loss_of_the_sequences_unpacked():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "packed_sequences.py"
+    spec = importlib.util.spec_from_file_location("packed_sequences", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    seqs = example.sentences(48)
+    packed, alone = example.pack(seqs), example.unpacked(seqs)
+    assert len(packed[0]) < len(alone[0])  # several sentences a row
+    # Each packed sentence keeps its tokens, numbered positions and a segment of its own.
+    tokens, segments, positions = packed
+    row = segments[0]
+    first = tokens[0][row == 1]
+    np.testing.assert_array_equal(first, seqs[0])
+    np.testing.assert_array_equal(positions[0][row == 2], np.arange(len(seqs[1])))
+    model = example.Transformer(jax.random.key(0))
+    got = eqfit.evaluate(model, packed, loss=example.loss, batch_size=16)["loss"]
+    expected = eqfit.evaluate(model, alone, loss=example.loss, batch_size=16)["loss"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    # The weights count the real predictions: every sentence's length less one.
+    mean = example.loss(model, *packed)
+    assert float(jnp.sum(mean.weight)) == sum(len(s) - 1 for s in seqs)

@@ -27,6 +27,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
         pytest.param("transformer_lm.py", "sample:", marks=pytest.mark.heavy),
         pytest.param("gan.py", "generated after epoch 10", marks=pytest.mark.heavy),
         pytest.param("ppo.py", "final mean return", marks=pytest.mark.heavy),
+        pytest.param(
+            "packed_sequences.py", "unpacked loss after training", marks=pytest.mark.heavy
+        ),
     ],
 )
 def test_example_runs(script, expected, tmp_path):
