@@ -136,22 +136,24 @@ def test_evaluating_buckets_is_the_unpadded_token_mean(sequences):
 
 
 def test_a_resume_mid_epoch_equals_the_run_never_stopped(sequences, tmp_path):
+    import shutil
+
     model, kwargs = (
         GRU(jax.random.key(1)),
         dict(loss=masked_loss, optimizer=optax.adam(1e-2), key=jax.random.key(0), epochs=2),
     )
     whole = eqfit.fit(model, buckets(sequences), **kwargs)
-
-    class StopAt:
-        def on_epoch_end(self, epoch, logs):
-            return True
-
-    policy = eqfit.Checkpoint(tmp_path, every_epochs=None, every_steps=5, keep=10)
-    first = eqfit.fit(model, buckets(sequences), checkpoint=policy, callbacks=[StopAt()], **kwargs)
-    assert first.history.stop_reason == "callback"
-    resumed = eqfit.fit(model, buckets(sequences), checkpoint=policy, **kwargs)
+    policy = eqfit.Checkpoint(tmp_path / "all", every_epochs=None, every_steps=5, keep=100)
+    eqfit.fit(model, buckets(sequences), checkpoint=policy, **kwargs)
+    # 16 batches an epoch: the checkpoint after step 25 is inside the second epoch.
+    name = "ckpt-000001-000009"
+    assert (tmp_path / "all" / name).is_dir()
+    shutil.copytree(tmp_path / "all" / name, tmp_path / "alone" / name)
+    again = eqfit.Checkpoint(tmp_path / "alone", every_epochs=None, every_steps=5)
+    resumed = eqfit.fit(model, buckets(sequences), checkpoint=again, **kwargs)
     for a, b in zip(jax.tree.leaves(whole.model), jax.tree.leaves(resumed.model)):
         np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(whole.history.step_loss, resumed.history.step_loss)
 
 
 def test_a_loader_of_many_shapes_warns_once():
