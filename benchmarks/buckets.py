@@ -17,7 +17,6 @@ The targets: (b) at most 1.05x (c), and the speed-up of (b) over (a).
 import argparse
 import time
 from pathlib import Path
-from typing import Any
 
 import equinox as eqx
 import jax
