@@ -219,7 +219,14 @@ WAYS = {
 }
 
 
-@pytest.mark.parametrize("way", WAYS)
+# Several devices, and microbatches, with the heavy tests: the README's command runs one
+# device's ways.
+HEAVY = ("devices", "mesh", "microbatches")
+
+
+@pytest.mark.parametrize(
+    "way", [pytest.param(w, marks=pytest.mark.heavy) if w in HEAVY else w for w in WAYS]
+)
 def test_every_way_of_running_trains_the_buckets_alike(way, sequences, capsys):
     model = GRU(jax.random.key(1))
     kwargs = dict(loss=masked_loss, optimizer=optax.adam(1e-2), key=jax.random.key(0), epochs=2)
@@ -235,6 +242,7 @@ def test_every_way_of_running_trains_the_buckets_alike(way, sequences, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.heavy  # a member's run each besides the ensemble's
 def test_an_ensemble_trains_each_member_on_the_buckets(sequences):
     keys = jax.random.split(jax.random.key(1), 2)
     stack = eqx.filter_vmap(GRU)(keys)

@@ -137,7 +137,13 @@ WAYS = {
 }
 
 
-@pytest.mark.parametrize("way", WAYS)
+# Several devices with the heavy tests: the README's command runs one device's ways.
+HEAVY = ("devices", "per step on devices", "mesh")
+
+
+@pytest.mark.parametrize(
+    "way", [pytest.param(w, marks=pytest.mark.heavy) if w in HEAVY else w for w in WAYS]
+)
 def test_every_way_of_running_validates_the_same(way, problem):
     train, val, memmaps = problem
     more = dict(WAYS[way])
@@ -165,6 +171,7 @@ def test_every_way_of_running_validates_the_same(way, problem):
     )
 
 
+@pytest.mark.heavy  # a member's run each besides the ensemble's
 def test_an_ensemble_validates_each_member(problem):
     train, val, _ = problem
     keys = jax.random.split(jax.random.key(1), 3)
