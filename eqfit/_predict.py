@@ -16,6 +16,7 @@ from ._core._data import (
     as_data,
     as_key,
     batch_calls,
+    bucketed,
     check_alive,
     check_batch_size,
     ensemble_size,
@@ -199,7 +200,7 @@ def _predict_streamed(
     """
     model, _, state, batch_size, ensemble, policy, key = args
     parts = []
-    buckets = isinstance(source, Loader) and getattr(source.loader, "bucketed", False) is True
+    buckets = isinstance(source, Loader) and bucketed(source.loader)
     if buckets and out is not None:
         raise ValueError(
             "`out=` takes outputs of one shape, but `x` is a loader of buckets "

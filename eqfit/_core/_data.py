@@ -169,6 +169,13 @@ def num_samples(data: PyTree) -> int:
     return jax.tree.leaves(data)[0].shape[0]
 
 
+def bucketed(data: Any) -> bool:
+    """Whether `data` is a loader whose batches come in several shapes, shuffled among
+    each other, and says so (`bucketed = True`, as `eqfit.Buckets` does).
+    """
+    return getattr(data, "bucketed", False) is True
+
+
 def sample_shapes(data: PyTree) -> list[list[Any]]:
     """Each array's path, shape of one sample and dtype: what batches must match."""
     return [

@@ -6,7 +6,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from .._core._data import as_data, sample_shapes
+from .._core._data import as_data, bucketed, sample_shapes
 from .._program._options import Options
 from .._program._parallel import check_batch_split, global_rows
 from .._program._schedule import check_profile, make_schedule, Schedule
@@ -26,7 +26,7 @@ def open_data(
     """
     source = open_source(data, options, planning=planning)
     like = sample_shapes(source.like)
-    buckets = _bucketed(data)  # a sample's lengths are its bucket's: compared by axes alone
+    buckets = bucketed(data)  # a sample's lengths are its bucket's: compared by axes alone
     if options.validation is not None and options.validation.streamed:
         return source, _streamed_sets(validation_data, like, planning, buckets)
     if isinstance(validation_data, ValidationSets):
@@ -68,11 +68,6 @@ def _refuse_unlike(
     )
 
 
-def _bucketed(data: Any) -> bool:
-    """Whether `data` is a loader whose batches come in several shapes (`eqfit.Buckets`)."""
-    return getattr(data, "bucketed", False) is True
-
-
 def _axes(shapes: list[list[Any]]) -> list[list[Any]]:
     """`sample_shapes`' rows with each shape as its number of axes: samples of buckets."""
     return [[path, len(shape), dtype] for path, shape, dtype in shapes]
@@ -96,7 +91,7 @@ def _streamed_sets(
         opened = Reread(given, what)
         if planning:
             remember_planned(given)
-        _refuse_unlike(sample_shapes(opened.like), like, name, buckets or _bucketed(given))
+        _refuse_unlike(sample_shapes(opened.like), like, name, buckets or bucketed(given))
         sets.append(opened)
     return StreamedSets(tuple(sets))
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Key, PyTree
 
-from .._core._data import as_data, check_data, data_kind, num_samples, sample_shapes
+from .._core._data import as_data, bucketed, check_data, data_kind, num_samples, sample_shapes
 from .._keep._checkpoint import newest_config
 from .._program._options import Options
 from .._program._schedule import (
@@ -432,7 +432,7 @@ class Loader(_Streamed):
         (`bucketed = True`, as `eqfit.Buckets`): each a call of one step, so that each shape
         compiles one program, not one for a chunk and one for a batch between others.
         """
-        if getattr(self.loader, "bucketed", False) is True:
+        if bucketed(self.loader):
             return 1
         return min(self.per_chunk(batch_size or self.batch_size), LOADER_CHUNK_BATCHES)
 
