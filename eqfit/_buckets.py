@@ -59,6 +59,10 @@ class Buckets:
     # Its batches come in several shapes, shuffled among each other: `fit` reads each as a
     # call of its own (`Loader.batches_per_chunk`).
     bucketed: bool = True
+    bucket_lengths: tuple[int, ...]  # `lengths`, as given
+    batch_size: int
+    shuffle: bool
+    pad: float
 
     def __init__(
         self,
@@ -85,40 +89,59 @@ class Buckets:
             raise ValueError(f"`Buckets`'s `batch_size` must be 1 or more, got {batch_size!r}.")
         if shuffle and key is None:
             raise ValueError("`Buckets` shuffles with `key=`: give one, or `shuffle=False`.")
-        self.fields = [_field(f, i) for i, f in enumerate(data)]
-        self.ragged = [isinstance(f, list) for f in self.fields]
-        counts = {len(f) for f in self.fields}
+        self._fields: list[list[np.ndarray] | np.ndarray] = [
+            _field(f, i) for i, f in enumerate(data)
+        ]
+        self._ragged: list[bool] = [isinstance(f, list) for f in self._fields]
+        counts = {len(f) for f in self._fields}
         if len(counts) > 1:
             raise ValueError(
                 f"`Buckets`'s fields hold {sorted(counts)} samples: each needs one entry per "
                 "sample."
             )
-        if not any(self.ragged):
+        if not any(self._ragged):
             raise ValueError(
                 "`Buckets`'s `data` has no field of sequences: give at least one as a list "
                 "of arrays, one per sample, whose first axis is its length."
             )
-        self.lengths = _sample_lengths(self.fields, self.ragged)
-        too_long = np.flatnonzero(self.lengths > bounds[-1])
+        self._lengths: np.ndarray = _sample_lengths(self._fields, self._ragged)
+        too_long = np.flatnonzero(self._lengths > bounds[-1])
         if too_long.size:
             i = int(too_long[0])
             raise ValueError(
-                f"`Buckets`: sample {i} has length {int(self.lengths[i])}, longer than the "
+                f"`Buckets`: sample {i} has length {int(self._lengths[i])}, longer than the "
                 f"longest bucket, {bounds[-1]}: add a longer one to `lengths`, or cut it."
             )
-        self.bounds, self.batch_size, self.shuffle, self.pad = bounds, batch_size, shuffle, pad
-        self.bucket = np.searchsorted(np.asarray(bounds), self.lengths)  # each sample's
-        self.seed = None if key is None else np.asarray(jax.random.key_data(key)).ravel()
-        self.epoch = 0
+        self.bucket_lengths = tuple(bounds)
+        self.batch_size, self.shuffle, self.pad = batch_size, shuffle, pad
+        # Each sample's bucket; the shuffle's seed, from the key's bits; the pass.
+        self._bucket: np.ndarray = np.searchsorted(np.asarray(bounds), self._lengths)
+        self._seed: np.ndarray | None = None
+        if key is not None:
+            self._seed = np.asarray(jax.random.key_data(key)).ravel()
+        self._epoch: int = 0
 
     def set_epoch(self, epoch: int) -> None:
         """The pass the next iteration makes (`fit` calls it before each)."""
-        self.epoch = int(epoch)
+        self._epoch = int(epoch)
 
     def __len__(self) -> int:
         """Batches a pass."""
-        sizes = np.bincount(self.bucket, minlength=len(self.bounds))
+        sizes = np.bincount(self._bucket, minlength=len(self.bucket_lengths))
         return int(sum(-(-int(n) // self.batch_size) for n in sizes))
+
+    def shapes(self) -> list[tuple[tuple[int, ...], ...]]:
+        """Each bucket's batch shapes, a sample's of each array (the mask's last): what
+        `eqfit.plan` lists, a program each.
+        """
+        out = []
+        for length in self.bucket_lengths:
+            row = []
+            for field, ragged in zip(self._fields, self._ragged):
+                rest = np.shape(field[0])[1:]
+                row.append((length, *rest) if ragged else tuple(rest))
+            out.append((*row, (length,)))
+        return out
 
     def order(self) -> list[tuple[int, np.ndarray]]:
         """This pass's batches: each its bucket and its samples' indices (shorter than
@@ -126,11 +149,11 @@ class Buckets:
         """
         rng = None
         if self.shuffle:
-            assert self.seed is not None
-            rng = np.random.default_rng([*self.seed.tolist(), self.epoch])
+            assert self._seed is not None
+            rng = np.random.default_rng([*self._seed.tolist(), self._epoch])
         batches = []
-        for b in range(len(self.bounds)):
-            members = np.flatnonzero(self.bucket == b)
+        for b in range(len(self.bucket_lengths)):
+            members = np.flatnonzero(self._bucket == b)
             if rng is not None:
                 members = rng.permutation(members)
             for start in range(0, len(members), self.batch_size):
@@ -141,7 +164,7 @@ class Buckets:
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, ...]]:
         for b, samples in self.order():
-            yield self.batch(self.bounds[b], samples)
+            yield self.batch(self.bucket_lengths[b], samples)
 
     def batch(self, length: int, samples: np.ndarray) -> tuple[np.ndarray, ...]:
         """The samples padded to `length` (and with rows of padding to `batch_size`),
@@ -150,7 +173,7 @@ class Buckets:
         size = self.batch_size
         mask = np.zeros((size, length), np.float32)
         out = []
-        for field, ragged in zip(self.fields, self.ragged):
+        for field, ragged in zip(self._fields, self._ragged):
             if ragged:
                 first = field[samples[0]]
                 padded = np.full((size, length, *first.shape[1:]), self.pad, first.dtype)
@@ -162,7 +185,7 @@ class Buckets:
                 padded[: len(samples)] = rows
             out.append(padded)
         for row, i in enumerate(samples):
-            mask[row, : self.lengths[i]] = 1.0
+            mask[row, : self._lengths[i]] = 1.0
         return (*out, mask)
 
 

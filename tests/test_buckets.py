@@ -283,3 +283,14 @@ def test_packed_rows_have_the_loss_of_the_sequences_unpacked():
     # The weights count the real predictions: every sentence's length less one.
     mean = example.loss(model, *packed)
     assert float(jnp.sum(mean.weight)) == sum(len(s) - 1 for s in seqs)
+
+
+def test_the_plan_lists_the_buckets(sequences):
+    model = GRU(jax.random.key(1))
+    plan = eqfit.plan(
+        model, buckets(sequences), loss=masked_loss, optimizer=optax.adam(1e-2),
+        key=jax.random.key(0),
+    )  # fmt: skip
+    assert plan.bucket_shapes == tuple(((n, 3), (n,), (n,)) for n in LENGTHS)
+    assert "data in 4 buckets, a program each when first met" in str(plan)
+    assert "[64, 3] [64] [64]" in str(plan)

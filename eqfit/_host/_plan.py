@@ -165,6 +165,10 @@ class Plan:
         bound, in words: a `lax.while_loop` whose trip count is not known when compiling,
         its body counted once, or a streamed validation loader that does not say its
         length; `None` where every count is known.
+    - `bucket_shapes`: for a loader in buckets that says its shapes ([`eqfit.Buckets`][]),
+        each bucket's, a sample's shape of each array: each trains with a program of its
+        own, compiled when first met; `memory` and the FLOPs are those of the first
+        batch's shape. `None` for data of one shape.
     - `validation_streamed`: the validation sets stream (memmaps, loaders): read from
         the host a chunk at a time at each validation, so no device holds them, and
         `memory` leaves them out.
@@ -192,6 +196,7 @@ class Plan:
     compiled: Any = dataclasses.field(repr=False, compare=False)
     flops_lower_bound: str | None = None
     validation_streamed: bool = False
+    bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     @property
     def flops(self) -> float | None:
@@ -266,6 +271,15 @@ class Plan:
             f"steps run as: {self.execution.describe()} ({self.execution_why})",
             f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
+        if self.bucket_shapes is not None:
+            shown = " | ".join(
+                " ".join(str(list(s)) for s in shapes) for shapes in self.bucket_shapes
+            )
+            lines.insert(
+                -1,
+                f"data in {len(self.bucket_shapes)} buckets, a program each when first met "
+                f"(memory and FLOPs: the first batch's): {shown}",
+            )
         if self.validations:
             runs = self.execution.describe_batches()
             if self.validation_streamed:  # a program (or its calls) per chunk

@@ -30,7 +30,7 @@ from ._flops import Flops, program_flops
 from ._inference import StreamedSets
 from ._observers import Costs
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
-from ._sources import Source
+from ._sources import Loader, Source
 
 
 def memory_of(compiled: Any) -> Memory:
@@ -394,6 +394,7 @@ def _compile_plan_in(
         compiled=compiled,
         flops_lower_bound=step.lower_bound or validation.lower_bound,
         validation_streamed=streams,
+        bucket_shapes=source.bucket_shapes() if isinstance(source, Loader) else None,
     )
 
 

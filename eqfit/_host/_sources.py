@@ -426,6 +426,16 @@ class Loader(_Streamed):
     def chunk_size(self, schedule: Schedule) -> int:
         return self.batches_per_chunk(schedule.batch_size)
 
+    def bucket_shapes(self) -> tuple[tuple[tuple[int, ...], ...], ...] | None:
+        """Each bucket's sample shapes, where the loader is in buckets and says them
+        (`eqfit.Buckets.shapes`); else `None`.
+        """
+        shapes = getattr(self.loader, "shapes", None)
+        if not bucketed(self.loader) or not callable(shapes):
+            return None
+        said: Any = shapes()
+        return tuple(tuple(tuple(int(n) for n in s) for s in bucket) for bucket in said)
+
     def batches_per_chunk(self, batch_size: int | None = None) -> int:
         """Full batches a chunk: about `CHUNK_BYTES`, at most `LOADER_CHUNK_BATCHES`; one
         where the loader says its batches come in several shapes, shuffled among each other
