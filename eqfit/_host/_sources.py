@@ -15,7 +15,6 @@ import collections.abc
 import functools
 import itertools
 import json
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -32,6 +31,7 @@ from .._program._schedule import (
     Schedule,
     SourceShape,
 )
+from ._batches import as_batch, check_batch, sample_shapes_of, ShapesMet
 from ._rows import advise_rows, POPULATE_READ, read_rows
 
 
@@ -469,7 +469,7 @@ class Loader(_Streamed):
             starts = True
             while batch is not _END:
                 following = next(batches, _END) if ahead else None
-                yield _as_batch(batch, index), starts, following is _END
+                yield as_batch(batch, index), starts, following is _END
                 starts = False
                 index += 1
                 batch = following if ahead else next(batches, _END)
@@ -483,7 +483,7 @@ class Loader(_Streamed):
         structure = jax.tree.structure(self.first)
         shapes = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(self.first)]
         size, stored = self.batch_size, self.stored
-        met = {sample_shapes_of(self.first)}  # the batches' shapes so far (buckets)
+        met = ShapesMet(self.first)
         smaller = None  # the size of the last batch, if smaller: its pass must end there
         step = 0
         for step, (batch, starts_pass, ends_first) in enumerate(stream):
@@ -493,19 +493,9 @@ class Loader(_Streamed):
                     "the same pass: only the last batch of a pass may be smaller than "
                     f"the first batch's {size}."
                 )
-            got = _check_batch(batch, step, structure, shapes, size)
+            got = check_batch(batch, step, structure, shapes, size)
             smaller = got if got < size else None
-            if len(met) <= SHAPES_WARNED:
-                met.add(sample_shapes_of(batch))
-                if len(met) > SHAPES_WARNED:
-                    warnings.warn(
-                        f"The loader has yielded batches of more than {SHAPES_WARNED} shapes "
-                        f"(batch {step} has a new one): each compiles programs of its own. Pad "
-                        "to a few bucket lengths (`eqfit.Buckets`) so that a few programs serve "
-                        "every batch.",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+            met.add(batch, step)
             if stored is not None and 0 < step < stored and starts_pass:
                 raise self._changed(f"{step} batches")
             if stored is not None and step == stored and not starts_pass:
@@ -581,65 +571,3 @@ def _length(loader: Any) -> int | None:
     except TypeError:
         return None
     return length if length > 0 else None
-
-
-def _as_batch(batch: Any, index: int) -> PyTree:
-    """A loader's batch as numpy arrays, checked to be a PyTree of arrays."""
-    if isinstance(batch, list):
-        batch = tuple(batch)  # loaders (PyTorch's collate) yield lists for tuples
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise TypeError(f"The loader's batch {index} holds no arrays: got {type(batch).__name__}.")
-    try:
-        return jax.tree.map(np.asarray, batch)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"The loader's batch {index} is not a PyTree of arrays: {e}") from None
-
-
-# Past this many shapes of a loader's batches, `fit` warns: each compiles its programs.
-SHAPES_WARNED = 8
-
-
-def sample_shapes_of(batch: PyTree) -> tuple[tuple[int, ...], ...]:
-    """The shape of a sample of each of a batch's arrays: what its bucket is."""
-    return tuple(a.shape[1:] for a in jax.tree.leaves(batch))
-
-
-def _check_batch(
-    batch: PyTree, index: int, structure: Any, shapes: list[tuple[Any, Any]], size: int
-) -> int:
-    """Refuses a batch unlike the first: another structure, arrays that do not share
-    their leading size, samples of other dtypes or of another number of axes, or more
-    samples. Returns its size. Samples of other lengths along their axes are a batch of
-    another bucket (a sequence padded to another length), which trains with programs of
-    its own. (It runs for every batch, so it compares plain tuples; the messages do the
-    work.)
-    """
-    leaves, got_structure = jax.tree.flatten(batch)
-    if got_structure != structure:
-        raise ValueError(
-            f"The loader's batch {index} has the structure {got_structure}, but its first "
-            f"batch had {structure}."
-        )
-    sizes = [a.shape[0] if a.ndim else -1 for a in leaves]
-    if -1 in sizes or len(set(sizes)) > 1:
-        raise ValueError(
-            f"The loader's batch {index} has arrays of different lengths, "
-            f"{[list(np.shape(a)) for a in leaves]}: every array of a batch needs the same "
-            "leading (sample) size, or inputs and labels would not line up."
-        )
-    if [(a.ndim - 1, a.dtype) for a in leaves] != [(len(s), d) for s, d in shapes]:
-        got = [[tuple(a.shape[1:]), str(a.dtype)] for a in leaves]
-        first = [[tuple(shape), str(dtype)] for shape, dtype in shapes]
-        raise ValueError(
-            f"The loader's batch {index} has samples of shapes and dtypes {got}, but its "
-            f"first batch had {first}: each array's dtype and number of axes must stay "
-            "(its lengths may change, a bucket's)."
-        )
-    got_size = int(sizes[0])
-    if got_size > size:
-        raise ValueError(
-            f"The loader's batch {index} has {got_size} samples, more than its first batch's "
-            f"{size}: all must have that many but the last of a pass, which may have fewer."
-        )
-    return got_size
