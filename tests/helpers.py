@@ -84,3 +84,27 @@ def programs_made(call):
     with _counting_programs() as count:
         jax.block_until_ready(call())
     return count[0]
+
+
+class Recorder:
+    """A callback that keeps what it is told, in order: `("step", n, logs)` of
+    `log_every`, `("validation", n, logs)` of `validation_every`, `("epoch", n, logs)`.
+    """
+
+    stops_training = False
+
+    def __init__(self):
+        self.told = []
+
+    def on_train_batch_end(self, step, logs):
+        self.told.append(("step", step, logs))
+
+    def on_validation_end(self, step, logs):
+        self.told.append(("validation", step, logs))
+
+    def on_epoch_end(self, epoch, logs):
+        self.told.append(("epoch", epoch, logs))
+
+    def steps(self):
+        """The n-th steps' training values, `(step, logs)`."""
+        return [(step, logs) for kind, step, logs in self.told if kind == "step"]

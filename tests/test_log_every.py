@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import Recorder
 from jax.sharding import AxisType, Mesh
 from test_steps import read_tensorboard
 
@@ -28,24 +29,6 @@ def data():
 
 def mae(model, x, y):
     return abs(jax.vmap(model)(x) - y).mean()
-
-
-class Recorder:
-    """A callback that keeps what it is told, in order."""
-
-    stops_training = False
-
-    def __init__(self):
-        self.told = []
-
-    def on_train_batch_end(self, step, logs):
-        self.told.append(("step", step, logs))
-
-    def on_epoch_end(self, epoch, logs):
-        self.told.append(("epoch", epoch, logs))
-
-    def steps(self):
-        return [(step, logs) for kind, step, logs in self.told if kind == "step"]
 
 
 def kwargs(**more):

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import Recorder
 from jax.sharding import AxisType, Mesh
 from test_steps import read_tensorboard
 
@@ -70,24 +71,6 @@ def kwargs(**more):
         )
         | more
     )
-
-
-class Recorder:
-    """A callback that keeps what it is told, in order."""
-
-    stops_training = False
-
-    def __init__(self):
-        self.told = []
-
-    def on_train_batch_end(self, step, logs):
-        self.told.append(("step", step, logs))
-
-    def on_validation_end(self, step, logs):
-        self.told.append(("validation", step, logs))
-
-    def on_epoch_end(self, epoch, logs):
-        self.told.append(("epoch", epoch, logs))
 
 
 def test_each_validation_equals_evaluate_of_that_steps_model(problem):
