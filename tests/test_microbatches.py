@@ -187,22 +187,3 @@ def test_microbatches_that_do_not_split_the_batch_are_refused():
         r"use a batch size that is a multiple of 32",
     ):
         eqfit.fit(model, (x, y, mask), batch_size=16, microbatches=4, devices=8, **kwargs)
-
-    class Nothing(eqfit.AbstractUpdate):
-        name: str = "mine"
-
-        def init(self, params):
-            return None
-
-        def apply(self, model, state, batch, *, model_state, key):
-            return eqfit.Applied(model, state, model_state, {})
-
-    with pytest.raises(ValueError, match=r"`microbatches=` with update 'mine' of your own"):
-        eqfit.fit(
-            model,
-            (x, y, mask),
-            updates=[Nothing()],
-            microbatches=2,
-            batch_size=16,
-            key=KEY,
-        )

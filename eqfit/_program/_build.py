@@ -17,8 +17,14 @@ from .._core._data import describe, dtype_of, is_dtype, not_a_stack, summary
 from .._core._execution import choose
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
-from .._step._record import Record, record_for, UpdateInfo
-from .._step._updates import AbstractUpdate, builtin, check_applied, trained_spec
+from .._step._record import LOSS, Record, record_for, UpdateInfo
+from .._step._updates import (
+    AbstractUpdate,
+    builtin,
+    check_applied,
+    trained_spec,
+    validation_loss,
+)
 from ._compile import PROGRAMS
 from ._loop import Loop
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
@@ -245,18 +251,13 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             "`<name>_<hyperparameter>`."
         )
     custom = [u.name for u in updates if builtin(u) is None]
-    if custom and len(custom) == len(updates) and options.validation is not None:
+    if options.validation is not None and not any(map(validation_loss, updates)):
         raise ValueError(
             f"Validation (`validation_data=` or `validation_split=`) with only updates of "
-            f"your own ({', '.join(map(repr, custom))}): validation computes the losses of "
-            "the `eqfit.Update`s, and there are none; record what you would validate in "
-            "your update's `apply`, or train without validation."
-        )
-    if custom and options.step.microbatches > 1:
-        raise ValueError(
-            f"`microbatches=` with update {custom[0]!r} of your own: its `apply` takes the "
-            "whole batch, which eqfit would not split; split it there, or train without "
-            "`microbatches=`."
+            f"your own ({', '.join(map(repr, custom))}), none of which has a loss: "
+            "validation computes the updates' losses. Give your update a method "
+            "`loss(self, model, *batch)` returning the loss its `apply` records as 'loss' "
+            "(`eqfit.AbstractUpdate` says how), or train without validation."
         )
     if custom and len(custom) == len(updates):
         # Each acts on a loss's gradient step, and no update here takes one.
@@ -330,9 +331,10 @@ def _update_info(
         hash(cache_key)
     except TypeError:  # an update that holds arrays, say: traced every time
         cache_key = None
+    validated = _validated(update, traced, options)
     if cache_key is not None and cache_key in _OWN_UPDATES:
         names, means = _OWN_UPDATES[cache_key]
-        return UpdateInfo(update.name, update.every, tuple(picks), False, names, means=means)
+        return _own_info(update, picks, names, means, validated)
 
     def values(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
         kwargs = {"key": jax.random.key(0)} if takes_key(update.init) else {}
@@ -357,7 +359,44 @@ def _update_info(
         if len(_OWN_UPDATES) >= 64:
             _OWN_UPDATES.pop(next(iter(_OWN_UPDATES)))
         _OWN_UPDATES[cache_key] = found[0]
-    return UpdateInfo(update.name, update.every, tuple(picks), False, names, means=means)
+    return _own_info(update, picks, names, means, validated)
+
+
+def _validated(
+    update: AbstractUpdate, traced: tuple[PyTree, PyTree, PyTree], options: Options
+) -> tuple[str, ...]:
+    """The values of an update of the user's own that validation computes, by its own
+    names: its `loss` method's value (`"loss"`) and aux values, found by tracing it as
+    `fit`'s loss is; none without such a method.
+    """
+    loss = validation_loss(update)
+    if loss is None:
+        return ()
+    objective = Objective(loss, (), options.stateful, takes_key(loss))
+    return (LOSS.name, *_outputs(objective, traced, options, always=True).aux_names)
+
+
+def _own_info(
+    update: AbstractUpdate,
+    picks: list[bool],
+    names: tuple[str, ...],
+    means: tuple[str, ...],
+    validated: tuple[str, ...],
+) -> UpdateInfo:
+    """What a run keeps of an update of the user's own, refusing a `loss` method whose
+    values its `apply` does not record (validation's values are training's, on other data).
+    """
+    missing = [n for n in validated if n not in names]
+    if missing:
+        raise ValueError(
+            f"Update {update.name!r}'s `loss` method returns {list(validated)}, but its "
+            f"`apply` records {list(names)}, without {missing}: validation computes its loss "
+            "as training records it (`val_<name>_loss` beside `<name>_loss`), so `apply` must "
+            "record the same values by the same names (its loss as 'loss')."
+        )
+    return UpdateInfo(
+        update.name, update.every, tuple(picks), False, names, means=means, validated=validated
+    )
 
 
 def _samples_per_step(updates: tuple[AbstractUpdate, ...]) -> int | None:

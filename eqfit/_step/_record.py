@@ -271,6 +271,9 @@ class UpdateInfo(NamedTuple):
     values: tuple[str, ...]
     hyperparams: tuple[str, ...] = ()  # its optimizer's injected ones (`learning_rate`)
     means: tuple[str, ...] = ()  # those of `values` that are weighted means (`eqfit.Mean`)
+    # Those of `values` that validation computes: a loss's update's every value; an
+    # update of the user's own, those its `loss` method returns (none without one).
+    validated: tuple[str, ...] = ()
 
     def column(self, value: str) -> str:
         """The history's name of its value `value` (`d_loss`)."""
@@ -404,11 +407,10 @@ def _updates_record(
     hyper: list[tuple[Column, str]] = []
     for u in updates:
         sometimes = u.every > 1
-        kind = Kind.AUX if u.loss else Kind.UPDATE
-        (aux if u.loss else own).extend(
-            (Column(u.column(n), kind, Reduce.BATCH_MEAN, sometimes=sometimes), u.name)
-            for n in u.values
-        )
+        for n in u.values:  # validated values are the loss's, as a loss's aux values
+            kind = Kind.AUX if n in u.validated else Kind.UPDATE
+            column = Column(u.column(n), kind, Reduce.BATCH_MEAN, sometimes=sometimes)
+            (aux if kind is Kind.AUX else own).append((column, u.name))
         if norms and u.loss:
             norm += [
                 (

@@ -78,6 +78,14 @@ class AbstractUpdate(eqx.Module):
     the parts it trains from the model `apply` returns, carries its state from step to
     step (and in checkpoints), and records its values. `eqfit.Update` is the built-in
     one.
+
+    Validation (and `eqfit.evaluate`) computes each update's loss where it has one: an
+    `eqfit.Update`'s is its `loss`. An update of your own gives one by defining a method
+    `loss(self, model, *batch)` (with `fit(..., state=)`, `loss(self, model, state,
+    *batch)` returning `(value, new_state)`), called as `fit`'s `loss` is and returning
+    what its `apply` records of it: its value, recorded as `"loss"`, and any aux values,
+    each recorded under its name. Validation then gives `val_<name>_loss` and
+    `val_<name>_<aux>`.
     """
 
     name: eqx.AbstractVar[str]
@@ -459,7 +467,9 @@ class Update(AbstractUpdate):
         (`found`, its trace), of the trained arrays it `picks`.
         """
         values = (LOSS.name, *found.aux_names)
-        return UpdateInfo(self.name, self.every, picks, True, values, means=found.means)
+        return UpdateInfo(
+            self.name, self.every, picks, True, values, means=found.means, validated=values
+        )
 
     def _objective(
         self,
@@ -470,6 +480,14 @@ class Update(AbstractUpdate):
     ) -> Objective:
         """How its loss is called (`aux_names` and `means` as found before the run)."""
         return Objective(self.loss, (), stateful, takes_key(self.loss), aux_names, precision, means)
+
+
+def validation_loss(update: AbstractUpdate) -> Callable[..., Any] | None:
+    """The loss validation computes for `update`: an `eqfit.Update`'s `loss`, or the
+    `loss` method of an update of the user's own that defines one; else `None`.
+    """
+    loss = getattr(update, "loss", None)
+    return loss if callable(loss) else None
 
 
 def builtin(update: AbstractUpdate) -> Update | None:
@@ -559,7 +577,7 @@ def check_updates(updates: Any) -> tuple[AbstractUpdate, ...]:
 
 
 class Losses(eqx.Module):
-    """The built-in updates' losses (`builtin`) as one function, on one model: what
+    """The updates' losses (`validation_loss`) as one function, on one model: what
     validation and `eqfit.evaluate` compute. Its value is their sum; its aux values each
     update's loss and aux values, under the record's names (`d_loss`, `d_<aux>`). With
     state, each loss gets the state the one before it returned.
@@ -573,7 +591,7 @@ class Losses(eqx.Module):
         batch = args[1:] if self.stateful else args
         total = jnp.zeros((), jnp.float32)
         aux: dict[str, Any] = {}
-        losses = [(u.name, b.loss) for u in self.updates if (b := builtin(u)) is not None]
+        losses = [(u.name, f) for u in self.updates if (f := validation_loss(u)) is not None]
         for i, (name, loss) in enumerate(losses):
             kwargs = {}
             if key is not None and takes_key(loss):

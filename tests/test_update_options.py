@@ -1,0 +1,140 @@
+"""Every option of the step with every update (`fit(..., updates=)`): validation of an
+update of one's own through its `loss` method, and `microbatches=` beside one, each
+against its hand loop or the run without the option.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+
+import eqfit
+
+
+class Pair(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+
+def pair(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return Pair(eqx.nn.Linear(3, 1, key=k1), eqx.nn.Linear(3, 1, key=k2))
+
+
+X = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
+Y = X.sum(1, keepdims=True) + 0.5
+VX = np.random.default_rng(1).normal(size=(32, 3)).astype(np.float32)
+VY = VX.sum(1, keepdims=True) + 0.5
+FIT = dict(key=jax.random.key(1), batch_size=8, epochs=2, shuffle=False)
+
+
+def mse(m, x, y):
+    return jnp.mean((jax.vmap(m.a)(x) - y) ** 2)
+
+
+class HandSGD(eqfit.AbstractUpdate):
+    """An SGD step on `a` written by hand (as a TD update is), recording its loss and the
+    mean prediction; its `loss` method gives validation the same two values.
+    """
+
+    name: str = "q"
+    trains: Callable[[Pair], Any] | None = eqx.field(default=lambda m: m.a, kw_only=True)
+
+    def init(self, params):
+        return None
+
+    def loss(self, model, x, y):
+        return mse(model, x, y), {"pred": jnp.mean(jax.vmap(model.a)(x))}
+
+    def apply(self, model, state, batch, *, model_state, key):
+        x, y = batch
+        (value, aux), g = eqx.filter_value_and_grad(self.loss, has_aux=True)(model, x, y)
+        a = jax.tree.map(lambda p, d: p - 0.1 * d, model.a, g.a)
+        model = eqx.tree_at(lambda m: m.a, model, a)
+        return eqfit.Applied(model, state, model_state, {"loss": value, **aux})
+
+
+class Polyak(eqfit.AbstractUpdate):
+    """A target network moved towards the online one: it has no loss to validate."""
+
+    name: str = "target"
+    trains: Callable[[Pair], Any] | None = eqx.field(default=lambda m: m.b, kw_only=True)
+
+    def init(self, params):
+        return None
+
+    def apply(self, model, state, batch, *, model_state, key):
+        b = jax.tree.map(lambda t, o: 0.75 * t + 0.25 * o, model.b, model.a)
+        return eqfit.Applied(eqx.tree_at(lambda m: m.b, model, b), state, model_state, {})
+
+
+def test_an_update_of_ones_own_validates_with_its_loss_method():
+    result = eqfit.fit(
+        pair(), (X, Y), updates=[HandSGD(), Polyak()], validation_data=(VX, VY), **FIT
+    )
+    names = set(result.history.to_dict())
+    assert {"q_loss", "q_pred", "val_q_loss", "val_q_pred"} <= names
+    assert not any(n.startswith("val_target") for n in names)
+    # The last epoch's validation is its loss on the validation data, at the epoch's end.
+    model = result.model
+    np.testing.assert_allclose(result.history["val_q_loss"][-1], mse(model, VX, VY), rtol=1e-5)
+    np.testing.assert_allclose(
+        result.history["val_q_pred"][-1], jnp.mean(jax.vmap(model.a)(VX)), rtol=1e-5, atol=1e-6
+    )
+    # By hand: the same SGD steps, then the target moved.
+    hand = pair()
+    for _ in range(2):
+        for i in range(0, len(X), 8):
+            x, y = X[i : i + 8], Y[i : i + 8]
+            g = jax.grad(lambda a: mse(eqx.tree_at(lambda m: m.a, hand, a), x, y))(hand.a)
+            a = jax.tree.map(lambda p, d: p - 0.1 * d, hand.a, g)
+            b = jax.tree.map(lambda t, o: 0.75 * t + 0.25 * o, hand.b, a)
+            hand = Pair(a, b)
+    assert_trees_close(result.model, hand, rtol=1e-5, atol=1e-6)
+    # `eqfit.evaluate` takes the method as a loss, as any.
+    evaluated = eqfit.evaluate(result.model, (VX, VY), loss=HandSGD().loss, batch_size=8)
+    np.testing.assert_allclose(evaluated["loss"], result.history["val_q_loss"][-1], rtol=1e-6)
+
+
+def test_early_stopping_monitors_the_validation_loss_of_an_update_of_ones_own():
+    stopping = eqfit.EarlyStopping(monitor="val_q_loss", patience=0, min_delta=1e9)
+    result = eqfit.fit(
+        pair(),
+        (X, Y),
+        updates=[HandSGD(), Polyak()],
+        validation_data=(VX, VY),
+        early_stopping=stopping,
+        **dict(FIT, epochs=5),
+    )
+    assert len(result.history["val_q_loss"]) == 2
+
+
+def test_a_loss_method_whose_values_apply_does_not_record_is_refused():
+    class Silent(HandSGD):
+        def apply(self, model, state, batch, *, model_state, key):
+            return eqfit.Applied(model, state, model_state, {"loss": mse(model, *batch)})
+
+    with pytest.raises(ValueError, match=r"Update 'q''s `loss` method returns \['loss', 'pred'\]"):
+        eqfit.fit(pair(), (X, Y), updates=[Silent()], validation_data=(VX, VY), **FIT)
+
+
+def test_validation_with_updates_of_ones_own_none_with_a_loss_is_refused():
+    with pytest.raises(ValueError, match=r"none of which has a loss: .*`loss\(self, model"):
+        eqfit.fit(pair(), (X, Y), updates=[Polyak()], validation_data=(VX, VY), **FIT)
+
+
+def test_microbatches_split_each_loss_update_beside_an_update_of_ones_own():
+    """`microbatches=4` splits `eqfit.Update`'s gradient into four passes; the update of
+    one's own takes the whole batch: the run equals the one without, to float tolerance.
+    """
+    ups = [eqfit.Update("a", mse, optax.adam(0.05), trains=lambda m: m.a), Polyak()]
+    whole = eqfit.fit(pair(), (X, Y), updates=ups, **FIT)
+    split = eqfit.fit(pair(), (X, Y), updates=ups, microbatches=4, **FIT)
+    assert_trees_close(split.model, whole.model, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(split.history["a_loss"], whole.history["a_loss"], rtol=1e-5)
