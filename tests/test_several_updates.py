@@ -341,7 +341,6 @@ def test_a_name_an_update_records_that_a_metric_has_is_refused():
     "option, words",
     [
         (dict(precision="float16"), "`precision=` with a loss scale"),
-        (dict(schedules={"lr": lambda c: c * 1.0}), "`schedules=` with `updates=`"),
     ],
 )
 def test_options_several_updates_do_not_take_are_refused_saying_why(option, words):

@@ -138,3 +138,25 @@ def test_microbatches_split_each_loss_update_beside_an_update_of_ones_own():
     split = eqfit.fit(pair(), (X, Y), updates=ups, microbatches=4, **FIT)
     assert_trees_close(split.model, whole.model, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(split.history["a_loss"], whole.history["a_loss"], rtol=1e-5)
+
+
+def test_schedules_are_recorded_at_each_updates_own_count():
+    """A schedule is evaluated at each update's optimizer's count before its step: `b`,
+    run every second step, has counted half as many.
+    """
+    ups = [
+        eqfit.Update("a", mse, optax.adam(0.01), trains=lambda m: m.a),
+        eqfit.Update("b", mse, optax.adam(0.01), trains=lambda m: m.b, every=2),
+        Polyak(trains=lambda m: m.b),
+    ]
+    result = eqfit.fit(pair(), (X, Y), updates=ups, schedules={"lr": lambda c: 0.1 * c}, **FIT)
+    # Six steps an epoch: `a`'s last step of each counts 5 and 11 before it, `b`'s 2 and 5.
+    np.testing.assert_allclose(result.history["a_lr"], [0.5, 1.1], rtol=1e-6)
+    np.testing.assert_allclose(result.history["b_lr"], [0.2, 0.5], rtol=1e-6)
+    assert "target_lr" not in result.history.to_dict()
+
+
+def test_a_schedule_for_an_update_whose_optimizer_counts_nothing_names_it():
+    ups = [eqfit.Update("a", mse, optax.sgd(0.1), trains=lambda m: m.a)]
+    with pytest.raises(ValueError, match=r"Update 'a': `schedules` are evaluated at"):
+        eqfit.fit(pair(), (X, Y), updates=ups, schedules={"lr": lambda c: 0.1 * c}, **FIT)

@@ -113,8 +113,14 @@ def make_loop(
     optimizer = objects.optimizer if objects.optimizer is not None else loop.parts(consts).optimizer
     opt_shapes, hyperparams = _opt_state_shape(loop, optimizer, shapes)
     schedules = dict(objects.schedules)
-    if infos:  # each update's hyperparameters
-        infos = tuple(i._replace(hyperparams=injected_names(opt_shapes[i.name])) for i in infos)
+    if infos:  # each update's hyperparameters, and its schedules where it has an optimizer
+        infos = tuple(
+            i._replace(
+                hyperparams=injected_names(opt_shapes[i.name]),
+                schedules=_update_schedules(i, schedules, opt_shapes[i.name]),
+            )
+            for i in infos
+        )
         loop = dataclasses.replace(loop, updates=infos)
     record = record_for(
         aux_names=outputs.aux_names,
@@ -127,7 +133,7 @@ def make_loop(
         val_sets=loop.val_sets,
         updates=infos,
     )
-    if schedules:
+    if schedules and not infos:
         check_schedules(schedules, opt_shapes)
     loop = dataclasses.replace(loop, record=record)
     convolves = functools.partial(_convolves, objective, traced, options, outputs)
@@ -243,13 +249,6 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             "run's one, but each update's loss would need its own; use bfloat16 "
             "(`precision='bfloat16'`), which needs no scaling."
         )
-    if options.schedules:
-        raise ValueError(
-            "`schedules=` with `updates=`: a schedule is evaluated at one optimizer's count, "
-            "and each update has its own; wrap an update's optimizer in "
-            "`optax.inject_hyperparams`, whose values each update records as "
-            "`<name>_<hyperparameter>`."
-        )
     custom = [u.name for u in updates if builtin(u) is None]
     if options.validation is not None and not any(map(validation_loss, updates)):
         raise ValueError(
@@ -291,6 +290,22 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             "runs the step on its share of the batch, and an update of your own would see "
             "only that share. Use `mesh=` (the program sees the whole batch), or no devices."
         )
+
+
+def _update_schedules(
+    info: UpdateInfo, schedules: dict[str, Any], opt_state: PyTree
+) -> tuple[str, ...]:
+    """The schedules a loss's update records, each at its optimizer's count (checked on
+    its state's shapes, `opt_state`, and refused naming it where it counts nothing); none
+    for an update of the user's own, whose state is no optimizer's.
+    """
+    if not schedules or not info.loss:
+        return ()
+    try:
+        check_schedules(schedules, opt_state)
+    except ValueError as e:
+        raise ValueError(f"Update {info.name!r}: {e}") from None
+    return tuple(schedules)
 
 
 def update_picks(model: PyTree, arrays: list[Any], spec: PyTree) -> tuple[bool, ...]:

@@ -274,6 +274,9 @@ class UpdateInfo(NamedTuple):
     # Those of `values` that validation computes: a loss's update's every value; an
     # update of the user's own, those its `loss` method returns (none without one).
     validated: tuple[str, ...] = ()
+    # The schedules (`fit(..., schedules=)`) it records at its optimizer's count: a
+    # loss's update's, all of them; an update of the user's own holds no optimizer.
+    schedules: tuple[str, ...] = ()
 
     def column(self, value: str) -> str:
         """The history's name of its value `value` (`d_loss`)."""
@@ -397,7 +400,7 @@ def _updates_record(
 ) -> Record:
     """`record_for`'s record of several updates: their losses' values (recorded as aux
     values, which validation computes too), the metrics, the user's updates' values, the
-    norms of the loss updates, their hyperparameters.
+    norms of the loss updates, their hyperparameters and schedules.
     """
     check_names(metric_names=metric_names)
     # Each update's columns with its name, by kind, in the order they are recorded.
@@ -422,6 +425,10 @@ def _updates_record(
         hyper += [
             (Column(u.column(n), Kind.HYPERPARAM, Reduce.LAST, sometimes=sometimes), u.name)
             for n in u.hyperparams
+        ]
+        hyper += [
+            (Column(u.column(n), Kind.SCHEDULE, Reduce.LAST, sometimes=sometimes), u.name)
+            for n in u.schedules
         ]
     check_update_names([(c.name, u) for c, u in aux + own + norm + hyper], metric_names)
     metrics = [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]

@@ -240,8 +240,8 @@ class Step(eqx.Module):
         key: Key[Array, ""] | None,
     ) -> Turn:
         """One update's turn (`AbstractUpdate._take_turn`) on the arrays it trains, its
-        values under the record's names: its own, its weighted means' weights and its
-        optimizer's injected hyperparameters.
+        values under the record's names: its own, its weighted means' weights, its
+        optimizer's injected hyperparameters and the schedules at its optimizer's count.
         """
         mine, merge = select(params, info.picks)
         norms = info.column(GRAD_NORM.name) in self.record.names
@@ -256,8 +256,11 @@ class Step(eqx.Module):
             precision=self.objective.precision,
             split=lambda model: select(split(model), info.picks)[0],
         )
+        # At the count this update's step uses: its state's before it.
+        scheduled = schedule_values(self.schedules, opt_state) if info.schedules else []
         t = update._take_turn(info, context, mine, opt_state, model_state, batch, key)
         values = {info.column(n): v for n, v in t.values.items()}
+        values |= dict(zip(map(info.column, info.schedules), scheduled))
         values |= {weight_name(info.column(n)): w for n, w in t.weights.items()}
         values |= dict(zip(map(info.column, info.hyperparams), injected_values(t.opt_state)))
         return t._replace(params=merge(t.params), values=values, weights={})
