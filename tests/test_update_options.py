@@ -3,7 +3,9 @@ update of one's own through its `loss` method, and `microbatches=` beside one, e
 against its hand loop or the run without the option.
 """
 
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -13,8 +15,10 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_close
+from jax.sharding import Mesh
 
 import eqfit
+from eqfit.sharding import fsdp
 
 
 class Pair(eqx.Module):
@@ -160,3 +164,62 @@ def test_a_schedule_for_an_update_whose_optimizer_counts_nothing_names_it():
     ups = [eqfit.Update("a", mse, optax.sgd(0.1), trains=lambda m: m.a)]
     with pytest.raises(ValueError, match=r"Update 'a': `schedules` are evaluated at"):
         eqfit.fit(pair(), (X, Y), updates=ups, schedules={"lr": lambda c: 0.1 * c}, **FIT)
+
+
+def _gan_example() -> Any:
+    path = Path(__file__).parent.parent / "examples" / "gan.py"
+    spec = importlib.util.spec_from_file_location("gan_example_options", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dcgan_example_trains_under_fsdp_as_without_shard():
+    """`examples/gan.py`'s two updates with `shard=fsdp()` over 8 simulated devices: each
+    update's Adam state is laid out as the arrays it trains, an eighth per device, and
+    the run equals the one without `shard=` on the same mesh.
+    """
+    gan = _gan_example()
+    model, state = eqx.nn.make_with_state(gan.GAN)(jax.random.key(0))
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    kwargs = dict(
+        key=jax.random.key(1),
+        state=state,
+        epochs=1,
+        batch_size=32,
+        drop_remainder=True,
+        mesh=mesh,
+        updates=[
+            eqfit.Update(
+                "d", gan.d_loss, optax.adam(1e-3, b1=0.5), trains=lambda m: m.discriminator
+            ),
+            eqfit.Update("g", gan.g_loss, optax.adam(1e-3, b1=0.5), trains=lambda m: m.generator),
+        ],
+    )
+    images = gan.digits()[:128]
+    plain = eqfit.fit(model, (images,), **kwargs)
+    sharded = eqfit.fit(model, (images,), shard=fsdp("data", min_bytes=0), **kwargs)
+    assert_trees_close(sharded.model, plain.model, rtol=1e-4, atol=1e-5)
+    assert_trees_close(sharded.opt_state, plain.opt_state, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(sharded.history["d_loss"], plain.history["d_loss"], rtol=1e-5)
+    np.testing.assert_allclose(sharded.history["g_loss"], plain.history["g_loss"], rtol=1e-5)
+    # Each update's Adam moments are laid out as the arrays it trains: split, not whole.
+    d_state = sharded.opt_state["d"]
+    mu = [x for x in jax.tree.leaves(d_state) if x.ndim == 4]
+    assert mu and all(not x.sharding.is_fully_replicated for x in mu)
+    weight = sharded.model.discriminator.layers[0].weight  # pyright: ignore
+    assert not weight.sharding.is_fully_replicated
+
+
+def test_an_update_of_ones_own_trains_under_shard_as_without():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    big = Pair(
+        eqx.nn.Linear(3, 64, key=jax.random.key(0)), eqx.nn.Linear(3, 64, key=jax.random.key(1))
+    )
+    y = np.repeat(Y, 64, axis=1)
+    ups = [HandSGD(), Polyak()]
+    plain = eqfit.fit(big, (X, y), updates=ups, mesh=mesh, **FIT)
+    sharded = eqfit.fit(big, (X, y), updates=ups, mesh=mesh, shard=fsdp(min_bytes=0), **FIT)
+    assert_trees_close(sharded.model, plain.model, rtol=1e-5, atol=1e-6)
+    assert not sharded.model.b.weight.sharding.is_fully_replicated

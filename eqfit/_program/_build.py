@@ -28,7 +28,7 @@ from .._step._updates import (
 from ._compile import PROGRAMS
 from ._loop import Loop
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
-from ._parallel import param_specs, placement_devices, Pmap
+from ._parallel import placement_devices, Pmap
 from ._schedule import Schedule
 from ._skeleton import split_arrays
 from ._state import Consts, StartArgs
@@ -237,12 +237,6 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
     """Refuses the options that several updates do not take, before anything is traced,
     saying why.
     """
-    if param_specs(options.placement) is not None:
-        raise ValueError(
-            "`shard=` with `updates=`: each update would lay out its own optimizer's state "
-            "over the mesh, which eqfit does not do yet; train several updates without "
-            "`shard=` (`mesh=` alone splits the batch), or one update with it."
-        )
     if options.step.scales:
         raise ValueError(
             "`precision=` with a loss scale (float16) and `updates=`: the loss scale is the "

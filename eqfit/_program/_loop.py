@@ -23,7 +23,7 @@ from .._core._execution import Execution, WholeRun
 from .._step._objective import Objective, takes_key
 from .._step._record import Kind, Record, UpdateInfo
 from .._step._step import select, Step
-from .._step._updates import AbstractUpdate
+from .._step._updates import AbstractUpdate, builtin
 from ._options import StepOptions, Validation
 from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
 from ._schedule import Schedule
@@ -156,7 +156,7 @@ class Loop:
 
         lay_out = None
         if self.param_shardings() is not None:
-            lay_out = functools.partial(lay_out_state, self, optimizer)
+            lay_out = functools.partial(lay_out_run, self, optimizer, updates)
         step = Step(
             objective=objective,
             optimizer=optimizer,
@@ -171,7 +171,7 @@ class Loop:
             microbatch=self.microbatch(),
             batch=self.step.batch,
         )
-        return Rebuilt(objective, optimizer, combine, step, init)
+        return Rebuilt(objective, optimizer, combine, step, init, lay_out)
 
     def microbatch(self, rows: int | None = None) -> int | None:
         """With `microbatches=`, the rows of one microbatch of what the step sees of a
@@ -247,6 +247,9 @@ class Rebuilt(NamedTuple):
     # The optimizer state at the start, from the trained arrays and a key of the run's
     # (a member's): each update's `init` gets its own.
     init: Callable[[PyTree, Key[Array, ""]], PyTree]
+    # With `shard=`: the trained arrays (or a tree like them) and the optimizer state (or
+    # `None`) laid out as it asks (`lay_out_run`); else `None`.
+    lay_out: "Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None"
 
 
 def _init_of(
@@ -256,19 +259,69 @@ def _init_of(
     return lambda params, key: optimizer.init(params)
 
 
-def lay_out_state(
-    loop: Loop, optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree
+def lay_out_run(
+    loop: Loop,
+    optimizer: optax.GradientTransformation,
+    updates: tuple[AbstractUpdate, ...],
+    params: PyTree,
+    opt_state: PyTree,
+    update: int | None = None,
 ) -> tuple[PyTree, PyTree]:
     """`params` (or any tree shaped like them) laid out as `shard=` asks, and `opt_state`
-    (unless `None`) following them: each copy of the parameters in it (Adam's moments, say)
-    laid out as they are, the rest (step counts) replicated. Constraints inside the
-    program, so that XLA's partitioner places every intermediate to match.
+    (unless `None`) following them (`lay_out_state`): the run's, whose state with
+    several updates holds each one's by name; or (`update`, its place in `updates`) one
+    update's, its arrays and its state.
+    """
+    if not loop.updates:
+        return lay_out_state(loop, optimizer, params, opt_state)
+    if update is not None:
+        info = loop.updates[update]
+        return lay_out_state(loop, _optimizer_of(updates[update]), params, opt_state, info.picks)
+    params, _ = lay_out_state(loop, None, params, None)
+    if opt_state is not None:
+        opt_state = {
+            info.name: lay_out_state(
+                loop,
+                _optimizer_of(u),
+                select(params, info.picks)[0],
+                opt_state[info.name],
+                info.picks,
+            )[1]
+            for info, u in zip(loop.updates, updates)
+        }
+    return params, opt_state
+
+
+def _optimizer_of(update: AbstractUpdate) -> optax.GradientTransformation | None:
+    """The optimizer whose state an update keeps (an `eqfit.Update`'s); `None` for an
+    update of the user's own, whose state is its own to lay out: XLA's partitioner
+    places it.
+    """
+    b = builtin(update)
+    return None if b is None else b.optimizer
+
+
+def lay_out_state(
+    loop: Loop,
+    optimizer: optax.GradientTransformation | None,
+    params: PyTree,
+    opt_state: PyTree,
+    picks: tuple[bool, ...] | None = None,
+) -> tuple[PyTree, PyTree]:
+    """`params` (or any tree shaped like them; with `picks`, those of the trained arrays
+    it picks, as an update trains them) laid out as `shard=` asks, and `opt_state`
+    (unless `None`, or the `optimizer` is) following them: each copy of the parameters
+    in it (Adam's moments, say) laid out as they are, the rest (step counts) replicated.
+    Constraints inside the program, so that XLA's partitioner places every intermediate
+    to match.
     """
     shardings = loop.param_shardings()
     assert shardings is not None
+    if picks is not None:
+        shardings = select(shardings, picks)[0]
     constrain = jax.lax.with_sharding_constraint
     params = jax.tree.map(constrain, params, shardings)
-    if opt_state is not None:
+    if opt_state is not None and optimizer is not None:
         replicated = NamedSharding(loop.placement.mesh, PartitionSpec())  # pyright: ignore
         opt_state = optax.tree_map_params(
             optimizer,

@@ -24,7 +24,7 @@ from .._core._data import epoch_order, order_at, shuffle_seed
 from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._epoch_end import EpochEnd
-from ._loop import lay_out_state, Loop, Rebuilt
+from ._loop import Loop, Rebuilt
 from ._records import fresh_record, logs_of, put_cell, running_pair, start_validations
 from ._state import (
     CallEnd,
@@ -65,12 +65,12 @@ def start(
             opt_state = parts.init(params, jax.random.fold_in(key, INIT))
         else:
             opt_state = jax.tree.map(jnp.copy, opt_state)
-        if loop.param_shardings() is not None:  # laid out as `shard=` asks, from the start
-            params, opt_state = lay_out_state(loop, parts.optimizer, params, opt_state)
+        if parts.lay_out is not None:  # laid out as `shard=` asks, from the start
+            params, opt_state = parts.lay_out(params, opt_state)
         model_state = jax.tree.map(jnp.copy, model_state)
         average = None if loop.step.average is None else loop.step.average.init(params)
-        if average is not None and loop.param_shardings() is not None:
-            average, _ = lay_out_state(loop, parts.optimizer, average, None)
+        if average is not None and parts.lay_out is not None:
+            average, _ = parts.lay_out(average, None)
         stopping = None
         if loop.early_stopping is not None:
             stopping = loop.early_stopping.init((params, average), model_state)
@@ -369,14 +369,12 @@ class _Member:
         `logs` (a call of the drive's whole), the n-th steps' values (`log_every`).
         """
         loop = self.loop
-        if loop.param_shardings() is not None:
-            params, opt_state = lay_out_state(
-                loop, self.parts.optimizer, state.params, state.opt_state
-            )
+        lay_out = self.parts.lay_out
+        if lay_out is not None:
+            params, opt_state = lay_out(state.params, state.opt_state)
             state = state._replace(params=params, opt_state=opt_state)
             if state.average is not None:
-                average, _ = lay_out_state(loop, self.parts.optimizer, state.average, None)
-                state = state._replace(average=average)
+                state = state._replace(average=lay_out(state.average, None)[0])
         return state, self.report(state, logs_of(loop, state) if logs else None)
 
     def run_steps(

@@ -83,8 +83,9 @@ class Step(eqx.Module):
     record: Record  # what the step records, written by name
     axis_name: str | None = None  # set under `pmap`: losses and gradients are averaged
     # With `shard=`: lays out a params-shaped tree (the gradients, the new parameters) as
-    # the parameters are, and the optimizer state as it follows them.
-    lay_out: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
+    # the parameters are, and the optimizer state as it follows them; with `update=i`,
+    # those of the `i`-th of `updates`, the arrays it trains and its state.
+    lay_out: Callable[..., tuple[PyTree, PyTree]] | None = None
     average: Average | None = None
     schedules: tuple[Callable[[Any], Any], ...] = ()  # each evaluated at the step's count
     # Several updates, each with what the run knows of it; `()`: `objective` and
@@ -199,7 +200,7 @@ class Step(eqx.Module):
                 info: UpdateInfo = info,
                 update: AbstractUpdate = update,
             ) -> Turn:
-                return self._turn(info, update, *operand, batch, turn_key)
+                return self._turn(i, info, update, *operand, batch, turn_key)
 
             operand = (params, opt_state[info.name], model_state)
             if info.every == 1:
@@ -231,6 +232,7 @@ class Step(eqx.Module):
 
     def _turn(
         self,
+        i: int,
         info: UpdateInfo,
         update: AbstractUpdate,
         params: PyTree,
@@ -247,10 +249,12 @@ class Step(eqx.Module):
         norms = info.column(GRAD_NORM.name) in self.record.names
         split = self.split
         assert split is not None
+        # With `shard=`: its arrays and its state laid out as the run's are.
+        lay_out = None if self.lay_out is None else functools.partial(self.lay_out, update=i)
         context = UpdateContext(
             lambda p: self.combine(merge(p)),
             self.axis_name,
-            self.lay_out,
+            lay_out,
             self.microbatch,
             norms,
             precision=self.objective.precision,
@@ -259,6 +263,8 @@ class Step(eqx.Module):
         # At the count this update's step uses: its state's before it.
         scheduled = schedule_values(self.schedules, opt_state) if info.schedules else []
         t = update._take_turn(info, context, mine, opt_state, model_state, batch, key)
+        if lay_out is not None:  # what an update of one's own gives, as the rest is laid out
+            t = t._replace(params=lay_out(t.params, None)[0])
         values = {info.column(n): v for n, v in t.values.items()}
         values |= dict(zip(map(info.column, info.schedules), scheduled))
         values |= {weight_name(info.column(n)): w for n, w in t.weights.items()}
