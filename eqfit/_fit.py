@@ -212,8 +212,10 @@ def fit(
         `g_<aux>`, `val_d_loss`; `history.loss` is the sum of the losses of the updates
         that ran in the step), and keeps its optimizer's state in `result.opt_state[name]`.
         An [`eqfit.Update`][] may run on every `every`-th step only; an
-        [`eqfit.AbstractUpdate`][] is an update of your own. Not with `shard=`, float16's
-        loss scale or `schedules=`; see the guide "Research training".
+        [`eqfit.AbstractUpdate`][] is an update of your own. The step's options act per
+        update: `shard=` lays out each one's optimizer state, float16 scales each loss
+        with its own scale (`<name>_loss_scale`), `schedules=` records each at its own
+        optimizer's count (`<name>_<schedule>`); see the guide "Research training".
 
     *What is measured, and when to stop:*
 

@@ -337,17 +337,6 @@ def test_a_name_an_update_records_that_a_metric_has_is_refused():
         eqfit.fit(pair(), (X, Y), updates=updates(), metrics={"a_loss": metric}, **FIT)
 
 
-@pytest.mark.parametrize(
-    "option, words",
-    [
-        (dict(precision="float16"), "`precision=` with a loss scale"),
-    ],
-)
-def test_options_several_updates_do_not_take_are_refused_saying_why(option, words):
-    with pytest.raises(ValueError, match=words):
-        eqfit.fit(pair(), (X, Y), updates=updates(), **option, **FIT)
-
-
 def test_an_update_of_ones_own_under_devices_is_refused():
     with pytest.raises(ValueError, match="`devices=` with update 'target' of your own"):
         eqfit.fit(pair(), (X, Y), updates=[updates()[0], Polyak()], devices=8, **FIT)

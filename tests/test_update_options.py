@@ -4,6 +4,7 @@ against its hand loop or the run without the option.
 """
 
 import importlib.util
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, assert_trees_equal
 from jax.sharding import Mesh
 
 import eqfit
@@ -223,3 +224,79 @@ def test_an_update_of_ones_own_trains_under_shard_as_without():
     sharded = eqfit.fit(big, (X, y), updates=ups, mesh=mesh, shard=fsdp(min_bytes=0), **FIT)
     assert_trees_close(sharded.model, plain.model, rtol=1e-5, atol=1e-6)
     assert not sharded.model.b.weight.sharding.is_fully_replicated
+
+
+F16 = eqfit.Precision(jnp.float16, initial_scale=2.0**10, growth_steps=3)
+
+
+def loss_b(m, x, y):
+    return jnp.mean((jax.vmap(m.b)(x) - y) ** 2)
+
+
+def test_float16_scales_each_updates_loss_with_its_own_scale():
+    """Two updates under float16's dynamic loss scaling, `b` every second step: each
+    scale grows after 3 of its own finite steps, so `a`'s equals a run of `a` alone and
+    `b`'s has grown half as often; the model is the float32 run's, to float16's
+    precision.
+    """
+    ups = [
+        eqfit.Update("a", mse, optax.adam(0.01), trains=lambda m: m.a),
+        eqfit.Update("b", loss_b, optax.adam(0.01), trains=lambda m: m.b, every=2),
+    ]
+    result = eqfit.fit(pair(), (X, Y), updates=ups, precision=F16, **FIT)
+    alone = eqfit.fit(
+        pair(),
+        (X, Y),
+        loss=mse,
+        optimizer=optax.adam(0.01),
+        trains=lambda m: m.a,
+        precision=F16,
+        **FIT,
+    )
+    np.testing.assert_array_equal(result.history["a_loss_scale"], alone.history["loss_scale"])
+    # `a` used 2**11 at its 6th step and 2**13 at its 12th; `b`, 2**10 and 2**11 at its
+    # 3rd and 6th.
+    np.testing.assert_array_equal(result.history["a_loss_scale"], [2.0**11, 2.0**13])
+    np.testing.assert_array_equal(result.history["b_loss_scale"], [2.0**10, 2.0**11])
+    np.testing.assert_array_equal(result.history["b_skipped_steps"], [0, 0])
+    full = eqfit.fit(pair(), (X, Y), updates=ups, **FIT)
+    assert_trees_close(result.model, full.model, rtol=2e-2, atol=2e-2)
+
+
+def test_an_update_whose_scaled_gradient_overflows_skips_only_itself():
+    """`b`'s loss is large enough that its gradient at the starting scale overflows
+    float16: `b` halves its own scale and skips those steps, `a` trains on, its scale
+    growing.
+    """
+
+    def huge(m, x, y):
+        return 300.0 * loss_b(m, x, y)
+
+    ups = [
+        eqfit.Update("a", mse, optax.adam(0.01), trains=lambda m: m.a),
+        eqfit.Update("b", huge, optax.adam(0.01), trains=lambda m: m.b),
+    ]
+    result = eqfit.fit(pair(), (X, Y), updates=ups, precision=F16, norms=True, **FIT)
+    h = result.history
+    assert h["b_skipped_steps"][0] > 0 and h["a_skipped_steps"].sum() == 0
+    assert h["b_loss_scale"][0] < 2.0**10 < h["a_loss_scale"][0]
+    # `a`'s norms count its every step, `b`'s only those it applied.
+    assert np.isfinite(h["a_grad_norm"]).all() and np.isfinite(h["b_update_norm"]).all()
+
+
+def test_a_run_of_float16_updates_resumes_its_scales_bit_for_bit(tmp_path):
+    ups = [
+        eqfit.Update("a", mse, optax.adam(0.01), trains=lambda m: m.a),
+        eqfit.Update("b", loss_b, optax.adam(0.01), trains=lambda m: m.b, every=2),
+    ]
+    kwargs = dict(FIT, epochs=3, updates=ups, precision=F16)
+    whole = eqfit.fit(pair(), (X, Y), **kwargs)
+    policy = eqfit.Checkpoint(tmp_path / "all", every_epochs=None, every_steps=5, keep=100)
+    eqfit.fit(pair(), (X, Y), checkpoint=policy, **kwargs)
+    name = "ckpt-000001-000004"  # step 10: `b`'s scale has moved apart from `a`'s
+    alone = tmp_path / "alone"
+    shutil.copytree(tmp_path / "all" / name, alone / name)
+    resumed = eqfit.fit(pair(), (X, Y), checkpoint=alone, **kwargs)
+    assert_trees_equal(resumed.model, whole.model)
+    for key in ("a_loss_scale", "b_loss_scale", "b_loss"):
+        np.testing.assert_array_equal(resumed.history[key], whole.history[key])

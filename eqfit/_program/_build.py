@@ -237,12 +237,6 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
     """Refuses the options that several updates do not take, before anything is traced,
     saying why.
     """
-    if options.step.scales:
-        raise ValueError(
-            "`precision=` with a loss scale (float16) and `updates=`: the loss scale is the "
-            "run's one, but each update's loss would need its own; use bfloat16 "
-            "(`precision='bfloat16'`), which needs no scaling."
-        )
     custom = [u.name for u in updates if builtin(u) is None]
     if options.validation is not None and not any(map(validation_loss, updates)):
         raise ValueError(

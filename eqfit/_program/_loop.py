@@ -21,6 +21,7 @@ from jaxtyping import Array, Key, PyTree
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution, WholeRun
 from .._step._objective import Objective, takes_key
+from .._step._precision import LossScale
 from .._step._record import Kind, Record, UpdateInfo
 from .._step._step import select, Step
 from .._step._updates import AbstractUpdate, builtin
@@ -172,6 +173,16 @@ class Loop:
             batch=self.step.batch,
         )
         return Rebuilt(objective, optimizer, combine, step, init, lay_out)
+
+    def start_loss_scale(self) -> LossScale | dict[str, LossScale] | None:
+        """The loss scale at the start (float16's): the run's one, or with several
+        updates each loss's update's own, by name; `None` where the loss is not scaled.
+        """
+        precision = self.step.precision
+        scale = None if precision is None else precision.init()
+        if scale is None or not self.updates:
+            return scale
+        return {u.name: scale for u in self.updates if u.loss}
 
     def microbatch(self, rows: int | None = None) -> int | None:
         """With `microbatches=`, the rows of one microbatch of what the step sees of a

@@ -80,7 +80,7 @@ def start(
             opt_state=opt_state,
             model_state=model_state,
             average=average,
-            loss_scale=None if loop.step.precision is None else loop.step.precision.init(),
+            loss_scale=loop.start_loss_scale(),
             stopping=stopping,
             step=jnp.asarray(schedule.begin, jnp.int32),
             reason=jnp.asarray(Stop.RUNNING, jnp.int32),

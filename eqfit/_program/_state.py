@@ -79,7 +79,9 @@ class TrainState(NamedTuple):
     opt_state: PyTree
     model_state: PyTree
     average: PyTree  # their moving average, laid out as they are (`None` without `ema=`)
-    loss_scale: LossScale | None  # with a precision policy that scales the loss
+    # With a precision policy that scales the loss (float16): its scale; with several
+    # updates, each loss's update's, by name.
+    loss_scale: LossScale | dict[str, LossScale] | None
     stopping: StoppingState | None
     step: Int[Array, ""]  # optimizer steps done since the first epoch ever: the position
     reason: Int[Array, ""]  # a `Stop`: why the run stopped, if it did

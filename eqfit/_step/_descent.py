@@ -78,7 +78,8 @@ class UpdateContext(eqx.Module):
     another; `norms`: the gradient's and the update's norms are computed; `precision`:
     the policy an update's loss runs under; `split` takes the arrays the update trains
     out of a whole model (`combine`'s inverse), for an update of the user's own, whose
-    `apply` gives a whole model.
+    `apply` gives a whole model; `loss_scale`: the update's loss scale (float16's), which
+    an `eqfit.Update`'s turn descends with.
     """
 
     combine: Callable[[PyTree], PyTree] = _whole
@@ -88,6 +89,7 @@ class UpdateContext(eqx.Module):
     norms: bool = False
     precision: Precision | None = None
     split: Callable[[PyTree], PyTree] | None = None
+    loss_scale: LossScale | None = None
 
     def descend(
         self,

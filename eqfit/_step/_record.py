@@ -60,6 +60,9 @@ class Column(NamedTuple):
     # A weighted mean (`eqfit.Mean`): the column of its step weights (`Kind.WEIGHT`),
     # which the epoch weighs its steps by, not their batch sizes.
     weight: str | None = None
+    # `Reduce.APPLIED_MEAN`'s: the one column (`skips`) that marks the steps it leaves
+    # out (an update's own skipped steps); `None`: every such column.
+    skipped_by: str | None = None
 
 
 def column_name(update: str | None, value: str) -> str:
@@ -234,6 +237,11 @@ class Record:
         for i, column in enumerate(self.columns):
             if column.skips:
                 applied = applied & (values[:, i] == 0)
+        by_one = {  # the steps an update applied, by its column of skipped steps
+            c.skipped_by: counts & (values[:, where[c.skipped_by]] == 0)
+            for c in self.columns
+            if c.skipped_by is not None
+        }
         for i, column in enumerate(self.columns):
             value = values[:, i]
             # Where it was computed, for a column computed on some steps only.
@@ -246,7 +254,8 @@ class Record:
             elif column.reduce is Reduce.BATCH_MEAN and column.sometimes:
                 out[i] = mean(jnp.where(counts & here, all_sizes, 0.0), value)[None]
             elif column.reduce is Reduce.APPLIED_MEAN:
-                out[i] = mean(jnp.where(applied & here, all_sizes, 0.0), value)[None]
+                its = applied if column.skipped_by is None else by_one[column.skipped_by]
+                out[i] = mean(jnp.where(its & here, all_sizes, 0.0), value)[None]
             elif column.reduce is Reduce.SUM:
                 out[i] = jnp.sum(jnp.where(ran & here, value, 0.0))[None]
             elif column.reduce is Reduce.LAST:
@@ -309,7 +318,7 @@ def record_for(
     under its name; on the steps an update is not due (`every` above 1) they are NaN.
     """
     if updates:
-        return _updates_record(updates, metric_names, norms, val_sets)
+        return _updates_record(updates, metric_names, norms, scales, val_sets)
     check_names(aux_names, metric_names, hyperparams, schedule_names)
     columns = [Column(n, Kind.AUX, Reduce.BATCH_MEAN) for n in aux_names]
     columns += [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
@@ -396,11 +405,13 @@ def _updates_record(
     updates: tuple[UpdateInfo, ...],
     metric_names: tuple[str, ...],
     norms: bool,
+    scales: bool,
     val_sets: tuple[str, ...] | None,
 ) -> Record:
     """`record_for`'s record of several updates: their losses' values (recorded as aux
     values, which validation computes too), the metrics, the user's updates' values, the
-    norms of the loss updates, their hyperparameters and schedules.
+    norms of the loss updates and their loss scaling (float16's), their hyperparameters
+    and schedules.
     """
     check_names(metric_names=metric_names)
     # Each update's columns with its name, by kind, in the order they are recorded.
@@ -414,13 +425,25 @@ def _updates_record(
             kind = Kind.AUX if n in u.validated else Kind.UPDATE
             column = Column(u.column(n), kind, Reduce.BATCH_MEAN, sometimes=sometimes)
             (aux if kind is Kind.AUX else own).append((column, u.name))
+        # Its own skipped steps (float16's) mark the steps its norms leave out.
+        skips = u.column(SKIPPED_STEPS.name) if scales and u.loss else None
         if norms and u.loss:
             norm += [
                 (
-                    Column(u.column(c.name), Kind.NORM, Reduce.APPLIED_MEAN, sometimes=sometimes),
+                    Column(
+                        u.column(c.name),
+                        Kind.NORM,
+                        Reduce.APPLIED_MEAN,
+                        sometimes=sometimes,
+                        skipped_by=skips,
+                    ),
                     u.name,
                 )
                 for c in NORMS
+            ]
+        if skips is not None:
+            norm += [
+                (c._replace(name=u.column(c.name), sometimes=sometimes), u.name) for c in SCALING
             ]
         hyper += [
             (Column(u.column(n), Kind.HYPERPARAM, Reduce.LAST, sometimes=sometimes), u.name)

@@ -39,7 +39,8 @@ class StepResult(NamedTuple):
     opt_state: PyTree
     model_state: PyTree
     average: PyTree  # the moving average (`None` without one)
-    loss_scale: LossScale | None
+    # float16's loss scale; with several updates, each loss's update's, by name
+    loss_scale: LossScale | dict[str, LossScale] | None
     loss: Float[Array, ""]
     values: Float[Array, " values"]  # the record's columns (`Record.pack`)
     finite: Bool[Array, ""]  # the loss is finite
@@ -105,7 +106,7 @@ class Step(eqx.Module):
         opt_state: PyTree,
         model_state: PyTree,
         average: PyTree,
-        loss_scale: LossScale | None,
+        loss_scale: LossScale | dict[str, LossScale] | None,
         batch: PyTree,
         key: Key[Array, ""] | None,
         step: Int[Array, ""],
@@ -114,7 +115,11 @@ class Step(eqx.Module):
             # Each device's share of the batch gets its own key.
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
         if self.updates:
-            return self._updates(params, opt_state, model_state, average, batch, key, step)
+            assert not isinstance(loss_scale, LossScale)  # each update's, by name
+            return self._updates(
+                params, opt_state, model_state, average, loss_scale, batch, key, step
+            )
+        assert not isinstance(loss_scale, dict)  # one loss: the run's one scale
         record = self.record
         # At the count this step's update uses: the state's before the update.
         scheduled = schedule_values(self.schedules, opt_state)
@@ -171,12 +176,14 @@ class Step(eqx.Module):
         opt_state: dict[str, PyTree],
         model_state: PyTree,
         average: PyTree,
+        loss_scale: dict[str, LossScale] | None,
         batch: PyTree,
         key: Key[Array, ""] | None,
         step: Int[Array, ""],
     ) -> StepResult:
         """The step of several updates, in turn. Its loss is the sum of the losses of the
-        updates that ran; it is finite if each of theirs is.
+        updates that ran; it is finite if each of theirs is. With float16's loss scaling,
+        each loss's update scales its loss with its own scale (`loss_scale[name]`).
         """
         record = self.record
         if not self.batch:  # a row of nothing stood for it: the updates make their data
@@ -190,25 +197,30 @@ class Step(eqx.Module):
             labels = on_any_device(labels, self.axis_name)
         reported: dict[str, Any] = dict(zip(record.names_of(Kind.METRIC), metrics))
         opt_state = dict(opt_state)
+        scales = None if loss_scale is None else dict(loss_scale)
         total = jnp.zeros((), jnp.float32)
         finite = applied = None
         for i, (info, update) in enumerate(self.updates):
             turn_key = None if key is None else jax.random.fold_in(key, i)
 
             def run(
-                operand: tuple[PyTree, PyTree, PyTree],
+                operand: tuple[PyTree, PyTree, PyTree, LossScale | None],
+                i: int = i,
                 info: UpdateInfo = info,
                 update: AbstractUpdate = update,
             ) -> Turn:
                 return self._turn(i, info, update, *operand, batch, turn_key)
 
-            operand = (params, opt_state[info.name], model_state)
+            scale = None if scales is None else scales.get(info.name)
+            operand = (params, opt_state[info.name], model_state, scale)
             if info.every == 1:
                 out = run(operand)
             else:  # on steps `every`, `2 * every`, ... (counted from 1)
                 due = (step + 1) % info.every == 0
                 out = jax.lax.cond(due, run, functools.partial(_not_due, run), operand)
             params, opt_state[info.name], model_state = out.params, out.opt_state, out.model_state
+            if scales is not None and out.loss_scale is not None:
+                scales[info.name] = out.loss_scale
             # A weighted mean's batch of weight 0 records NaN for its update, not for
             # the step: the other updates' values of the step still count.
             empty = out.finite & jnp.isnan(out.loss)
@@ -223,7 +235,7 @@ class Step(eqx.Module):
             opt_state,
             model_state,
             self._averaged(average, params, applied),
-            None,
+            scales,
             total,
             record.pack(reported),
             finite,
@@ -238,12 +250,14 @@ class Step(eqx.Module):
         params: PyTree,
         opt_state: PyTree,
         model_state: PyTree,
+        loss_scale: LossScale | None,
         batch: PyTree,
         key: Key[Array, ""] | None,
     ) -> Turn:
         """One update's turn (`AbstractUpdate._take_turn`) on the arrays it trains, its
         values under the record's names: its own, its weighted means' weights, its
-        optimizer's injected hyperparameters and the schedules at its optimizer's count.
+        optimizer's injected hyperparameters, the schedules at its optimizer's count, and
+        with a loss scale, the scale it used and whether it skipped its update.
         """
         mine, merge = select(params, info.picks)
         norms = info.column(GRAD_NORM.name) in self.record.names
@@ -259,6 +273,7 @@ class Step(eqx.Module):
             norms,
             precision=self.objective.precision,
             split=lambda model: select(split(model), info.picks)[0],
+            loss_scale=loss_scale,
         )
         # At the count this update's step uses: its state's before it.
         scheduled = schedule_values(self.schedules, opt_state) if info.schedules else []
@@ -267,17 +282,23 @@ class Step(eqx.Module):
             t = t._replace(params=lay_out(t.params, None)[0])
         values = {info.column(n): v for n, v in t.values.items()}
         values |= dict(zip(map(info.column, info.schedules), scheduled))
+        if loss_scale is not None:
+            values[info.column(LOSS_SCALE.name)] = loss_scale.scale
+            skipped = (t.finite & ~t.applies).astype(jnp.float32)
+            values[info.column(SKIPPED_STEPS.name)] = skipped
         values |= {weight_name(info.column(n)): w for n, w in t.weights.items()}
         values |= dict(zip(map(info.column, info.hyperparams), injected_values(t.opt_state)))
         return t._replace(params=merge(t.params), values=values, weights={})
 
 
-def _not_due(run: Callable[[Any], Turn], operand: tuple[PyTree, PyTree, PyTree]) -> Turn:
+def _not_due(
+    run: Callable[[Any], Turn], operand: tuple[PyTree, PyTree, PyTree, LossScale | None]
+) -> Turn:
     """An update not due this step: everything as it was, its values NaN (which the
     epoch's means leave out), its loss 0.
     """
     shapes = jax.eval_shape(run, operand)
-    params, opt_state, model_state = operand
+    params, opt_state, model_state, loss_scale = operand
     return Turn(
         params,
         opt_state,
@@ -288,4 +309,5 @@ def _not_due(run: Callable[[Any], Turn], operand: tuple[PyTree, PyTree, PyTree])
         {name: jnp.full(v.shape, jnp.nan, v.dtype) for name, v in shapes.values.items()},
         {},
         None if shapes.labels is None else LabelError.none(),
+        loss_scale,
     )

@@ -26,7 +26,7 @@ from ._descent import hyperparams, UpdateContext
 from ._labels import LabelError
 from ._mean import Mean
 from ._objective import clone, find_outputs, LossTrace, Objective, split_output, takes_key
-from ._precision import Precision
+from ._precision import LossScale, Precision
 from ._record import column_name, LOSS, UpdateInfo
 
 
@@ -61,6 +61,8 @@ class Turn(NamedTuple):
     values: dict[str, Array]  # what it records (its hyperparameters aside)
     weights: dict[str, Array]  # the weights of those values that are weighted means
     labels: LabelError | None
+    # Its loss scale after it (float16's, `UpdateContext.loss_scale`); `None` unscaled.
+    loss_scale: LossScale | None = None
 
 
 class AbstractUpdate(eqx.Module):
@@ -449,7 +451,9 @@ class Update(AbstractUpdate):
         objective = self._objective(
             model_state is not None, context.precision, info.aux_names, info.means
         )
-        d = context.descend(objective, self.optimizer, params, state, model_state, None, batch, key)
+        d = context.descend(
+            objective, self.optimizer, params, state, model_state, context.loss_scale, batch, key
+        )
         return Turn(
             d.params,
             d.opt_state,
@@ -460,6 +464,7 @@ class Update(AbstractUpdate):
             d.values(objective),
             d.weights,
             d.labels,
+            d.loss_scale,
         )
 
     def _info(self, picks: tuple[bool, ...], found: LossTrace) -> UpdateInfo:
