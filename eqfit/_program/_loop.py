@@ -22,9 +22,9 @@ from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution, WholeRun
 from .._step._objective import Objective, takes_key
 from .._step._precision import LossScale
-from .._step._record import Kind, Record, UpdateInfo
+from .._step._record import Kind, LOSS, Record, UpdateInfo
 from .._step._step import select, Step
-from .._step._updates import AbstractUpdate, builtin
+from .._step._updates import AbstractUpdate, builtin, Update
 from ._options import StepOptions, Validation
 from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
 from ._schedule import Schedule
@@ -147,8 +147,10 @@ class Loop:
         if self.updates:
             optimizer = by_name(self.updates, updates)
             init = functools.partial(init_updates, self.updates, updates)
-        else:
+            steps = tuple(zip(self.updates, updates))
+        else:  # `loss=` and `optimizer=`: one update, unnamed
             init = _init_of(optimizer)
+            steps = ((self.unnamed_update(), Update("", loss, optimizer)),)
 
         def split(model: PyTree) -> PyTree:
             """The trained arrays of a whole model (the inverse of `combine`)."""
@@ -160,19 +162,35 @@ class Loop:
             lay_out = functools.partial(lay_out_run, self, optimizer, updates)
         step = Step(
             objective=objective,
-            optimizer=optimizer,
             combine=combine,
             record=self.record,
+            updates=steps,
+            split=split,
             axis_name=self.placement.axis_name,
             lay_out=lay_out,
             average=self.step.average,
             schedules=tuple(schedule for _, schedule in schedules),
-            updates=tuple(zip(self.updates, updates)),
-            split=split if self.updates else None,
             microbatch=self.microbatch(),
             batch=self.step.batch,
         )
         return Rebuilt(objective, optimizer, combine, step, init, lay_out)
+
+    def unnamed_update(self) -> UpdateInfo:
+        """`fit`'s `loss=` and `optimizer=` as the step's one update: unnamed, training
+        every trained array each step, recording its loss and aux values (the record's
+        own names), its optimizer's hyperparameters and the schedules.
+        """
+        record = self.record
+        return UpdateInfo(
+            name="",
+            every=1,
+            picks=(True,) * sum(self.trains),
+            loss=True,
+            values=(LOSS.name, *self.aux_names),
+            hyperparams=record.names_of(Kind.HYPERPARAM),
+            means=record.means,
+            schedules=record.names_of(Kind.SCHEDULE),
+        )
 
     def start_loss_scale(self) -> LossScale | dict[str, LossScale] | None:
         """The loss scale at the start (float16's): the run's one, or with several

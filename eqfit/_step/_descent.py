@@ -79,7 +79,8 @@ class UpdateContext(eqx.Module):
     the policy an update's loss runs under; `split` takes the arrays the update trains
     out of a whole model (`combine`'s inverse), for an update of the user's own, whose
     `apply` gives a whole model; `loss_scale`: the update's loss scale (float16's), which
-    an `eqfit.Update`'s turn descends with.
+    an `eqfit.Update`'s turn descends with; `metrics`: those it computes in its forward
+    pass, on the model before it.
     """
 
     combine: Callable[[PyTree], PyTree] = _whole
@@ -90,6 +91,10 @@ class UpdateContext(eqx.Module):
     precision: Precision | None = None
     split: Callable[[PyTree], PyTree] | None = None
     loss_scale: LossScale | None = None
+    # The run's metrics, for an update's forward pass to compute (`Turn.metrics`), and
+    # those of them that are weighted means.
+    metrics: tuple[tuple[str, Callable[..., Any]], ...] = ()
+    metric_means: tuple[str, ...] = ()
 
     def descend(
         self,

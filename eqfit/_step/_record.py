@@ -67,10 +67,10 @@ class Column(NamedTuple):
 
 def column_name(update: str | None, value: str) -> str:
     """The history's name of the value `value` that the update named `update` records
-    (`d_loss`, `d_acc`, `d_grad_norm`); `value` itself for `fit`'s one loss (`None`). The
-    one place such a name is made.
+    (`d_loss`, `d_acc`, `d_grad_norm`); `value` itself for `fit`'s one loss (`None`, or
+    its unnamed update's `""`). The one place such a name is made.
     """
-    return value if update is None else f"{update}_{value}"
+    return f"{update}_{value}" if update else value
 
 
 def weight_name(name: str) -> str:

@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PyTree
 
 from ._average import Average
@@ -23,6 +22,7 @@ from ._precision import LossScale
 from ._record import (
     GRAD_NORM,
     Kind,
+    LOSS,
     LOSS_SCALE,
     Record,
     SKIPPED_STEPS,
@@ -64,36 +64,36 @@ def select(params: PyTree, picks: tuple[bool, ...]) -> tuple[PyTree, Callable[[P
 
 
 class Step(eqx.Module):
-    """One optimisation step on a batch.
+    """One optimisation step on a batch: its updates, each in its turn on the model the
+    one before it left, on its own part of the parameters and its own state. `fit`'s
+    `loss=` and `optimizer=` are one `eqfit.Update`, unnamed (`UpdateInfo.name` `""`):
+    its values keep their own names (`loss`, `grad_norm`), it gets the step's key as it
+    is, and its state is the run's `opt_state` (and loss scale) itself; several updates
+    keep theirs in dicts by name.
 
-    An update whose loss is not finite is not applied: one `lax.cond` per step, as
+    An update whose loss is not finite is not applied: one `lax.cond` per update, as
     `optax.apply_if_finite` does, so the parameters are always the last finite ones and
     every `on_nan` policy runs the same arithmetic. The caller decides whether to stop.
-    With a loss scale, an update whose gradient is not finite is skipped too, and the
+    With a loss scale, an update whose gradient is not finite is skipped too, and its
     scale moves. The options own their logic: the precision policy casts and scales, the
-    average updates itself; the step records what they report as named values.
-
-    With `updates` (several), each takes its turn on the model the one before it left,
-    on its own part of the parameters and its own entry of `opt_state` (a dict by name);
-    one that is not due this step records NaN, which the epoch leaves out.
+    average updates itself; the step records what they report as named values. An
+    update not due this step (`every`) records NaN, which the epoch leaves out.
     """
 
-    objective: Objective
-    optimizer: optax.GradientTransformation
+    objective: Objective  # the metrics (its loss is validation's)
     combine: Callable[[PyTree], PyTree]  # the trained arrays -> the whole model
     record: Record  # what the step records, written by name
+    # The updates, each with what the run knows of it.
+    updates: tuple[tuple[UpdateInfo, AbstractUpdate], ...]
+    # The trained arrays of a whole model (what an update's `apply` gives).
+    split: Callable[[PyTree], PyTree]
     axis_name: str | None = None  # set under `pmap`: losses and gradients are averaged
     # With `shard=`: lays out a params-shaped tree (the gradients, the new parameters) as
     # the parameters are, and the optimizer state as it follows them; with `update=i`,
     # those of the `i`-th of `updates`, the arrays it trains and its state.
     lay_out: Callable[..., tuple[PyTree, PyTree]] | None = None
     average: Average | None = None
-    schedules: tuple[Callable[[Any], Any], ...] = ()  # each evaluated at the step's count
-    # Several updates, each with what the run knows of it; `()`: `objective` and
-    # `optimizer`.
-    updates: tuple[tuple[UpdateInfo, AbstractUpdate], ...] = ()
-    # The trained arrays of a whole model (with `updates`: what an update's `apply` gives).
-    split: Callable[[PyTree], PyTree] | None = None
+    schedules: tuple[Callable[[Any], Any], ...] = ()  # each evaluated at a count
     # With `microbatches=`: the rows of one microbatch of the batch this step sees, which
     # it computes one microbatch after another (`Step.measure`); `None`: all at once.
     microbatch: int | None = None
@@ -111,52 +111,102 @@ class Step(eqx.Module):
         key: Key[Array, ""] | None,
         step: Int[Array, ""],
     ) -> StepResult:
+        """The step. Its loss is the sum of the losses of the updates that ran (NaN
+        where none counted: a weighted mean's batch of weight 0); it is finite if each
+        of theirs is.
+        """
         if self.axis_name is not None and key is not None:
             # Each device's share of the batch gets its own key.
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
-        if self.updates:
-            assert not isinstance(loss_scale, LossScale)  # each update's, by name
-            return self._updates(
-                params, opt_state, model_state, average, loss_scale, batch, key, step
-            )
-        assert not isinstance(loss_scale, dict)  # one loss: the run's one scale
-        record = self.record
-        # At the count this step's update uses: the state's before the update.
-        scheduled = schedule_values(self.schedules, opt_state)
-        context = self.context(self.combine, norms=record.has(GRAD_NORM))
-        d = context.descend(
-            self.objective, self.optimizer, params, opt_state, model_state, loss_scale, batch, key
-        )
-        reported = d.values(self.objective)
-        del reported["loss"]  # the step's loss, outside the record's columns
-        reported |= dict(zip(record.names_of(Kind.METRIC), d.metrics))
-        reported |= {weight_name(n): w for n, w in d.weights.items()}
-        if loss_scale is not None:
-            reported[LOSS_SCALE.name] = loss_scale.scale
-            reported[SKIPPED_STEPS.name] = (d.finite & ~d.applies).astype(jnp.float32)
-        injected = record.names_of(Kind.HYPERPARAM)
-        if injected:  # after the update: `inject_hyperparams` keeps those it used
-            reported |= dict(zip(injected, injected_values(d.opt_state)))
-        reported |= dict(zip(record.names_of(Kind.SCHEDULE), scheduled))
-        average = self._averaged(average, d.params, d.applies)
+        if not self.batch:  # a row of nothing stood for it: the updates make their data
+            batch = None
+        # `fit`'s one loss: its state is the run's whole, not an entry by name.
+        unnamed = self.updates[0][0].name == ""
+        states: dict[str, PyTree] = {"": opt_state} if unnamed else dict(opt_state)
+        scales: dict[str, LossScale] | None = None
+        if isinstance(loss_scale, LossScale):
+            scales = {"": loss_scale}
+        elif loss_scale is not None:
+            scales = dict(loss_scale)
+        before = (params, model_state)
+        reported: dict[str, Any] = {}
+        metrics: dict[str, Any] | None = None
+        labels = None
+        total = finite = applied = None
+        none_counted = jnp.asarray(True)
+        for i, (info, update) in enumerate(self.updates):
+            turn_key = key
+            if key is not None and info.name:
+                turn_key = jax.random.fold_in(key, i)
+            # The metrics ride in the first update's forward pass where it has one.
+            measures = self.objective.metrics if i == 0 and info.every == 1 else ()
+
+            def run(
+                operand: tuple[PyTree, PyTree, PyTree, LossScale | None],
+                i: int = i,
+                info: UpdateInfo = info,
+                update: AbstractUpdate = update,
+                turn_key: Key[Array, ""] | None = turn_key,
+                measures: tuple[tuple[str, Callable[..., Any]], ...] = measures,
+            ) -> Turn:
+                return self._turn(i, info, update, *operand, batch, turn_key, measures)
+
+            scale = None if scales is None else scales.get(info.name)
+            operand = (params, states[info.name], model_state, scale)
+            if info.every == 1:
+                out = run(operand)
+            else:  # on steps `every`, `2 * every`, ... (counted from 1)
+                due = (step + 1) % info.every == 0
+                out = jax.lax.cond(due, run, functools.partial(_not_due, run), operand)
+            params, states[info.name], model_state = out.params, out.opt_state, out.model_state
+            if scales is not None and out.loss_scale is not None:
+                scales[info.name] = out.loss_scale
+            if i == 0:
+                metrics = out.metrics
+            # A weighted mean's batch of weight 0 records NaN for its update, not for
+            # the step: the other updates' values of the step still count.
+            empty = out.finite & jnp.isnan(out.loss)
+            counted = jnp.where(empty, 0.0, out.loss.astype(jnp.float32))
+            total = counted if total is None else total + counted
+            none_counted = none_counted & empty
+            finite = out.finite if finite is None else finite & out.finite
+            applied = out.applies if applied is None else applied | out.applies
+            reported |= out.values
+            labels = either(labels, out.labels)
+        assert total is not None and finite is not None and applied is not None
+        if metrics is None and self.objective.metrics:  # on the model before the step
+            metrics, met = self._metrics(*before, batch)
+            labels = either(met, labels)
+        reported |= metrics or {}
+        # The record's names: a loss's own value is the step's loss, outside them.
+        reported = {name: value for name, value in reported.items() if name in self.record.names}
         return StepResult(
-            d.params,
-            d.opt_state,
-            d.model_state,
-            average,
-            d.loss_scale,
-            d.loss,
-            record.pack(reported),
-            d.finite,
-            d.labels,
-            d.weights.get("loss"),
+            params,
+            states[""] if unnamed else states,
+            model_state,
+            self._averaged(average, params, applied),
+            None if scales is None else (scales[""] if unnamed else scales),
+            jnp.where(none_counted, jnp.nan, total),
+            self.record.pack(reported),
+            finite,
+            labels,
+            reported.get(weight_name(LOSS.name)),
         )
 
-    def context(self, combine: Callable[[PyTree], PyTree], norms: bool) -> UpdateContext:
-        """The run's options that act inside an update, with `combine` making the whole
-        model from the arrays it trains.
+    def _metrics(
+        self, params: PyTree, model_state: PyTree, batch: PyTree
+    ) -> tuple[dict[str, Any], LabelError | None]:
+        """The metrics by name on the model `params` make, computed on their own (the
+        first update is one of the user's own, or not due every step), and the first
+        label out of range they met.
         """
-        return UpdateContext(combine, self.axis_name, self.lay_out, self.microbatch, norms)
+        values, _, labels = self.objective.metric_values(
+            self.combine(params), clone(model_state), batch
+        )
+        if self.axis_name is not None:
+            values = jax.lax.pmean(values, self.axis_name)
+            labels = on_any_device(labels, self.axis_name)
+        return dict(zip(self.record.names_of(Kind.METRIC), values)), labels
 
     def _averaged(self, average: PyTree, params: PyTree, applies: Bool[Array, ""]) -> PyTree:
         """The moving average after the step. Outside the update's `cond`, which would
@@ -170,78 +220,6 @@ class Step(eqx.Module):
             average, _ = self.lay_out(average, None)
         return average
 
-    def _updates(
-        self,
-        params: PyTree,
-        opt_state: dict[str, PyTree],
-        model_state: PyTree,
-        average: PyTree,
-        loss_scale: dict[str, LossScale] | None,
-        batch: PyTree,
-        key: Key[Array, ""] | None,
-        step: Int[Array, ""],
-    ) -> StepResult:
-        """The step of several updates, in turn. Its loss is the sum of the losses of the
-        updates that ran; it is finite if each of theirs is. With float16's loss scaling,
-        each loss's update scales its loss with its own scale (`loss_scale[name]`).
-        """
-        record = self.record
-        if not self.batch:  # a row of nothing stood for it: the updates make their data
-            batch = None
-        # Metrics see the model before the step's first update.
-        metrics, _, labels = self.objective.metric_values(
-            self.combine(params), clone(model_state), batch
-        )
-        if self.axis_name is not None:
-            metrics = jax.lax.pmean(metrics, self.axis_name)
-            labels = on_any_device(labels, self.axis_name)
-        reported: dict[str, Any] = dict(zip(record.names_of(Kind.METRIC), metrics))
-        opt_state = dict(opt_state)
-        scales = None if loss_scale is None else dict(loss_scale)
-        total = jnp.zeros((), jnp.float32)
-        finite = applied = None
-        for i, (info, update) in enumerate(self.updates):
-            turn_key = None if key is None else jax.random.fold_in(key, i)
-
-            def run(
-                operand: tuple[PyTree, PyTree, PyTree, LossScale | None],
-                i: int = i,
-                info: UpdateInfo = info,
-                update: AbstractUpdate = update,
-            ) -> Turn:
-                return self._turn(i, info, update, *operand, batch, turn_key)
-
-            scale = None if scales is None else scales.get(info.name)
-            operand = (params, opt_state[info.name], model_state, scale)
-            if info.every == 1:
-                out = run(operand)
-            else:  # on steps `every`, `2 * every`, ... (counted from 1)
-                due = (step + 1) % info.every == 0
-                out = jax.lax.cond(due, run, functools.partial(_not_due, run), operand)
-            params, opt_state[info.name], model_state = out.params, out.opt_state, out.model_state
-            if scales is not None and out.loss_scale is not None:
-                scales[info.name] = out.loss_scale
-            # A weighted mean's batch of weight 0 records NaN for its update, not for
-            # the step: the other updates' values of the step still count.
-            empty = out.finite & jnp.isnan(out.loss)
-            total = total + jnp.where(empty, 0.0, out.loss.astype(jnp.float32))
-            finite = out.finite if finite is None else finite & out.finite
-            applied = out.applies if applied is None else applied | out.applies
-            reported |= out.values
-            labels = either(labels, out.labels)
-        assert finite is not None and applied is not None
-        return StepResult(
-            params,
-            opt_state,
-            model_state,
-            self._averaged(average, params, applied),
-            scales,
-            total,
-            record.pack(reported),
-            finite,
-            labels,
-        )
-
     def _turn(
         self,
         i: int,
@@ -253,16 +231,17 @@ class Step(eqx.Module):
         loss_scale: LossScale | None,
         batch: PyTree,
         key: Key[Array, ""] | None,
+        measures: tuple[tuple[str, Callable[..., Any]], ...],
     ) -> Turn:
         """One update's turn (`AbstractUpdate._take_turn`) on the arrays it trains, its
         values under the record's names: its own, its weighted means' weights, its
         optimizer's injected hyperparameters, the schedules at its optimizer's count, and
         with a loss scale, the scale it used and whether it skipped its update.
+        `measures`: the metrics, for its forward pass to compute where it has one.
         """
         mine, merge = select(params, info.picks)
         norms = info.column(GRAD_NORM.name) in self.record.names
         split = self.split
-        assert split is not None
         # With `shard=`: its arrays and its state laid out as the run's are.
         lay_out = None if self.lay_out is None else functools.partial(self.lay_out, update=i)
         context = UpdateContext(
@@ -274,6 +253,8 @@ class Step(eqx.Module):
             precision=self.objective.precision,
             split=lambda model: select(split(model), info.picks)[0],
             loss_scale=loss_scale,
+            metrics=measures,
+            metric_means=tuple(n for n in self.objective.means if n in self.objective.metric_names),
         )
         # At the count this update's step uses: its state's before it.
         scheduled = schedule_values(self.schedules, opt_state) if info.schedules else []
@@ -281,13 +262,13 @@ class Step(eqx.Module):
         if lay_out is not None:  # what an update of one's own gives, as the rest is laid out
             t = t._replace(params=lay_out(t.params, None)[0])
         values = {info.column(n): v for n, v in t.values.items()}
+        values |= {weight_name(info.column(n)): w for n, w in t.weights.items()}
+        values |= dict(zip(map(info.column, info.hyperparams), injected_values(t.opt_state)))
         values |= dict(zip(map(info.column, info.schedules), scheduled))
         if loss_scale is not None:
             values[info.column(LOSS_SCALE.name)] = loss_scale.scale
             skipped = (t.finite & ~t.applies).astype(jnp.float32)
             values[info.column(SKIPPED_STEPS.name)] = skipped
-        values |= {weight_name(info.column(n)): w for n, w in t.weights.items()}
-        values |= dict(zip(map(info.column, info.hyperparams), injected_values(t.opt_state)))
         return t._replace(params=merge(t.params), values=values, weights={})
 
 

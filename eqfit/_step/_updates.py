@@ -27,7 +27,7 @@ from ._labels import LabelError
 from ._mean import Mean
 from ._objective import clone, find_outputs, LossTrace, Objective, split_output, takes_key
 from ._precision import LossScale, Precision
-from ._record import column_name, LOSS, UpdateInfo
+from ._record import column_name, LOSS, UpdateInfo, weight_name
 
 
 # An update's name begins the history's names of its values (`d_loss`): a word.
@@ -63,6 +63,9 @@ class Turn(NamedTuple):
     labels: LabelError | None
     # Its loss scale after it (float16's, `UpdateContext.loss_scale`); `None` unscaled.
     loss_scale: LossScale | None = None
+    # The metrics it computed in its forward pass (`UpdateContext.metrics`), by the
+    # record's names, with the weights of those that are weighted means; `None`: none.
+    metrics: dict[str, Array] | None = None
 
 
 class AbstractUpdate(eqx.Module):
@@ -98,7 +101,9 @@ class AbstractUpdate(eqx.Module):
     samples: int | None = eqx.field(default=None, kw_only=True, converter=as_int)
 
     def __check_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+        # `""` is `fit`'s own `loss=`/`optimizer=` (whose values keep their own names);
+        # `fit(..., updates=)` refuses it (`check_updates`).
+        if not isinstance(self.name, str) or (self.name and not _NAME.fullmatch(self.name)):
             raise ValueError(
                 f"An update is named {self.name!r}: its name begins the history's names of "
                 "its values (`d_loss`), so it must be a letter, then letters, digits and "
@@ -447,13 +452,26 @@ class Update(AbstractUpdate):
         batch: ArrayTree,
         key: Key[Array, ""] | None,
     ) -> Turn:
-        """Its turn in `fit`'s step: `apply`'s descent, under `fit`'s options."""
-        objective = self._objective(
-            model_state is not None, context.precision, info.aux_names, info.means
+        """Its turn in `fit`'s step: `apply`'s descent, under `fit`'s options, with the
+        run's metrics (`context.metrics`) computed in its forward pass.
+        """
+        objective = Objective(
+            self.loss,
+            context.metrics,
+            model_state is not None,
+            takes_key(self.loss),
+            info.aux_names,
+            context.precision,
+            (*info.means, *context.metric_means),
         )
         d = context.descend(
             objective, self.optimizer, params, state, model_state, context.loss_scale, batch, key
         )
+        names = objective.metric_names
+        metrics = None
+        if names:
+            metrics = dict(zip(names, d.metrics))
+            metrics |= {weight_name(n): d.weights.pop(n) for n in names if n in d.weights}
         return Turn(
             d.params,
             d.opt_state,
@@ -465,6 +483,7 @@ class Update(AbstractUpdate):
             d.weights,
             d.labels,
             d.loss_scale,
+            metrics,
         )
 
     def _info(self, picks: tuple[bool, ...], found: LossTrace) -> UpdateInfo:
