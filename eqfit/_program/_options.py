@@ -48,6 +48,11 @@ MAX_COUNT = 2**31 - 1
 OnNan = Literal["raise", "stop", "skip"]
 
 
+def _whole(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"`{name}` must be an integer of {least} or more, got {value!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """What each step does besides its loss and optimizer: `on_nan=`, `precision=`,
@@ -63,6 +68,11 @@ class StepOptions:
     # `False`: `fit` was given no data (`data=None`): its updates make their own (a
     # rollout's), and each gets `batch=None`.
     batch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.on_nan not in ("raise", "stop", "skip"):
+            raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {self.on_nan!r}.")
+        _whole("microbatches", self.microbatches, 1)
 
     @property
     def scales(self) -> bool:
@@ -86,6 +96,56 @@ class Validation:
     # `validation_every=`: validate after every n-th step (counted from the first ever),
     # not at epochs' ends; `None`: at epochs' ends (`freq`).
     every: int | None = None
+
+    @staticmethod
+    def of(
+        data: Any,
+        split: Any,
+        freq: Any,
+        every: Any,
+        ema: bool,
+        average: Average | None,
+        members: int | None,
+        epochs: tuple[int, int],
+    ) -> "Validation | None":
+        """How a run validates, from `fit`'s `validation_data`, `validation_split`,
+        `validation_freq`, `validation_every` and `validate_ema` (the average, `ema=`'s;
+        the ensemble's size; the epochs, first and last), refusing what cannot be;
+        `None` where it validates nothing.
+        """
+        if data is not None and split is not None:
+            raise ValueError("Give `validation_data` or `validation_split`, not both.")
+        refuse_list_of_sets(data)
+        validates = data is not None or split is not None
+        freq = as_int(freq)
+        check_frequency(freq, validates)
+        every = check_every(every, freq, validates)
+        if split is not None:
+            if isinstance(split, bool) or not isinstance(split, (int, float)):
+                raise TypeError(f"`validation_split` must be a float in (0, 1), got {split!r}.")
+            if not (math.isfinite(split) and 0.0 < split < 1.0):
+                raise ValueError(f"`validation_split` must be in (0, 1), got {split}.")
+            if members is not None:
+                raise ValueError(
+                    "`validation_split` would hold out different samples for each member of "
+                    "an ensemble; pass `validation_data` instead."
+                )
+        if ema and average is None:
+            raise ValueError(
+                "`validate_ema=True` validates the moving average, but there is none: give "
+                "`ema=` too (such as `ema=0.999`)."
+            )
+        if ema and not validates:
+            raise ValueError(
+                "`validate_ema=True` runs validation (and early stopping on its values) on "
+                "the moving average, but this run validates nothing: give `validation_data` "
+                "or `validation_split`, or leave `validate_ema` out."
+            )
+        if not validates:
+            return None
+        sets = tuple(data) if isinstance(data, ValidationSets) else ()
+        streamed = validation_streams(data, freq, *epochs, every)
+        return Validation(sets, freq, ema, streamed, every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,28 +247,30 @@ def check_options(
     ensemble: bool,
     checkpoint: Any,
     checkpoint_every: Any,
-    precision: Any = None,
-    ema: Any = None,
-    validate_ema: bool = False,
-    norms: Any = False,
-    microbatches: Any = 1,
-    peak_flops: Any = None,
-    signals: Any = (),
-    schedules: Any = None,
-    profile: Any = None,
-    execution: Execution | Literal["auto"] = "auto",
-    validation_freq: Any = 1,
-    log_every: Any = None,
-    validation_every: Any = None,
-    data: Any = None,
-    opt_state: Any = None,
-    loss: Any = None,
-    optimizer: Any = None,
-    updates: Any = None,
-    trains: Any = None,
-    filter_spec: Any = eqx.is_inexact_array,
+    precision: Any,
+    ema: Any,
+    validate_ema: bool,
+    norms: Any,
+    microbatches: Any,
+    peak_flops: Any,
+    signals: Any,
+    schedules: Any,
+    profile: Any,
+    execution: Execution | Literal["auto"],
+    validation_freq: Any,
+    log_every: Any,
+    validation_every: Any,
+    data: Any,
+    opt_state: Any,
+    loss: Any,
+    optimizer: Any,
+    updates: Any,
+    trains: Any,
+    filter_spec: Any,
 ) -> Options:
-    """Checks every argument of `fit` that can be checked without its data.
+    """Checks every argument of `fit` that can be checked without its data, each concern
+    where it is made (`StepOptions`, `Validation.of`, `as_checkpoint`, ...). `fit` passes
+    each of its arguments by name: the defaults are its own, stated there only.
 
     **Returns:**
 
@@ -218,22 +280,77 @@ def check_options(
 
     `TypeError` or `ValueError`, naming the argument, what it must be and what it is.
     """
-    check_alive(
-        model=model,
-        data=data,
-        # Named sets are no PyTree: each is checked by its name.
-        validation_data=dict(validation_data)
-        if isinstance(validation_data, ValidationSets)
-        else validation_data,
-        opt_state=opt_state,
-        state=state,
+    _check_alive(model, data, validation_data, opt_state, state)
+    epochs, initial_epoch, steps_per_epoch, batch_size = _counts(
+        epochs, initial_epoch, steps_per_epoch, batch_size
     )
-    # Numpy integer scalars are integers (`np.int64(2)`, as arithmetic on arrays gives).
+    members = ensemble_size(model) if ensemble else None
+    average = as_average(ema)
+    validation = Validation.of(
+        validation_data,
+        validation_split,
+        validation_freq,
+        validation_every,
+        validate_ema,
+        average,
+        members,
+        (initial_epoch, epochs),
+    )
+    if data is None:
+        _check_no_data(
+            updates, steps_per_epoch, batch_size, validation is not None, metrics, mesh, devices
+        )
+        batch_size, shuffle = 1, False  # one step a row of `no_data`'s
+    scheduled = _schedules(schedules)
+    options = Options(
+        log_every=as_steps("log_every", log_every, "tell the callbacks the training values"),
+        key=as_key(key),
+        epochs=epochs,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch,
+        batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+        batch_size_given=batch_size is not None,
+        shuffle=shuffle,
+        drop_remainder=drop_remainder,
+        progress=_progress(progress),
+        members=members,
+        stateful=state is not None,
+        validation_split=validation_split,
+        validation=validation,
+        early_stopping=early_stopping,
+        callbacks=_callbacks(callbacks),
+        checkpoint=as_checkpoint(checkpoint, as_int(checkpoint_every), shard is not None),
+        # The batch's split over the devices is checked once the batch size is known.
+        placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
+        step=StepOptions(
+            on_nan,
+            as_precision(precision, model=model),
+            average,
+            bool(norms),
+            as_int(microbatches),
+            batch=data is not None,
+        ),
+        peak_flops=_peak_flops(peak_flops),
+        signals=as_signals(signals),
+        schedules=scheduled,
+        profile=_profile(profile),
+        execution=execution,
+        objects=_objects(loss, optimizer, updates, metrics, scheduled, state is not None),
+        filter_spec=_filter_spec(model, trains, filter_spec, updates),
+    )
+    _refuse_impossible_monitors(options, tuple(metrics or ()))
+    return options
+
+
+def _counts(
+    epochs: Any, initial_epoch: Any, steps_per_epoch: Any, batch_size: Any
+) -> tuple[int, int, int | None, int | None]:
+    """`epochs`, `initial_epoch`, `steps_per_epoch` and `batch_size` as integers (numpy
+    integer scalars are integers, as arithmetic on arrays gives them), refusing counts
+    that cannot be or that a run cannot count.
+    """
     epochs, initial_epoch, steps_per_epoch, batch_size = map(
         as_int, (epochs, initial_epoch, steps_per_epoch, batch_size)
-    )
-    checkpoint_every, microbatches, validation_freq = map(
-        as_int, (checkpoint_every, microbatches, validation_freq)
     )
     _whole("epochs", epochs, 0)
     _whole("initial_epoch", initial_epoch, 0)
@@ -258,32 +375,27 @@ def check_options(
                 f"`batch_size` must be below 2**31 (rows are counted in 32-bit integers on "
                 f"the device), got {batch_size}."
             )
-    _whole("checkpoint_every", checkpoint_every, 1)
-    _whole("microbatches", microbatches, 1)
-    policy = as_checkpoint(checkpoint, checkpoint_every)
+    return epochs, initial_epoch, steps_per_epoch, batch_size
+
+
+def _check_alive(model: Any, data: Any, validation_data: Any, opt_state: Any, state: Any) -> None:
+    """Refuses arrays that were deleted or donated (`check_alive`) among `fit`'s."""
+    # Named validation sets are no PyTree: each is checked by its name.
+    if isinstance(validation_data, ValidationSets):
+        validation_data = dict(validation_data)
+    check_alive(
+        model=model, data=data, validation_data=validation_data, opt_state=opt_state, state=state
+    )
+
+
+def _progress(progress: Any) -> bool | Literal["bar", "lines"]:
     if not isinstance(progress, bool | str) or progress not in (True, False, "bar", "lines"):
         raise ValueError(f"`progress` must be True, False, 'bar' or 'lines', got {progress!r}.")
-    if on_nan not in ("raise", "stop", "skip"):
-        raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {on_nan!r}.")
-    if validation_data is not None and validation_split is not None:
-        raise ValueError("Give `validation_data` or `validation_split`, not both.")
-    refuse_list_of_sets(validation_data)
-    validates = validation_data is not None or validation_split is not None
-    check_frequency(validation_freq, validates)
-    every = check_every(validation_every, validation_freq, validates)
-    sets = tuple(validation_data) if isinstance(validation_data, ValidationSets) else ()
-    if validation_split is not None:
-        fraction = validation_split
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise TypeError(f"`validation_split` must be a float in (0, 1), got {fraction!r}.")
-        if not (math.isfinite(fraction) and 0.0 < fraction < 1.0):
-            raise ValueError(f"`validation_split` must be in (0, 1), got {fraction}.")
-    members = ensemble_size(model) if ensemble else None
-    if members is not None and validation_split is not None:
-        raise ValueError(
-            "`validation_split` would hold out different samples for each member of an "
-            "ensemble; pass `validation_data` instead."
-        )
+    return progress
+
+
+def _callbacks(callbacks: Sequence[Any]) -> tuple[Any, ...]:
+    """`callbacks` as a tuple, refusing one with no `on_epoch_end`."""
     callbacks = tuple(callbacks)
     for i, callback in enumerate(callbacks):
         if not callable(getattr(callback, "on_epoch_end", None)):
@@ -291,87 +403,38 @@ def check_options(
                 f"`callbacks[{i}]` must have a method `on_epoch_end(epoch, logs)`, got a "
                 f"{type(callback).__name__}."
             )
-    average = as_average(ema)
-    if validate_ema and average is None:
-        raise ValueError(
-            "`validate_ema=True` validates the moving average, but there is none: give "
-            "`ema=` too (such as `ema=0.999`)."
-        )
-    if validate_ema and validation_data is None and validation_split is None:
-        raise ValueError(
-            "`validate_ema=True` runs validation (and early stopping on its values) on the "
-            "moving average, but this run validates nothing: give `validation_data` or "
-            "`validation_split`, or leave `validate_ema` out."
-        )
-    peak = _peak_flops(peak_flops)
-    scheduled = _schedules(schedules)
+    return callbacks
+
+
+def _profile(profile: Any) -> Profile | None:
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(
             "`profile` must be an `eqfit.Profile(directory, start_step, steps)`, got a "
             f"{type(profile).__name__}."
         )
-    validation = None
-    if validates:
-        streamed = validation_streams(
-            validation_data, validation_freq, initial_epoch, epochs, every
-        )
-        validation = Validation(sets, validation_freq, validate_ema, streamed, every)
-    if shard is not None and checkpoint is not None:
-        require_orbax()
-    if data is None:
-        _check_no_data(updates, steps_per_epoch, batch_size, validates, metrics, mesh, devices)
-        batch_size, shuffle = 1, False  # one step a row of `no_data`'s
-    options = Options(
-        log_every=as_steps("log_every", log_every, "tell the callbacks the training values"),
-        key=as_key(key),
-        epochs=epochs,
-        initial_epoch=initial_epoch,
-        steps_per_epoch=steps_per_epoch,
-        batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
-        batch_size_given=batch_size is not None,
-        shuffle=shuffle,
-        drop_remainder=drop_remainder,
-        progress=progress,
-        members=members,
-        stateful=state is not None,
-        validation_split=validation_split,
-        validation=validation,
-        early_stopping=early_stopping,
-        callbacks=callbacks,
-        checkpoint=policy,
-        # The batch's split over the devices is checked once the batch size is known.
-        placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
-        step=StepOptions(
-            on_nan,
-            as_precision(precision, model=model),
-            average,
-            bool(norms),
-            microbatches,
-            batch=data is not None,
-        ),
-        peak_flops=peak,
-        signals=as_signals(signals),
-        schedules=scheduled,
-        profile=profile,
-        execution=execution,
-        objects=_objects(loss, optimizer, updates, metrics, scheduled, state is not None),
-        filter_spec=_filter_spec(model, trains, filter_spec, updates),
-    )
-    # The names known before the loss is traced (its aux values) and the optimizer's
-    # state made (its injected hyperparameters), checked as the run's record will be.
-    val_sets = None if validation is None else validation.sets
+    return profile
+
+
+def _refuse_impossible_monitors(options: Options, metric_names: tuple[str, ...]) -> None:
+    """Refuses early stopping's and `keep_best`'s monitored values where no run with these
+    options computes them, from the names known before the loss is traced (its aux
+    values) and the optimizer's state made (its injected hyperparameters), checked as the
+    run's record will be.
+    """
+    val_sets = None if options.validation is None else options.validation.sets
     known = record_for(
-        metric_names=tuple(metrics or ()),
+        metric_names=metric_names,
         norms=options.step.norms,
         scales=options.step.scales,
-        schedule_names=tuple(name for name, _ in scheduled),
+        schedule_names=tuple(name for name, _ in options.schedules),
         val_sets=val_sets,
     ).log_names(val_sets)
-    if early_stopping is not None:
-        _refuse_impossible_monitor(early_stopping.monitor, options, known, EARLY_STOPPING)
+    if options.early_stopping is not None:
+        monitor = options.early_stopping.monitor
+        _refuse_impossible_monitor(monitor, options, known, EARLY_STOPPING)
+    policy = options.checkpoint
     if policy is not None and policy.keep_best is not None:
         _refuse_impossible_monitor(policy.keep_best, options, known, KEEP_BEST)
-    return options
 
 
 def no_data(steps_per_epoch: int) -> tuple[np.ndarray]:
@@ -515,10 +578,15 @@ def _peak_flops(peak_flops: Any) -> float | None:
     return peak
 
 
-def as_checkpoint(checkpoint: Any, checkpoint_every: int) -> Checkpoint | None:
+def as_checkpoint(
+    checkpoint: Any, checkpoint_every: int, sharded: bool = False
+) -> Checkpoint | None:
     """`fit`'s `checkpoint` as a policy: a directory is `Checkpoint(directory,
-    every_epochs=checkpoint_every)`.
+    every_epochs=checkpoint_every)`. A `sharded` run's (`shard=`) needs orbax to write.
     """
+    _whole("checkpoint_every", checkpoint_every, 1)
+    if sharded and checkpoint is not None:
+        require_orbax()
     if checkpoint is None or isinstance(checkpoint, Checkpoint):
         if isinstance(checkpoint, Checkpoint) and checkpoint_every != 1:
             raise ValueError(
@@ -583,8 +651,3 @@ def plain_optimizer(optimizer: Any) -> optax.GradientTransformation:
     if isinstance(optimizer, optax.MultiSteps):
         return optimizer.gradient_transformation()
     return optimizer
-
-
-def _whole(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"`{name}` must be an integer of {least} or more, got {value!r}.")
