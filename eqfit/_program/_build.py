@@ -18,20 +18,15 @@ from .._core._execution import choose
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
 from .._step._record import LOSS, Record, record_for, UpdateInfo
-from .._step._updates import (
-    AbstractUpdate,
-    builtin,
-    check_applied,
-    trained_spec,
-    validation_loss,
-)
+from .._step._update_checks import check_applied
+from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
 from ._compile import PROGRAMS
 from ._loop import Loop
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
 from ._parallel import placement_devices, Pmap
 from ._schedule import Schedule
 from ._skeleton import split_arrays
-from ._state import Consts, StartArgs
+from ._state import Callables, Consts, StartArgs
 
 
 def make_loop(
@@ -55,17 +50,7 @@ def make_loop(
     arrays, skeleton = split_arrays(model)
     if objects.updates:
         check_update_options(objects.updates, options)
-    # With several updates, what each trains (`trained_spec`) and so which arrays.
-    specs = [
-        trained_spec(model, u.trains, f"update {u.name!r}'s `trains`") for u in objects.updates
-    ]
-    picked = [update_picks(model, arrays, spec) for spec in specs]
-    trains = tuple(map(any, zip(*picked))) if picked else _trains(model, arrays, filter_spec)
-    if not any(trains):
-        raise ValueError(
-            "`model` has no floating-point arrays that `filter_spec` chooses to train, so "
-            f"training would change nothing (its arrays: {describe(model)[:6]})."
-        )
+    specs, picked, trains = _what_trains(model, arrays, objects.updates, filter_spec)
     params = [a for a, t in zip(arrays, trains) if t]
     frozen = [a for a, t in zip(arrays, trains) if not t]
     object_arrays, objects_skeleton = split_arrays(objects)
@@ -109,33 +94,8 @@ def make_loop(
         log_every=options.log_every,
     )
     consts = Consts(frozen, object_arrays)
-    shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
     optimizer = objects.optimizer if objects.optimizer is not None else loop.parts(consts).optimizer
-    opt_shapes, hyperparams = _opt_state_shape(loop, optimizer, shapes)
-    schedules = dict(objects.schedules)
-    if infos:  # each update's hyperparameters, and its schedules where it has an optimizer
-        infos = tuple(
-            i._replace(
-                hyperparams=injected_names(opt_shapes[i.name]),
-                schedules=_update_schedules(i, schedules, opt_shapes[i.name]),
-            )
-            for i in infos
-        )
-        loop = dataclasses.replace(loop, updates=infos)
-    record = record_for(
-        aux_names=outputs.aux_names,
-        means=outputs.means,
-        metric_names=objective.metric_names,
-        norms=step.norms,
-        scales=step.scales,
-        hyperparams=hyperparams,
-        schedule_names=tuple(schedules),
-        val_sets=loop.val_sets,
-        updates=infos,
-    )
-    if schedules and not infos:
-        check_schedules(schedules, opt_shapes)
-    loop = dataclasses.replace(loop, record=record)
+    loop = _with_record(loop, optimizer, params, outputs, objective.metric_names, objects)
     convolves = functools.partial(_convolves, objective, traced, options, outputs)
     execution, why = choose(
         options.execution,
@@ -146,12 +106,70 @@ def make_loop(
     loop = dataclasses.replace(loop, execution=execution, execution_why=why)
     if loop.early_stopping is not None:
         check_monitor(loop.early_stopping.monitor, loop)
-    policy = options.checkpoint
-    if policy is not None and policy.keep_best is not None:
-        check_monitor(policy.keep_best, loop, what=KEEP_BEST)
+    if options.checkpoint is not None and options.checkpoint.keep_best is not None:
+        check_monitor(options.checkpoint.keep_best, loop, what=KEEP_BEST)
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
     return loop, StartArgs(params, opt_state, model_state, options.key, consts)
+
+
+def _what_trains(
+    model: PyTree, arrays: list[Any], updates: tuple[AbstractUpdate, ...], filter_spec: Any
+) -> tuple[list[PyTree], list[tuple[bool, ...]], tuple[bool, ...]]:
+    """What trains: with several updates each one's spec (`trained_spec`) and the arrays
+    it picks, and for each array of `model` whether any update (or `filter_spec`, with one
+    loss) trains it. Refuses a model of which nothing would train.
+    """
+    specs = [trained_spec(model, u.trains, f"update {u.name!r}'s `trains`") for u in updates]
+    picked = [update_picks(model, arrays, spec) for spec in specs]
+    trains = tuple(map(any, zip(*picked))) if picked else _trains(model, arrays, filter_spec)
+    if not any(trains):
+        raise ValueError(
+            "`model` has no floating-point arrays that `filter_spec` chooses to train, so "
+            f"training would change nothing (its arrays: {describe(model)[:6]})."
+        )
+    return specs, picked, trains
+
+
+def _with_record(
+    loop: Loop,
+    optimizer: optax.GradientTransformation,
+    params: list[Array],
+    outputs: LossTrace,
+    metric_names: tuple[str, ...],
+    objects: Callables,
+) -> Loop:
+    """`loop` with its record declared (`record_for`, which checks the names), once the
+    state of `optimizer` (the run's, or its updates' as one) is known, made on abstract
+    arrays: the hyperparameters it injects, and `objects`' schedules, each checked at
+    its count (each update's, by name).
+    """
+    shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
+    opt_shapes, hyperparams = _opt_state_shape(loop, optimizer, shapes)
+    schedules = dict(objects.schedules)
+    infos = loop.updates
+    if infos:  # each update's hyperparameters, and its schedules where it has an optimizer
+        infos = tuple(
+            i._replace(
+                hyperparams=injected_names(opt_shapes[i.name]),
+                schedules=_update_schedules(i, schedules, opt_shapes[i.name]),
+            )
+            for i in infos
+        )
+    elif schedules:
+        check_schedules(schedules, opt_shapes)
+    record = record_for(
+        aux_names=outputs.aux_names,
+        means=outputs.means,
+        metric_names=metric_names,
+        norms=loop.step.norms,
+        scales=loop.step.scales,
+        hyperparams=hyperparams,
+        schedule_names=tuple(schedules),
+        val_sets=loop.val_sets,
+        updates=infos,
+    )
+    return dataclasses.replace(loop, updates=infos, record=record)
 
 
 # Cached as the programs are: tracing the optimizer's `init` is most of a warm `fit`'s

@@ -28,7 +28,8 @@ from .._core._policy import as_signals, Checkpoint, Profile
 from .._step._average import as_average, Average
 from .._step._precision import as_precision, Precision
 from .._step._record import NORMS, record_for, SCALING
-from .._step._updates import AbstractUpdate, builtin, check_updates, Losses, trained_spec
+from .._step._update_checks import check_updates
+from .._step._updates import AbstractUpdate, builtin, Losses, trained_spec
 from .._step._validation import (
     check_every,
     check_frequency,

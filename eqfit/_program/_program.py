@@ -1,10 +1,11 @@
-"""The one compiled run: training from a position to a stop position, both traced.
-
-Every path calls the same two programs: `start` makes the training state once, and `run`
-trains from the state's position (a global step count) up to a stop position. The
-compiled path calls `run` once, from the start to the end; the bar, checkpoints, resume
-and streamed data call it in pieces. Since the positions are traced, every piece runs the
-same compiled program, and the pieces agree with one whole run bit for bit.
+"""The compiled programs of a run. `start` makes the training state once. `run` trains
+from the state's position (a global step count) up to a stop position: `WholeRun` calls
+it once, from the start to the end, and the bar, checkpoints, resume and streamed data
+call it in pieces; since the positions are traced, every piece runs the same compiled
+program, and the pieces agree with one whole run bit for bit. `PerStep` calls `unrolled`
+(its few steps written out) instead, and the host then ends each epoch with `close`,
+computing validation with `validation_batches` (a set in memory) or `validation_chunk`
+(a streamed set's chunk); each takes the same `TrainState` and writes the same record.
 
 `run` reads as its loops: passes over the data, the stretches between epoch ends, the
 batches; `EpochEnd.close` (`_epoch_end.py`) ends an epoch (its values, validation, early

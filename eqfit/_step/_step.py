@@ -1,7 +1,8 @@
 """The pure training step `Step(params, opt_state, model_state, average, loss_scale, batch,
-key, step) -> StepResult`: one loss and one optimizer (`UpdateContext.descend`), or
-several updates in turn (`fit(..., updates=)`, each taking its turn), with the step's
-options (precision, the average, norms) and its record written by name.
+key, step) -> StepResult`: its updates in turn (`fit(..., updates=)`; `fit`'s `loss=` and
+`optimizer=` are one, unnamed), each taking its turn (`Step._turn`) under the step's
+options (precision, the loss scale, the layout, norms, schedules), the average after
+them, and the record written by name.
 """
 
 import functools
