@@ -5,12 +5,12 @@ the loss returns, the names the run records, the optimizer's state.
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
-import optax
 from jaxtyping import Array, PyTree
 
 from .._core._data import describe, dtype_of, is_dtype, not_a_stack, summary
@@ -94,8 +94,10 @@ def make_loop(
         log_every=options.log_every,
     )
     consts = Consts(frozen, object_arrays)
-    optimizer = objects.optimizer if objects.optimizer is not None else loop.parts(consts).optimizer
-    loop = _with_record(loop, optimizer, params, outputs, objective.metric_names, objects)
+    # The optimizer's `init` (the user's object's, so that its state's shapes are cached
+    # for the next `fit`); several updates' each made by its `init`, with a fixed key.
+    init = objects.optimizer.init if objects.optimizer is not None else _init(loop, consts)
+    loop = _with_record(loop, init, params, outputs, objective.metric_names, objects)
     convolves = functools.partial(_convolves, objective, traced, options, outputs)
     execution, why = choose(
         options.execution,
@@ -131,21 +133,29 @@ def _what_trains(
     return specs, picked, trains
 
 
+def _init(loop: Loop, consts: Consts) -> Callable[[PyTree], PyTree]:
+    """The optimizer state's maker from the trained arrays, for what needs only its
+    shapes: each update's `init`, given a fixed key (the run's start gives each its own).
+    """
+    init = loop.parts(consts).init
+    return lambda params: init(params, jax.random.key(0))
+
+
 def _with_record(
     loop: Loop,
-    optimizer: optax.GradientTransformation,
+    init: Callable[[PyTree], PyTree],
     params: list[Array],
     outputs: LossTrace,
     metric_names: tuple[str, ...],
     objects: Callables,
 ) -> Loop:
     """`loop` with its record declared (`record_for`, which checks the names), once the
-    state of `optimizer` (the run's, or its updates' as one) is known, made on abstract
-    arrays: the hyperparameters it injects, and `objects`' schedules, each checked at
-    its count (each update's, by name).
+    optimizer's state (the run's, or its updates' by name, as `init` makes it) is known,
+    made on abstract arrays: the hyperparameters it injects, and `objects`' schedules,
+    each checked at its count (each update's, by name).
     """
     shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
-    opt_shapes, hyperparams = _opt_state_shape(loop, optimizer, shapes)
+    opt_shapes, hyperparams = _opt_state_shape(loop, init, shapes)
     schedules = dict(objects.schedules)
     infos = loop.updates
     if infos:  # each update's hyperparameters, and its schedules where it has an optimizer
@@ -177,7 +187,7 @@ def _with_record(
 @functools.lru_cache(maxsize=PROGRAMS)
 def _opt_state_shape(
     loop: Loop,
-    optimizer: optax.GradientTransformation,
+    init: Callable[[PyTree], PyTree],
     params: tuple[tuple[tuple[int, ...], np.dtype], ...],
 ) -> tuple[PyTree, tuple[str, ...]]:
     """The shapes of the optimizer's state for parameters of shapes and dtypes `params`
@@ -188,7 +198,7 @@ def _opt_state_shape(
     trained = loop.params_tree([jax.ShapeDtypeStruct(s[drop:], d) for s, d in params])
     if loop.step.precision is not None:  # the optimizer keeps the master copy's dtypes
         trained = jax.eval_shape(loop.step.precision.master, trained)
-    opt_state = jax.eval_shape(optimizer.init, trained)
+    opt_state = jax.eval_shape(init, trained)
     return opt_state, injected_names(opt_state)
 
 
@@ -454,8 +464,8 @@ def _trains(model: PyTree, arrays: list[Any], filter_spec: Any) -> tuple[bool, .
 
 def check_opt_state(loop: Loop, params: list[Array], opt_state: PyTree, consts: Consts) -> None:
     """Refuses an `opt_state` that is not the optimizer's state for these parameters."""
-    optimizer = loop.parts(consts).optimizer
-    init = optimizer.init if loop.members is None else jax.vmap(optimizer.init)
+    one = _init(loop, consts)
+    init = one if loop.members is None else jax.vmap(one)
     trained = loop.params_tree(params)
     if loop.step.precision is not None:  # the optimizer keeps the master copy's dtypes
         trained = jax.eval_shape(loop.step.precision.master, trained)

@@ -23,7 +23,7 @@ from .._core._execution import Execution, WholeRun
 from .._step._objective import Objective, takes_key
 from .._step._precision import LossScale
 from .._step._record import Kind, LOSS, Record, UpdateInfo
-from .._step._step import select, Step
+from .._step._step import as_run, by_name, select, Step
 from .._step._updates import AbstractUpdate, builtin, Update
 from ._options import StepOptions, Validation
 from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
@@ -145,7 +145,6 @@ class Loop:
             return unwrap(self.model.fill(arrays))
 
         if self.updates:
-            optimizer = by_name(self.updates, updates)
             init = functools.partial(init_updates, self.updates, updates)
             steps = tuple(zip(self.updates, updates))
         else:  # `loss=` and `optimizer=`: one update, unnamed
@@ -159,7 +158,7 @@ class Loop:
 
         lay_out = None
         if self.param_shardings() is not None:
-            lay_out = functools.partial(lay_out_run, self, optimizer, updates)
+            lay_out = functools.partial(lay_out_run, self, steps)
         step = Step(
             objective=objective,
             combine=combine,
@@ -173,7 +172,7 @@ class Loop:
             microbatch=self.microbatch(),
             batch=self.step.batch,
         )
-        return Rebuilt(objective, optimizer, combine, step, init, lay_out)
+        return Rebuilt(objective, combine, step, init, lay_out)
 
     def unnamed_update(self) -> UpdateInfo:
         """`fit`'s `loss=` and `optimizer=` as the step's one update: unnamed, training
@@ -249,28 +248,10 @@ def init_updates(
     return states
 
 
-def by_name(
-    infos: tuple[UpdateInfo, ...], updates: tuple[AbstractUpdate, ...]
-) -> optax.GradientTransformation:
-    """The state of several updates as one optimizer's, for what needs only its shapes
-    (`init_updates` with a fixed key; the run's start gives each its own). The step runs
-    the updates themselves.
-    """
-
-    def init(params: PyTree) -> dict[str, PyTree]:
-        return init_updates(infos, updates, params, jax.random.key(0))
-
-    def update(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("eqfit's step runs several updates one by one (`Step._updates`).")
-
-    return optax.GradientTransformation(init, update)
-
-
 class Rebuilt(NamedTuple):
     """The run's objects as the program calls them (`Loop.parts`)."""
 
     objective: Objective
-    optimizer: optax.GradientTransformation
     combine: Callable[[PyTree], PyTree]
     step: Step
     # The optimizer state at the start, from the trained arrays and a key of the run's
@@ -290,34 +271,28 @@ def _init_of(
 
 def lay_out_run(
     loop: Loop,
-    optimizer: optax.GradientTransformation,
-    updates: tuple[AbstractUpdate, ...],
+    updates: tuple[tuple[UpdateInfo, AbstractUpdate], ...],
     params: PyTree,
     opt_state: PyTree,
     update: int | None = None,
 ) -> tuple[PyTree, PyTree]:
     """`params` (or any tree shaped like them) laid out as `shard=` asks, and `opt_state`
-    (unless `None`) following them (`lay_out_state`): the run's, whose state with
-    several updates holds each one's by name; or (`update`, its place in `updates`) one
-    update's, its arrays and its state.
+    (unless `None`) following them (`lay_out_state`): the run's, each of its `updates`'
+    state as the arrays it trains; or (`update`, its place in `updates`) one update's,
+    its arrays and its state.
     """
-    if not loop.updates:
-        return lay_out_state(loop, optimizer, params, opt_state)
     if update is not None:
-        info = loop.updates[update]
-        return lay_out_state(loop, _optimizer_of(updates[update]), params, opt_state, info.picks)
+        info, u = updates[update]
+        return lay_out_state(loop, _optimizer_of(u), params, opt_state, info.picks)
     params, _ = lay_out_state(loop, None, params, None)
     if opt_state is not None:
-        opt_state = {
-            info.name: lay_out_state(
-                loop,
-                _optimizer_of(u),
-                select(params, info.picks)[0],
-                opt_state[info.name],
-                info.picks,
-            )[1]
-            for info, u in zip(loop.updates, updates)
-        }
+        states = by_name(updates, opt_state)
+        for info, u in updates:
+            mine = select(params, info.picks)[0]
+            _, states[info.name] = lay_out_state(
+                loop, _optimizer_of(u), mine, states[info.name], info.picks
+            )
+        opt_state = as_run(updates, states)
     return params, opt_state
 
 

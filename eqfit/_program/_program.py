@@ -139,9 +139,7 @@ def run(
     def one(state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
         return _Member(loop, parts, inputs, key, stop).run(state)
 
-    if loop.members is None:
-        return one(state, inputs.key)
-    return jax.vmap(one)(state, inputs.key)
+    return each_member(loop, one, state, inputs.key)
 
 
 def unrolled(
@@ -158,9 +156,7 @@ def unrolled(
             state, until, unroll, remainder
         )
 
-    if loop.members is None:
-        return one(state, inputs.key)
-    return jax.vmap(one)(state, inputs.key)
+    return each_member(loop, one, state, inputs.key)
 
 
 def validation_batches(
@@ -185,9 +181,7 @@ def validation_batches(
         end = EpochEnd(loop, parts, inputs, key)
         return end.batches(state, sums, set_index, count, remainder, at)
 
-    if loop.members is None:
-        return one(state, sums, inputs.key)
-    return jax.vmap(one)(state, sums, inputs.key)
+    return each_member(loop, one, state, sums, inputs.key)
 
 
 def validation_chunk(
@@ -211,9 +205,7 @@ def validation_chunk(
         end = EpochEnd(loop, parts, inputs, key)
         return end.chunk(state, sums, set_index, chunk, batch_size, count, at)
 
-    if loop.members is None:
-        return one(state, sums, inputs.key)
-    return jax.vmap(one)(state, sums, inputs.key)
+    return each_member(loop, one, state, sums, inputs.key)
 
 
 def close(
@@ -235,9 +227,7 @@ def close(
         member = _Member(loop, parts, inputs, key, jnp.asarray(until.stop))
         return member.closed(state, sums)
 
-    if loop.members is None:
-        return one(state, sums, inputs.key)
-    return jax.vmap(one)(state, sums, inputs.key)
+    return each_member(loop, one, state, sums, inputs.key)
 
 
 def logs(
@@ -248,10 +238,15 @@ def logs(
     once after them, so they pay nothing for it.
     """
     del inputs, until  # the placement's programs take three arguments
+    return each_member(loop, functools.partial(logs_of, loop), state)
 
-    if loop.members is None:
-        return logs_of(loop, state)
-    return jax.vmap(lambda member: logs_of(loop, member))(state)
+
+def each_member(loop: Loop, one: Callable[..., Any], *args: Any) -> Any:
+    """`one(*args)`, a member's program, for each member of an ensemble (`vmap`ped over
+    the leading axis of every argument: the members' states and keys), or for the one
+    model: the one place a program is made per member.
+    """
+    return one(*args) if loop.members is None else jax.vmap(one)(*args)
 
 
 @dataclasses.dataclass(frozen=True)

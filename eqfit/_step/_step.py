@@ -64,6 +64,19 @@ def select(params: PyTree, picks: tuple[bool, ...]) -> tuple[PyTree, Callable[[P
     return mine, merge
 
 
+def by_name(updates: tuple[tuple[UpdateInfo, Any], ...], tree: Any) -> dict[str, Any]:
+    """A run's state of its updates (the optimizer state, the loss scale) as a dict by
+    update name: several updates' is one already; `fit`'s one loss (unnamed) keeps the
+    whole as its own. `as_run` is its inverse.
+    """
+    return {"": tree} if updates[0][0].name == "" else dict(tree)
+
+
+def as_run(updates: tuple[tuple[UpdateInfo, Any], ...], states: dict[str, Any]) -> Any:
+    """`by_name`'s inverse: the run's state of its updates from each one's by name."""
+    return states[""] if updates[0][0].name == "" else states
+
+
 class Step(eqx.Module):
     """One optimisation step on a batch: its updates, each in its turn on the model the
     one before it left, on its own part of the parameters and its own state. `fit`'s
@@ -121,14 +134,8 @@ class Step(eqx.Module):
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
         if not self.batch:  # a row of nothing stood for it: the updates make their data
             batch = None
-        # `fit`'s one loss: its state is the run's whole, not an entry by name.
-        unnamed = self.updates[0][0].name == ""
-        states: dict[str, PyTree] = {"": opt_state} if unnamed else dict(opt_state)
-        scales: dict[str, LossScale] | None = None
-        if isinstance(loss_scale, LossScale):
-            scales = {"": loss_scale}
-        elif loss_scale is not None:
-            scales = dict(loss_scale)
+        states = by_name(self.updates, opt_state)
+        scales = None if loss_scale is None else by_name(self.updates, loss_scale)
         before = (params, model_state)
         reported: dict[str, Any] = {}
         metrics: dict[str, Any] | None = None
@@ -183,10 +190,10 @@ class Step(eqx.Module):
         reported = {name: value for name, value in reported.items() if name in self.record.names}
         return StepResult(
             params,
-            states[""] if unnamed else states,
+            as_run(self.updates, states),
             model_state,
             self._averaged(average, params, applied),
-            None if scales is None else (scales[""] if unnamed else scales),
+            None if scales is None else as_run(self.updates, scales),
             jnp.where(none_counted, jnp.nan, total),
             self.record.pack(reported),
             finite,
@@ -246,11 +253,11 @@ class Step(eqx.Module):
         # With `shard=`: its arrays and its state laid out as the run's are.
         lay_out = None if self.lay_out is None else functools.partial(self.lay_out, update=i)
         context = UpdateContext(
-            lambda p: self.combine(merge(p)),
-            self.axis_name,
-            lay_out,
-            self.microbatch,
-            norms,
+            combine=lambda p: self.combine(merge(p)),
+            axis_name=self.axis_name,
+            lay_out=lay_out,
+            microbatch=self.microbatch,
+            norms=norms,
             precision=self.objective.precision,
             split=lambda model: select(split(model), info.picks)[0],
             loss_scale=loss_scale,
