@@ -166,19 +166,30 @@ def _with_record(
             )
             for i in infos
         )
-    elif schedules:
-        check_schedules(schedules, opt_shapes)
+    metric_means = tuple(n for n in outputs.means if n in metric_names)
+    # `fit`'s one loss: its update, unnamed, as the step runs it (`Loop.unnamed_update`).
+    values = (LOSS.name, *outputs.aux_names)
+    unnamed = UpdateInfo(
+        name="",
+        every=1,
+        picks=(),
+        loss=True,
+        values=values,
+        hyperparams=hyperparams,
+        means=tuple(n for n in outputs.means if n not in metric_means),
+        validated=values,
+        schedules=tuple(schedules),
+    )
     record = record_for(
-        aux_names=outputs.aux_names,
-        means=outputs.means,
+        updates=infos or (unnamed,),
         metric_names=metric_names,
+        metric_means=metric_means,
         norms=loop.step.norms,
         scales=loop.step.scales,
-        hyperparams=hyperparams,
-        schedule_names=tuple(schedules),
         val_sets=loop.val_sets,
-        updates=infos,
     )
+    if schedules and not infos:
+        check_schedules(schedules, opt_shapes)
     return dataclasses.replace(loop, updates=infos, record=record)
 
 

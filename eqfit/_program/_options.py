@@ -27,7 +27,7 @@ from .._core._extras import require_orbax
 from .._core._policy import as_signals, Checkpoint, Profile
 from .._step._average import as_average, Average
 from .._step._precision import as_precision, Precision
-from .._step._record import NORMS, record_for, SCALING
+from .._step._record import LOSS, NORMS, record_for, SCALING, UpdateInfo
 from .._step._update_checks import check_updates
 from .._step._updates import AbstractUpdate, builtin, Losses, trained_spec
 from .._step._validation import (
@@ -423,11 +423,14 @@ def _refuse_impossible_monitors(options: Options, metric_names: tuple[str, ...])
     run's record will be.
     """
     val_sets = None if options.validation is None else options.validation.sets
+    # The one loss's update, its aux values and hyperparameters not known yet.
+    schedules = tuple(name for name, _ in options.schedules)
+    loss = UpdateInfo("", 1, (), True, (LOSS.name,), validated=(LOSS.name,), schedules=schedules)
     known = record_for(
+        updates=(loss,),
         metric_names=metric_names,
         norms=options.step.norms,
         scales=options.step.scales,
-        schedule_names=tuple(name for name, _ in options.schedules),
         val_sets=val_sets,
     ).log_names(val_sets)
     if options.early_stopping is not None:

@@ -299,40 +299,86 @@ class UpdateInfo(NamedTuple):
 
 def record_for(
     *,
-    aux_names: tuple[str, ...] = (),
+    updates: tuple[UpdateInfo, ...],
     metric_names: tuple[str, ...] = (),
+    metric_means: tuple[str, ...] = (),
     norms: bool = False,
     scales: bool = False,
-    hyperparams: tuple[str, ...] = (),
-    schedule_names: tuple[str, ...] = (),
     val_sets: tuple[str, ...] | None = None,
-    updates: tuple[UpdateInfo, ...] = (),
-    means: tuple[str, ...] = (),
 ) -> Record:
-    """The run's record: the loss's aux values and the metrics (means over samples), the
-    norms, the loss scaling, then the hyperparameters of `inject_hyperparams` states and
-    the schedules' (each the epoch's last step's). Refuses two values of one name, and a
-    name that the run keeps for itself, naming both.
-
-    With several updates (`updates`), each update's values, norms and hyperparameters,
-    under its name; on the steps an update is not due (`every` above 1) they are NaN.
+    """The run's record, of its `updates` (`fit`'s one loss among them, unnamed): each
+    update's validated values (a loss's: its loss and aux values, means over samples, as
+    the metrics are), the metrics (those in `metric_means` weighted means), the values of
+    the user's updates, the norms of the loss updates and their loss scaling (float16's),
+    then their optimizers' injected hyperparameters and the schedules (each the epoch's
+    last step's). An update's values take its name (`d_loss`), and on the steps it is not
+    due (`every` above 1) they are NaN; the unnamed update's keep their own, and its loss
+    is the step's, outside the record. Refuses two values of one name, and a name that
+    the run keeps for itself, naming both.
     """
-    if updates:
-        return _updates_record(updates, metric_names, norms, scales, val_sets)
-    check_names(aux_names, metric_names, hyperparams, schedule_names)
-    columns = [Column(n, Kind.AUX, Reduce.BATCH_MEAN) for n in aux_names]
-    columns += [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
+    unnamed = [u for u in updates if not u.name]
+    if unnamed:  # `fit`'s one loss: its names checked as the loss's, schedules' and so on
+        u = unnamed[0]
+        check_names(u.aux_names, metric_names, u.hyperparams, u.schedules)
+    else:
+        check_names(metric_names=metric_names)
+    # Each update's columns with its name, by kind, in the order they are recorded.
+    aux: list[tuple[Column, str]] = []
+    own: list[tuple[Column, str]] = []
+    norm: list[tuple[Column, str]] = []
+    hyper: list[tuple[Column, str]] = []
+    for u in updates:
+        sometimes = u.every > 1
+        for n in u.values:  # validated values are the loss's, as a loss's aux values
+            if not u.name and n == LOSS.name:
+                continue  # the step's loss itself
+            kind = Kind.AUX if n in u.validated else Kind.UPDATE
+            column = Column(u.column(n), kind, Reduce.BATCH_MEAN, sometimes=sometimes)
+            (aux if kind is Kind.AUX else own).append((column, u.name))
+        # Its own skipped steps (float16's) mark the steps its norms leave out.
+        skips = u.column(SKIPPED_STEPS.name) if scales and u.loss else None
+        if norms and u.loss:
+            norm += [
+                (
+                    Column(
+                        u.column(c.name),
+                        Kind.NORM,
+                        Reduce.APPLIED_MEAN,
+                        sometimes=sometimes,
+                        skipped_by=skips,
+                    ),
+                    u.name,
+                )
+                for c in NORMS
+            ]
+        if skips is not None:
+            norm += [
+                (c._replace(name=u.column(c.name), sometimes=sometimes), u.name) for c in SCALING
+            ]
+        hyper += [
+            (Column(u.column(n), Kind.HYPERPARAM, Reduce.LAST, sometimes=sometimes), u.name)
+            for n in u.hyperparams
+        ]
+        hyper += [
+            (Column(u.column(n), Kind.SCHEDULE, Reduce.LAST, sometimes=sometimes), u.name)
+            for n in u.schedules
+        ]
+    if not unnamed:
+        check_update_names([(c.name, u) for c, u in aux + own + norm + hyper], metric_names)
     # A weighted mean's steps weigh by the weights it returns: a column of them each.
-    weights = [weight_column(n) for n in (LOSS.name, *aux_names, *metric_names) if n in means]
-    columns = [c._replace(weight=weight_name(c.name)) if c.name in means else c for c in columns]
-    if norms:
-        columns += NORMS
-    if scales:
-        columns += SCALING
-    columns += [Column(n, Kind.HYPERPARAM, Reduce.LAST) for n in hyperparams]
-    columns += [Column(n, Kind.SCHEDULE, Reduce.LAST) for n in schedule_names]
-    record = Record(tuple(columns + weights))
+    means = {u.column(n) for u in updates for n in u.means} | set(metric_means)
+
+    def weighted(columns: list[Column]) -> list[Column]:
+        return [c._replace(weight=weight_name(c.name)) if c.name in means else c for c in columns]
+
+    losses, owns = weighted([c for c, _ in aux]), weighted([c for c, _ in own])
+    metrics = weighted([Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names])
+    # The unnamed update's loss (outside the record) weighs by a column all the same.
+    weights = [weight_column(LOSS.name) for u in unnamed if LOSS.name in u.means]
+    weights += [weight_column(c.name) for c in losses + metrics + owns if c.weight is not None]
+    record = Record(tuple(losses + metrics + owns + [c for c, _ in norm + hyper] + weights))
     if val_sets is not None:
+        aux_names = record.names_of(Kind.AUX)
         check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)
     return record
 
@@ -399,77 +445,6 @@ def check_names(
                 "the history; rename the schedule (or leave it out: an injected "
                 "hyperparameter is recorded by itself)."
             )
-
-
-def _updates_record(
-    updates: tuple[UpdateInfo, ...],
-    metric_names: tuple[str, ...],
-    norms: bool,
-    scales: bool,
-    val_sets: tuple[str, ...] | None,
-) -> Record:
-    """`record_for`'s record of several updates: their losses' values (recorded as aux
-    values, which validation computes too), the metrics, the user's updates' values, the
-    norms of the loss updates and their loss scaling (float16's), their hyperparameters
-    and schedules.
-    """
-    check_names(metric_names=metric_names)
-    # Each update's columns with its name, by kind, in the order they are recorded.
-    aux: list[tuple[Column, str]] = []
-    own: list[tuple[Column, str]] = []
-    norm: list[tuple[Column, str]] = []
-    hyper: list[tuple[Column, str]] = []
-    for u in updates:
-        sometimes = u.every > 1
-        for n in u.values:  # validated values are the loss's, as a loss's aux values
-            kind = Kind.AUX if n in u.validated else Kind.UPDATE
-            column = Column(u.column(n), kind, Reduce.BATCH_MEAN, sometimes=sometimes)
-            (aux if kind is Kind.AUX else own).append((column, u.name))
-        # Its own skipped steps (float16's) mark the steps its norms leave out.
-        skips = u.column(SKIPPED_STEPS.name) if scales and u.loss else None
-        if norms and u.loss:
-            norm += [
-                (
-                    Column(
-                        u.column(c.name),
-                        Kind.NORM,
-                        Reduce.APPLIED_MEAN,
-                        sometimes=sometimes,
-                        skipped_by=skips,
-                    ),
-                    u.name,
-                )
-                for c in NORMS
-            ]
-        if skips is not None:
-            norm += [
-                (c._replace(name=u.column(c.name), sometimes=sometimes), u.name) for c in SCALING
-            ]
-        hyper += [
-            (Column(u.column(n), Kind.HYPERPARAM, Reduce.LAST, sometimes=sometimes), u.name)
-            for n in u.hyperparams
-        ]
-        hyper += [
-            (Column(u.column(n), Kind.SCHEDULE, Reduce.LAST, sometimes=sometimes), u.name)
-            for n in u.schedules
-        ]
-    check_update_names([(c.name, u) for c, u in aux + own + norm + hyper], metric_names)
-    metrics = [Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names]
-    # A weighted mean's steps weigh by the weights it returns, as with one loss.
-    means = {u.column(n) for u in updates for n in u.means}
-
-    def weighted(columns: list[tuple[Column, str]]) -> list[Column]:
-        return [
-            c._replace(weight=weight_name(c.name)) if c.name in means else c for c, _ in columns
-        ]
-
-    losses, owns = weighted(aux), weighted(own)
-    weights = [weight_column(c.name) for c in losses + owns if c.weight is not None]
-    record = Record(tuple(losses + metrics + owns + [c for c, _ in norm + hyper] + weights))
-    if val_sets is not None:
-        aux_names = record.names_of(Kind.AUX)
-        check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)
-    return record
 
 
 def check_update_names(columns: Sequence[tuple[str, str]], metric_names: Sequence[str]) -> None:

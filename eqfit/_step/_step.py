@@ -125,9 +125,8 @@ class Step(eqx.Module):
         key: Key[Array, ""] | None,
         step: Int[Array, ""],
     ) -> StepResult:
-        """The step. Its loss is the sum of the losses of the updates that ran (NaN
-        where none counted: a weighted mean's batch of weight 0); it is finite if each
-        of theirs is.
+        """The step. Its loss is its updates' (`_step_loss`); it is finite if each of
+        theirs is.
         """
         if self.axis_name is not None and key is not None:
             # Each device's share of the batch gets its own key.
@@ -140,8 +139,8 @@ class Step(eqx.Module):
         reported: dict[str, Any] = {}
         metrics: dict[str, Any] | None = None
         labels = None
-        total = finite = applied = None
-        none_counted = jnp.asarray(True)
+        finite = applied = None
+        turns: list[Turn] = []
         for i, (info, update) in enumerate(self.updates):
             turn_key = key
             if key is not None and info.name:
@@ -171,17 +170,12 @@ class Step(eqx.Module):
                 scales[info.name] = out.loss_scale
             if i == 0:
                 metrics = out.metrics
-            # A weighted mean's batch of weight 0 records NaN for its update, not for
-            # the step: the other updates' values of the step still count.
-            empty = out.finite & jnp.isnan(out.loss)
-            counted = jnp.where(empty, 0.0, out.loss.astype(jnp.float32))
-            total = counted if total is None else total + counted
-            none_counted = none_counted & empty
+            turns.append(out)
             finite = out.finite if finite is None else finite & out.finite
             applied = out.applies if applied is None else applied | out.applies
             reported |= out.values
             labels = either(labels, out.labels)
-        assert total is not None and finite is not None and applied is not None
+        assert finite is not None and applied is not None
         if metrics is None and self.objective.metrics:  # on the model before the step
             metrics, met = self._metrics(*before, batch)
             labels = either(met, labels)
@@ -194,7 +188,7 @@ class Step(eqx.Module):
             model_state,
             self._averaged(average, params, applied),
             None if scales is None else as_run(self.updates, scales),
-            jnp.where(none_counted, jnp.nan, total),
+            _step_loss(turns),
             self.record.pack(reported),
             finite,
             labels,
@@ -278,6 +272,20 @@ class Step(eqx.Module):
             skipped = (t.finite & ~t.applies).astype(jnp.float32)
             values[info.column(SKIPPED_STEPS.name)] = skipped
         return t._replace(params=merge(t.params), values=values, weights={})
+
+
+def _step_loss(turns: list[Turn]) -> Float[Array, ""]:
+    """The step's loss: a sole update's own (NaN for a weighted mean's batch of weight 0,
+    which the epoch leaves out), or the sum of several updates' losses, each of weight 0
+    counted as 0, so that the other updates' values of the step still count.
+    """
+    if len(turns) == 1:
+        return turns[0].loss
+    total = jnp.zeros((), jnp.float32)
+    for t in turns:
+        empty = t.finite & jnp.isnan(t.loss)
+        total = total + jnp.where(empty, 0.0, t.loss.astype(jnp.float32))
+    return total
 
 
 def _not_due(
