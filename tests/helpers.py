@@ -108,3 +108,22 @@ class Recorder:
     def steps(self):
         """The n-th steps' training values, `(step, logs)`."""
         return [(step, logs) for kind, step, logs in self.told if kind == "step"]
+
+
+class Pair(eqx.Module):
+    """Two linear layers as one model: the several-updates tests' (one update trains `a`,
+    another `b`).
+    """
+
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+
+def pair(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return Pair(eqx.nn.Linear(3, 1, key=k1), eqx.nn.Linear(3, 1, key=k2))
+
+
+# The several-updates tests' data: 48 rows of 3 features, a linear target.
+PAIR_X = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
+PAIR_Y = PAIR_X.sum(1, keepdims=True) + 0.5

@@ -15,25 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, assert_trees_equal
+from helpers import assert_trees_close, assert_trees_equal, Pair, pair, PAIR_X, PAIR_Y
 from jax.sharding import Mesh
 
 import eqfit
 from eqfit.sharding import fsdp
 
 
-class Pair(eqx.Module):
-    a: eqx.nn.Linear
-    b: eqx.nn.Linear
-
-
-def pair(seed=0):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return Pair(eqx.nn.Linear(3, 1, key=k1), eqx.nn.Linear(3, 1, key=k2))
-
-
-X = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
-Y = X.sum(1, keepdims=True) + 0.5
+X, Y = PAIR_X, PAIR_Y
 VX = np.random.default_rng(1).normal(size=(32, 3)).astype(np.float32)
 VY = VX.sum(1, keepdims=True) + 0.5
 FIT = dict(key=jax.random.key(1), batch_size=8, epochs=2, shuffle=False)
