@@ -386,18 +386,20 @@ def load(path: PathLike, *, like: Any) -> Any:
 
     - `path`: the file.
     - `like`: a `FitResult` of the same structure (`fit(..., epochs=0)` with the saved
-        run's optimizer makes one), or just a model of the same structure.
+        run's optimizer makes one), or just a model of the same structure: a real one,
+        or a skeleton with no arrays made, `eqx.filter_eval_shape(Model, ..., key=key)`.
 
     **Returns:**
 
     A `FitResult` with the saved model, optimizer state, state and history; or, given a
     model, the saved model.
     """
-    if not isinstance(like, FitResult) and not any(eqx.is_array(x) for x in jax.tree.leaves(like)):
+    if not isinstance(like, FitResult) and not any(map(_holds, jax.tree.leaves(like))):
         raise TypeError(
             "`like` must be a `FitResult` (such as `fit(..., epochs=0)` returns) or a model "
             f"of the saved one's structure, to read the arrays into; got {type(like).__name__}, "
-            "which holds no arrays."
+            "which holds no arrays (nor `jax.ShapeDtypeStruct`s, as `eqx.filter_eval_shape` "
+            "makes)."
         )
     with open(path, "rb") as f:
         if f.readline() != _MAGIC:
@@ -498,6 +500,11 @@ def _summary(structure: dict[str, Any]) -> str:
         return f"{structure['kinds']}, with no arrays"
     more = ", ..." if len(leaves) > 4 else ""
     return f"{structure['kinds']} of {len(leaves)} leaves [{', '.join(leaves[:4])}{more}]"
+
+
+def _holds(leaf: Any) -> bool:
+    """Whether a leaf of `load`'s `like` stands for an array to read."""
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
 def _check_like(path: PathLike, saved: dict[str, Any] | None, like: Any) -> None:

@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import equinox as eqx
+import jax
 import numpy as np
 import optax
 import pytest
@@ -354,9 +355,13 @@ def test_save_and_load(getkey, tmp_path):
     assert_trees_equal(loaded.state, result.state)
     np.testing.assert_array_equal(loaded.history.loss, result.history.loss)
     np.testing.assert_array_equal(loaded.history.batch_sizes, result.history.batch_sizes)
-    # Just the model, given a model to fill.
+    # Just the model, given a model to fill, or a skeleton with no arrays made (as
+    # Equinox's serialisation guide makes one).
     only = eqfit.load(tmp_path / "run.eqx", like=model)
     assert_trees_equal(only, result.model)
+    skeleton, _ = eqx.filter_eval_shape(eqx.nn.make_with_state(BatchNormNet), getkey())
+    assert not any(eqx.is_array(x) for x in jax.tree.leaves(skeleton))
+    assert_trees_equal(eqfit.load(tmp_path / "run.eqx", like=skeleton), result.model)
 
 
 def test_load_refuses_what_it_cannot_read(getkey, tmp_path):

@@ -13,11 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal, worker_env
+from helpers import assert_trees_equal, Recorder, worker_env
 
 import eqfit
 
@@ -77,9 +78,10 @@ def data_of(kind, tmp_path):
     return Unsized()
 
 
-def train(data, epochs=4, optimizer=ADAM, **kwargs):
+def train(data, epochs=4, optimizer=ADAM, model=None, **kwargs):
     x, y = arrays()
-    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1))
+    if model is None:
+        model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1))
     return eqfit.fit(
         model,
         data,
@@ -154,6 +156,44 @@ def test_a_checkpoint_inside_an_epoch_resumes_bit_for_bit(tmp_path, kind, progre
         assert_same_run(resumed, whole)
 
 
+@pytest.mark.parametrize("kind", ["arrays", "memmap", "loader", "unsized"])
+def test_a_finished_run_resumed_with_more_epochs_equals_the_longer_run(tmp_path, kind):
+    # The commonest resume: a run trained for longer once it ended. Validations every 5
+    # steps too, which the state keeps a row each of, as it keeps each epoch's record.
+    every = {"validation_every": 5} if kind != "unsized" else {}
+    longer = train(data_of(kind, tmp_path), epochs=4, **every)
+    directory = tmp_path / "run"
+    shorter = train(data_of(kind, tmp_path), epochs=2, checkpoint=directory, **every)
+    assert shorter.history.epochs == 2
+    told = Recorder()
+    grown = train(
+        data_of(kind, tmp_path), epochs=4, checkpoint=directory, callbacks=[told], **every
+    )
+    assert [n for what, n, _ in told.told if what == "epoch"] == [
+        3,
+        4,
+    ]  # continued, not anew (from 1)
+    assert_same_run(grown, longer)
+    assert grown.history.epochs == 4
+    np.testing.assert_array_equal(grown.history.batch_sizes, longer.history.batch_sizes)
+    for name, values in longer.history.validations.items():
+        np.testing.assert_array_equal(grown.history.validations[name], values)
+    # The checkpoints it wrote are of the longer run: resumed, it has nothing to do.
+    assert position(folders(directory)[-1], 13) == 52
+    assert_same_run(train(data_of(kind, tmp_path), epochs=4, checkpoint=directory, **every), longer)
+
+
+def test_a_run_resumed_with_fewer_epochs_or_more_changed_is_refused(tmp_path):
+    x, y = arrays()
+    train((x, y), epochs=3, checkpoint=tmp_path)
+    with pytest.raises(
+        ValueError, match=r"What differs: epochs: checkpoint \[0, 3\], now \[0, 2\]"
+    ):
+        train((x, y), epochs=2, checkpoint=tmp_path)
+    with pytest.raises(ValueError, match=r"epochs: .*; shuffle: .*more `epochs` continues"):
+        train((x, y), epochs=5, checkpoint=tmp_path, shuffle=False)
+
+
 @pytest.mark.heavy  # several devices: CI runs it, the README's command leaves it out
 @pytest.mark.parametrize("place", ["devices", "mesh"])
 def test_a_checkpoint_inside_an_epoch_resumes_on_several_devices(tmp_path, place):
@@ -183,6 +223,29 @@ def test_a_checkpoint_inside_an_epoch_resumes_under_shard(tmp_path):
     assert (tmp_path / "all" / "ckpt-000001-000005" / "state").is_dir()  # Orbax's format
     resumed = resume_from(tmp_path, "ckpt-000001-000005", data=(x, y), epochs=2, **where)
     assert_same_run(resumed, whole)
+
+
+@pytest.mark.parametrize("how", ["shard", "ensemble"])
+def test_a_sharded_or_ensembled_run_grows_as_the_longer_run(tmp_path, how):
+    # Orbax's checkpoints read straight into the layout of the state, and an ensemble's
+    # record has its members first: the rows of the epochs added go after theirs alike.
+    x, y = arrays()
+    if how == "shard":
+        pytest.importorskip("orbax.checkpoint")
+        where = {
+            "mesh": jax.sharding.Mesh(np.array(jax.devices()), ("batch",)),
+            "shard": eqfit.sharding.fsdp("batch", min_bytes=0),
+        }
+    else:
+        keys = jax.random.split(jax.random.key(1), 2)
+        members = eqx.filter_vmap(lambda k: eqfit.models.MLP(3, "scalar", 8, 1, key=k))(keys)
+        where = {"ensemble": True, "devices": 2, "model": members}
+    longer = train((x, y), epochs=3, **where)
+    train((x, y), epochs=1, checkpoint=tmp_path, **where)
+    told = Recorder()
+    grown = train((x, y), epochs=3, checkpoint=tmp_path, callbacks=[told], **where)
+    assert [n for what, n, _ in told.told if what == "epoch"] == [2, 3]
+    assert_same_run(grown, longer)
 
 
 @pytest.mark.parametrize("background", [None, True])

@@ -358,18 +358,25 @@ class Checkpoints:
             if self.writer and tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def restore(self, like: PyTree) -> PyTree | None:
+    def restore(
+        self, like: PyTree, grows: Callable[[dict[str, Any]], PyTree | None] | None = None
+    ) -> PyTree | None:
         """The newest good checkpoint, read into the shape of `like`; `None` if none. One
         that is truncated or corrupt is skipped with a warning, falling back to the one
-        before it. One from another configuration raises `ValueError`.
+        before it. One from another configuration raises `ValueError`, unless `grows`
+        (called with its configuration) gives the shape to read it into instead: a
+        shorter run's that this one continues.
         """
         for _, folder, manifest in self._checkpoints():
+            shape = like
             if manifest["config"] != self.config:
-                raise ValueError(_mismatch(folder, manifest["config"], self.config))
+                shape = None if grows is None else grows(manifest["config"])
+                if shape is None:
+                    raise ValueError(_mismatch(folder, manifest["config"], self.config))
             if manifest.get("storage") != self.storage:
                 raise ValueError(_other_storage(folder, manifest.get("storage"), self.storage))
             try:
-                return self._read_state(folder, manifest, like)
+                return self._read_state(folder, manifest, shape)
             except NotLike:
                 raise
             except Exception as e:  # changed since it was checked, or another layout
@@ -534,7 +541,8 @@ def _mismatch(folder: Path, saved: dict[str, Any], now: dict[str, Any]) -> str:
     return (
         f"The checkpoint {folder} was written by a different training configuration, so it "
         f"is not loaded. What differs: {details}. Use another `checkpoint` directory, or "
-        "the configuration that wrote it."
+        "the configuration that wrote it (a run resumed with more `epochs` continues it, "
+        "but nothing else may change)."
     )
 
 

@@ -1,6 +1,7 @@
 """What identifies a run for its checkpoints (`checkpoint_config`): shapes, settings and key,
 not devices, so that a run may resume on others, and a checkpoint of another
-configuration is refused.
+configuration is refused; but one of the same run asked for fewer epochs is continued
+(`grows`).
 """
 
 from typing import Any
@@ -120,3 +121,71 @@ def as_plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+# The training state's arrays with a row per epoch of the run (or, with
+# `validation_every=`, per validation): those a run asked for more epochs has more rows
+# of, the rows of the epochs it adds after those of a shorter run's.
+_ROWS = (".step_loss", ".step_values", ".batch_sizes", ".epoch_values", ".validations")
+
+
+def grows(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a checkpoint of configuration `saved` is of the run `now` asked for fewer
+    epochs, which `now` continues: nothing differs but the last epoch, later now, and the
+    rows of the state's record (`_ROWS`), more now. Nothing else in a run depends on how
+    many epochs it has (the shuffles, the keys and the validations are counted from its
+    first step), so the longer run continued equals it run from the start.
+    """
+    differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
+    if "epochs" not in differ or not differ <= {"epochs", "state"}:
+        return False
+    (first, end), (first_now, end_now) = saved["epochs"], now["epochs"]
+    if first != first_now or end >= end_now or len(saved["state"]) != len(now["state"]):
+        return False
+    for (path, shape, dtype), (path_now, shape_now, dtype_now) in zip(
+        saved["state"], now["state"], strict=True
+    ):
+        if (path, dtype) != (path_now, dtype_now) or len(shape) != len(shape_now):
+            return False
+        more = [a < b for a, b in zip(shape, shape_now, strict=True) if a != b]
+        if more and not (path.startswith(_ROWS) and more == [True]):
+            return False
+    return True
+
+
+def shaped_as(like: PyTree, described: list[list[Any]]) -> PyTree:
+    """`like` (a run's state: on the host, or `jax.ShapeDtypeStruct`s laid out on the
+    devices) with the shapes of `described` (`describe`'s of a shorter run's state, the
+    same arrays with fewer rows): what that run's checkpoint reads into.
+    """
+    shapes = {path: tuple(shape) for path, shape, _ in described}
+
+    def shaped(path: Any, x: Any) -> Any:
+        shape = shapes[jax.tree_util.keystr(path)]
+        if x.shape == shape:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+        return np.zeros(shape, x.dtype)
+
+    return jax.tree_util.tree_map_with_path(shaped, like)
+
+
+def grafted(fresh: PyTree, restored: PyTree) -> PyTree:
+    """`fresh`, the start of a run asked for more epochs (on the host, or laid out on the
+    devices), holding `restored`, a shorter run's state: each of its arrays with fewer
+    rows (`grows`) fills the first rows of `fresh`'s, whose others stay as they start
+    (NaN, or 0 where no step ran); the other arrays are `restored`'s.
+    """
+
+    def graft(f: Any, r: Any) -> Any:
+        if f.shape == r.shape:
+            return r
+        rows = tuple(slice(0, n) for n in r.shape)
+        if isinstance(f, np.ndarray):
+            out = f.copy()
+            out[rows] = r
+            return out
+        return jax.jit(lambda f, r: f.at[rows].set(r), out_shardings=f.sharding)(f, r)
+
+    return jax.tree.map(graft, fresh, restored)

@@ -4,6 +4,7 @@ import hashlib
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -106,7 +107,9 @@ class ShardedCheckpoints(Checkpoints):
         """
         return super().save(state, value)
 
-    def restore(self, like: PyTree) -> PyTree | None:
+    def restore(
+        self, like: PyTree, grows: Callable[[dict[str, Any]], PyTree | None] | None = None
+    ) -> PyTree | None:
         """The newest good checkpoint's state, laid out as `like` asks; `None` if there is
         none. Every process calls it. A damaged checkpoint is skipped with a warning,
         falling back to the one before it; one from another configuration raises
@@ -118,6 +121,8 @@ class ShardedCheckpoints(Checkpoints):
             that carries the `sharding` to restore it with (or a `jax.Array` laid out so).
             The mesh and the specs may differ from those the checkpoint was saved with;
             the paths, shapes and dtypes may not.
+        - `grows`: as `Checkpoints.restore`'s, the shape to read a shorter run's
+            checkpoint into, which this run continues.
 
         **Returns:**
 
@@ -135,7 +140,7 @@ class ShardedCheckpoints(Checkpoints):
                     f"`like`'s leaf {where} has no sharding: give it the sharding to "
                     "restore onto, `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`."
                 )
-        return super().restore(like)
+        return super().restore(like, grows)
 
     def _position(self, state: PyTree) -> int:
         # `position` reads the step on the host; each process has its own copy when the

@@ -11,6 +11,7 @@ from .._program._parallel import param_specs
 from .._program._schedule import Schedule
 from .._program._state import TrainState
 from ._checkpoint import Checkpoints, position
+from ._identity import grafted, grows, shaped_as
 
 
 def open_store(options: Options, config: dict[str, Any], schedule: Schedule) -> Checkpoints:
@@ -39,16 +40,24 @@ def open_store(options: Options, config: dict[str, Any], schedule: Schedule) -> 
 
 def resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[TrainState, int]:
     """The training state to start from, and its position: the newest good checkpoint's,
-    if there is one, else the start's.
+    if there is one, else the start's. A checkpoint of the same run asked for fewer epochs
+    (`grows`) is continued: its state, with the rows of the epochs this run adds.
     """
     if store.collective:  # read straight into the state's layout (`shard=`)
+        fresh = state
         like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
-        restored = store.restore(like)
     else:
-        restored = store.restore(jax.device_get(state))
-        restored = None if restored is None else jax.device_put(restored)
+        fresh = like = jax.device_get(state)
+
+    def shorter(config: dict[str, Any]) -> Any:
+        return shaped_as(like, config["state"]) if grows(config, store.config) else None
+
+    restored = store.restore(like, shorter)
     if restored is None:
         return state, schedule.begin
+    restored = grafted(fresh, restored)
+    if not store.collective:
+        restored = jax.device_put(restored)
     return restored, position(restored)
