@@ -119,6 +119,7 @@ def test_every_sample_once_a_pass_and_the_same_for_the_same_key(sequences):
     assert not all(np.array_equal(a, b[0]) for a, b in zip(again, data))
 
 
+@pytest.mark.heavy  # a program per bucket for evaluate and for validation: whole suite
 def test_evaluating_buckets_is_the_unpadded_token_mean(sequences):
     xs, ys = sequences
     model = GRU(jax.random.key(1))
@@ -188,6 +189,7 @@ def test_buckets_are_checked(sequences):
         eqfit.Buckets((xs, ys), lengths=LENGTHS, batch_size=8)
 
 
+@pytest.mark.heavy  # a program per bucket, again: the whole suite only
 def test_predict_gives_each_batchs_outputs(sequences):
     xs, _ = sequences
     model = GRU(jax.random.key(1))
@@ -221,7 +223,7 @@ WAYS = {
 
 # Several devices, and microbatches, with the heavy tests: the README's command runs one
 # device's ways.
-HEAVY = ("devices", "mesh", "microbatches")
+HEAVY = ("bar", "devices", "mesh", "microbatches")
 
 
 @pytest.mark.parametrize(

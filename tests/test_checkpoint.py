@@ -202,7 +202,11 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize(
-    "newest, older", list(itertools.product([None, *CORRUPTIONS], [None, "truncated state"]))
+    "newest, older",
+    [  # each corruption of the newest in the quick suite; with an older one broken too, whole
+        (n, o) if n is None or o is None else pytest.param(n, o, marks=pytest.mark.heavy)
+        for n, o in itertools.product([None, *CORRUPTIONS], [None, "truncated state"])
+    ],
 )
 def test_no_corruption_loses_a_good_checkpoint(getkey, tmp_path, newest, older):
     """The newest good checkpoint is the one resumed from, whatever is broken around it; a

@@ -96,7 +96,7 @@ CONFIGURATIONS = {
     "loader": dict(kind="loader"),
     "ema-and-norms": dict(ema=0.9, norms=True),
 }
-HEAVY = ("early-stopping", "no-shuffle", "loader", "ema-and-norms")
+HEAVY = ("epochs-inside-passes", "early-stopping", "no-shuffle", "loader", "ema-and-norms")
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,9 @@ def noisy_loss(model, x, y, *, key):
     return eqfit.losses.softmax_cross_entropy(model, x + noise, y)
 
 
-@pytest.mark.parametrize("execution", ["auto", eqfit.PerStep(3)])
+@pytest.mark.parametrize(
+    "execution", ["auto", pytest.param(eqfit.PerStep(3), marks=pytest.mark.heavy)]
+)
 def test_a_conv_nets_validation_runs_as_its_steps_do_with_the_loops_values(execution):
     model, (images, labels), settings = conv_problem()
     rng = np.random.default_rng(8)
@@ -295,6 +297,7 @@ def test_a_conv_nets_validation_runs_as_its_steps_do_with_the_loops_values(execu
         np.testing.assert_array_equal(bar.history[name], per_step.history[name])
 
 
+@pytest.mark.heavy  # the conv net's validation meets it in the quick suite
 def test_evaluate_and_predict_of_a_conv_net_run_as_fits_steps_do_with_the_loops_values():
     model, (images, labels), _ = conv_problem()
     images, labels = images[:45], labels[:45]  # five full batches of 8 and one of 5

@@ -81,7 +81,10 @@ WAYS = {
 }
 
 
-@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize(
+    "way",
+    [pytest.param(w, marks=pytest.mark.heavy) if w in ("devices", "mesh") else w for w in WAYS],
+)
 def test_the_callbacks_get_every_n_steps_values(way, data, capsys):
     model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
     recorder = Recorder()

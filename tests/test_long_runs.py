@@ -125,7 +125,7 @@ def resume_from(tmp_path, name, **kwargs):
     "kind, progress, background",
     [
         ("arrays", False, None),
-        ("arrays", True, None),
+        pytest.param("arrays", True, None, marks=pytest.mark.heavy),
         ("memmap", False, None),
         pytest.param("loader", True, None, marks=pytest.mark.heavy),
         ("unsized", False, None),
@@ -156,7 +156,14 @@ def test_a_checkpoint_inside_an_epoch_resumes_bit_for_bit(tmp_path, kind, progre
         assert_same_run(resumed, whole)
 
 
-@pytest.mark.parametrize("kind", ["arrays", "memmap", "loader", "unsized"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "arrays",
+        "unsized",
+        *(pytest.param(k, marks=pytest.mark.heavy) for k in ("memmap", "loader")),
+    ],
+)
 def test_a_finished_run_resumed_with_more_epochs_equals_the_longer_run(tmp_path, kind):
     # The commonest resume: a run trained for longer once it ended. Validations every 5
     # steps too, which the state keeps a row each of, as it keeps each epoch's record.
@@ -225,7 +232,7 @@ def test_a_checkpoint_inside_an_epoch_resumes_under_shard(tmp_path):
     assert_same_run(resumed, whole)
 
 
-@pytest.mark.parametrize("how", ["shard", "ensemble"])
+@pytest.mark.parametrize("how", [pytest.param("shard", marks=pytest.mark.heavy), "ensemble"])
 def test_a_sharded_or_ensembled_run_grows_as_the_longer_run(tmp_path, how):
     # Orbax's checkpoints read straight into the layout of the state, and an ensemble's
     # record has its members first: the rows of the epochs added go after theirs alike.

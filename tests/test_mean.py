@@ -145,7 +145,10 @@ def gradient_step(model, data, lr):
     return jax.tree.map(lambda p, g: p - lr * g, model, grads)
 
 
-@pytest.mark.parametrize("way", ["one device", "devices=8", "mesh"])
+@pytest.mark.parametrize(
+    "way",
+    ["devices=8", *(pytest.param(w, marks=pytest.mark.heavy) for w in ("one device", "mesh"))],
+)
 def test_the_gradient_is_of_the_sum_over_the_sum_across_devices(way):
     """One step on a batch split over 8 devices, whose shares hold different numbers of
     tokens: the step follows the gradient of the whole batch's token-weighted mean (the

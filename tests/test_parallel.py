@@ -39,9 +39,9 @@ def test_eight_simulated_devices():
     [
         pytest.param(256, False, "devices", marks=pytest.mark.heavy),
         (256, False, "mesh"),
-        (256, True, "devices"),
+        pytest.param(256, True, "devices", marks=pytest.mark.heavy),
         pytest.param(256, True, "mesh", marks=pytest.mark.heavy),
-        (203, False, "devices"),
+        pytest.param(203, False, "devices", marks=pytest.mark.heavy),
         (203, True, "mesh"),
         pytest.param(203, False, "mesh", marks=pytest.mark.heavy),
         pytest.param(203, True, "devices", marks=pytest.mark.heavy),

@@ -91,8 +91,17 @@ def data_of(kind, arrays, memmaps, batch):
     return Batches(arrays, batch, with_len=kind == "loader")
 
 
-@pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "kind, way",
+    [
+        # Each kind in the quick suite, and `PerStep` on memmaps; the rest in the whole.
+        (k, w)
+        if w == "whole run" or k == "memmaps"
+        else pytest.param(k, w, marks=pytest.mark.heavy)
+        for k in KINDS
+        for w in WAYS
+    ],
+)
 def test_evaluate_streams_every_kind_of_data_as_arrays_in_memory(kind, way, arrays, memmaps, model):
     kwargs = dict(
         loss=masked_loss,

@@ -133,7 +133,14 @@ WAYS = {
 }
 
 
-@pytest.mark.parametrize("way", WAYS)
+# Several devices and the options that only add to the loop with the heavy tests: the
+# README's command runs one device's ways of calling the programs.
+HEAVY = ("devices", "mesh", "early stopping", "ema")
+
+
+@pytest.mark.parametrize(
+    "way", [pytest.param(w, marks=pytest.mark.heavy) if w in HEAVY else w for w in WAYS]
+)
 def test_streamed_validation_on_every_way_of_running(way, problem, capsys):
     train, val, memmaps = problem
     more = WAYS[way] | ({"mesh": mesh()} if way == "mesh" else {})

@@ -165,6 +165,7 @@ def _gan_example() -> Any:
     return module
 
 
+@pytest.mark.heavy  # 8 devices and the DCGAN's convolutions: the whole suite only
 def test_the_dcgan_example_trains_under_fsdp_as_without_shard():
     """`examples/gan.py`'s two updates with `shard=fsdp()` over 8 simulated devices: each
     update's Adam state is laid out as the arrays it trains, an eighth per device, and

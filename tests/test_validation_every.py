@@ -120,8 +120,9 @@ WAYS = {
 }
 
 
-# Several devices with the heavy tests: the README's command runs one device's ways.
-HEAVY = ("devices", "per step on devices", "mesh")
+# Several devices with the heavy tests: the README's command runs one device's ways
+# (and a loader's with the whole run's program only).
+HEAVY = ("devices", "per step on devices", "mesh", "loader per step")
 
 
 @pytest.mark.parametrize(
