@@ -19,7 +19,7 @@ from ._core._typing import ModelState as ModelState, OptState as OptState
 from ._core._version import __version__ as __version__
 from ._evaluate import evaluate as evaluate
 from ._fit import fit as fit, plan as plan
-from ._history import History as History
+from ._history import History as History, NonFinite as NonFinite
 from ._host._observers import Callback as Callback, ModelCallback as ModelCallback
 from ._host._plan import (
     ArgumentBytes as ArgumentBytes,

@@ -255,9 +255,12 @@ def fit(
         report: no step waits for the host.
     - `early_stopping`: an [`eqfit.EarlyStopping`][], carried out on the device.
     - `on_nan`: what a NaN or infinite loss does. `"raise"`: stop, and raise
-        [`eqfit.NonFiniteLossError`][] holding the last finite model. `"stop"`: stop and
-        return it. `"skip"`: skip that update and go on. The check never syncs the host,
-        and on finite losses all three train alike, bit for bit.
+        [`eqfit.NonFiniteLossError`][] holding the last finite model and what a replay of
+        the step found made it so ([`eqfit.NonFinite`][]: the operation and its line,
+        the parameters, the rows). `"stop"`: stop and return it, the replay's finding in
+        `history.non_finite`. `"skip"`: skip that update and go on. With `norms=True`, a
+        gradient that is not finite counts as such a loss. The check never syncs the
+        host, and on finite losses all three train alike, bit for bit.
 
     *Real models:*
 

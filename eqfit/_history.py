@@ -23,6 +23,63 @@ StopReason = (
 
 
 @dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """What made a step's loss not finite, found by replaying the step: eqfit's runs are
+    deterministic, so the step runs again from the state it began from (the one `fit`
+    returns, as the step was not applied), on its batch and key, outside the compiled
+    run, under JAX's checks for NaNs (`jax.debug_nans`) and, where none is made, for
+    infinities (`jax.debug_infs`). In [`eqfit.NonFiniteLossError`][]'s `.found`, and with
+    `on_nan="stop"` in `history.non_finite`.
+
+    **Attributes:**
+
+    - `epoch`, `step`: the step, counted from 1 (the step within its epoch).
+    - `member`: the ensemble member (counted from 0), or `None`.
+    - `seconds`: how long the replay took.
+    - `not_reproduced`: why the replay found nothing, or `None`: the step's batch could
+        not be read again (a generator), or the replayed loss was finite (a precision
+        policy, or XLA's fusion of the compiled step, computed it otherwise).
+    - `operation`: the first operation that made a NaN (or an infinity), as JAX names it
+        (`"invalid value (nan) encountered in log"`).
+    - `source`: the line of your code it came from, `"path:line: code"`.
+    - `pass_`: `"forward"`, or `"backward"` for an operation of the gradient (`source` is
+        then the line whose operation it differentiates).
+    - `parameters`: the trained arrays whose gradient is not finite, by their paths in
+        the model (as `jax.tree_util.keystr` writes them: `".layers[0].weight"`).
+    - `rows`: the rows of the batch whose loss, each taken alone as a batch of one, is not
+        finite, by their index in the training data (its rows after `validation_split`
+        holds some out; for a loader, the row's place in the pass); `None` where no row
+        alone is (a loss that is no mean over its rows).
+    """
+
+    epoch: int
+    step: int
+    member: int | None
+    seconds: float
+    not_reproduced: str | None = None
+    operation: str | None = None
+    source: str | None = None
+    pass_: Literal["forward", "backward"] | None = None
+    parameters: tuple[str, ...] = ()
+    rows: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        member = "" if self.member is None else f" of member {self.member}"
+        head = f"Replayed step {self.step} of epoch {self.epoch}{member}"
+        if self.not_reproduced is not None:
+            return f"{head}: not reproduced; {self.not_reproduced}."
+        lines = [f"{head}:"]
+        if self.operation is not None:
+            lines.append(f"- first non-finite value ({self.pass_} pass): {self.operation}")
+            lines.append(f"  at {self.source or 'a line JAX did not name'}")
+        if self.parameters:
+            lines.append(f"- non-finite gradients: {', '.join(self.parameters)}")
+        if self.rows is not None:
+            lines.append(f"- rows whose loss is not finite: {', '.join(map(str, self.rows))}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
 class History:
     """What happened during `fit`, as numpy arrays and plain numbers.
 
@@ -92,6 +149,8 @@ class History:
         none); empty without `validation_every`.
     - `best_step`: with `validation_every` and early stopping on a validation value, the
         step of the best validation (`best_epoch` is the epoch it fell in); else `None`.
+    - `non_finite`: with `on_nan="stop"`, what made the loss not finite where it stopped
+        the run (an [`eqfit.NonFinite`][], found by replaying the step); else `None`.
 
     For an ensemble every per-epoch value has a last axis of members, `step_loss` and
     `batch_sizes` are `(epochs, steps, members)`, `best_epoch` and `stop_reason` are
@@ -114,6 +173,7 @@ class History:
     validation_steps: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     validations: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     best_step: int | None | tuple[int | None, ...] = None
+    non_finite: NonFinite | None = None
 
     @property
     def loss(self) -> np.ndarray:

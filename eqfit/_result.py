@@ -16,7 +16,7 @@ import numpy as np
 
 from ._core._checks import checked
 from ._core._typing import Model, ModelState, OptState, PathLike
-from ._history import History, StopReason
+from ._history import History, NonFinite, StopReason
 from ._host._drive import Outcome
 from ._host._observers import Throughput
 from ._keep._checkpoint import CheckpointError, versions
@@ -85,24 +85,41 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 class NonFiniteLossError(FloatingPointError):
     """The loss was NaN or infinite. `result` holds the last finite model; `epoch` and
-    `step` (counted from 1) say where.
+    `step` (counted from 1) say where, and `found` (an [`eqfit.NonFinite`][]) what made
+    it so, found by replaying the step (its operation and line, the parameters whose
+    gradient is not finite, the rows of the batch), or `None` where no replay was made
+    (a label out of range, or several updates).
     """
 
-    def __init__(self, message: str, result: FitResult[Any], epoch: int, step: int):
+    def __init__(
+        self,
+        message: str,
+        result: FitResult[Any],
+        epoch: int,
+        step: int,
+        found: NonFinite | None = None,
+    ):
         super().__init__(message)
         self.result: FitResult[Any] = result
         self.epoch: int = epoch
         self.step: int = step
+        self.found: NonFinite | None = found
 
 
 def finish(
-    loop: Loop, outcome: Outcome, consts: Consts, began: float, checkpoints: Any = None
+    loop: Loop,
+    outcome: Outcome,
+    consts: Consts,
+    began: float,
+    find: Callable[[Any, Any, int, int | None], NonFinite] | None = None,
 ) -> FitResult[Any]:
     """The one place a run ends: makes the result from the final state and the last
     report, then raises what must be raised, each error holding the result as `.result`:
     a checkpoint that could not be written or an error of the data's (raised as it is,
     with `.result` set), a Ctrl-C, a label out of range, a non-finite loss with
-    `on_nan="raise"`. It warns if the data ran out.
+    `on_nan="raise"`. It warns if the data ran out. Where a loss was not finite and the
+    run stopped there, `find(params, model_state, step, member)` replays its step
+    (`_nonfinite.find`), for the error or the history.
     """
     result, reasons = _result(loop, outcome, consts, began)
     if outcome.failure is not None:
@@ -126,21 +143,31 @@ def finish(
         )
     _warn_of_nan_monitor(loop, result.history)
     nan_steps = np.asarray(loop.placement.host(outcome.report.nan_step)).reshape(-1).tolist()
-    if loop.step.on_nan == "raise" and max(nan_steps) >= 0:
-        i = next(i for i, t in enumerate(nan_steps) if t >= 0)
-        epoch, step = schedule.locate(nan_steps[i])
-        member = f"member {i}: " if loop.members is not None else ""
-        raise NonFiniteLossError(
-            f"The loss was not finite at {member}epoch {epoch}, step {step} of "
-            f"{schedule.steps_per_epoch} (counted from 1). Training stopped there; the last "
-            "finite model, from before that step, is in this error's `.result`. Pass "
-            "`on_nan='skip'` to skip such steps, or `on_nan='stop'` to return early without "
-            "an error.",
-            result,
-            epoch,
-            step,
-        )
-    return result
+    if loop.step.on_nan == "skip" or max(nan_steps) < 0:
+        return result
+    i = next(i for i, t in enumerate(nan_steps) if t >= 0)
+    found = None
+    if find is not None:
+        state = outcome.state
+        params, model_state = loop.placement.host((state.params, state.model_state))
+        found = find(params, model_state, nan_steps[i], None if loop.members is None else i)
+    if loop.step.on_nan == "stop":
+        history = dataclasses.replace(result.history, non_finite=found)
+        return dataclasses.replace(result, history=history)
+    epoch, step = schedule.locate(nan_steps[i])
+    member = f"member {i}: " if loop.members is not None else ""
+    raise NonFiniteLossError(
+        f"The loss{' (or its gradient)' if loop.step.norms else ''} was not finite at "
+        f"{member}epoch {epoch}, step {step} of "
+        f"{schedule.steps_per_epoch} (counted from 1). Training stopped there; the last "
+        "finite model, from before that step, is in this error's `.result`. Pass "
+        "`on_nan='skip'` to skip such steps, or `on_nan='stop'` to return early without "
+        "an error." + ("" if found is None else f"\n{found}"),
+        result,
+        epoch,
+        step,
+        found,
+    )
 
 
 def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
@@ -366,6 +393,7 @@ def save(path: PathLike, result: FitResult[Any]) -> None:
             "validation_steps": np.asarray(h.validation_steps).tolist(),
             "validations": {k: np.asarray(v).tolist() for k, v in h.validations.items()},
             "best_step": h.best_step,
+            "non_finite": None if h.non_finite is None else dataclasses.asdict(h.non_finite),
         },
         "versions": versions(),
         "structure": {part: _structure(getattr(result, part)) for part, _ in _PARTS},
@@ -443,6 +471,7 @@ def load(path: PathLike, *, like: Any) -> Any:
         validation_steps=np.asarray(h.get("validation_steps", []), np.int64),
         validations={k: np.asarray(v, np.float32) for k, v in h.get("validations", {}).items()},
         best_step=tuple(best) if isinstance(best := h.get("best_step"), list) else best,
+        non_finite=_non_finite(h.get("non_finite")),
     )
     return FitResult(model, opt_state, history, state, ema_model)
 
@@ -500,6 +529,16 @@ def _summary(structure: dict[str, Any]) -> str:
         return f"{structure['kinds']}, with no arrays"
     more = ", ..." if len(leaves) > 4 else ""
     return f"{structure['kinds']} of {len(leaves)} leaves [{', '.join(leaves[:4])}{more}]"
+
+
+def _non_finite(saved: dict[str, Any] | None) -> NonFinite | None:
+    """A history's `non_finite` as `save` wrote it (JSON: its tuples as lists)."""
+    if saved is None:
+        return None
+    rows = saved["rows"]
+    return NonFinite(
+        **{**saved, "parameters": tuple(saved["parameters"]), "rows": rows and tuple(rows)}
+    )
 
 
 def _holds(leaf: Any) -> bool:

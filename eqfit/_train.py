@@ -3,6 +3,7 @@ there is one), the feeds, the observers, the drive itself, and the finish.
 """
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,6 +33,7 @@ from ._host._sources import Source
 from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
 from ._keep._resume import open_store, resume
+from ._nonfinite import find
 from ._program._calls import program_for
 from ._program._compile import Starting
 from ._program._loop import Loop
@@ -130,7 +132,13 @@ def train(
             )
         # Still deferred: a signal now, with training over, must not lose its result.
         interrupt.ended = True
-        result = finish(outcome.loop, outcome, consts, began)
+        result = finish(
+            outcome.loop,
+            outcome,
+            consts,
+            began,
+            functools.partial(find, outcome.loop, ready.source, options.objects.loss, consts, keys),
+        )
     except BaseException:
         interrupt.ended = True
         for observer in observers:  # how the run ended is `sys.exc_info()`'s now

@@ -185,6 +185,10 @@ def test_early_stopping_infers_the_direction_from_the_name(problem, progress):
     assert result.history.best_epoch == int(np.argmax(accuracy)) + 1
     assert eqfit.EarlyStopping(1, monitor="val_accuracy").maximise
     assert not eqfit.EarlyStopping(1, monitor="val_loss").maximise
+    # An RL update's return and reward (the PPO example's `ppo_return`) are maximised too.
+    for name in ("ppo_return", "episode_reward", "val_auc", "val_f1"):
+        assert eqfit.EarlyStopping(1, monitor=name).maximise, name
+    assert not eqfit.EarlyStopping(1, monitor="ppo_loss").maximise
     assert eqfit.EarlyStopping(1, monitor="loss", mode="max").maximise
 
 

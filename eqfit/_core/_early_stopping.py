@@ -11,8 +11,12 @@ from jaxtyping import Array, Bool, Float, Int
 from ._typing import ArrayTree
 
 
-# Names whose value is better when larger, as Keras 2 inferred them for `mode="auto"`.
-_LARGER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "fmeasure", "iou", "r2")
+# Names whose value is better when larger, as Keras 2 inferred them for `mode="auto"`;
+# and, unlike Keras, a reinforcement learner's return and reward (`ppo_return`).
+_LARGER_IS_BETTER = (
+    *("acc", "auc", "precision", "recall", "f1", "fmeasure", "iou", "r2"),
+    *("return", "reward"),
+)
 
 
 class StoppingState(NamedTuple):
@@ -56,7 +60,8 @@ class EarlyStopping(eqx.Module):
         best model is what you asked for by stopping early.
     - `mode`: `"min"` when smaller is better, `"max"` when larger is, or `"auto"`: `"max"`
         for accuracy-like names (containing `acc`, `auc`, `precision`, `recall`, `f1`,
-        `fmeasure`, `iou` or `r2`), else `"min"`.
+        `fmeasure`, `iou` or `r2`, as Keras reads them) and for a reinforcement learner's
+        (containing `return` or `reward`, which Keras would minimise), else `"min"`.
     - `baseline`: a value the monitored one must beat for an improvement to reset the
         count, as in Keras.
     - `start_from_epoch`: epochs to let pass before monitoring (a warm-up).

@@ -61,6 +61,9 @@ class Chunk(NamedTuple):
     # Memmaps read through their mapping (an inference's): drops the chunk's pages from
     # the process's memory, once the program that reads them is done.
     release: Callable[[], None] | None = None
+    # Memmaps': the first of the source's training rows it read (row `j` of `data` is
+    # its `start + j`), to name a batch's rows in the data.
+    start: int = 0
 
 
 @runtime_checkable
@@ -328,7 +331,7 @@ class Memmaps(_Streamed):
                 release = functools.partial(advise_rows, self.data, start, start + count)
             else:
                 data, release = self.read(start, start + count), None
-            yield Chunk(data, within, first, first + batches, batch, release=release)
+            yield Chunk(data, within, first, first + batches, batch, release=release, start=start)
 
 
 class Loader(_Streamed):

@@ -156,8 +156,13 @@ class UpdateContext(eqx.Module):
         # with_extra_args_support makes plain ones ignore them.
         optimizer = optax.with_extra_args_support(optimizer)
         extra = extra_args(optimizer.update, value=loss, grad_fn=grad_fn)
-        applies = finite
         grad_norm = optax.tree.norm(grads) if norms else None
+        if grad_norm is not None and loss_scale is None:
+            # With norms, whose gradient norm costs nothing more, a gradient that is not
+            # finite counts as a loss that is not: its update would make the model so.
+            # (Under loss scaling, the scale's own check skips it instead.)
+            finite = finite & jnp.isfinite(grad_norm)
+        applies = finite
         if loss_scale is not None:
             assert policy is not None
             grads_finite = all_finite(grads)

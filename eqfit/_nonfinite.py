@@ -1,0 +1,247 @@
+"""What made a loss not finite, found by replaying its step (`find`): the run is
+deterministic, so the step's batch, key and parameters are those it had, and the step
+runs once more, outside the compiled run, under JAX's checks for NaNs and infinities.
+
+With `on_nan="raise"` or `"stop"`, a step whose loss is not finite is not applied, so the
+state the run ends with is the state that step began from: the replay starts there, and
+runs that one step. It reads the step's batch as the run read it: from arrays in memory
+by the epoch's shuffle, from memmaps and loaders by reading their chunks again (a loader
+is iterated again up to the step, as a resumed run reads it).
+"""
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PyTree
+
+from ._core._data import order_at, shuffle_seed
+from ._history import NonFinite
+from ._host._sources import InMemory, Memmaps, Source
+from ._program._loop import Loop
+from ._program._skeleton import unwrap
+from ._program._state import Consts
+from ._result import model_from
+from ._step._mean import Mean
+from ._step._objective import split_output, takes_key
+
+
+def _folders(*modules: Any) -> tuple[str, ...]:
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in modules if m.__file__)
+
+
+# Where an operation's line is looked for: first the user's code, outside these libraries;
+# else (a loss of eqfit's, an Equinox layer's) theirs, never JAX's or numpy's own.
+_INTERNALS = _folders(jax, np, __import__("jaxlib"))
+_LIBRARIES = (*_INTERNALS, *_folders(eqx, __import__("optax"), __import__("eqfit")))
+
+
+def find(
+    loop: Loop,
+    source: Source,
+    loss: Callable[..., Any],
+    consts: Consts,
+    keys: PyTree,
+    params: PyTree,
+    model_state: PyTree,
+    step: int,
+    member: int | None,
+) -> NonFinite:
+    """Replays global step `step` of the run (of ensemble member `member`) from the state
+    it began from, and finds what made its loss not finite. A replay that fails says so
+    in its `not_reproduced`: it never loses the run's result.
+
+    **Arguments:**
+
+    - `loop`: the run's.
+    - `source`: its training data.
+    - `loss`: its loss (`loss(model, *batch)`, with state `loss(model, state, *batch)`;
+        with several updates, their losses summed, `Losses`).
+    - `consts`: the run's frozen arrays.
+    - `keys`: the run's key, or each member's.
+    - `params`, `model_state`: the run's final trained arrays and model state, on the
+        host: those the step began from, as it was not applied.
+    - `step`: the global step whose loss was not finite (counted from 0).
+    - `member`: the ensemble member, or `None`.
+
+    **Returns:**
+
+    A `NonFinite`.
+    """
+    began = time.perf_counter()
+    epoch, within = loop.schedule.locate(step)
+    try:
+        return _replay(loop, source, loss, consts, keys, params, model_state, step, member)
+    except Exception as e:
+        why = f"the replay failed ({type(e).__name__}: {e})"
+        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
+
+
+def _replay(
+    loop: Loop,
+    source: Source,
+    loss: Callable[..., Any],
+    consts: Consts,
+    keys: PyTree,
+    params: PyTree,
+    model_state: PyTree,
+    step: int,
+    member: int | None,
+) -> NonFinite:
+    began = time.perf_counter()
+    frozen, key = consts.frozen, keys
+    if member is not None:  # the member's own arrays, from each one's leading axis
+        params, model_state, frozen, key = jax.tree.map(
+            lambda a: a[member], (params, model_state, frozen, key)
+        )
+    model = model_from(loop, params, consts._replace(frozen=frozen))
+    epoch, within = loop.schedule.locate(step)
+    try:
+        batch, rows = _batch_at(loop, source, key, step)
+    except Exception as e:  # a loader that cannot be read again (a generator)
+        why = f"its batch could not be read again ({type(e).__name__}: {e})"
+        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
+    step_key = jax.random.fold_in(jax.random.fold_in(key, 1), step) if loop.use_key else None
+    call = _Call(loss, model_state, step_key)
+    # The arrays the run trains (`True`), as a filter spec of the model.
+    filled = unwrap(loop.model.fill(list(loop.trains)))
+    spec = jax.tree.map(lambda x: x if isinstance(x, bool) else False, filled)
+    trained, rest = eqx.partition(model, spec)
+
+    def value_of(p: PyTree) -> Any:
+        return call.value(eqx.combine(p, rest), batch)
+
+    value, grads = eqx.filter_value_and_grad(value_of)(trained)
+    parameters = tuple(
+        jax.tree_util.keystr(path)
+        for path, g in jax.tree_util.tree_leaves_with_path(grads)
+        if not bool(jnp.all(jnp.isfinite(g)))
+    )
+    if bool(jnp.isfinite(value)) and not parameters:
+        why = (
+            "replayed, the step's loss and gradient are finite: the run's compiled step "
+            "and the replay computed them differently (XLA's fusion, or a precision "
+            "policy the replay does not apply)"
+        )
+        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
+    operation, source_line, backward = _first_operation(value_of, trained)
+    rows_found = _rows(call, model, batch, rows)
+    return NonFinite(
+        epoch,
+        within,
+        member,
+        time.perf_counter() - began,
+        None,
+        operation,
+        source_line,
+        backward,  # type: ignore[arg-type]
+        parameters,
+        rows_found,
+    )
+
+
+class _Call:
+    """The loss as the step calls it: with the model state and the step's key, where the
+    run has them; its value a float32 scalar (a weighted mean's quotient).
+    """
+
+    def __init__(self, loss: Callable[..., Any], model_state: PyTree, key: Any):
+        self.loss, self.model_state = loss, model_state
+        self.key = key if key is not None and takes_key(loss) else None
+
+    def value(self, model: Any, batch: PyTree) -> Any:
+        args = batch if isinstance(batch, tuple) else (batch,)
+        stateful = self.model_state is not None
+        if stateful:
+            args = (self.model_state, *args)
+        kwargs = {} if self.key is None else {"key": self.key}
+        value, _, _ = split_output(self.loss(model, *args, **kwargs), stateful)
+        if isinstance(value, Mean):
+            value = value.total / value.weight
+        return jnp.asarray(value, jnp.float32)
+
+
+def _batch_at(loop: Loop, source: Source, key: Any, step: int) -> tuple[PyTree, np.ndarray]:
+    """Step `step`'s batch, as the run read it, and where each of its rows is in the data:
+    its index in the arrays or memmaps (among the training rows, with
+    `validation_split`), or for a loader its place in the pass (the batches before it in
+    the pass, times the batch size, plus its place in the batch).
+    """
+    schedule = loop.schedule
+    if isinstance(source, InMemory):
+        passes = schedule.passes
+        assert passes is not None
+        index = schedule.pass_of(step)
+        start = (step - schedule.pass_start(index)) * passes.batch_size
+        size = passes.remainder if step == schedule.remainder_step(index) else passes.batch_size
+        positions = jnp.arange(start, start + size, dtype=jnp.uint32)
+        seed = shuffle_seed(key)
+        epoch = jnp.asarray(index, jnp.int32)
+        rows = np.asarray(order_at(seed, epoch, passes.num_samples, loop.shuffle, positions))
+        return jax.tree.map(lambda a: a[rows], source.data), rows
+    chunk = next(iter(source.chunks(schedule, step, step + 1)))
+    assert chunk.order is not None
+    start = (step - chunk.first) * chunk.batch_size
+    picked = chunk.order[start : start + chunk.batch_size]
+    batch = jax.tree.map(lambda a: jnp.asarray(a[picked]), chunk.data)
+    if isinstance(source, Memmaps):
+        rows = chunk.start + picked.astype(np.int64)
+        if source.rows is not None:  # the training rows, some held out
+            rows = source.rows[rows]
+    else:  # a loader's: its place in the pass
+        assert schedule.passes is not None
+        into = step - schedule.pass_start(schedule.pass_of(step))
+        rows = into * schedule.batch_size + np.arange(len(picked))
+    return batch, np.asarray(rows)
+
+
+def _first_operation(value: Callable[[Any], Any], trained: PyTree) -> tuple[str | None, ...]:
+    """The first operation that made a NaN (or, if none did, an infinity) in the loss or
+    its gradient, as JAX's checks name it, the line of the user's code it came from, and
+    whether it was in the backward pass. `None`s where no check fired.
+    """
+    for check in (jax.debug_nans, jax.debug_infs):
+        try:
+            with check(True):
+                jax.block_until_ready(eqx.filter_value_and_grad(value)(trained))
+        except FloatingPointError as e:
+            # Where the operation came from: for one of the gradient's, the forward
+            # operation it transposes (JAX chains its traceback as the cause).
+            cause = e.__cause__
+            backward = type(cause).__name__ == "JaxStackTraceBeforeTransformation"
+            before = cause if backward else None
+            frames = traceback.extract_tb((before or e).__traceback__)
+            # The frames below this function's: the loss's (a traceback JAX kept from
+            # tracing holds the whole stack, `fit`'s caller's too).
+            ours = [i for i, f in enumerate(frames) if f.filename == __file__]
+            frames = frames[ours[-1] + 1 :] if ours else frames
+            line = None
+            for outside in (_LIBRARIES, _INTERNALS):
+                found = [f for f in frames if not f.filename.startswith(outside)]
+                if found:
+                    f = found[-1]
+                    line = f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+                    break
+            message = str(e).splitlines()[0]
+            return message, line, "backward" if backward else "forward"
+    return None, None, None
+
+
+def _rows(call: _Call, model: Any, batch: PyTree, rows: np.ndarray) -> tuple[int, ...] | None:
+    """The rows of the batch (by their place in the data, `rows`) whose loss, each row
+    taken as a batch of its own, is not finite; `None` where each row's loss is finite
+    (the loss is not a mean over rows, or mixes them).
+    """
+    one = lambda row: call.value(model, jax.tree.map(lambda a: a[None], row))  # noqa: E731
+    try:
+        values = np.asarray(jax.vmap(one)(batch))
+    except Exception:  # a loss that cannot take a row alone (a batch statistic's)
+        return None
+    bad = ~np.isfinite(values)
+    return tuple(int(r) for r in rows[bad]) if bad.any() else None

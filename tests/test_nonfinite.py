@@ -1,0 +1,227 @@
+"""A NaN found, not only stopped: the step whose loss was not finite is replayed from the
+state it began from, on its batch and key, and the error (or with `on_nan="stop"` the
+history) names the operation and its line, the parameters whose gradient is not finite
+and the rows of the data that did it.
+"""
+
+import inspect
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_equal
+
+import eqfit
+
+
+class Three(eqx.Module):
+    """Three layers: the model the replay looks into."""
+
+    layers: tuple[eqx.nn.Linear, eqx.nn.Linear, eqx.nn.Linear]
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.layers = (
+            eqx.nn.Linear(3, 8, key=k1),
+            eqx.nn.Linear(8, 8, key=k2),
+            eqx.nn.Linear(8, 1, key=k3),
+        )
+
+    def __call__(self, x):
+        x = jax.nn.tanh(self.layers[0](x))
+        x = jax.nn.tanh(self.layers[1](x))
+        return self.layers[2](x)[0]
+
+
+N, BATCH, BAD = 64, 8, 37  # row 37's first feature makes its loss's `log` NaN
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.5, size=(N, 3)).astype(np.float32)
+    y = x.sum(1).astype(np.float32)
+    x[BAD, 0] = -2.0  # log(-2 + 1): NaN, for this row only
+    return x, y
+
+
+def weighted_loss(model, x, y):
+    weight = jnp.log(x[:, 0] + 1.0)  # the planted NaN
+    return jnp.mean(weight * (jax.vmap(model)(x) - y) ** 2)
+
+
+LOG_LINE = inspect.getsourcelines(weighted_loss)[1] + 1  # the `log`'s line in this file
+
+
+def norm_loss(model, x, y):
+    residual = jax.vmap(model)(x) - y
+    # The gradient of a square root at 0 is infinite: a residual of exactly 0 (the
+    # third layer's weights and bias zeroed) makes a NaN in the backward pass only.
+    return jnp.sqrt(jnp.sum(residual**2)) + 0.0 * jnp.sum(x)
+
+
+FIT = dict(batch_size=BATCH, epochs=2, key=jax.random.key(3))
+
+
+def test_a_planted_nan_names_its_step_line_parameters_and_row():
+    x, y = data()
+    model = Three(jax.random.key(0))
+    optimizer = optax.adam(1e-2)
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(model, (x, y), loss=weighted_loss, optimizer=optimizer, shuffle=False, **FIT)
+    e = info.value
+    t = BAD // BATCH  # the step (counted from 0) whose batch holds row 37
+    assert (e.epoch, e.step) == (1, t + 1)
+    found = e.found
+    assert found is not None and found.not_reproduced is None
+    assert (found.epoch, found.step, found.member) == (1, t + 1, None)
+    assert found.operation == "invalid value (nan) encountered in log"
+    assert found.pass_ == "forward"
+    assert found.source is not None
+    assert found.source.startswith(f"{__file__}:{LOG_LINE}: ")
+    assert "jnp.log(x[:, 0] + 1.0)" in found.source
+    # Every layer's weights and biases get a NaN gradient from the row's loss.
+    assert set(found.parameters) == {
+        f".layers[{i}].{name}" for i in range(3) for name in ("weight", "bias")
+    }
+    assert found.rows == (BAD,)
+    assert found.seconds > 0
+    message = str(e)
+    assert f"epoch 1, step {t + 1} of 8" in message and "encountered in log" in message
+    assert f"rows whose loss is not finite: {BAD}" in message
+    # The model returned is the hand loop's after the step before, bit for bit.
+    update = eqfit.Update("", weighted_loss, optimizer)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = update.init(params)
+    hand = model
+    apply = eqx.filter_jit(update.apply)
+    for i in range(t):
+        batch = (x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH])
+        out = apply(hand, state, batch, model_state=None, key=jax.random.key(0))
+        hand, state = out.model, out.state
+    assert_trees_equal(e.result.model, hand)
+
+
+def test_the_row_is_found_where_the_shuffle_put_it_and_stop_keeps_it_in_the_history(tmp_path):
+    x, y = data()
+    model = Three(jax.random.key(0))
+    result = eqfit.fit(
+        model, (x, y), loss=weighted_loss, optimizer=optax.sgd(1e-2), on_nan="stop", **FIT
+    )
+    assert result.history.stop_reason == "non_finite_loss"
+    found = result.history.non_finite
+    assert found is not None and found.rows == (BAD,)
+    eqfit.save(tmp_path / "run.eqx", result)  # and it is saved with the history
+    assert eqfit.load(tmp_path / "run.eqx", like=result).history.non_finite == found
+    # The step is the one whose loss is NaN in the history, as the shuffle placed row 37.
+    losses = result.history.step_loss.reshape(-1)
+    assert np.isnan(losses[(found.epoch - 1) * 8 + found.step - 1])
+    assert np.isfinite(losses[: (found.epoch - 1) * 8 + found.step - 1]).all()
+
+
+def test_a_nan_of_the_backward_pass_names_the_line_it_differentiates():
+    x, y = data()
+    x[BAD, 0] = 1.0
+    model = Three(jax.random.key(0))
+    # The last layer outputs its bias, set to each row's target: a residual of 0.
+    model = eqx.tree_at(lambda m: m.layers[2].weight, model, jnp.zeros((1, 8)))
+    y = np.full_like(y, 0.25)
+    model = eqx.tree_at(lambda m: m.layers[2].bias, model, jnp.full((1,), 0.25))
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(model, (x, y), loss=norm_loss, optimizer=optax.sgd(1e-2), norms=True, **FIT)
+    # With `norms=True`, a gradient that is not finite stops the run as a loss would.
+    assert "The loss (or its gradient) was not finite at epoch 1, step 1" in str(info.value)
+    assert_trees_equal(info.value.result.model, model)
+    found = info.value.found
+    assert found is not None and found.not_reproduced is None
+    assert (found.epoch, found.step) == (1, 1)
+    assert found.pass_ == "backward"
+    assert found.source is not None and "residual**2" in found.source
+    # The loss is finite; its gradient is not, for every trained array.
+    assert ".layers[2].weight" in found.parameters
+    assert found.rows is None  # the loss is no mean over rows: no row alone is NaN
+
+
+def test_a_memmaps_row_is_named_by_its_index_in_the_file(tmp_path):
+    x, y = data()
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    memmaps = (
+        np.load(tmp_path / "x.npy", mmap_mode="r"),
+        np.load(tmp_path / "y.npy", mmap_mode="r"),
+    )
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(
+            Three(jax.random.key(0)), memmaps, loss=weighted_loss, optimizer=optax.sgd(1e-2), **FIT
+        )
+    found = info.value.found
+    assert found is not None and found.rows == (BAD,)
+    assert found.operation == "invalid value (nan) encountered in log"
+
+
+def test_a_generators_batch_cannot_be_read_again_and_says_so():
+    x, y = data()
+
+    def batches():
+        for i in range(0, N, BATCH):
+            yield x[i : i + BATCH], y[i : i + BATCH]
+
+    result = eqfit.fit(
+        Three(jax.random.key(0)),
+        batches(),
+        loss=weighted_loss,
+        optimizer=optax.sgd(1e-2),
+        on_nan="stop",
+        key=jax.random.key(3),
+        steps_per_epoch=N // BATCH,
+    )
+    found = result.history.non_finite
+    assert found is not None and found.step == BAD // BATCH + 1
+    assert found.not_reproduced is not None
+    assert "could not be read again" in found.not_reproduced
+
+
+def test_a_nan_in_the_data_names_its_row_and_eqfits_loss_line():
+    x, y = data()
+    x[BAD, 0] = 1.0
+    y[BAD] = np.nan  # a target missing
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(
+            Three(jax.random.key(0)),
+            (x, y),
+            loss=eqfit.losses.mse,
+            optimizer=optax.sgd(1e-2),
+            shuffle=False,
+            **FIT,
+        )
+    found = info.value.found
+    assert found is not None and found.rows == (BAD,)
+    # No line of this file computes it: the line is the one inside eqfit's loss (optax's
+    # squared error, which it calls) that met the NaN, not `fit`'s call here.
+    assert found.operation == "invalid value (nan) encountered in sub"
+    assert found.source is not None and "predictions - targets" in found.source
+    assert __file__ not in found.source
+
+
+def test_an_ensemble_replays_the_member_that_met_the_nan():
+    x, y = data()
+    keys = jax.random.split(jax.random.key(0), 2)
+    members = eqx.filter_vmap(Three)(keys)
+    result = eqfit.fit(
+        members,
+        (x, y),
+        loss=weighted_loss,
+        optimizer=optax.sgd(1e-2),
+        on_nan="stop",
+        ensemble=True,
+        **FIT,
+    )
+    found = result.history.non_finite
+    assert found is not None and found.member in (0, 1) and found.rows == (BAD,)
+    # Each member meets row 37 where its own shuffle puts it: the replay's is the first.
+    losses = result.history.step_loss[..., found.member].reshape(-1)
+    first = int(np.flatnonzero(np.isnan(losses))[0])
+    assert (found.epoch, found.step) == (first // 8 + 1, first % 8 + 1)
+    assert found.source is not None and f"{__file__}:{LOG_LINE}" in found.source
