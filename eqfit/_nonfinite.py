@@ -23,8 +23,9 @@ from jaxtyping import PyTree
 
 from ._core._data import order_at, shuffle_seed
 from ._history import NonFinite
-from ._host._sources import InMemory, Memmaps, Source
+from ._host._sources import InMemory, Memmaps, read_again, Source
 from ._program._loop import Loop
+from ._program._options import Options
 from ._program._skeleton import unwrap
 from ._program._state import Consts
 from ._result import model_from
@@ -45,6 +46,7 @@ _LIBRARIES = (*_INTERNALS, *_folders(eqx, __import__("optax"), __import__("eqfit
 def find(
     loop: Loop,
     source: Source,
+    options: Options,
     loss: Callable[..., Any],
     consts: Consts,
     keys: PyTree,
@@ -61,6 +63,7 @@ def find(
 
     - `loop`: the run's.
     - `source`: its training data.
+    - `options`: its options (a loader is opened anew with them, to be read again).
     - `loss`: its loss (`loss(model, *batch)`, with state `loss(model, state, *batch)`;
         with several updates, their losses summed, `Losses`).
     - `consts`: the run's frozen arrays.
@@ -77,7 +80,8 @@ def find(
     began = time.perf_counter()
     epoch, within = loop.schedule.locate(step)
     try:
-        return _replay(loop, source, loss, consts, keys, params, model_state, step, member)
+        args = (loss, consts, keys, params, model_state, step, member)
+        return _replay(loop, source, options, *args)
     except Exception as e:
         why = f"the replay failed ({type(e).__name__}: {e})"
         return NonFinite(epoch, within, member, time.perf_counter() - began, why)
@@ -86,6 +90,7 @@ def find(
 def _replay(
     loop: Loop,
     source: Source,
+    options: Options,
     loss: Callable[..., Any],
     consts: Consts,
     keys: PyTree,
@@ -103,7 +108,7 @@ def _replay(
     model = model_from(loop, params, consts._replace(frozen=frozen))
     epoch, within = loop.schedule.locate(step)
     try:
-        batch, rows = _batch_at(loop, source, key, step)
+        batch, rows = _batch_at(loop, source, options, key, step)
     except Exception as e:  # a loader that cannot be read again (a generator)
         why = f"its batch could not be read again ({type(e).__name__}: {e})"
         return NonFinite(epoch, within, member, time.perf_counter() - began, why)
@@ -167,11 +172,13 @@ class _Call:
         return jnp.asarray(value, jnp.float32)
 
 
-def _batch_at(loop: Loop, source: Source, key: Any, step: int) -> tuple[PyTree, np.ndarray]:
+def _batch_at(
+    loop: Loop, source: Source, options: Options, key: Any, step: int
+) -> tuple[PyTree, np.ndarray]:
     """Step `step`'s batch, as the run read it, and where each of its rows is in the data:
     its index in the arrays or memmaps (among the training rows, with
-    `validation_split`), or for a loader its place in the pass (the batches before it in
-    the pass, times the batch size, plus its place in the batch).
+    `validation_split`), or for a loader its place in the epoch (the batches before it
+    in the epoch, times the batch size, plus its place in its batch).
     """
     schedule = loop.schedule
     if isinstance(source, InMemory):
@@ -185,18 +192,20 @@ def _batch_at(loop: Loop, source: Source, key: Any, step: int) -> tuple[PyTree, 
         epoch = jnp.asarray(index, jnp.int32)
         rows = np.asarray(order_at(seed, epoch, passes.num_samples, loop.shuffle, positions))
         return jax.tree.map(lambda a: a[rows], source.data), rows
-    chunk = next(iter(source.chunks(schedule, step, step + 1)))
+    again = read_again(source, options)
+    if again is None:
+        raise ValueError("a one-shot iterator's batches are gone once read")
+    chunk = next(iter(again.chunks(schedule, step, step + 1)))
     assert chunk.order is not None
     start = (step - chunk.first) * chunk.batch_size
     picked = chunk.order[start : start + chunk.batch_size]
     batch = jax.tree.map(lambda a: jnp.asarray(a[picked]), chunk.data)
-    if isinstance(source, Memmaps):
+    if isinstance(again, Memmaps):
         rows = chunk.start + picked.astype(np.int64)
-        if source.rows is not None:  # the training rows, some held out
-            rows = source.rows[rows]
-    else:  # a loader's: its place in the pass
-        assert schedule.passes is not None
-        into = step - schedule.pass_start(schedule.pass_of(step))
+        if again.rows is not None:  # the training rows, some held out
+            rows = again.rows[rows]
+    else:  # a loader's: its place in the epoch's batches
+        into = step - (schedule.locate(step)[0] - 1) * schedule.steps_per_epoch
         rows = into * schedule.batch_size + np.arange(len(picked))
     return batch, np.asarray(rows)
 

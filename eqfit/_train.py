@@ -137,7 +137,9 @@ def train(
             outcome,
             consts,
             began,
-            functools.partial(find, outcome.loop, ready.source, options.objects.loss, consts, keys),
+            functools.partial(
+                find, outcome.loop, ready.source, options, options.objects.loss, consts, keys
+            ),
         )
     except BaseException:
         interrupt.ended = True

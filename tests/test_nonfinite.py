@@ -225,3 +225,35 @@ def test_an_ensemble_replays_the_member_that_met_the_nan():
     first = int(np.flatnonzero(np.isnan(losses))[0])
     assert (found.epoch, found.step) == (first // 8 + 1, first % 8 + 1)
     assert found.source is not None and f"{__file__}:{LOG_LINE}" in found.source
+
+
+class Batches:
+    """A re-iterable loader: the batches in order, every pass."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for i in range(0, N, BATCH):
+            yield self.x[i : i + BATCH], self.y[i : i + BATCH]
+
+    def __len__(self):
+        return N // BATCH
+
+
+@pytest.mark.parametrize("where", ["loader", "devices"])
+def test_a_loaders_row_and_a_run_on_devices_are_replayed(where):
+    x, y = data()
+    kwargs = dict(loss=weighted_loss, optimizer=optax.sgd(1e-2), **FIT)
+    if where == "loader":
+        given = Batches(x, y)  # read again, up to the step, as a resumed run reads it
+    else:
+        given = (x, y)
+        kwargs |= dict(devices=2, shuffle=False)
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(Three(jax.random.key(0)), given, **kwargs)
+    found = info.value.found
+    assert found is not None and found.not_reproduced is None
+    # A loader's rows are named by their place in the pass: here, in the data too.
+    assert found.rows == (BAD,) and found.step == BAD // BATCH + 1
+    assert found.source is not None and f"{__file__}:{LOG_LINE}" in found.source

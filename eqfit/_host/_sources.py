@@ -117,6 +117,19 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
     return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
 
 
+def read_again(source: Source, options: Options) -> Source | None:
+    """`source` to be read from its start again (a step's batch replayed, `_nonfinite`):
+    arrays and memmaps as they are (their chunks are made afresh each time), a loader
+    opened anew (iterated again from its first pass); `None` for a one-shot iterator,
+    whose batches are gone.
+    """
+    if not isinstance(source, Loader):
+        return source
+    if source.one_shot:
+        return None
+    return open_source(source.loader, options)
+
+
 # The one-shot iterators (generators, say) that `plan` read from, held weakly: a `fit`
 # given one would silently train without the batches `plan` took.
 _PLANNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
