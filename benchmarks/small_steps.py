@@ -41,6 +41,17 @@ The workloads (all float32):
   model_families.py, but 25 epochs, not 5): a reference, its step smaller than the
   others'.
 
+And with `--given-batches`, a fourth comparison, against the floor a JAX user writes when
+the minibatches are given (the DQN of issue "A NaN found, not only stopped", item 3):
+CleanRL's QNetwork and `optax.adam(2.5e-4)` as above, 2,000 minibatches of 128 drawn
+beforehand (with replacement) from a replay buffer of 50,000 transitions and stacked as
+a `jax.jit`'d `lax.scan`'s `xs` (`(2000, 128, ...)`), the target network copied from the
+online one every 50 steps by a `lax.cond`, no NaN guard (`given_floor`); against eqfit
+given the same rows as flat arrays with `shuffle=False`, `batch_size=128` and
+`updates=[eqfit.Update("q", ...), TargetCopy(every=50)]` (`given_eqfit`). Its ratio is
+named `eqfit/given_floor`: the floors differ (eqfit's shuffle and gather are not in this
+one), so each is reported under its own name.
+
 Each workload's epochs are set so that one run takes a few tenths of a second on a 2-core
 CPU. The three ways of a workload are timed in one process, interleaved (the order rotated
 each repeat, each preceded by one untimed run), each sample the median of 3 back-to-back
@@ -52,7 +63,7 @@ compile-event listener counts the XLA compilations of each way's timed calls: th
 0. The 1-minute load average before and after is printed.
 
     python benchmarks/small_steps.py [--repeats 5] [--quick] [--workloads dqn,critic,mlp]
-        [--out PATH]
+        [--given-batches] [--out PATH]
 """
 
 import argparse
@@ -361,6 +372,133 @@ def make_eqfit(w: Workload) -> Run:
 
 
 # ---------------------------------------------------------------------------------------
+# The DQN on given minibatches, with a target network copied every 50 steps
+
+GIVEN_STEPS, GIVEN_BATCH, GIVEN_BUFFER, TARGET_EVERY = 2000, 128, 50_000, 50
+
+
+class TargetCopy(eqfit.AbstractUpdate):
+    """CleanRL's hard target update: the online network copied into the target."""
+
+    name: str = "target"
+
+    def init(self, params: Any) -> Any:
+        return None
+
+    def apply(
+        self, model: Any, state: Any, batch: Any, *, model_state: Any, key: jax.Array
+    ) -> eqfit.Applied:
+        copied = eqx.tree_at(lambda m: m.target, model, model.q)
+        return eqfit.Applied(copied, state, model_state, {})
+
+
+def given_problem() -> tuple[DQN, tuple[jax.Array, ...]]:
+    """The model and the minibatches, `(GIVEN_STEPS, GIVEN_BATCH, ...)`, drawn beforehand
+    from a replay buffer."""
+    rng = np.random.default_rng(1)
+    n = GIVEN_BUFFER
+    obs = rng.normal(size=(n, 4)).astype(np.float32)
+    buffer = (
+        obs,
+        rng.integers(0, 2, n).astype(np.int32),
+        np.ones(n, np.float32),
+        (obs + 0.05 * rng.normal(size=(n, 4))).astype(np.float32),
+        (rng.random(n) < 0.02).astype(np.float32),
+    )
+    drawn = rng.integers(0, n, size=(GIVEN_STEPS, GIVEN_BATCH))
+    batches = tuple(jnp.asarray(a[drawn]) for a in buffer)
+    q_key, target_key = jax.random.split(jax.random.key(2))
+    q = QNetwork(4, 2, q_key)
+    return DQN(q, q), batches
+
+
+def make_given_floor(model: DQN, batches: tuple[jax.Array, ...]) -> Run:
+    optimizer = optax.adam(2.5e-4)
+    q, static = eqx.partition(model.q, eqx.is_array)
+    opt_state = optimizer.init(q)
+
+    @jax.jit
+    def train(q: Any, target: Any, opt_state: Any, batches: Any) -> Any:
+        def step(carry: Any, batch: tuple[jax.Array, ...]) -> Any:
+            q, target, opt_state, t = carry
+
+            def loss(q: Any) -> jax.Array:
+                online, frozen = eqx.combine(q, static), eqx.combine(target, static)
+                return td_loss(DQN(online, frozen), *batch)
+
+            value, grads = jax.value_and_grad(loss)(q)
+            updates, opt_state = optimizer.update(grads, opt_state, q)
+            q = optax.apply_updates(q, updates)
+            due = (t + 1) % TARGET_EVERY == 0
+            target = jax.lax.cond(due, lambda: q, lambda: target)
+            return (q, target, opt_state, t + 1), value
+
+        return jax.lax.scan(step, (q, target, opt_state, jnp.int32(0)), batches)
+
+    return lambda: jax.block_until_ready(train(q, q, opt_state, batches))
+
+
+def make_given_eqfit(model: DQN, batches: tuple[jax.Array, ...]) -> Run:
+    flat = tuple(a.reshape(GIVEN_STEPS * GIVEN_BATCH, *a.shape[2:]) for a in batches)
+    updates = [
+        eqfit.Update("q", td_loss, optax.adam(2.5e-4), trains=train_q),
+        TargetCopy(trains=lambda m: m.target, every=TARGET_EVERY),
+    ]
+    key = jax.random.key(0)
+
+    def run() -> eqfit.FitResult:
+        return eqfit.fit(
+            model, flat, updates=updates, key=key, batch_size=GIVEN_BATCH, shuffle=False
+        )
+
+    return run
+
+
+def measure_given(repeats: int, inner: int, events: CompileEvents) -> dict[str, Any]:
+    """`given_eqfit` against `given_floor`, interleaved as `measure` does."""
+    model, batches = given_problem()
+    runs = {"eqfit": make_given_eqfit(model, batches), "floor": make_given_floor(model, batches)}
+    first = {name: timed(run) for name, run in runs.items()}
+    for run in runs.values():
+        run()
+        run()
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    compiles = {name: 0 for name in runs}
+    for r in range(repeats):
+        for name in ("eqfit", "floor") if r % 2 == 0 else ("floor", "eqfit"):
+            events.reset()
+            runs[name]()
+            times = [timed(runs[name]) for _ in range(inner)]
+            compiles[name] += events.backend_compiles()
+            samples[name].append(median(times))
+    per_step = {k: median(v) / GIVEN_STEPS * 1e6 for k, v in samples.items()}
+    paired = median([a / b for a, b in zip(samples["eqfit"], samples["floor"])])
+    ratio = per_step["eqfit"] / per_step["floor"]
+    print("\n## DQN on given minibatches, target copied every 50 steps (`--given-batches`)\n")
+    rows = [
+        [
+            str(GIVEN_STEPS),
+            f"{per_step['eqfit']:,.1f}",
+            f"{per_step['floor']:,.1f}",
+            f"{ratio:.3f} ({paired:.3f})",
+            "yes" if ratio <= TARGET else "no",
+            f"{first['eqfit']:.2f} {first['floor']:.2f}",
+            f"{compiles['eqfit']} {compiles['floor']}",
+        ]
+    ]
+    header = ["steps", "eqfit µs", "given_floor µs", "eqfit/given_floor", f"≤ {TARGET}"]
+    print(table([*header, "first s (eqfit floor)", "compiles timed"], rows))
+    return {
+        "us_per_step": per_step,
+        "ratios": {"eqfit/given_floor": ratio, "eqfit/given_floor_paired": paired},
+        "runs_s": samples,
+        "first_call_s": first,
+        "steady_recompiles": compiles,
+        "target": TARGET,
+    }
+
+
+# ---------------------------------------------------------------------------------------
 # Timing
 
 
@@ -487,6 +625,11 @@ def main() -> None:
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}"
     )
+    parser.add_argument(
+        "--given-batches",
+        action="store_true",
+        help="also eqfit against the DQN floor on minibatches drawn beforehand",
+    )
     default_out = Path(__file__).parent / "results" / "small_steps.json"
     parser.add_argument("--out", type=Path, default=default_out, help="JSON output path")
     args = parser.parse_args()
@@ -520,6 +663,9 @@ def main() -> None:
         "the three ways interleaved in one process"
     )
     results: dict[str, Any] = {"workloads": report(workloads, measured)}
+    if args.given_batches:
+        print("given batches: first calls, warm-up, repeats...", file=sys.stderr)
+        results["given_batches"] = measure_given(repeats, inner, events)
     results["config"] = cfg
     finish(args.out, results, start, load_before)
 
