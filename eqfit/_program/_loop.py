@@ -25,7 +25,8 @@ from .._step._precision import LossScale
 from .._step._record import Kind, LOSS, Record, UpdateInfo
 from .._step._step import as_run, by_name, select, Step
 from .._step._updates import AbstractUpdate, builtin, Update
-from ._options import StepOptions, Validation
+from .._step._validation import Validation
+from ._options import StepOptions
 from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
 from ._schedule import Schedule
 from ._skeleton import Skeleton, split_arrays, unwrap

@@ -30,13 +30,7 @@ from .._step._precision import as_precision, Precision
 from .._step._record import LOSS, NORMS, record_for, SCALING, UpdateInfo
 from .._step._update_checks import check_updates
 from .._step._updates import AbstractUpdate, builtin, Losses, trained_spec
-from .._step._validation import (
-    check_every,
-    check_frequency,
-    refuse_list_of_sets,
-    validation_streams,
-    ValidationSets,
-)
+from .._step._validation import Validation, ValidationSets
 from ._parallel import choose_placement, Device, Placement
 from ._sharding import resolve
 from ._state import Callables
@@ -79,74 +73,6 @@ class StepOptions:
     def scales(self) -> bool:
         """Whether the loss is scaled (float16), so the run records the loss scale."""
         return self.precision is not None and self.precision.scales
-
-
-@dataclasses.dataclass(frozen=True)
-class Validation:
-    """How a run validates (`None` where it does not): `validation_data`'s sets' names
-    (`ValidationSets`; empty for one unnamed set), `validation_freq=`, `validate_ema=`.
-    Hashable: the run's static description holds it whole.
-    """
-
-    sets: tuple[str, ...] = ()
-    freq: int = 1  # validate the epochs whose number is a multiple of it
-    ema: bool = False  # validate the average (and early stopping reads its values)
-    # The sets are read as training streams its data (memmaps, loaders), a pass a
-    # validation, and their batches given to programs of their own at an epoch's end.
-    streamed: bool = False
-    # `validation_every=`: validate after every n-th step (counted from the first ever),
-    # not at epochs' ends; `None`: at epochs' ends (`freq`).
-    every: int | None = None
-
-    @staticmethod
-    def of(
-        data: Any,
-        split: Any,
-        freq: Any,
-        every: Any,
-        ema: bool,
-        average: Average | None,
-        members: int | None,
-        epochs: tuple[int, int],
-    ) -> "Validation | None":
-        """How a run validates, from `fit`'s `validation_data`, `validation_split`,
-        `validation_freq`, `validation_every` and `validate_ema` (the average, `ema=`'s;
-        the ensemble's size; the epochs, first and last), refusing what cannot be;
-        `None` where it validates nothing.
-        """
-        if data is not None and split is not None:
-            raise ValueError("Give `validation_data` or `validation_split`, not both.")
-        refuse_list_of_sets(data)
-        validates = data is not None or split is not None
-        freq = as_int(freq)
-        check_frequency(freq, validates)
-        every = check_every(every, freq, validates)
-        if split is not None:
-            if isinstance(split, bool) or not isinstance(split, (int, float)):
-                raise TypeError(f"`validation_split` must be a float in (0, 1), got {split!r}.")
-            if not (math.isfinite(split) and 0.0 < split < 1.0):
-                raise ValueError(f"`validation_split` must be in (0, 1), got {split}.")
-            if members is not None:
-                raise ValueError(
-                    "`validation_split` would hold out different samples for each member of "
-                    "an ensemble; pass `validation_data` instead."
-                )
-        if ema and average is None:
-            raise ValueError(
-                "`validate_ema=True` validates the moving average, but there is none: give "
-                "`ema=` too (such as `ema=0.999`)."
-            )
-        if ema and not validates:
-            raise ValueError(
-                "`validate_ema=True` runs validation (and early stopping on its values) on "
-                "the moving average, but this run validates nothing: give `validation_data` "
-                "or `validation_split`, or leave `validate_ema` out."
-            )
-        if not validates:
-            return None
-        sets = tuple(data) if isinstance(data, ValidationSets) else ()
-        streamed = validation_streams(data, freq, *epochs, every)
-        return Validation(sets, freq, ema, streamed, every)
 
 
 @dataclasses.dataclass(frozen=True)
