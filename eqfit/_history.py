@@ -44,6 +44,10 @@ class NonFinite:
     - `source`: the line of your code it came from, `"path:line: code"`.
     - `pass_`: `"forward"`, or `"backward"` for an operation of the gradient (`source` is
         then the line whose operation it differentiates).
+    - `update`: with several updates, the one whose loss (or gradient) is not finite:
+        the replay runs the step's updates in turn, each `eqfit.Update`'s loss checked on
+        the model the ones before it left (as `Update.apply`, at `fit`'s default
+        options), until it finds it; `None` with one loss.
     - `parameters`: the trained arrays whose gradient is not finite, by their paths in
         the model (as `jax.tree_util.keystr` writes them: `".layers[0].weight"`).
     - `rows`: the rows of the batch whose loss, each taken alone as a batch of one, is not
@@ -63,10 +67,12 @@ class NonFinite:
     pass_: Literal["forward", "backward"] | None = None
     parameters: tuple[str, ...] = ()
     rows: tuple[int, ...] | None = None
+    update: str | None = None
 
     def __str__(self) -> str:
         member = "" if self.member is None else f" of member {self.member}"
-        head = f"Replayed step {self.step} of epoch {self.epoch}{member}"
+        update = "" if self.update is None else f", update {self.update!r}"
+        head = f"Replayed step {self.step} of epoch {self.epoch}{member}{update}"
         if self.not_reproduced is not None:
             return f"{head}: not reproduced; {self.not_reproduced}."
         lines = [f"{head}:"]

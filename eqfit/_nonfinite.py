@@ -31,6 +31,7 @@ from ._program._state import Consts
 from ._result import model_from
 from ._step._mean import Mean
 from ._step._objective import split_output, takes_key
+from ._step._updates import trained_spec, validation_loss
 
 
 def _folders(*modules: Any) -> tuple[str, ...]:
@@ -51,6 +52,7 @@ def find(
     consts: Consts,
     keys: PyTree,
     params: PyTree,
+    opt_state: PyTree,
     model_state: PyTree,
     step: int,
     member: int | None,
@@ -64,12 +66,13 @@ def find(
     - `loop`: the run's.
     - `source`: its training data.
     - `options`: its options (a loader is opened anew with them, to be read again).
-    - `loss`: its loss (`loss(model, *batch)`, with state `loss(model, state, *batch)`;
-        with several updates, their losses summed, `Losses`).
+    - `loss`: its loss (`loss(model, *batch)`, with state `loss(model, state, *batch)`);
+        with several updates, each update's own is replayed instead (`options`').
     - `consts`: the run's frozen arrays.
     - `keys`: the run's key, or each member's.
-    - `params`, `model_state`: the run's final trained arrays and model state, on the
-        host: those the step began from, as it was not applied.
+    - `params`, `opt_state`, `model_state`: the run's final trained arrays, optimizer
+        state (several updates': by name) and model state, on the host: those the step
+        began from, as it was not applied.
     - `step`: the global step whose loss was not finite (counted from 0).
     - `member`: the ensemble member, or `None`.
 
@@ -80,7 +83,7 @@ def find(
     began = time.perf_counter()
     epoch, within = loop.schedule.locate(step)
     try:
-        args = (loss, consts, keys, params, model_state, step, member)
+        args = (loss, consts, keys, params, opt_state, model_state, step, member)
         return _replay(loop, source, options, *args)
     except Exception as e:
         why = f"the replay failed ({type(e).__name__}: {e})"
@@ -95,6 +98,7 @@ def _replay(
     consts: Consts,
     keys: PyTree,
     params: PyTree,
+    opt_state: PyTree,
     model_state: PyTree,
     step: int,
     member: int | None,
@@ -102,8 +106,8 @@ def _replay(
     began = time.perf_counter()
     frozen, key = consts.frozen, keys
     if member is not None:  # the member's own arrays, from each one's leading axis
-        params, model_state, frozen, key = jax.tree.map(
-            lambda a: a[member], (params, model_state, frozen, key)
+        params, opt_state, model_state, frozen, key = jax.tree.map(
+            lambda a: a[member], (params, opt_state, model_state, frozen, key)
         )
     model = model_from(loop, params, consts._replace(frozen=frozen))
     epoch, within = loop.schedule.locate(step)
@@ -113,10 +117,35 @@ def _replay(
         why = f"its batch could not be read again ({type(e).__name__}: {e})"
         return NonFinite(epoch, within, member, time.perf_counter() - began, why)
     step_key = jax.random.fold_in(jax.random.fold_in(key, 1), step) if loop.use_key else None
-    call = _Call(loss, model_state, step_key)
     # The arrays the run trains (`True`), as a filter spec of the model.
     filled = unwrap(loop.model.fill(list(loop.trains)))
     spec = jax.tree.map(lambda x: x if isinstance(x, bool) else False, filled)
+    finding = None
+    if options.objects.updates:  # each in its turn, on the model the one before it left
+        found = _each_update(options.objects.updates, model, opt_state, model_state, batch)
+        turn = found(step, step_key, spec, rows)
+        if turn is not None:
+            finding = turn
+    else:
+        finding = _diagnose(_Call(loss, model_state, step_key), model, spec, batch, rows)
+    seconds = time.perf_counter() - began
+    if finding is None:
+        why = (
+            "replayed, the step's losses and gradients are finite: the run's compiled step "
+            "and the replay computed them differently (XLA's fusion, or a precision "
+            "policy, norms or microbatches, which the replay does not apply)"
+        )
+        return NonFinite(epoch, within, member, seconds, why)
+    return NonFinite(epoch, within, member, seconds, None, *finding)
+
+
+def _diagnose(
+    call: "_Call", model: Any, spec: PyTree, batch: PyTree, rows: np.ndarray
+) -> tuple[Any, ...] | None:
+    """What makes `call`'s loss (or its gradient with respect to the arrays `spec` picks)
+    not finite on `batch`: `NonFinite`'s fields from `operation` on; `None` where both
+    are finite.
+    """
     trained, rest = eqx.partition(model, spec)
 
     def value_of(p: PyTree) -> Any:
@@ -129,26 +158,46 @@ def _replay(
         if not bool(jnp.all(jnp.isfinite(g)))
     )
     if bool(jnp.isfinite(value)) and not parameters:
-        why = (
-            "replayed, the step's loss and gradient are finite: the run's compiled step "
-            "and the replay computed them differently (XLA's fusion, or a precision "
-            "policy the replay does not apply)"
-        )
-        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
+        return None
     operation, source_line, backward = _first_operation(value_of, trained)
-    rows_found = _rows(call, model, batch, rows)
-    return NonFinite(
-        epoch,
-        within,
-        member,
-        time.perf_counter() - began,
-        None,
-        operation,
-        source_line,
-        backward,  # type: ignore[arg-type]
-        parameters,
-        rows_found,
-    )
+    return (operation, source_line, backward, parameters, _rows(call, model, batch, rows))
+
+
+class _each_update:
+    """A step of several updates replayed: each due in its turn, as the step runs them
+    (`Update.apply` is its turn, bit for bit, at `fit`'s default options), until the
+    first whose loss (an `eqfit.Update`'s, or the `loss` method of an update of your
+    own) or its gradient is not finite.
+    """
+
+    def __init__(
+        self, updates: tuple[Any, ...], model: Any, opt_state: Any, model_state: Any, batch: Any
+    ):
+        self.updates, self.model, self.states = updates, model, dict(opt_state)
+        self.model_state, self.batch = model_state, batch
+
+    def __call__(
+        self, step: int, step_key: Any, spec: PyTree, rows: np.ndarray
+    ) -> tuple[Any, ...] | None:
+        model, model_state = self.model, self.model_state
+        for i, update in enumerate(self.updates):
+            if (step + 1) % update.every:
+                continue  # not due at this step
+            key = jax.random.key(0) if step_key is None else jax.random.fold_in(step_key, i)
+            loss = validation_loss(update)  # an `eqfit.Update`'s, or your own's `loss`
+            if loss is not None:
+                picks = trained_spec(model, update.trains, f"update {update.name!r}'s `trains`")
+                mine = jax.tree.map(lambda a, b: bool(a) and bool(b), spec, picks)
+                call = _Call(loss, model_state, key)
+                found = _diagnose(call, model, mine, self.batch, rows)
+                if found is not None:
+                    return (*found, update.name)
+            out = update.apply(
+                model, self.states[update.name], self.batch, model_state=model_state, key=key
+            )
+            model, model_state = out.model, out.model_state
+            self.states[update.name] = out.state
+        return None
 
 
 class _Call:

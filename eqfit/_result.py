@@ -111,14 +111,14 @@ def finish(
     outcome: Outcome,
     consts: Consts,
     began: float,
-    find: Callable[[Any, Any, int, int | None], NonFinite] | None = None,
+    find: Callable[[Any, Any, Any, int, int | None], NonFinite] | None = None,
 ) -> FitResult[Any]:
     """The one place a run ends: makes the result from the final state and the last
     report, then raises what must be raised, each error holding the result as `.result`:
     a checkpoint that could not be written or an error of the data's (raised as it is,
     with `.result` set), a Ctrl-C, a label out of range, a non-finite loss with
     `on_nan="raise"`. It warns if the data ran out. Where a loss was not finite and the
-    run stopped there, `find(params, model_state, step, member)` replays its step
+    run stopped there, `find(params, opt_state, model_state, step, member)` replays its step
     (`_nonfinite.find`), for the error or the history.
     """
     result, reasons = _result(loop, outcome, consts, began)
@@ -149,8 +149,10 @@ def finish(
     found = None
     if find is not None:
         state = outcome.state
-        params, model_state = loop.placement.host((state.params, state.model_state))
-        found = find(params, model_state, nan_steps[i], None if loop.members is None else i)
+        arrays = loop.placement.host((state.params, state.opt_state, state.model_state))
+        params, opt_state, model_state = arrays
+        member = None if loop.members is None else i
+        found = find(params, opt_state, model_state, nan_steps[i], member)
     if loop.step.on_nan == "stop":
         history = dataclasses.replace(result.history, non_finite=found)
         return dataclasses.replace(result, history=history)

@@ -257,3 +257,33 @@ def test_a_loaders_row_and_a_run_on_devices_are_replayed(where):
     # A loader's rows are named by their place in the pass: here, in the data too.
     assert found.rows == (BAD,) and found.step == BAD // BATCH + 1
     assert found.source is not None and f"{__file__}:{LOG_LINE}" in found.source
+
+
+def test_several_updates_are_replayed_in_turn_and_the_failing_one_named():
+    # A GAN-like pair: `a` trains first on each batch, then `b` on the model `a` left;
+    # `b`'s loss takes the log of a value only row 37 makes negative.
+    from helpers import pair
+
+    x, y = data()
+    x = x[:, :3]
+
+    def a_loss(m, x, y):
+        return jnp.mean((jax.vmap(m.a)(x)[:, 0] - y) ** 2)
+
+    def b_loss(m, x, y):
+        weight = jnp.log(x[:, 0] + 1.0)  # the planted NaN
+        return jnp.mean(weight * (jax.vmap(m.b)(x)[:, 0] - y) ** 2)
+
+    updates = [
+        eqfit.Update("a", a_loss, optax.sgd(1e-3), trains=lambda m: m.a),
+        eqfit.Update("b", b_loss, optax.sgd(1e-3), trains=lambda m: m.b),
+    ]
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(pair(), (x, y), updates=updates, shuffle=False, **FIT)
+    found = info.value.found
+    assert found is not None and found.not_reproduced is None
+    assert found.update == "b" and found.step == BAD // BATCH + 1
+    assert found.operation == "invalid value (nan) encountered in log"
+    assert found.parameters == (".b.weight", ".b.bias")  # only `b`'s arrays: its `trains`
+    assert found.rows == (BAD,)
+    assert "update 'b'" in str(info.value)
