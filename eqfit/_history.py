@@ -51,10 +51,11 @@ class NonFinite:
     - `parameters`: the trained arrays whose gradient is not finite, by their paths in
         the model (as `jax.tree_util.keystr` writes them: `".layers[0].weight"`).
     - `rows`: the rows of the batch whose loss, each taken alone as a batch of one, is not
-        finite, by their index in the training data (its rows after `validation_split`
-        holds some out; for a loader, the row's place in its epoch: the batches before
-        its batch in the epoch times the batch size, plus its place in its batch);
-        `None` where no row alone is (a loss that is no mean over its rows).
+        finite, by their index in the data given (for arrays and memmaps, with
+        `validation_split`'s held-out rows counted; for a loader, the row's place in its
+        epoch: the batches before its batch in the epoch times the batch size, plus its
+        place in its batch); `None` where no row alone is (a loss that is no mean over
+        its rows).
     """
 
     epoch: int

@@ -225,8 +225,8 @@ def _batch_at(
     loop: Loop, source: Source, options: Options, key: Any, step: int
 ) -> tuple[PyTree, np.ndarray]:
     """Step `step`'s batch, as the run read it, and where each of its rows is in the data:
-    its index in the arrays or memmaps (among the training rows, with
-    `validation_split`), or for a loader its place in the epoch (the batches before it
+    its index in the arrays or memmaps given (`validation_split`'s held-out rows
+    counted), or for a loader its place in the epoch (the batches before it
     in the epoch, times the batch size, plus its place in its batch).
     """
     schedule = loop.schedule
@@ -240,7 +240,8 @@ def _batch_at(
         seed = shuffle_seed(key)
         epoch = jnp.asarray(index, jnp.int32)
         rows = np.asarray(order_at(seed, epoch, passes.num_samples, loop.shuffle, positions))
-        return jax.tree.map(lambda a: a[rows], source.data), rows
+        batch = jax.tree.map(lambda a: a[rows], source.data)
+        return batch, rows if source.rows is None else source.rows[rows]
     again = read_again(source, options)
     if again is None:
         raise ValueError("a one-shot iterator's batches are gone once read")

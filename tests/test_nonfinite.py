@@ -287,3 +287,18 @@ def test_several_updates_are_replayed_in_turn_and_the_failing_one_named():
     assert found.parameters == (".b.weight", ".b.bias")  # only `b`'s arrays: its `trains`
     assert found.rows == (BAD,)
     assert "update 'b'" in str(info.value)
+
+
+def test_a_row_is_named_in_the_data_given_when_validation_split_holds_some_out():
+    x, y = data()
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(
+            Three(jax.random.key(0)),
+            (x, y),
+            loss=weighted_loss,
+            optimizer=optax.sgd(1e-2),
+            validation_split=0.25,
+            **FIT,
+        )
+    found = info.value.found
+    assert found is not None and found.rows == (BAD,)  # not its index among those trained

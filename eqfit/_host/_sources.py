@@ -180,8 +180,9 @@ class InMemory:
 
     streamed = False
 
-    def __init__(self, data: PyTree):
+    def __init__(self, data: PyTree, rows: np.ndarray | None = None):
         self.data = as_data(data)  # checked, and moved to the device once
+        self.rows = rows  # the training rows of the data given (sorted), when some are held out
         # On the host: slicing a device array would compile a program.
         self.like = jax.tree.map(lambda a: np.zeros((1, *a.shape[1:]), a.dtype), self.data)
 
@@ -194,7 +195,7 @@ class InMemory:
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["InMemory", PyTree]:
         train, held = held_out_rows(num_samples(self.data), fraction, key)
         val = jax.tree.map(lambda a: a[held], self.data)
-        return InMemory(jax.tree.map(lambda a: a[train], self.data)), val
+        return InMemory(jax.tree.map(lambda a: a[train], self.data), train), val
 
     def chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
         yield Chunk(self.data, None, begin, end, schedule.batch_size)
