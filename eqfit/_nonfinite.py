@@ -30,7 +30,7 @@ from ._program._skeleton import unwrap
 from ._program._state import Consts
 from ._result import model_from
 from ._step._mean import Mean
-from ._step._objective import split_output, takes_key
+from ._step._objective import batch_args, split_output, takes_key
 from ._step._updates import trained_spec, validation_loss
 
 
@@ -82,61 +82,40 @@ def find(
     """
     began = time.perf_counter()
     epoch, within = loop.schedule.locate(step)
+
+    def unfound(why: str) -> NonFinite:
+        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
+
     try:
-        args = (loss, consts, keys, params, opt_state, model_state, step, member)
-        return _replay(loop, source, options, *args)
+        frozen, key = consts.frozen, keys
+        if member is not None:  # the member's own arrays, from each one's leading axis
+            params, opt_state, model_state, frozen, key = jax.tree.map(
+                lambda a: a[member], (params, opt_state, model_state, frozen, key)
+            )
+        model = model_from(loop, params, consts._replace(frozen=frozen))
+        try:
+            batch, rows = _batch_at(loop, source, options, key, step)
+        except Exception as e:  # a loader that cannot be read again (a generator)
+            return unfound(f"its batch could not be read again ({type(e).__name__}: {e})")
+        step_key = jax.random.fold_in(jax.random.fold_in(key, 1), step) if loop.use_key else None
+        # The arrays the run trains (`True`), as a filter spec of the model.
+        filled = unwrap(loop.model.fill(list(loop.trains)))
+        spec = jax.tree.map(lambda x: x if isinstance(x, bool) else False, filled)
+        if options.objects.updates:  # each in its turn, on the model the one before it left
+            turn = (options.objects.updates, opt_state, step, step_key, spec)
+            finding = _each_update(*turn, model, model_state, batch, rows)
+        else:
+            call = _Call(loss, model_state, step_key)
+            finding = _diagnose(call, model, spec, batch, rows)
     except Exception as e:
-        why = f"the replay failed ({type(e).__name__}: {e})"
-        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
-
-
-def _replay(
-    loop: Loop,
-    source: Source,
-    options: Options,
-    loss: Callable[..., Any],
-    consts: Consts,
-    keys: PyTree,
-    params: PyTree,
-    opt_state: PyTree,
-    model_state: PyTree,
-    step: int,
-    member: int | None,
-) -> NonFinite:
-    began = time.perf_counter()
-    frozen, key = consts.frozen, keys
-    if member is not None:  # the member's own arrays, from each one's leading axis
-        params, opt_state, model_state, frozen, key = jax.tree.map(
-            lambda a: a[member], (params, opt_state, model_state, frozen, key)
-        )
-    model = model_from(loop, params, consts._replace(frozen=frozen))
-    epoch, within = loop.schedule.locate(step)
-    try:
-        batch, rows = _batch_at(loop, source, options, key, step)
-    except Exception as e:  # a loader that cannot be read again (a generator)
-        why = f"its batch could not be read again ({type(e).__name__}: {e})"
-        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
-    step_key = jax.random.fold_in(jax.random.fold_in(key, 1), step) if loop.use_key else None
-    # The arrays the run trains (`True`), as a filter spec of the model.
-    filled = unwrap(loop.model.fill(list(loop.trains)))
-    spec = jax.tree.map(lambda x: x if isinstance(x, bool) else False, filled)
-    finding = None
-    if options.objects.updates:  # each in its turn, on the model the one before it left
-        found = _each_update(options.objects.updates, model, opt_state, model_state, batch)
-        turn = found(step, step_key, spec, rows)
-        if turn is not None:
-            finding = turn
-    else:
-        finding = _diagnose(_Call(loss, model_state, step_key), model, spec, batch, rows)
-    seconds = time.perf_counter() - began
+        return unfound(f"the replay failed ({type(e).__name__}: {e})")
     if finding is None:
-        why = (
+        return unfound(
             "replayed, the step's losses and gradients are finite: the run's compiled step "
             "and the replay computed them differently (XLA's fusion, or a precision "
             "policy, norms or microbatches, which the replay does not apply)"
         )
-        return NonFinite(epoch, within, member, seconds, why)
-    return NonFinite(epoch, within, member, seconds, None, *finding)
+    return NonFinite(epoch, within, member, time.perf_counter() - began, None, *finding)
 
 
 def _diagnose(
@@ -163,41 +142,37 @@ def _diagnose(
     return (operation, source_line, backward, parameters, _rows(call, model, batch, rows))
 
 
-class _each_update:
+def _each_update(
+    updates: tuple[Any, ...],
+    opt_state: Any,
+    step: int,
+    step_key: Any,
+    spec: PyTree,
+    model: Any,
+    model_state: Any,
+    batch: PyTree,
+    rows: np.ndarray,
+) -> tuple[Any, ...] | None:
     """A step of several updates replayed: each due in its turn, as the step runs them
     (`Update.apply` is its turn, bit for bit, at `fit`'s default options), until the
     first whose loss (an `eqfit.Update`'s, or the `loss` method of an update of your
-    own) or its gradient is not finite.
+    own) or its gradient is not finite: `_diagnose`'s fields, and its name.
     """
-
-    def __init__(
-        self, updates: tuple[Any, ...], model: Any, opt_state: Any, model_state: Any, batch: Any
-    ):
-        self.updates, self.model, self.states = updates, model, dict(opt_state)
-        self.model_state, self.batch = model_state, batch
-
-    def __call__(
-        self, step: int, step_key: Any, spec: PyTree, rows: np.ndarray
-    ) -> tuple[Any, ...] | None:
-        model, model_state = self.model, self.model_state
-        for i, update in enumerate(self.updates):
-            if (step + 1) % update.every:
-                continue  # not due at this step
-            key = jax.random.key(0) if step_key is None else jax.random.fold_in(step_key, i)
-            loss = validation_loss(update)  # an `eqfit.Update`'s, or your own's `loss`
-            if loss is not None:
-                picks = trained_spec(model, update.trains, f"update {update.name!r}'s `trains`")
-                mine = jax.tree.map(lambda a, b: bool(a) and bool(b), spec, picks)
-                call = _Call(loss, model_state, key)
-                found = _diagnose(call, model, mine, self.batch, rows)
-                if found is not None:
-                    return (*found, update.name)
-            out = update.apply(
-                model, self.states[update.name], self.batch, model_state=model_state, key=key
-            )
-            model, model_state = out.model, out.model_state
-            self.states[update.name] = out.state
-        return None
+    states = dict(opt_state)
+    for i, update in enumerate(updates):
+        if (step + 1) % update.every:
+            continue  # not due at this step
+        key = jax.random.key(0) if step_key is None else jax.random.fold_in(step_key, i)
+        loss = validation_loss(update)  # an `eqfit.Update`'s, or your own's `loss`
+        if loss is not None:
+            picks = trained_spec(model, update.trains, f"update {update.name!r}'s `trains`")
+            mine = jax.tree.map(lambda a, b: bool(a) and bool(b), spec, picks)
+            found = _diagnose(_Call(loss, model_state, key), model, mine, batch, rows)
+            if found is not None:
+                return (*found, update.name)
+        out = update.apply(model, states[update.name], batch, model_state=model_state, key=key)
+        model, model_state, states[update.name] = out.model, out.model_state, out.state
+    return None
 
 
 class _Call:
@@ -210,7 +185,7 @@ class _Call:
         self.key = key if key is not None and takes_key(loss) else None
 
     def value(self, model: Any, batch: PyTree) -> Any:
-        args = batch if isinstance(batch, tuple) else (batch,)
+        args = batch_args(batch)
         stateful = self.model_state is not None
         if stateful:
             args = (self.model_state, *args)
