@@ -455,22 +455,12 @@ def make_given_eqfit(model: DQN, batches: tuple[jax.Array, ...]) -> Run:
 
 
 def measure_given(repeats: int, inner: int, events: CompileEvents) -> dict[str, Any]:
-    """`given_eqfit` against `given_floor`, interleaved as `measure` does."""
+    """`given_eqfit` against `given_floor`, interleaved (`interleaved`)."""
     model, batches = given_problem()
     runs = {"eqfit": make_given_eqfit(model, batches), "floor": make_given_floor(model, batches)}
-    first = {name: timed(run) for name, run in runs.items()}
-    for run in runs.values():
-        run()
-        run()
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    compiles = {name: 0 for name in runs}
-    for r in range(repeats):
-        for name in ("eqfit", "floor") if r % 2 == 0 else ("floor", "eqfit"):
-            events.reset()
-            runs[name]()
-            times = [timed(runs[name]) for _ in range(inner)]
-            compiles[name] += events.backend_compiles()
-            samples[name].append(median(times))
+    measured = interleaved(runs, repeats, inner, events)
+    first, samples = measured["first_call_s"], measured["runs_s"]
+    compiles = measured["steady_recompiles"]
     per_step = {k: median(v) / GIVEN_STEPS * 1e6 for k, v in samples.items()}
     paired = median([a / b for a, b in zip(samples["eqfit"], samples["floor"])])
     ratio = per_step["eqfit"] / per_step["floor"]
@@ -502,24 +492,36 @@ def measure_given(repeats: int, inner: int, events: CompileEvents) -> dict[str, 
 # Timing
 
 
-def measure(w: Workload, repeats: int, inner: int, events: CompileEvents) -> dict[str, Any]:
-    """First calls, then the interleaved steady state, of one workload's three ways."""
-    runs = {"eqfit": make_eqfit(w), "scan": make_scan(w, False), "floor": make_scan(w, True)}
+def interleaved(
+    runs: dict[str, Run], repeats: int, inner: int, events: CompileEvents
+) -> dict[str, Any]:
+    """First calls (compile included), then the ways' steady state, interleaved: each
+    repeat visits them in an order rotated by one, each preceded by one untimed run, each
+    sample the median of `inner` back-to-back runs; and the compiles of the timed runs.
+    """
+    names = list(runs)
     first = {name: timed(run) for name, run in runs.items()}
     for run in runs.values():  # warm-up: caches, allocator, thread pools
         run()
         run()
-    samples: dict[str, list[float]] = {name: [] for name in WAYS}
-    compiles = {name: 0 for name in WAYS}
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    compiles = {name: 0 for name in names}
     for r in range(repeats):
-        for name in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             events.reset()
             runs[name]()  # untimed: the first run after another way is slower
             times = [timed(runs[name]) for _ in range(inner)]
             compiles[name] += events.backend_compiles()
             samples[name].append(median(times))
-    print(f"  {w.name}: done", file=sys.stderr)
     return {"first_call_s": first, "runs_s": samples, "steady_recompiles": compiles}
+
+
+def measure(w: Workload, repeats: int, inner: int, events: CompileEvents) -> dict[str, Any]:
+    """First calls, then the interleaved steady state, of one workload's three ways."""
+    runs = {"eqfit": make_eqfit(w), "scan": make_scan(w, False), "floor": make_scan(w, True)}
+    measured = interleaved(runs, repeats, inner, events)
+    print(f"  {w.name}: done", file=sys.stderr)
+    return measured
 
 
 # ---------------------------------------------------------------------------------------
