@@ -87,8 +87,8 @@ class NonFiniteLossError(FloatingPointError):
     """The loss was NaN or infinite. `result` holds the last finite model; `epoch` and
     `step` (counted from 1) say where, and `found` (an [`eqfit.NonFinite`][]) what made
     it so, found by replaying the step (its operation and line, the parameters whose
-    gradient is not finite, the rows of the batch), or `None` where no replay was made
-    (a label out of range, or several updates).
+    gradient is not finite, the rows of the batch, with several updates the update); a
+    replay that found nothing says why in its `not_reproduced`.
     """
 
     def __init__(
