@@ -22,6 +22,8 @@ from ._step._evaluate import add_batches, add_chunk, evaluate_batches
 from ._step._labels import LabelError, raise_found
 from ._step._objective import find_outputs, Objective, takes_key
 from ._step._precision import as_precision, PrecisionLike
+from ._step._statistics import accumulated_shapes, entry_names, grouped
+from .metrics import _taken
 
 
 @checked("evaluate", EXECUTION_HINTS)
@@ -36,7 +38,7 @@ def evaluate(
     precision: PrecisionLike = None,
     key: PRNGKey | None = None,
     execution: Execution | Literal["auto"] = "auto",
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The loss and metrics of `model` over all of `data`, in batches, in inference mode.
 
     Each batch's value is weighted by its size, so for a loss that is a mean over the
@@ -55,7 +57,8 @@ def evaluate(
         memory holds a few chunks, however large the data.
     - `loss`: `loss(model, *batch)`, or `loss(model, state, *batch) -> (value, state)`.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state`,
-        `fn(model, state, *batch)`).
+        `fn(model, state, *batch)`), or metrics that accumulate
+        (`eqfit.metrics.AbstractMetric`), their statistics summed over every batch.
     - `batch_size`: examples per batch (a loader's batches are its own).
     - `state`: the model's `eqx.nn.State`, for stateful models.
     - `precision`: as `fit`'s: the loss and metrics compute under this policy.
@@ -70,7 +73,8 @@ def evaluate(
     **Returns:**
 
     `{"loss": ..., **{name: ...}}` as plain floats: the loss, the aux values it returns
-    (see `fit`'s `loss`), and the metrics.
+    (see `fit`'s `loss`), and the metrics; a metric whose value is an array (a
+    confusion matrix) as a numpy array.
     """
     check_alive(model=model, data=data, state=state)
     check_batch_size(batch_size)
@@ -78,7 +82,7 @@ def evaluate(
     data_ = as_data(data) if source is None else None
     objective = Objective(
         loss,
-        tuple((metrics or {}).items()),
+        tuple(_taken(metrics).items()),
         state is not None,
         takes_key(loss),
         precision=as_precision(precision, model=model),
@@ -96,6 +100,10 @@ def evaluate(
         )
         outputs = find_outputs(objective, model, state, batch)
         objective = dataclasses.replace(objective, aux_names=outputs.aux_names, means=outputs.means)
+        if objective.accumulating:
+            objective = dataclasses.replace(
+                objective, statistics_like=objective.find_statistics(model, state, batch)
+            )
         key_ = None if key is None else as_key(key)
 
         def convolves() -> bool:
@@ -117,7 +125,10 @@ def evaluate(
         values = np.asarray(values_).tolist()
     if labels is not None:
         raise_found(labels)
-    return dict(zip(objective.value_names, values))
+    shapes = accumulated_shapes(objective.accumulating, objective.statistics_like)
+    names = (*objective.value_names, *(e for n, s in shapes for e in entry_names(n, s)))
+    arrays = tuple((n, s, entry_names(n, s)) for n, s in shapes if s)
+    return grouped(dict(zip(names, values)), arrays)
 
 
 _evaluate = cached_jit(evaluate_batches)
@@ -136,7 +147,7 @@ def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelEr
         totals, labels = _add_batches(
             objective, model, state, data, batch_size, key, first, count, remainder, totals, labels
         )
-    return totals[0] / totals[1], labels
+    return objective.quotient(totals), labels
 
 
 def _evaluate_streamed(args: tuple[Any, ...], unroll: int | None) -> tuple[Any, LabelError]:
@@ -157,10 +168,10 @@ def _evaluate_streamed(args: tuple[Any, ...], unroll: int | None) -> tuple[Any, 
                 )  # fmt: skip
             done.computed(chunk, totals)
         done.computed()
-    return totals[0] / totals[1], labels
+    return objective.quotient(totals), labels
 
 
 def _nothing_yet(objective: Objective) -> tuple[Any, Any]:
     """The totals and the label error before any batch: zeros, and none found."""
-    totals = np.zeros((2, len(objective.value_names)), np.float32)
+    totals = np.zeros((2, objective.width), np.float32)
     return totals, jax.tree.map(np.asarray, LabelError.none())

@@ -48,6 +48,7 @@ from ._step._precision import PrecisionLike
 from ._step._updates import AbstractUpdate
 from ._step._validation import ValidationSets
 from ._train import Ready, train
+from .metrics import _taken
 
 
 @checked(
@@ -244,7 +245,10 @@ def fit(
         where Lightning's `val_check_interval` takes a count or a fraction of an epoch.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
         `fn(model, state, *batch)`), recorded per epoch on the training batches and on
-        the validation data.
+        the validation data; or a metric that accumulates (an
+        `eqfit.metrics.AbstractMetric`: `F1`, `ConfusionMatrix`, a metrax metric), whose
+        statistics are summed over the epoch (or the validation set) and whose value,
+        a scalar or an array, is computed once from the sum.
     - `log_every`: also tell the callbacks the training values every this many steps
         (counted from the first step ever, across epochs): each callback with
         `on_train_batch_end(step, logs)` gets, after every n-th step, the step's global
@@ -414,7 +418,7 @@ def fit(
         validation_split=validation_split,
         validation_freq=validation_freq,
         validation_every=validation_every,
-        metrics=metrics,
+        metrics=None if metrics is None else _taken(metrics),
         log_every=log_every,
         early_stopping=early_stopping,
         callbacks=callbacks,

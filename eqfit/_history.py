@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._step._statistics import entry_names
+
 
 StopReason = (
     Literal[
@@ -216,6 +218,15 @@ class History:
         except KeyError:
             raise KeyError(f"No {name!r} in the history; it has {sorted(self.values)}.") from None
 
+    @property
+    def _members(self) -> int:
+        """1 for an ensemble's history (a trailing member axis), else 0."""
+        return int(isinstance(self.stop_reason, tuple))
+
+    def _is_array(self, name: str) -> bool:
+        """Whether `name`'s value is an array each epoch (a confusion matrix)."""
+        return np.ndim(self.values[name]) > 1 + self._members
+
     def to_dict(self) -> dict[str, Any]:
         """The per-epoch values as lists of plain floats, keyed by name, with `"epoch"`."""
         return {"epoch": self.epoch.tolist()} | {
@@ -223,8 +234,19 @@ class History:
         }
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Writes one row per epoch, one column per value, with the epoch's number."""
-        rows = self.to_dict()
+        """Writes one row per epoch, one column per value, with the epoch's number. A
+        value that is an array each epoch (a confusion matrix) gets a column per entry,
+        `cm/0/1`, as the loggers name them.
+        """
+        rows: dict[str, Any] = {"epoch": self.epoch.tolist()}
+        for name, value in self.values.items():
+            if not self._is_array(name):
+                rows[name] = value.tolist()
+                continue
+            shape = value.shape[1 : value.ndim - self._members]
+            flat = value.reshape(len(value), -1, *value.shape[value.ndim - self._members :])
+            for j, entry in enumerate(entry_names(name, shape)):
+                rows[entry] = flat[:, j].tolist()
         names = list(rows)
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
@@ -248,7 +270,9 @@ class History:
             import matplotlib.pyplot as plt
         except ImportError as e:
             raise ImportError('History.plot needs matplotlib: pip install "eqfit[plot]"') from e
-        groups = ["loss"] + [m for m in self.metrics if not m.startswith("val_")]
+        groups = ["loss"] + [
+            m for m in self.metrics if not m.startswith("val_") and not self._is_array(m)
+        ]
         # Named validation sets each have a `val_<set>_loss`.
         sets = [k[4:-5] for k in self.values if k.startswith("val_") and k.endswith("_loss")]
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.5), squeeze=False)

@@ -25,6 +25,7 @@ from ._program._loop import Loop
 from ._program._skeleton import unwrap
 from ._program._state import Consts, Stop, Validations
 from ._step._labels import raise_found
+from ._step._statistics import grouped
 
 
 @functools.partial(
@@ -233,9 +234,9 @@ def _validations(
     values = np.where(done[..., None], values, np.nan)[:, made]
     first = loop.schedule.begin // every + 1
     steps = (first + np.flatnonzero(made)) * every
-    return steps.astype(np.int64), {
-        name: squeeze(values[..., i]).copy() for i, name in enumerate(loop.val_names)
-    }
+    by_name = {name: squeeze(values[..., i]).copy() for i, name in enumerate(loop.val_names)}
+    arrays = tuple(a for a in loop.record.array_values(loop.val_sets) if a[2][0] in by_name)
+    return steps.astype(np.int64), grouped(by_name, arrays)
 
 
 def _result(
@@ -301,7 +302,10 @@ def _result(
     # Copies: the transfer's arrays are read-only, and each value gets its own.
     values = squeeze(table[:, :rows])
     history = History(
-        {name: values[:, i].copy() for i, name in enumerate(loop.log_names)},
+        grouped(
+            {name: values[:, i].copy() for i, name in enumerate(loop.log_names)},
+            loop.record.array_values(loop.val_sets),
+        ),
         squeeze(step_loss[:, :rows]).copy(),
         squeeze(sizes[:, :rows]).copy(),
         wall_time,

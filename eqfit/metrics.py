@@ -1,6 +1,12 @@
-"""Ready metrics, each `metric(model, x, y) -> scalar` on a batch, vmapping the model.
-Given a batch `(x, y, weights)`, each returns the weighted mean as an `eqfit.Mean`, as
-`eqfit.losses` do.
+"""Ready metrics. The functions, each `metric(model, x, y) -> scalar` on a batch,
+vmapping the model, are means over the batch's examples: given a batch `(x, y, weights)`,
+each returns the weighted mean as an `eqfit.Mean`, as `eqfit.losses` do.
+
+The classes accumulate (`AbstractMetric`): a batch gives counts, the run sums them over
+the epoch (or the validation set, or `eqfit.evaluate`'s data) and computes the value once.
+Precision, recall, F1, an AUC and a confusion matrix must be computed so: the mean of
+per-batch F1s (or AUCs) is not the F1 of the epoch. `ConfusionMatrix`, `Precision`,
+`Recall` and `F1` are eqfit's; metrax's metrics are taken as they are (`Metrax`).
 
 Pass them to `fit(..., metrics={"accuracy": eqfit.metrics.accuracy})` and read them back
 from the history by the same name, with `"val_"` in front for the validation data. With
@@ -9,12 +15,16 @@ model called as `model(x[i], state)` under `jax.vmap` with `axis_name="batch"`);
 state is dropped.
 """
 
-from typing import Any, overload
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
+from ._core._metric import AbstractMetric as AbstractMetric, is_metrax
 from ._step._labels import check_labels, same_shape
 from ._step._mean import Mean
 from .losses import Model, outputs, reduce, split_state, State
@@ -118,3 +128,221 @@ def _mae(
 ) -> Any:
     out, _ = outputs(model, x, state)
     return reduce(jnp.abs(same_shape(out, y, "mae") - y), weights, "mae")
+
+
+def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> Array:
+    """The batch's confusion counts `(classes, classes)`: row the label, column the
+    predicted class (the largest logit; with `classes=2` and one logit per example, its
+    sign), each example counted as its weight (1 without weights).
+    """
+    state, x, y, weights = split_state(args, name)
+    logits, _ = outputs(model, x, state)
+    if logits.ndim == y.ndim or (logits.shape[-1] == 1 and classes == 2):
+        if classes != 2:
+            raise ValueError(
+                f"`{name}`: the model gives one output per example (shape "
+                f"{tuple(logits.shape)}), a binary classifier's logit, but `classes` is "
+                f"{classes}: give a logit per class, or `classes=2`."
+            )
+        logit = logits.reshape(y.shape)
+        logit = check_labels(logit, y, None, name)
+        predicted = (logit > 0).astype(jnp.int32)
+        labels = (y > 0.5).astype(jnp.int32)
+        logit_values = logit
+    else:
+        if logits.shape[-1] != classes:
+            raise ValueError(
+                f"`{name}`: the model gives {logits.shape[-1]} logits per example (shape "
+                f"{tuple(logits.shape)}), but `classes` is {classes}."
+            )
+        logits = check_labels(logits, y, classes, name)
+        predicted = jnp.argmax(logits, axis=-1)
+        labels = y.astype(jnp.int32)
+        logit_values = logits
+    w = jnp.ones(labels.shape, jnp.float32) if weights is None else weights
+    w = jnp.broadcast_to(w.astype(jnp.float32), labels.shape).reshape(-1)
+    # A product of one-hot matrices, not a scatter: a matmul on every accelerator.
+    true = jax.nn.one_hot(labels.reshape(-1), classes, dtype=jnp.float32)
+    pred = jax.nn.one_hot(predicted.reshape(-1), classes, dtype=jnp.float32)
+    counts = jnp.einsum("n,ni,nj->ij", w, true, pred, precision=jax.lax.Precision.HIGHEST)
+    # NaN outputs (a label out of range makes them so, `check_labels`) count as NaN, not
+    # as the class `argmax` happens to give them.
+    return jnp.where(jnp.any(jnp.isnan(logit_values)), jnp.nan, counts)
+
+
+class ConfusionMatrix(AbstractMetric):
+    """The confusion matrix over the epoch (or the validation set): entry `[i, j]`
+    counts the examples of label `i` predicted as class `j` (as scikit-learn's), each
+    counted as its weight with a batch `(x, y, weights)`. The prediction is the largest
+    logit; with `classes=2` and one logit per example, its sign.
+
+    Recorded as an array `(classes, classes)` per epoch (`history["cm"]`); left out of
+    the bar and the log lines.
+
+    **Arguments:**
+
+    - `classes`: the number of classes.
+    - `normalize`: `"true"` divides each row by its sum (each class's recall on the
+        diagonal), `"pred"` each column, `"all"` the whole; `None` (the default) keeps
+        counts.
+    """
+
+    classes: int = eqx.field(static=True)
+    normalize: Literal["true", "pred", "all"] | None = eqx.field(static=True, default=None)
+
+    def statistics(self, model: Any, *batch: Any) -> Array:
+        return _confusion("ConfusionMatrix", self.classes, model, batch)
+
+    def compute(self, statistics: Array) -> Array:
+        counts = statistics
+        if self.normalize is None:
+            return counts
+        axis = {"true": 1, "pred": 0, "all": None}[self.normalize]
+        total = jnp.sum(counts, axis=axis, keepdims=axis is not None)
+        return jnp.where(total == 0, 0.0, counts / jnp.where(total == 0, 1.0, total))
+
+
+Average = Literal["binary", "macro", "micro"] | None
+
+
+class _Scores(AbstractMetric):
+    """Precision, recall or F1 from the epoch's confusion counts."""
+
+    classes: int = eqx.field(static=True, default=2)
+    average: Average = eqx.field(static=True, default="binary")
+
+    def __check_init__(self) -> None:
+        if self.average not in ("binary", "macro", "micro", None):
+            raise ValueError(
+                f"`average` must be 'binary', 'macro', 'micro' or None, got {self.average!r}."
+            )
+        if self.average == "binary" and self.classes != 2:
+            raise ValueError(
+                f"`average='binary'` scores class 1 of two, but `classes` is {self.classes}: "
+                "give `average='macro'` (the mean over classes), 'micro', or None (one "
+                "score per class)."
+            )
+
+    def statistics(self, model: Any, *batch: Any) -> Array:
+        return _confusion(type(self).__name__, self.classes, model, batch)
+
+    def compute(self, statistics: Array) -> Array:
+        counts = statistics
+        tp = jnp.diagonal(counts)
+        predicted = jnp.sum(counts, axis=0)  # tp + fp
+        actual = jnp.sum(counts, axis=1)  # tp + fn
+        if self.average == "micro":
+            tp, predicted, actual = jnp.sum(tp), jnp.sum(predicted), jnp.sum(actual)
+        scores = self._score(tp, predicted, actual)
+        if self.average == "binary":
+            return scores[1]
+        if self.average == "macro":
+            return jnp.mean(scores)
+        return scores
+
+    def _score(self, tp: Array, predicted: Array, actual: Array) -> Array:
+        raise NotImplementedError
+
+
+def _ratio(a: Array, b: Array) -> Array:
+    """`a / b`, 0 where `b` is 0 (scikit-learn's `zero_division=0`)."""
+    return jnp.where(b == 0, 0.0, a / jnp.where(b == 0, 1.0, b))
+
+
+class Precision(_Scores):
+    """Precision, `tp / (tp + fp)`, from the counts of the whole epoch (or validation
+    set), 0 where nothing was predicted positive (scikit-learn's `zero_division=0`).
+
+    **Arguments:**
+
+    - `classes`: the number of classes (default 2). The prediction is the largest logit;
+        with `classes=2` and one logit per example, its sign.
+    - `average`: `"binary"` (the default, with 2 classes): class 1's; `"macro"`: the
+        mean over classes; `"micro"`: from the counts of every class together; `None`:
+        one per class, recorded as an array per epoch.
+    """
+
+    def _score(self, tp: Array, predicted: Array, actual: Array) -> Array:
+        return _ratio(tp, predicted)
+
+
+class Recall(_Scores):
+    """Recall, `tp / (tp + fn)`, from the counts of the whole epoch (or validation
+    set), 0 for a class with no examples. Arguments as `Precision`'s.
+    """
+
+    def _score(self, tp: Array, predicted: Array, actual: Array) -> Array:
+        return _ratio(tp, actual)
+
+
+class F1(_Scores):
+    """F1, `2 tp / (2 tp + fp + fn)`, from the counts of the whole epoch (or validation
+    set), 0 for a class never predicted nor present. Arguments as `Precision`'s.
+    """
+
+    def _score(self, tp: Array, predicted: Array, actual: Array) -> Array:
+        return _ratio(2 * tp, predicted + actual)
+
+
+class Metrax(AbstractMetric):
+    """A metrax metric (`pip install "eqfit[metrax]"`), taken as it is: each batch's
+    statistics are `metric.from_model_output(**inputs(outputs, y))`, summed as its
+    `merge` sums them, and its value is its `compute`.
+
+    `fit(..., metrics={"auc": eqfit.metrics.Metrax(metrax.AUCROC, lambda logits, y:
+    {"predictions": jax.nn.sigmoid(logits[:, 0]), "labels": y})})`. A metrax class given
+    in `metrics=` itself is taken as `Metrax(cls)`.
+
+    **Arguments:**
+
+    - `metric`: the metrax metric class (`metrax.AUCROC`, `metrax.Precision`, ...). Its
+        `merge` must add its arrays, as metrax's do.
+    - `inputs`: `inputs(outputs, y)` (or `inputs(outputs, y, weights)` for a batch with
+        weights), with `outputs` the model's on the batch (vmapped), returning the
+        keyword arguments of `from_model_output`. Default:
+        `{"predictions": outputs, "labels": y}` (and `"sample_weights": weights`).
+    - `**options`: more keyword arguments of `from_model_output`, the same for every
+        batch (`num_thresholds=100`, `threshold=0.3`).
+    """
+
+    metric: type = eqx.field(static=True)
+    inputs: Callable[..., dict[str, Any]] | None = eqx.field(static=True, default=None)
+    options: tuple[tuple[str, Any], ...] = eqx.field(static=True, default=())
+
+    def __init__(
+        self,
+        metric: type,
+        inputs: Callable[..., dict[str, Any]] | None = None,
+        **options: Any,
+    ):
+        if not (isinstance(metric, type) and hasattr(metric, "from_model_output")):
+            raise TypeError(
+                "`Metrax` takes a metrax metric class (`metrax.AUCROC`, with "
+                f"`from_model_output`, `merge` and `compute`), got {metric!r}."
+            )
+        self.metric = metric
+        self.inputs = inputs
+        self.options = tuple(sorted(options.items()))
+
+    def statistics(self, model: Any, *batch: Any) -> Any:
+        name = f"Metrax({self.metric.__name__})"
+        state, x, y, weights = split_state(batch, name)
+        out, _ = outputs(model, x, state)
+        rest = (y,) if weights is None else (y, weights)
+        if self.inputs is not None:
+            kwargs = self.inputs(out, *rest)
+        else:
+            kwargs = {"predictions": out, "labels": y}
+            if weights is not None:
+                kwargs["sample_weights"] = weights
+        return self.metric.from_model_output(**kwargs, **dict(self.options))
+
+    def compute(self, statistics: Any) -> Array:
+        return statistics.compute()
+
+
+def _taken(metrics: Any) -> dict[str, Any]:
+    """`metrics=` as `fit` and `evaluate` take it: a metrax metric class as
+    `Metrax(cls)`, anything else as it is.
+    """
+    return {name: Metrax(m) if is_metrax(m) else m for name, m in dict(metrics or {}).items()}

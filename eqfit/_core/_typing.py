@@ -17,14 +17,17 @@ import numpy as np
 import optax
 from jaxtyping import Array, Key, PyTree, Real, Shaped, UInt32
 
+from ._metric import MetricLike
+
 
 Model = TypeVar("Model")
 """The caller's model class: `fit(model: Model) -> FitResult[Model]`."""
 
 PathLike: TypeAlias = str | os.PathLike[str]
-# `loss(model, *batch)`, a metric `fn(model, *batch)`: see `fit`'s docstring.
+# `loss(model, *batch)`, a metric `fn(model, *batch)` or one that accumulates (an
+# `eqfit.metrics.AbstractMetric`, or a metrax metric class): see `fit`'s docstring.
 Loss: TypeAlias = Callable[..., Any]
-Metrics: TypeAlias = Mapping[str, Callable[..., Any]]
+Metrics: TypeAlias = Mapping[str, MetricLike]
 # `{name: schedule}`, each a function of the optimizer's step count.
 Schedules: TypeAlias = Mapping[str, Callable[..., Any]]
 Optimizer: TypeAlias = optax.GradientTransformation | optax.MultiSteps

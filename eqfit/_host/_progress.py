@@ -19,6 +19,7 @@ from .._program._options import Options
 from .._program._schedule import Schedule
 from .._program._state import TrainState
 from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
+from .._step._statistics import ENTRY
 from ._observers import Observer, Progress
 
 
@@ -121,7 +122,10 @@ class EpochLines:
         self.timed = False
 
     def __call__(self, epoch: int, logs: dict[str, float]) -> str:
-        shown = " ".join(f"{k}={v:.4g}" for k, v in logs.items() if k not in _FIGURES)
+        # An array value's entries (a confusion matrix's) are left out: the history has it.
+        shown = " ".join(
+            f"{k}={v:.4g}" for k, v in logs.items() if k not in _FIGURES and not ENTRY.search(k)
+        )
         line = f"epoch {epoch}/{self.epochs}: {shown}"
         seconds = logs.get("epoch_seconds")  # none for an epoch begun before a resume
         self.timed = self.timed or (seconds is not None and seconds >= SHOWN_EPOCH_SECONDS)
@@ -261,7 +265,9 @@ def wrapped(line: str, width: int | None) -> str:
 
 def validation_line(step: int, logs: dict[str, float]) -> str:
     """A validation's line (`validation_every`): its step and its values."""
-    return f"step {step}: " + " ".join(f"{name}={value:.4g}" for name, value in logs.items())
+    return f"step {step}: " + " ".join(
+        f"{name}={value:.4g}" for name, value in logs.items() if not ENTRY.search(name)
+    )
 
 
 class Lines(Observer):

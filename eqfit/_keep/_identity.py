@@ -38,7 +38,8 @@ def checkpoint_config(
         "shuffle": loop.shuffle,
         "on_nan": loop.step.on_nan,
         "early_stopping": None if loop.early_stopping is None else repr(loop.early_stopping),
-        "metrics": list(loop.metric_names),
+        # The metrics that accumulate after the others: a run without them reads as before.
+        "metrics": [*loop.metric_names, *(name for name, _ in loop.record.accumulated)],
         "loss": None if objects.updates else _name(objects.loss),
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "ensemble": loop.members is not None,

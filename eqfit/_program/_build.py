@@ -18,6 +18,7 @@ from .._core._execution import choose
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
 from .._step._record import LOSS, Record, record_for, UpdateInfo
+from .._step._statistics import accumulated_shapes
 from .._step._update_checks import check_applied
 from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
 from ._compile import PROGRAMS
@@ -71,6 +72,7 @@ def make_loop(
     )
     # Several updates' losses are traced one by one (`_update_info`).
     outputs = LossTrace((), ()) if infos else _outputs(objective, traced, options)
+    statistics = objective.find_statistics(*traced) if objective.accumulating else ()
     loop = Loop(
         model=skeleton,
         trains=trains,
@@ -92,12 +94,14 @@ def make_loop(
         updates=infos,
         samples_per_step=_samples_per_step(objects.updates),
         log_every=options.log_every,
+        statistics=statistics,
     )
     consts = Consts(frozen, object_arrays)
     # The optimizer's `init` (the user's object's, so that its state's shapes are cached
     # for the next `fit`); several updates' each made by its `init`, with a fixed key.
     init = objects.optimizer.init if objects.optimizer is not None else _init(loop, consts)
-    loop = _with_record(loop, init, params, outputs, objective.metric_names, objects)
+    accumulated = accumulated_shapes(objective.accumulating, statistics)
+    loop = _with_record(loop, init, params, outputs, objective.metric_names, objects, accumulated)
     convolves = functools.partial(_convolves, objective, traced, options, outputs)
     execution, why = choose(
         options.execution,
@@ -148,6 +152,7 @@ def _with_record(
     outputs: LossTrace,
     metric_names: tuple[str, ...],
     objects: Callables,
+    accumulated: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> Loop:
     """`loop` with its record declared (`record_for`, which checks the names), once the
     optimizer's state (the run's, or its updates' by name, as `init` makes it) is known,
@@ -187,6 +192,7 @@ def _with_record(
         norms=loop.step.norms,
         scales=loop.step.scales,
         val_sets=loop.val_sets,
+        accumulated=accumulated,
     )
     if schedules and not infos:
         check_schedules(schedules, opt_shapes)

@@ -197,7 +197,7 @@ class EpochCloses:
         """
         loop = self.loop
         members = () if loop.members is None else (loop.members,)
-        values = len(loop.val_names) // max(len(self.sets()), 1)
+        values = loop.val_width
         none = LabelError.none()
         sums = ValSums(
             np.zeros((*members, 2, values), np.float32),

@@ -13,6 +13,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int, Key, PyTree
 from .._core._early_stopping import StoppingState
 from .._step._evaluate import add_batches, add_chunk, evaluate_batches, evaluation_needs_key
 from .._step._labels import LabelError
+from .._step._statistics import values as accumulated_values, zeros
 from ._loop import Loop, Rebuilt
 from ._records import epoch_values, put
 from ._state import Inputs, Stop, TrainState, ValAt, Validations, ValSums
@@ -38,6 +39,11 @@ class EpochEnd:
         row = schedule.record_row(state.step - 1)
         epoch = schedule.epoch_of(state.step - 1)
         values = epoch_values(state, row, loop)
+        if loop.statistics:  # the accumulating metrics', from the epoch's statistics
+            objective = self.parts.objective
+            computed = accumulated_values(objective.accumulating, loop.statistics, state.statistics)
+            values = jnp.concatenate([values, computed])
+            state = state._replace(statistics=tuple(map(zeros, loop.statistics)))
         validated = None  # every epoch, or not at all
         validation = loop.validation
         validate = self.summed(sums) if sums else self.validate
@@ -238,7 +244,7 @@ class EpochEnd:
         def validate(state: TrainState, epoch: Int[Array, ""]) -> tuple[Array, LabelError]:
             del epoch  # the sums are the epoch's
             totals = [jnp.asarray(set_sums.totals) for set_sums in sums]
-            values = [t[0] / t[1] for t in totals]
+            values = [self.parts.objective.quotient(t) for t in totals]
             label_error = state.label_error
             for _, labels in sums:
                 label_error = label_error.or_else(labels)

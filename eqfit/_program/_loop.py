@@ -23,6 +23,7 @@ from .._core._execution import Execution, WholeRun
 from .._step._objective import Objective, takes_key
 from .._step._precision import LossScale
 from .._step._record import Kind, LOSS, Record, UpdateInfo
+from .._step._statistics import flat_size, Like
 from .._step._step import as_run, by_name, select, Step
 from .._step._updates import AbstractUpdate, builtin, Update
 from .._step._validation import Validation
@@ -69,6 +70,9 @@ class Loop:
     # `None`: the batch's rows.
     samples_per_step: int | None = None
     log_every: int | None = None  # the callbacks get the training values every n steps
+    # Each metric that accumulates: its statistics of a batch, found abstractly
+    # (`Objective.find_statistics`), in the order of `Objective.accumulating`.
+    statistics: tuple[Like, ...] = ()
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:
@@ -110,6 +114,15 @@ class Loop:
         return self.record.log_names(self.val_sets)
 
     @property
+    def val_width(self) -> int:
+        """How many numbers one validation set's sums hold (`Objective.width`): its
+        values' totals and weights, but each accumulating metric's statistics in place
+        of its value's entries.
+        """
+        per_set = len(self.val_names) // max(len(self.val_sets or ()), 1)
+        return per_set - len(self.record.accumulated_names) + flat_size(self.statistics)
+
+    @property
     def val_names(self) -> tuple[str, ...]:
         """The validation values among `log_names`, the last of them (none without
         validation).
@@ -136,6 +149,7 @@ class Loop:
             self.aux_names,
             self.step.precision,
             self.record.means,
+            self.statistics,
         )
         frozen = consts.frozen
 

@@ -23,6 +23,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
 from .._step._labels import LabelError
+from .._step._statistics import add, zeros
 from ._compile import PROGRAM_CACHE
 from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
@@ -93,6 +94,7 @@ def start(
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
             running=jnp.zeros(2),
             validations=None if loop.val_every is None else start_validations(loop),
+            statistics=tuple(map(zeros, loop.statistics)),
         )
 
     if loop.members is None:
@@ -496,6 +498,10 @@ class _Member:
         if loop.record.names:
             values = put_cell(state.step_values, out.values, cell)
             state = state._replace(step_values=values)
+        if out.statistics:  # a step whose loss is not finite is left out, as in the means
+            summed = add(state.statistics, out.statistics)
+            kept = jax.tree.map(lambda a, b: jnp.where(out.finite, a, b), summed, state.statistics)
+            state = state._replace(statistics=kept)
         return state
 
     def closed(self, state: TrainState, sums: tuple[ValSums, ...]) -> tuple[TrainState, Report]:

@@ -15,6 +15,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import batch_calls
 from .._core._early_stopping import StoppingState
+from .._core._metric import MetricLike
 from .._step._labels import LabelError
 from .._step._precision import LossScale
 
@@ -35,7 +36,7 @@ class Callables(NamedTuple):
     """
 
     loss: Callable[..., Any]
-    metrics: tuple[tuple[str, Callable[..., Any]], ...]
+    metrics: tuple[tuple[str, MetricLike], ...]
     optimizer: optax.GradientTransformation | None
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
     updates: tuple[Any, ...] = ()  # `AbstractUpdate`s
@@ -96,6 +97,9 @@ class TrainState(NamedTuple):
     # summed, and the sizes summed (for the bar; the epoch's value is `epoch_values`').
     running: Float[Array, "2"]
     validations: Validations | None = None  # with `validation_every=`
+    # The epoch in progress: each accumulating metric's statistics of its finite steps,
+    # summed (`eqfit.metrics.AbstractMetric`); `()` without such metrics.
+    statistics: tuple[PyTree, ...] = ()
 
 
 class Piece(NamedTuple):

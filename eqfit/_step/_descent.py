@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Key, PyTree
 
+from .._core._metric import MetricLike
 from ._hyperparams import injected_names, injected_values
 from ._labels import either, LabelError
 from ._mean import divisor
@@ -50,6 +51,8 @@ class Descent(NamedTuple):
     # The weights of those values that are weighted means (`eqfit.Mean`), summed over the
     # devices, by the values' names (`"loss"`, an aux value's).
     weights: dict[str, Array]
+    # The batch's statistics of each metric that accumulates, summed over the devices.
+    statistics: tuple[PyTree, ...] = ()
 
     def values(self, objective: Objective) -> dict[str, Array]:
         """What the step records of it, by the update's own names: its loss, its aux
@@ -93,7 +96,7 @@ class UpdateContext(eqx.Module):
     loss_scale: LossScale | None = None
     # The run's metrics, for an update's forward pass to compute (`Turn.metrics`), and
     # those of them that are weighted means.
-    metrics: tuple[tuple[str, Callable[..., Any]], ...] = ()
+    metrics: tuple[tuple[str, MetricLike], ...] = ()
     metric_means: tuple[str, ...] = ()
 
     def descend(
@@ -127,6 +130,10 @@ class UpdateContext(eqx.Module):
             # totals and weights are averaged alike, and divided below: a sum over a sum.
             loss, aux, grads, metrics = jax.lax.pmean((loss, aux, grads, metrics), self.axis_name)
             labels = on_any_device(labels, self.axis_name)
+        statistics = m.statistics
+        if self.axis_name is not None and statistics:
+            # Counts add across devices: summed, not averaged as the values are.
+            statistics = jax.lax.psum(statistics, self.axis_name)
         weights: dict[str, Array] = {}
         finite = jnp.isfinite(loss)
         empty = jnp.asarray(False)  # a weighted mean loss's batch of weight 0
@@ -204,6 +211,7 @@ class UpdateContext(eqx.Module):
             labels=labels,
             metrics=metrics,
             weights=weights,
+            statistics=statistics,
         )
 
     def measure(
@@ -245,14 +253,19 @@ class UpdateContext(eqx.Module):
             if self.lay_out is not None:
                 # The gradients as the parameters are laid out: XLA reduce-scatters them.
                 grads, _ = self.lay_out(grads, None)
+            statistics: tuple[PyTree, ...] = ()
             if metrics:
                 values, weights, metric_labels = objective.metric_values(
                     model, clone(v.state), batch
                 )
+                statistics, counted = objective.statistics(model, clone(v.state), batch)
+                metric_labels = either(metric_labels, counted)
             else:
                 values, weights, metric_labels = jnp.zeros(0), jnp.zeros(0), None
             labels = either(v.labels, metric_labels)
-            return ForwardBackward(loss, grads, v._replace(labels=None), values, weights, labels)
+            return ForwardBackward(
+                loss, grads, v._replace(labels=None), values, weights, labels, statistics
+            )
 
         rows = jax.tree.leaves(batch)[0].shape[0]
         size = self.microbatch

@@ -10,6 +10,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
 
 from ._labels import either, LabelError
 from ._objective import clone, needs_key, Objective
+from ._statistics import flatten
 
 
 def evaluation_needs_key(objective: Objective, model: PyTree) -> bool:
@@ -42,7 +43,7 @@ def evaluate_batches(
     """
     total, labels = sum_batches(objective, model, model_state, data, batch_size, key)
     # A sum over a sum: the mean over the whole data (NaN, 0 / 0, where weights sum to 0).
-    return total[0] / total[1], labels
+    return objective.quotient(total), labels
 
 
 def sum_batches(
@@ -71,7 +72,7 @@ def sum_batches(
     def batch_key(b: int | Array) -> Key[Array, ""] | None:
         return evaluation_key(key, batch_number(b, offset)) if uses_key else None
 
-    total, labels = jnp.zeros((2, len(objective.value_names))), None
+    total, labels = jnp.zeros((2, objective.width)), None
     if num_full:
         full = jax.tree.map(
             lambda a: a[: num_full * batch_size].reshape(num_full, batch_size, *a.shape[1:]),
@@ -237,4 +238,10 @@ def batch_totals(
         weights = jnp.where(mean, weights, size)
     else:
         totals, weights = totals * size, jnp.full_like(weights, size)
+    if objective.accumulating:  # their statistics summed over batches, weights unused
+        statistics, counted = objective.statistics(model, clone(model_state), batch)
+        flat = flatten(statistics)
+        totals = jnp.concatenate([totals, flat])
+        weights = jnp.concatenate([weights, jnp.zeros_like(flat)])
+        metric_labels = either(metric_labels, counted)
     return jnp.stack([totals, weights]), either(v.labels, metric_labels)

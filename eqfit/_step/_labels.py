@@ -29,6 +29,10 @@ CHECKERS = (
     "binary_cross_entropy",
     "accuracy",
     "binary_accuracy",
+    "ConfusionMatrix",
+    "Precision",
+    "Recall",
+    "F1",
 )
 _DIMS = 4  # where in a batch the label was: up to this many indices
 

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Key, PyTree
 from ._labels import either, LabelError
 from ._mean import divisor
 from ._objective import clone, Objective, Value
+from ._statistics import add as add_statistics
 
 
 class ForwardBackward(NamedTuple):
@@ -26,6 +27,8 @@ class ForwardBackward(NamedTuple):
     metrics: Float[Array, " metrics"]  # the metrics' pairs (empty where not measured)
     metric_weights: Float[Array, " metrics"]
     labels: LabelError | None  # the first label out of range the loss or metrics met
+    # The batch's statistics of each metric that accumulates (`Objective.statistics`).
+    statistics: tuple[PyTree, ...] = ()
 
 
 def in_microbatches(
@@ -80,6 +83,7 @@ def in_microbatches(
             total.metrics + metrics,
             total.metric_weights + metric_weights,
             either(total.labels, part.labels),
+            add_statistics(total.statistics, part.statistics),
         )
         return summed, count + weight
 
@@ -125,4 +129,5 @@ def in_microbatches(
         metrics,
         metric_weights,
         total.labels,
+        total.statistics,
     )

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Key, PyTree, TypeCheckError
 
+from .._core._metric import AbstractMetric, accumulates, MetricLike
 from ._labels import collecting, first_of, LabelError
 from ._mean import Mean
 from ._precision import Precision
+from ._statistics import arrays, flat_size, Like, unflatten, values
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -208,16 +210,43 @@ class Objective(eqx.Module):
     """
 
     loss: Callable[..., Any]
-    metrics: tuple[tuple[str, Callable[..., Any]], ...] = ()
+    metrics: tuple[tuple[str, MetricLike], ...] = ()
     stateful: bool = False
     use_key: bool = False
     aux_names: tuple[str, ...] = ()
     precision: Precision | None = None
     means: tuple[str, ...] = ()
+    # Each accumulating metric's statistics of a batch, found abstractly before the run
+    # (`find_statistics`): what evaluation sums them as (`width`, `quotient`).
+    statistics_like: tuple[Like, ...] = eqx.field(static=True, default=())
+
+    @property
+    def width(self) -> int:
+        """How many numbers evaluation sums over batches: a total and a weight of each of
+        `value_names`, then the accumulating metrics' statistics (`batch_totals`)."""
+        return len(self.value_names) + flat_size(self.statistics_like)
+
+    def quotient(self, totals: Float[Array, "2 width"]) -> Float[Array, " values"]:
+        """Evaluation's values from its sums over batches: each of `value_names` its
+        total over its weight, then each accumulating metric's, computed from its summed
+        statistics, flat (`Record.accumulated_names`).
+        """
+        n = len(self.value_names)
+        if not self.accumulating:
+            return totals[0] / totals[1]
+        summed = unflatten(totals[0, n:], self.statistics_like)
+        computed = values(self.accumulating, self.statistics_like, summed)
+        return jnp.concatenate([totals[0, :n] / totals[1, :n], computed])
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.metrics)
+        """The names of the metrics that are functions of a batch (`metric_values`')."""
+        return tuple(name for name, fn in self.metrics if not accumulates(fn))
+
+    @property
+    def accumulating(self) -> tuple[tuple[str, Any], ...]:
+        """The metrics that accumulate (`eqfit.metrics.AbstractMetric`), with their names."""
+        return tuple((name, m) for name, m in self.metrics if accumulates(m))
 
     @property
     def value_names(self) -> tuple[str, ...]:
@@ -315,12 +344,14 @@ class Objective(eqx.Module):
         plain value's and 1; empty vectors without metrics), and the first label out of
         range that they met.
         """
-        if not self.metrics:
+        if not self.metric_names:
             return jnp.zeros(0), jnp.zeros(0), None
         args = self._arguments(model, model_state, batch)
         totals, weights = [], []
         with collecting() as checks:
             for name, fn in self.metrics:
+                if isinstance(fn, AbstractMetric):
+                    continue
                 _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
                 with noting_call(f"metrics[{name!r}]", fn, args, self.stateful):
                     value = fn(*args)
@@ -331,6 +362,39 @@ class Objective(eqx.Module):
                 totals.append(total.astype(jnp.float32))
                 weights.append(weight)
         return jnp.stack(totals), jnp.stack(weights), first_of(checks)
+
+    def statistics(
+        self, model: PyTree, model_state: PyTree, batch: PyTree
+    ) -> tuple[tuple[PyTree, ...], LabelError | None]:
+        """The statistics of the batch of each metric that accumulates, in order: their
+        arrays (`_statistics.arrays`), which the run sums; and the first label out of
+        range that they met.
+        """
+        if not self.accumulating:
+            return (), None
+        args = self._arguments(model, model_state, batch)
+        out = []
+        with collecting() as checks:
+            for name, metric in self.accumulating:
+                _check_signature(metric.statistics, args, {}, f"metric {name!r}", self.stateful)
+                with noting_call(f"metrics[{name!r}]", metric.statistics, args, self.stateful):
+                    out.append(arrays(metric.statistics(*args)))
+        return tuple(out), first_of(checks)
+
+    def find_statistics(
+        self, model: PyTree, model_state: PyTree, batch: PyTree
+    ) -> tuple[Like, ...]:
+        """Each accumulating metric's statistics of a batch, found abstractly (nothing
+        runs): shapes for its arrays, its other leaves as they are. The run keeps them,
+        to make empty statistics and to put the other leaves back before `compute`.
+        """
+
+        def each(model: PyTree, model_state: PyTree, batch: PyTree) -> tuple[PyTree, ...]:
+            args = self._arguments(model, model_state, batch)
+            with collecting():
+                return tuple(metric.statistics(*args) for _, metric in self.accumulating)
+
+        return tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, batch)))
 
 
 def aux_value(name: str, value: Any) -> Array:
@@ -449,7 +513,9 @@ def find_outputs(
     whether they convolve is then unknown (`None`).
     """
     weighted = len(batch_args(batch)) > 2
-    own = _own(objective.loss) and all(_own(fn) for _, fn in objective.metrics)
+    own = _own(objective.loss) and all(
+        _own(fn) for _, fn in objective.metrics if not accumulates(fn)
+    )
     if not always and own:
         names = ("loss", *objective.metric_names) if weighted else ()
         return LossTrace((), names, None)
@@ -479,6 +545,8 @@ def find_outputs(
         args = objective._arguments(model, model_state, batch)
         outs = [out]
         for name, fn in objective.metrics:
+            if isinstance(fn, AbstractMetric):
+                continue
             if _own(fn):
                 if weighted:
                     means.append(name)

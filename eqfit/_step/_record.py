@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ._statistics import entry_names
 from ._validation import check_unique, validation_names
 
 
@@ -133,6 +134,36 @@ class Record:
     """
 
     columns: tuple[Column, ...] = ()
+    # The metrics that accumulate (`eqfit.metrics.AbstractMetric`): each one's name and
+    # its value's shape. Not columns: the run sums their statistics over the epoch and
+    # records the value once, flat, after the columns (`entry_names`).
+    accumulated: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def accumulated_names(self) -> tuple[str, ...]:
+        """The accumulating metrics' values, flat, as an epoch records them (`cm[0,1]`)."""
+        return tuple(n for name, shape in self.accumulated for n in entry_names(name, shape))
+
+    @property
+    def arrays(self) -> dict[str, tuple[int, ...]]:
+        """The values that are arrays (not scalars), by name, with their shapes."""
+        return {name: shape for name, shape in self.accumulated if shape}
+
+    def array_values(
+        self, val_sets: tuple[str, ...] | None
+    ) -> tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...]:
+        """Each value that is an array, as an epoch records it and as validation does:
+        its name, its shape and its entries' names among `log_names` (`grouped`'s).
+        """
+        out = []
+        for name, shape in self.arrays.items():
+            entries = entry_names(name, shape)
+            out.append((name, shape, entries))
+            for s in () if val_sets is None else (val_sets or ("",)):
+                sets = (s,) if s else ()
+                base = validation_names(sets, (), (name,))[1]
+                out.append((base, shape, validation_names(sets, (), entries)[1:]))
+        return tuple(out)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -163,13 +194,14 @@ class Record:
         """
         if val_sets is None:
             return ()
-        return validation_names(val_sets, self.names_of(Kind.AUX), self.names_of(Kind.METRIC))
+        metrics = (*self.names_of(Kind.METRIC), *self.accumulated_names)
+        return validation_names(val_sets, self.names_of(Kind.AUX), metrics)
 
     def log_names(self, val_sets: tuple[str, ...] | None) -> tuple[str, ...]:
         """The values each epoch records, in order: the loss and the steps' values, then
         the validation values (`val_names`).
         """
-        return (LOSS.name, *self.shown, *self.val_names(val_sets))
+        return (LOSS.name, *self.shown, *self.accumulated_names, *self.val_names(val_sets))
 
     def pack(self, values: Mapping[str, Any]) -> Float[Array, " values"]:
         """The step's values, written by name, as one float32 vector in `columns`' order."""
@@ -305,6 +337,7 @@ def record_for(
     norms: bool = False,
     scales: bool = False,
     val_sets: tuple[str, ...] | None = None,
+    accumulated: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> Record:
     """The run's record, of its `updates` (`fit`'s one loss among them, unnamed): each
     update's validated values (a loss's: its loss and aux values, means over samples, as
@@ -316,6 +349,8 @@ def record_for(
     is the step's, outside the record. Refuses two values of one name, and a name that
     the run keeps for itself, naming both.
     """
+    columns_of = metric_names  # the metrics that are functions of a batch: columns
+    metric_names = (*metric_names, *(name for name, _ in accumulated))  # every metric
     unnamed = [u for u in updates if not u.name]
     if unnamed:  # `fit`'s one loss: its names checked as the loss's, schedules' and so on
         u = unnamed[0]
@@ -372,11 +407,13 @@ def record_for(
         return [c._replace(weight=weight_name(c.name)) if c.name in means else c for c in columns]
 
     losses, owns = weighted([c for c, _ in aux]), weighted([c for c, _ in own])
-    metrics = weighted([Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in metric_names])
+    metrics = weighted([Column(n, Kind.METRIC, Reduce.BATCH_MEAN) for n in columns_of])
     # The unnamed update's loss (outside the record) weighs by a column all the same.
     weights = [weight_column(LOSS.name) for u in unnamed if LOSS.name in u.means]
     weights += [weight_column(c.name) for c in losses + metrics + owns if c.weight is not None]
-    record = Record(tuple(losses + metrics + owns + [c for c, _ in norm + hyper] + weights))
+    record = Record(
+        tuple(losses + metrics + owns + [c for c, _ in norm + hyper] + weights), accumulated
+    )
     if val_sets is not None:
         aux_names = record.names_of(Kind.AUX)
         check_unique((LOSS.name, *record.names), val_sets, aux_names, metric_names)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PyTree
 
+from .._core._metric import MetricLike
 from ._average import Average
 from ._descent import on_any_device, UpdateContext
 from ._hyperparams import injected_values, schedule_values
@@ -47,6 +48,9 @@ class StepResult(NamedTuple):
     finite: Bool[Array, ""]  # the loss is finite
     labels: LabelError | None  # the first label out of range; `None`: nothing checked
     weight: Float[Array, ""] | None = None  # a weighted mean loss's (`eqfit.Mean`) weight
+    # The batch's statistics of each metric that accumulates (`Objective.statistics`),
+    # summed over the devices; `None` without such metrics.
+    statistics: tuple[PyTree, ...] | None = None
 
 
 def select(params: PyTree, picks: tuple[bool, ...]) -> tuple[PyTree, Callable[[PyTree], PyTree]]:
@@ -138,6 +142,7 @@ class Step(eqx.Module):
         before = (params, model_state)
         reported: dict[str, Any] = {}
         metrics: dict[str, Any] | None = None
+        statistics: tuple[PyTree, ...] | None = None
         labels = None
         finite = applied = None
         turns: list[Turn] = []
@@ -154,7 +159,7 @@ class Step(eqx.Module):
                 info: UpdateInfo = info,
                 update: AbstractUpdate = update,
                 turn_key: Key[Array, ""] | None = turn_key,
-                measures: tuple[tuple[str, Callable[..., Any]], ...] = measures,
+                measures: tuple[tuple[str, MetricLike], ...] = measures,
             ) -> Turn:
                 return self._turn(i, info, update, *operand, batch, turn_key, measures)
 
@@ -169,15 +174,18 @@ class Step(eqx.Module):
             if scales is not None and out.loss_scale is not None:
                 scales[info.name] = out.loss_scale
             if i == 0:
-                metrics = out.metrics
+                metrics, statistics = out.metrics, out.statistics
             turns.append(out)
             finite = out.finite if finite is None else finite & out.finite
             applied = out.applies if applied is None else applied | out.applies
             reported |= out.values
             labels = either(labels, out.labels)
         assert finite is not None and applied is not None
-        if metrics is None and self.objective.metrics:  # on the model before the step
+        if metrics is None and self.objective.metric_names:  # on the model before the step
             metrics, met = self._metrics(*before, batch)
+            labels = either(met, labels)
+        if statistics is None and self.objective.accumulating:
+            statistics, met = self._statistics(*before, batch)
             labels = either(met, labels)
         reported |= metrics or {}
         # The record's names: a loss's own value is the step's loss, outside them.
@@ -193,6 +201,7 @@ class Step(eqx.Module):
             finite,
             labels,
             reported.get(weight_name(LOSS.name)),
+            statistics,
         )
 
     def _metrics(
@@ -209,6 +218,20 @@ class Step(eqx.Module):
             values = jax.lax.pmean(values, self.axis_name)
             labels = on_any_device(labels, self.axis_name)
         return dict(zip(self.record.names_of(Kind.METRIC), values)), labels
+
+    def _statistics(
+        self, params: PyTree, model_state: PyTree, batch: PyTree
+    ) -> tuple[tuple[PyTree, ...], LabelError | None]:
+        """The batch's statistics of the metrics that accumulate, on the model `params`
+        make, computed on their own (as `_metrics`), summed over the devices.
+        """
+        statistics, labels = self.objective.statistics(
+            self.combine(params), clone(model_state), batch
+        )
+        if self.axis_name is not None:
+            statistics = jax.lax.psum(statistics, self.axis_name)
+            labels = on_any_device(labels, self.axis_name)
+        return statistics, labels
 
     def _averaged(self, average: PyTree, params: PyTree, applies: Bool[Array, ""]) -> PyTree:
         """The moving average after the step. Outside the update's `cond`, which would
@@ -233,7 +256,7 @@ class Step(eqx.Module):
         loss_scale: LossScale | None,
         batch: PyTree,
         key: Key[Array, ""] | None,
-        measures: tuple[tuple[str, Callable[..., Any]], ...],
+        measures: tuple[tuple[str, MetricLike], ...],
     ) -> Turn:
         """One update's turn (`AbstractUpdate._take_turn`) on the arrays it trains, its
         values under the record's names: its own, its weighted means' weights, its

@@ -65,6 +65,8 @@ class Turn(NamedTuple):
     # The metrics it computed in its forward pass (`UpdateContext.metrics`), by the
     # record's names, with the weights of those that are weighted means; `None`: none.
     metrics: dict[str, Array] | None = None
+    # The batch's statistics of each metric that accumulates, from the same pass.
+    statistics: tuple[PyTree, ...] | None = None
 
 
 class AbstractUpdate(eqx.Module):
@@ -401,6 +403,7 @@ class Update(AbstractUpdate):
             d.labels,
             d.loss_scale,
             metrics,
+            d.statistics if objective.accumulating else None,
         )
 
     def _info(self, picks: tuple[bool, ...], found: LossTrace) -> UpdateInfo:

@@ -1,0 +1,164 @@
+"""Metrics that accumulate (`AbstractMetric`): each batch gives its statistics, which the
+run sums (over an epoch's steps, microbatches, devices, a validation set's batches) and
+turns into the metric's value once, from the sum. How the run holds them: the arrays of
+a batch's statistics (`arrays`), summed; the rest (a metrax metric's `num_thresholds`),
+found before the run (`Like`) and put back before `compute` (`value`).
+"""
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from .._core._metric import AbstractMetric
+
+
+@dataclasses.dataclass(frozen=True)
+class Like:
+    """A batch's statistics of one metric, found abstractly and kept hashable (the run's
+    description is): their structure, and their leaves, shapes for the arrays.
+    """
+
+    treedef: Any
+    leaves: tuple[Any, ...]
+
+    @staticmethod
+    def of(statistics: PyTree) -> "Like":
+        leaves, treedef = jax.tree.flatten(statistics)
+        return Like(treedef, tuple(leaves))
+
+    @property
+    def tree(self) -> PyTree:
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+
+def arrays(statistics: PyTree) -> PyTree:
+    """The arrays of `statistics` (what the run sums), `None` elsewhere."""
+    return eqx.filter(statistics, eqx.is_array)
+
+
+def zeros(like: Like | tuple[Like, ...]) -> PyTree:
+    """Empty statistics: zeros shaped as `like`'s arrays."""
+    tree = tuple(x.tree for x in like) if isinstance(like, tuple) else like.tree
+    return jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        eqx.filter(tree, _is_shaped),
+        is_leaf=_is_shaped,
+    )
+
+
+def add(a: PyTree, b: PyTree) -> PyTree:
+    """Two statistics' arrays summed."""
+    return jax.tree.map(jnp.add, a, b)
+
+
+def value(metric: AbstractMetric, like: Like, summed: PyTree) -> Array:
+    """`metric`'s value from its `summed` arrays, its other leaves put back from
+    `like`, as a float32 array.
+    """
+    static = eqx.filter(like.tree, _is_shaped, inverse=True, is_leaf=_is_shaped)
+    out = metric.compute(eqx.combine(summed, static))
+    return jnp.asarray(out).astype(jnp.float32)
+
+
+def value_shape(metric: AbstractMetric, like: Like) -> tuple[int, ...]:
+    """The shape of `metric`'s value, found abstractly from `like`."""
+    return tuple(jax.eval_shape(lambda: value(metric, like, zeros(like))).shape)
+
+
+def entry_names(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The names of a value's entries as the run records them, flat: `name` for a
+    scalar; `name/i/j` for each entry of an array (C order), the name that the loggers
+    take (TensorBoard, W&B and MLflow group names by `/`).
+    """
+    if not shape:
+        return (name,)
+    return tuple("/".join((name, *map(str, i))) for i in np.ndindex(*shape))
+
+
+# An array value's entry among the logs (`entry_names`): left out of the bar and lines.
+ENTRY = re.compile(r"/\d+(?:/\d+)*$")
+
+
+def grouped(
+    flat: dict[str, Any], arrays: tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...]
+) -> dict[str, Any]:
+    """`flat` (values by name, each an array `(epochs, ...)` or a number) with each array
+    value's entries (`arrays`: its name, shape and entries' names) put together as one
+    array, `(epochs, *shape, ...)` or `shape`, where its first entry was.
+    """
+    firsts = {entries[0]: (name, shape, entries) for name, shape, entries in arrays}
+    taken = {e for _, _, entries in arrays for e in entries}
+    out: dict[str, Any] = {}
+    for key, v in flat.items():
+        if key in firsts:
+            name, shape, entries = firsts[key]
+            parts = [np.asarray(flat[e]) for e in entries]
+            if parts[0].ndim == 0:
+                out[name] = np.stack(parts).reshape(shape)
+            else:
+                lead, rest = parts[0].shape[0], parts[0].shape[1:]
+                out[name] = np.stack(parts, axis=1).reshape(lead, *shape, *rest)
+        elif key not in taken:
+            out[key] = v
+    return out
+
+
+def size(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _is_shaped(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+
+
+def accumulated_shapes(
+    accumulating: tuple[tuple[str, AbstractMetric], ...], likes: tuple[Like, ...]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each accumulating metric's name and its value's shape, from its skeleton."""
+    return tuple(
+        (name, value_shape(metric, like)) for (name, metric), like in zip(accumulating, likes)
+    )
+
+
+def values(
+    accumulating: tuple[tuple[str, AbstractMetric], ...],
+    likes: tuple[Like, ...],
+    summed: tuple[PyTree, ...],
+) -> Array:
+    """The accumulating metrics' values from their summed statistics, flat, in order
+    (as `Record.accumulated_names`): float32, empty without such metrics.
+    """
+    flat = [
+        value(metric, like, s).reshape(-1)
+        for (_, metric), like, s in zip(accumulating, likes, summed)
+    ]
+    return jnp.concatenate(flat) if flat else jnp.zeros(0, jnp.float32)
+
+
+def flat_size(likes: tuple[Like, ...]) -> int:
+    """How many numbers the arrays of statistics shaped as `likes` hold."""
+    return sum(math.prod(s.shape) for like in likes for s in like.leaves if _is_shaped(s))
+
+
+def flatten(statistics: tuple[PyTree, ...]) -> Array:
+    """Statistics' arrays as one float32 vector (a validation's totals carry them so)."""
+    leaves = [jnp.asarray(x, jnp.float32).reshape(-1) for x in jax.tree.leaves(statistics)]
+    return jnp.concatenate(leaves) if leaves else jnp.zeros(0, jnp.float32)
+
+
+def unflatten(flat: Array, likes: tuple[Like, ...]) -> tuple[PyTree, ...]:
+    """`flatten`'s inverse: statistics' arrays shaped (and typed) as `likes`'."""
+    empty = zeros(likes)
+    leaves, treedef = jax.tree.flatten(empty)
+    out, start = [], 0
+    for x in leaves:
+        out.append(flat[start : start + x.size].reshape(x.shape).astype(x.dtype))
+        start += x.size
+    return jax.tree.unflatten(treedef, out)
