@@ -389,12 +389,30 @@ class Objective(eqx.Module):
         to make empty statistics and to put the other leaves back before `compute`.
         """
 
+        try:  # remembered, as `find_outputs`' traces are: a warm `fit` traces nothing
+            cache_key = (
+                self.accumulating,
+                self.stateful,
+                self.precision,
+                *map(abstract_key, (model, model_state, batch)),
+            )
+            hash(cache_key)
+        except TypeError:  # a metric that cannot be hashed (it holds arrays)
+            cache_key = None
+        if cache_key is not None and cache_key in _STATISTICS:
+            return _STATISTICS[cache_key]
+
         def each(model: PyTree, model_state: PyTree, batch: PyTree) -> tuple[PyTree, ...]:
             args = self._arguments(model, model_state, batch)
             with collecting():
                 return tuple(metric.statistics(*args) for _, metric in self.accumulating)
 
-        return tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, batch)))
+        found = tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, batch)))
+        if cache_key is not None:
+            if len(_STATISTICS) >= 64:
+                _STATISTICS.pop(next(iter(_STATISTICS)))
+            _STATISTICS[cache_key] = found
+        return found
 
 
 def aux_value(name: str, value: Any) -> Array:
@@ -588,6 +606,7 @@ def applies(jaxpr: Any, name: str) -> bool:
 
 # What a loss and metrics return on arrays of given shapes (`find_outputs`).
 _OUTPUTS: dict[Any, LossTrace] = {}
+_STATISTICS: dict[Any, tuple[Like, ...]] = {}  # `Objective.find_statistics`'
 
 
 def abstract_key(tree: PyTree) -> tuple[Any, ...]:

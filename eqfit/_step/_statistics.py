@@ -6,6 +6,7 @@ found before the run (`Like`) and put back before `compute` (`value`).
 """
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -121,7 +122,19 @@ def _is_shaped(x: Any) -> bool:
 def accumulated_shapes(
     accumulating: tuple[tuple[str, AbstractMetric], ...], likes: tuple[Like, ...]
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Each accumulating metric's name and its value's shape, from its skeleton."""
+    """Each accumulating metric's name and its value's shape, found abstractly (and
+    remembered for the same metrics, where they can be hashed).
+    """
+    try:
+        return _accumulated_shapes(accumulating, likes)
+    except TypeError:  # a metric that holds arrays
+        return _accumulated_shapes.__wrapped__(accumulating, likes)
+
+
+@functools.lru_cache(maxsize=64)
+def _accumulated_shapes(
+    accumulating: tuple[tuple[str, AbstractMetric], ...], likes: tuple[Like, ...]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(
         (name, value_shape(metric, like)) for (name, metric), like in zip(accumulating, likes)
     )
