@@ -6,7 +6,8 @@ The classes accumulate (`AbstractMetric`): a batch gives counts, the run sums th
 the epoch (or the validation set, or `eqfit.evaluate`'s data) and computes the value once.
 Precision, recall, F1, an AUC and a confusion matrix must be computed so: the mean of
 per-batch F1s (or AUCs) is not the F1 of the epoch. `ConfusionMatrix`, `Precision`,
-`Recall` and `F1` are eqfit's; metrax's metrics are taken as they are (`Metrax`).
+`Recall`, `F1` and `TopKAccuracy` are eqfit's; metrax's metrics are taken as they are
+(`Metrax`).
 
 Pass them to `fit(..., metrics={"accuracy": eqfit.metrics.accuracy})` and read them back
 from the history by the same name, with `"val_"` in front for the validation data. With
@@ -282,6 +283,32 @@ class F1(_Scores):
 
     def _score(self, tp: Array, predicted: Array, actual: Array) -> Array:
         return _ratio(2 * tp, predicted + actual)
+
+
+class TopKAccuracy(AbstractMetric):
+    """The fraction of examples whose label is among the `k` largest logits, over the
+    epoch (or the validation set): the hits and the examples counted, each as its weight
+    with a batch `(x, y, weights)`, and divided once.
+
+    **Arguments:**
+
+    - `k`: how many of the largest logits count (`k=1` is `accuracy`).
+    """
+
+    k: int = eqx.field(static=True)
+
+    def statistics(self, model: Any, *batch: Any) -> dict[str, Array]:
+        state, x, y, weights = split_state(batch, "TopKAccuracy")
+        logits, _ = outputs(model, x, state)
+        logits = check_labels(logits, y, logits.shape[-1], "TopKAccuracy")
+        top = jax.lax.top_k(logits, self.k)[1]
+        hit = jnp.any(top == y[..., None], axis=-1).astype(jnp.float32)
+        w = jnp.ones(hit.shape, jnp.float32) if weights is None else weights
+        w = jnp.broadcast_to(w.astype(jnp.float32), hit.shape)
+        return {"hits": jnp.sum(w * hit), "count": jnp.sum(w)}
+
+    def compute(self, statistics: dict[str, Array]) -> Array:
+        return statistics["hits"] / statistics["count"]
 
 
 class Metrax(AbstractMetric):

@@ -150,6 +150,7 @@ def fixed_run(digits, model, **options):
     "options",
     [
         dict(devices=8),
+        dict(mesh="8"),
         dict(microbatches=4),
         dict(execution=eqfit.PerStep(3)),
         pytest.param(dict(devices=2, microbatches=2), marks=pytest.mark.heavy),
@@ -159,6 +160,8 @@ def fixed_run(digits, model, **options):
 def test_statistics_are_summed_wherever_the_run_splits_the_data(digits, trained, options):
     """The statistics of each device's share, each microbatch, each call are summed: the
     values equal one device's, and scikit-learn's on the whole epoch."""
+    if options.get("mesh") == "8":
+        options = dict(mesh=jax.make_mesh((8,), ("batch",)))
     one = fixed_run(digits, trained, shuffle=False).history
     split = fixed_run(digits, trained, shuffle=False, **options).history
     x, y = digits
@@ -352,3 +355,18 @@ def test_validation_every_n_steps_and_log_every_take_them_too(digits, tmp_path):
     # The loggers get an array's entries as scalars, `cm/row/column`.
     header = (tmp_path / "log.csv").read_text().splitlines()[0].split(",")
     assert "cm/3/5" in header and "val_cm/9/9" in header and "f1" in header
+
+
+def test_top_k_accuracy_counts_the_whole_set(digits, trained):
+    x, y = digits
+    weights = (np.arange(len(y)) % 3).astype(np.float32)  # 0, 1, 2, 0, ...
+    found = eqfit.evaluate(
+        trained, (x, y, weights), loss=eqfit.losses.softmax_cross_entropy,
+        metrics={"top3": eqfit.metrics.TopKAccuracy(3), "top1": eqfit.metrics.TopKAccuracy(1),
+                 "accuracy": eqfit.metrics.accuracy},
+        batch_size=64,
+    )  # fmt: skip
+    top = np.argsort(-np.asarray(jax.vmap(trained)(jnp.asarray(x))), axis=-1)
+    hit3 = (top[:, :3] == y[:, None]).any(axis=-1)
+    np.testing.assert_allclose(found["top3"], np.sum(weights * hit3) / np.sum(weights), rtol=1e-6)
+    np.testing.assert_allclose(found["top1"], found["accuracy"], rtol=1e-6)

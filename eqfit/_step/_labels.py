@@ -33,6 +33,7 @@ CHECKERS = (
     "Precision",
     "Recall",
     "F1",
+    "TopKAccuracy",
 )
 _DIMS = 4  # where in a batch the label was: up to this many indices
 
