@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-from jaxtyping import Array, PyTree
+from jaxtyping import Array
 
 
 class AbstractMetric(eqx.Module):
@@ -34,7 +34,7 @@ class AbstractMetric(eqx.Module):
     """
 
     @abc.abstractmethod
-    def statistics(self, model: Any, *batch: Any) -> PyTree:
+    def statistics(self, model: Any, *batch: Any) -> Any:
         """A batch's statistics.
 
         **Arguments:** `model`; optionally its `state`; the batch (`x, y` or
@@ -44,7 +44,7 @@ class AbstractMetric(eqx.Module):
         """
 
     @abc.abstractmethod
-    def compute(self, statistics: PyTree) -> Array:
+    def compute(self, statistics: Any) -> Array:
         """The metric's value from statistics summed over batches.
 
         **Arguments:** `statistics`, as `statistics` returns them, summed.
