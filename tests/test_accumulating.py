@@ -370,3 +370,23 @@ def test_top_k_accuracy_counts_the_whole_set(digits, trained):
     hit3 = (top[:, :3] == y[:, None]).any(axis=-1)
     np.testing.assert_allclose(found["top3"], np.sum(weights * hit3) / np.sum(weights), rtol=1e-6)
     np.testing.assert_allclose(found["top1"], found["accuracy"], rtol=1e-6)
+
+
+def test_mlflow_gets_an_arrays_entries_as_scalars(digits, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # nothing reaches the network
+    store = (tmp_path / "mlruns").as_uri()
+    logger = eqfit.callbacks.MLflowLogger(tracking_uri=store)
+    x, y = digits
+    result = eqfit.fit(
+        mlp(), (x[:500], y[:500]), loss=eqfit.losses.softmax_cross_entropy, optimizer=ADAM,
+        metrics={"cm": ConfusionMatrix(10)}, epochs=2, batch_size=100,
+        key=jax.random.key(13), callbacks=[logger],
+    )  # fmt: skip
+    client = mlflow.MlflowClient(store)
+    logged = client.get_run(logger.run_id).data.metrics
+    assert {"cm/0/0", "cm/9/9", "cm/3/5"} <= set(logged) and "cm" not in logged
+    history = sorted((m.step, m.value) for m in client.get_metric_history(logger.run_id, "cm/3/5"))
+    assert [v for _, v in history] == result.history["cm"][:, 3, 5].tolist()
