@@ -390,3 +390,17 @@ def test_mlflow_gets_an_arrays_entries_as_scalars(digits, tmp_path, monkeypatch)
     assert {"cm/0/0", "cm/9/9", "cm/3/5"} <= set(logged) and "cm" not in logged
     history = sorted((m.step, m.value) for m in client.get_metric_history(logger.run_id, "cm/3/5"))
     assert [v for _, v in history] == result.history["cm"][:, 3, 5].tolist()
+
+
+def test_a_metrax_metric_whose_merge_is_not_a_sum_is_refused(binary):
+    from clu import metrics as clu_metrics
+
+    x, y = binary
+    model = eqx.nn.MLP(64, "scalar", 8, 1, key=jax.random.key(14))
+
+    def loss(m, x, y):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    last = Metrax(clu_metrics.LastValue, lambda out, y: {"value": jnp.mean(out)})
+    with pytest.raises(ValueError, match="'last': LastValue.merge does not add"):
+        eqfit.evaluate(model, (x, y), loss=loss, metrics={"last": last})

@@ -22,7 +22,7 @@ from .._core._metric import AbstractMetric, accumulates, MetricLike
 from ._labels import collecting, first_of, LabelError
 from ._mean import Mean
 from ._precision import Precision
-from ._statistics import arrays, flat_size, Like, unflatten, values
+from ._statistics import arrays, check_sums, flat_size, Like, unflatten, values
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -408,6 +408,8 @@ class Objective(eqx.Module):
                 return tuple(metric.statistics(*args) for _, metric in self.accumulating)
 
         found = tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, batch)))
+        for (name, metric), like in zip(self.accumulating, found):
+            check_sums(name, metric, like)
         if cache_key is not None:
             if len(_STATISTICS) >= 64:
                 _STATISTICS.pop(next(iter(_STATISTICS)))

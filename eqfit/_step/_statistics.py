@@ -175,3 +175,27 @@ def unflatten(flat: Array, likes: tuple[Like, ...]) -> tuple[PyTree, ...]:
         out.append(flat[start : start + x.size].reshape(x.shape).astype(x.dtype))
         start += x.size
     return jax.tree.unflatten(treedef, out)
+
+
+def check_sums(name: str, metric: AbstractMetric, like: Like) -> None:
+    """Refuses a metrax (or clu) metric whose `merge` does not add its arrays: the run
+    sums statistics (across devices too, by `psum`), and would silently give another
+    value. Tried on two small statistics of ones and twos: their merge must hold threes.
+    """
+    taken = getattr(metric, "metric", None)  # `Metrax`'s class
+    if getattr(taken, "merge", None) is None:
+        return
+    static = eqx.filter(like.tree, _is_shaped, inverse=True, is_leaf=_is_shaped)
+    ones, twos = (
+        eqx.combine(jax.tree.map(lambda z: jnp.full(z.shape, k, z.dtype), zeros(like)), static)
+        for k in (1, 2)
+    )
+    merged = arrays(type(ones).merge(ones, twos))
+    if not all(bool(jnp.all(x == 3)) for x in jax.tree.leaves(merged)):
+        kind = getattr(taken, "__name__", repr(taken))
+        raise ValueError(
+            f"metric {name!r}: {kind}.merge does not add its statistics, but eqfit sums "
+            "them (over an epoch's steps, across devices, over a validation set's "
+            "batches), which would give another value than merging. Write it as an "
+            "`eqfit.metrics.AbstractMetric` whose statistics add."
+        )
