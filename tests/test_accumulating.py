@@ -4,7 +4,9 @@ once, not a mean of per-batch values, wherever the run splits the data.
 
 On scikit-learn's digits (1,797 images of 8x8, 10 classes). A learning rate of 0 keeps
 the model fixed through an epoch, so that the epoch's outputs are one model's, which
-scikit-learn then scores at once.
+scikit-learn then scores at once. The quick suite splits the data over devices and
+microbatches; the heavy one also over a mesh, `PerStep`'s calls, ensemble members and a
+resume, and checks `validation_every`, `log_every` and MLflow.
 """
 
 import shutil
@@ -150,9 +152,9 @@ def fixed_run(digits, model, **options):
     "options",
     [
         dict(devices=8),
-        dict(mesh="8"),
+        pytest.param(dict(mesh="8"), marks=pytest.mark.heavy),
         dict(microbatches=4),
-        dict(execution=eqfit.PerStep(3)),
+        pytest.param(dict(execution=eqfit.PerStep(3)), marks=pytest.mark.heavy),
         pytest.param(dict(devices=2, microbatches=2), marks=pytest.mark.heavy),
     ],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
@@ -172,6 +174,7 @@ def test_statistics_are_summed_wherever_the_run_splits_the_data(digits, trained,
         assert_scores(val, y[1024:], predicted(trained, x[1024:]))
 
 
+@pytest.mark.heavy
 def test_ensemble_members_each_get_their_own_statistics(digits):
     x, y = digits
     data, val = (x[:600], y[:600]), (x[600:900], y[600:900])
@@ -193,6 +196,7 @@ def test_ensemble_members_each_get_their_own_statistics(digits):
                 )
 
 
+@pytest.mark.heavy
 def test_a_resume_inside_an_epoch_continues_its_statistics_bit_for_bit(digits, tmp_path):
     x, y = digits
     kwargs = dict(
@@ -339,6 +343,7 @@ def test_a_metric_of_ones_own_accumulates_its_statistics(digits, trained):
     np.testing.assert_allclose(found["top2_recall_3"], expected, rtol=1e-6)
 
 
+@pytest.mark.heavy
 def test_validation_every_n_steps_and_log_every_take_them_too(digits, tmp_path):
     x, y = digits
     logger = eqfit.callbacks.CSVLogger(tmp_path / "log.csv")
@@ -372,6 +377,7 @@ def test_top_k_accuracy_counts_the_whole_set(digits, trained):
     np.testing.assert_allclose(found["top1"], found["accuracy"], rtol=1e-6)
 
 
+@pytest.mark.heavy
 def test_mlflow_gets_an_arrays_entries_as_scalars(digits, tmp_path, monkeypatch):
     import mlflow
 
