@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PyTree, UInt32
 
-from .._core._data import take
+from .._core._data import take, take_rows
 
 
 # `jax.Device`, which type checkers see as a variable rather than a class.
@@ -61,11 +61,15 @@ class OneDevice:
         """The rows of `data` placed by `put`: its leading axis's length."""
         return jax.tree.leaves(data)[0].shape[0]
 
-    def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
-        return take(data, index)
+    def full_batch(
+        self, data: PyTree, index: UInt32[Array, " batch"], consecutive: bool = False
+    ) -> PyTree:
+        return take_rows(data, index, consecutive)
 
-    def remainder_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
-        return take(data, index)
+    def remainder_batch(
+        self, data: PyTree, index: UInt32[Array, " batch"], consecutive: bool = False
+    ) -> PyTree:
+        return take_rows(data, index, consecutive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +116,17 @@ class Pmap:
     def rows(self, data: PyTree) -> int:
         return jax.tree.leaves(data)[0].shape[1]  # after the devices' axis
 
-    def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
+    def full_batch(
+        self, data: PyTree, index: UInt32[Array, " batch"], consecutive: bool = False
+    ) -> PyTree:
         share = index.shape[0] // len(self.devices)
         start = jax.lax.axis_index(self.axis_name) * share
-        return take(data, jax.lax.dynamic_slice_in_dim(index, start, share))
+        return take_rows(data, jax.lax.dynamic_slice_in_dim(index, start, share), consecutive)
 
-    def remainder_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
-        return take(data, index)
+    def remainder_batch(
+        self, data: PyTree, index: UInt32[Array, " batch"], consecutive: bool = False
+    ) -> PyTree:
+        return take_rows(data, index, consecutive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +214,16 @@ class Sharded:
     def rows(self, data: PyTree) -> int:
         return jax.tree.leaves(data)[0].shape[0]  # the global array's
 
-    def full_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
+    # Gathered even where the rows are consecutive (`consecutive`): a slice of the data
+    # laid out over the mesh at any offset is no cheaper for XLA to partition.
+    def full_batch(
+        self, data: PyTree, index: UInt32[Array, " batch"], consecutive: bool = False
+    ) -> PyTree:
         return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, P(self.axis)))
 
-    def remainder_batch(self, data: PyTree, index: UInt32[Array, " batch"]) -> PyTree:
+    def remainder_batch(
+        self, data: PyTree, index: UInt32[Array, " batch"], consecutive: bool = False
+    ) -> PyTree:
         splits = index.shape[0] % self.num_devices == 0
         spec = P(self.axis) if splits else P()
         return eqx.filter_shard(take(data, index), NamedSharding(self.mesh, spec))

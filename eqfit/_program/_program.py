@@ -454,10 +454,12 @@ class _Member:
         t = state.step
         size = index.shape[0]
         placement, data = loop.placement, self.inputs.data
+        # Unshuffled arrays in memory: each batch's rows are consecutive, and sliced.
+        consecutive = not loop.shuffle and self.inputs.piece is None
         if full:
-            batch, step = placement.full_batch(data, index), self.parts.step
+            batch, step = placement.full_batch(data, index, consecutive), self.parts.step
         else:
-            batch = placement.remainder_batch(data, index)
+            batch = placement.remainder_batch(data, index, consecutive)
             step = dataclasses.replace(
                 self.parts.step, axis_name=None, microbatch=loop.microbatch(size)
             )
