@@ -212,6 +212,20 @@ class Workload:
         return eqx.tree_at(self.trains, falses, replace=picked)
 
 
+def replay_buffer(rng: np.random.Generator, n: int) -> tuple[np.ndarray, ...]:
+    """A CartPole-shaped replay buffer of `n` transitions drawn from `rng`: observations,
+    actions, rewards, next observations near the observations, and done flags (2%).
+    """
+    obs = rng.normal(size=(n, 4)).astype(np.float32)
+    return (
+        obs,
+        rng.integers(0, 2, n).astype(np.int32),
+        np.ones(n, np.float32),
+        (obs + 0.05 * rng.normal(size=(n, 4))).astype(np.float32),
+        (rng.random(n) < 0.02).astype(np.float32),
+    )
+
+
 def make_workloads(names: list[str], quick: bool) -> list[Workload]:
     """The workloads named, their data on the device; a quarter of the epochs with
     `--quick`."""
@@ -219,15 +233,7 @@ def make_workloads(names: list[str], quick: bool) -> list[Workload]:
     rng = np.random.default_rng(0)
 
     def dqn() -> Workload:
-        n = 10_000
-        obs = rng.normal(size=(n, 4)).astype(np.float32)
-        data = (
-            obs,
-            rng.integers(0, 2, n).astype(np.int32),
-            np.ones(n, np.float32),
-            (obs + 0.05 * rng.normal(size=(n, 4))).astype(np.float32),
-            (rng.random(n) < 0.02).astype(np.float32),
-        )
+        data = replay_buffer(rng, 10_000)
         q_key, target_key = jax.random.split(key)
         model = DQN(QNetwork(4, 2, q_key), QNetwork(4, 2, target_key))
         desc = "DQN TD update: QNetwork 4-120-84-2, frozen target net; MSE on Q[a]"
@@ -396,16 +402,8 @@ def given_problem() -> tuple[DQN, tuple[jax.Array, ...]]:
     """The model and the minibatches, `(GIVEN_STEPS, GIVEN_BATCH, ...)`, drawn beforehand
     from a replay buffer."""
     rng = np.random.default_rng(1)
-    n = GIVEN_BUFFER
-    obs = rng.normal(size=(n, 4)).astype(np.float32)
-    buffer = (
-        obs,
-        rng.integers(0, 2, n).astype(np.int32),
-        np.ones(n, np.float32),
-        (obs + 0.05 * rng.normal(size=(n, 4))).astype(np.float32),
-        (rng.random(n) < 0.02).astype(np.float32),
-    )
-    drawn = rng.integers(0, n, size=(GIVEN_STEPS, GIVEN_BATCH))
+    buffer = replay_buffer(rng, GIVEN_BUFFER)
+    drawn = rng.integers(0, GIVEN_BUFFER, size=(GIVEN_STEPS, GIVEN_BATCH))
     batches = tuple(jnp.asarray(a[drawn]) for a in buffer)
     q_key, target_key = jax.random.split(jax.random.key(2))
     q = QNetwork(4, 2, q_key)

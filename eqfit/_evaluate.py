@@ -22,7 +22,8 @@ from ._step._evaluate import add_batches, add_chunk, evaluate_batches
 from ._step._labels import LabelError, raise_found
 from ._step._objective import find_outputs, Objective, takes_key
 from ._step._precision import as_precision, PrecisionLike
-from ._step._statistics import accumulated_shapes, entry_names, grouped
+from ._step._record import Record
+from ._step._statistics import accumulated_shapes, grouped
 from .metrics import _taken
 
 
@@ -125,10 +126,12 @@ def evaluate(
         values = np.asarray(values_).tolist()
     if labels is not None:
         raise_found(labels)
-    shapes = accumulated_shapes(objective.accumulating, objective.statistics_like)
-    names = (*objective.value_names, *(e for n, s in shapes for e in entry_names(n, s)))
-    arrays = tuple((n, s, entry_names(n, s)) for n, s in shapes if s)
-    return grouped(dict(zip(names, values)), arrays)
+    # Named and grouped as a run's record names and groups an epoch's values.
+    record = Record(
+        accumulated=accumulated_shapes(objective.accumulating, objective.statistics_like)
+    )
+    names = (*objective.value_names, *record.accumulated_names)
+    return grouped(dict(zip(names, values)), record.array_values(None))
 
 
 _evaluate = cached_jit(evaluate_batches)

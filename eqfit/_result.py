@@ -235,8 +235,7 @@ def _validations(
     first = loop.schedule.begin // every + 1
     steps = (first + np.flatnonzero(made)) * every
     by_name = {name: squeeze(values[..., i]).copy() for i, name in enumerate(loop.val_names)}
-    arrays = tuple(a for a in loop.record.array_values(loop.val_sets) if a[2][0] in by_name)
-    return steps.astype(np.int64), grouped(by_name, arrays)
+    return steps.astype(np.int64), grouped(by_name, loop.record.array_values(loop.val_sets))
 
 
 def _result(

@@ -389,18 +389,17 @@ class Objective(eqx.Module):
         to make empty statistics and to put the other leaves back before `compute`.
         """
 
-        try:  # remembered, as `find_outputs`' traces are: a warm `fit` traces nothing
-            cache_key = (
-                self.accumulating,
-                self.stateful,
-                self.precision,
-                *map(abstract_key, (model, model_state, batch)),
-            )
-            hash(cache_key)
-        except TypeError:  # a metric that cannot be hashed (it holds arrays)
-            cache_key = None
-        if cache_key is not None and cache_key in _STATISTICS:
-            return _STATISTICS[cache_key]
+        # Remembered, as `find_outputs`' traces are: a warm `fit` traces nothing (but a
+        # metric that cannot be hashed, holding arrays).
+        cache_key = _STATISTICS.key(
+            self.accumulating,
+            self.stateful,
+            self.precision,
+            *map(abstract_key, (model, model_state, batch)),
+        )
+        remembered = _STATISTICS.get(cache_key)
+        if remembered is not None:
+            return remembered
 
         def each(model: PyTree, model_state: PyTree, batch: PyTree) -> tuple[PyTree, ...]:
             args = self._arguments(model, model_state, batch)
@@ -410,10 +409,7 @@ class Objective(eqx.Module):
         found = tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, batch)))
         for (name, metric), like in zip(self.accumulating, found):
             check_sums(name, metric, like)
-        if cache_key is not None:
-            if len(_STATISTICS) >= 64:
-                _STATISTICS.pop(next(iter(_STATISTICS)))
-            _STATISTICS[cache_key] = found
+        _STATISTICS.put(cache_key, found)
         return found
 
 
@@ -539,20 +535,18 @@ def find_outputs(
     if not always and own:
         names = ("loss", *objective.metric_names) if weighted else ()
         return LossTrace((), names, None)
-    try:
-        cache_key = (
-            objective.loss,
-            objective.metrics,
-            objective.stateful,
-            objective.use_key,
-            objective.precision,
-            *map(abstract_key, (model, model_state, batch)),
-        )
-        hash(cache_key)
-    except TypeError:  # a loss or model that cannot be hashed: traced every time
-        cache_key = None
-    if cache_key is not None and cache_key in _OUTPUTS:
-        return _OUTPUTS[cache_key]
+    # A loss or model that cannot be hashed has no key: it is traced every time.
+    cache_key = _OUTPUTS.key(
+        objective.loss,
+        objective.metrics,
+        objective.stateful,
+        objective.use_key,
+        objective.precision,
+        *map(abstract_key, (model, model_state, batch)),
+    )
+    remembered = _OUTPUTS.get(cache_key)
+    if remembered is not None:
+        return remembered
     key = jax.random.key(0) if objective.use_key else None
     found: list[LossTrace] = []
 
@@ -584,10 +578,7 @@ def find_outputs(
     for name in outputs.aux_names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"`loss`'s aux values must be named by strings, got {name!r}.")
-    if cache_key is not None:
-        if len(_OUTPUTS) >= 64:
-            _OUTPUTS.pop(next(iter(_OUTPUTS)))
-        _OUTPUTS[cache_key] = outputs
+    _OUTPUTS.put(cache_key, outputs)
     return outputs
 
 
@@ -606,9 +597,38 @@ def applies(jaxpr: Any, name: str) -> bool:
     return False
 
 
-# What a loss and metrics return on arrays of given shapes (`find_outputs`).
-_OUTPUTS: dict[Any, LossTrace] = {}
-_STATISTICS: dict[Any, tuple[Like, ...]] = {}  # `Objective.find_statistics`'
+class _Traced:
+    """What tracing found, remembered by a hashable key of what was traced (the
+    functions, the options, the arrays' shapes): the newest 64.
+    """
+
+    def __init__(self) -> None:
+        self._found: dict[Any, Any] = {}
+
+    @staticmethod
+    def key(*parts: Any) -> tuple[Any, ...] | None:
+        """`parts` as a key, or `None` where one cannot be hashed."""
+        try:
+            hash(parts)
+        except TypeError:
+            return None
+        return parts
+
+    def get(self, key: tuple[Any, ...] | None) -> Any:
+        return None if key is None else self._found.get(key)
+
+    def put(self, key: tuple[Any, ...] | None, found: Any) -> None:
+        if key is None:
+            return
+        if len(self._found) >= 64:
+            self._found.pop(next(iter(self._found)))
+        self._found[key] = found
+
+
+# What a loss and metrics return on arrays of given shapes (`find_outputs`), and the
+# statistics of the metrics that accumulate (`Objective.find_statistics`).
+_OUTPUTS = _Traced()
+_STATISTICS = _Traced()
 
 
 def abstract_key(tree: PyTree) -> tuple[Any, ...]:

@@ -141,7 +141,7 @@ class Record:
 
     @property
     def accumulated_names(self) -> tuple[str, ...]:
-        """The accumulating metrics' values, flat, as an epoch records them (`cm[0,1]`)."""
+        """The accumulating metrics' values, flat, as an epoch records them (`cm/0/1`)."""
         return tuple(n for name, shape in self.accumulated for n in entry_names(name, shape))
 
     @property

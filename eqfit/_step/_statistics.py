@@ -38,6 +38,11 @@ class Like:
     def tree(self) -> PyTree:
         return jax.tree.unflatten(self.treedef, self.leaves)
 
+    @property
+    def static(self) -> PyTree:
+        """Its leaves that are not arrays (configuration), `None` in the arrays' places."""
+        return eqx.filter(self.tree, _is_shaped, inverse=True, is_leaf=_is_shaped)
+
 
 def arrays(statistics: PyTree) -> PyTree:
     """The arrays of `statistics` (what the run sums), `None` elsewhere."""
@@ -63,8 +68,7 @@ def value(metric: AbstractMetric, like: Like, summed: PyTree) -> Array:
     """`metric`'s value from its `summed` arrays, its other leaves put back from
     `like`, as a float32 array.
     """
-    static = eqx.filter(like.tree, _is_shaped, inverse=True, is_leaf=_is_shaped)
-    out = metric.compute(eqx.combine(summed, static))
+    out = metric.compute(eqx.combine(summed, like.static))
     return jnp.asarray(out).astype(jnp.float32)
 
 
@@ -92,7 +96,8 @@ def grouped(
 ) -> dict[str, Any]:
     """`flat` (values by name, each an array `(epochs, ...)` or a number) with each array
     value's entries (`arrays`: its name, shape and entries' names) put together as one
-    array, `(epochs, *shape, ...)` or `shape`, where its first entry was.
+    array, `(epochs, *shape, ...)` or `shape`, where its first entry was; an array whose
+    entries `flat` does not hold is passed over.
     """
     firsts = {entries[0]: (name, shape, entries) for name, shape, entries in arrays}
     taken = {e for _, _, entries in arrays for e in entries}
@@ -109,10 +114,6 @@ def grouped(
         elif key not in taken:
             out[key] = v
     return out
-
-
-def size(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
 
 
 def _is_shaped(x: Any) -> bool:
@@ -185,9 +186,8 @@ def check_sums(name: str, metric: AbstractMetric, like: Like) -> None:
     taken = getattr(metric, "metric", None)  # `Metrax`'s class
     if getattr(taken, "merge", None) is None:
         return
-    static = eqx.filter(like.tree, _is_shaped, inverse=True, is_leaf=_is_shaped)
     ones, twos = (
-        eqx.combine(jax.tree.map(lambda z: jnp.full(z.shape, k, z.dtype), zeros(like)), static)
+        eqx.combine(jax.tree.map(lambda z: jnp.full(z.shape, k, z.dtype), zeros(like)), like.static)
         for k in (1, 2)
     )
     merged = arrays(type(ones).merge(ones, twos))
