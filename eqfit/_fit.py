@@ -6,6 +6,7 @@ way through them.
 
 import contextlib
 import contextvars
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -41,8 +42,9 @@ from ._host._planner import make_plan, step_costs
 from ._host._signals import Interrupt
 from ._program._build import make_loop
 from ._program._options import check_options, no_data
-from ._program._parallel import Device
+from ._program._parallel import Device, placement_devices
 from ._program._sharding import Shard
+from ._replay import replays
 from ._result import FitResult
 from ._step._precision import PrecisionLike
 from ._step._updates import AbstractUpdate
@@ -264,7 +266,10 @@ def fit(
         the parameters, the rows). `"stop"`: stop and return it, the replay's finding in
         `history.non_finite`. `"skip"`: skip that update and go on. With `norms=True`, a
         gradient that is not finite counts as such a loss. The check never syncs the
-        host, and on finite losses all three train alike, bit for bit.
+        host, and on finite losses all three train alike, bit for bit. With `"raise"`
+        and `"stop"`, where the execution has no guard (`execution`'s `guard`; by
+        default on GPU and TPU), the run stops after the non-finite step and the model
+        before it is replayed, from the newest checkpoint or the start.
 
     *Real models:*
 
@@ -343,7 +348,10 @@ def fit(
         `PerStep`, each epoch's validation is programs of `unroll` batches called from
         Python too. The history, the model and the checkpoints agree between the two to
         float tolerance (only XLA's fusion differs), and a checkpoint written in one
-        resumes in the other.
+        resumes in the other. Each takes `guard=`: whether each update sits in a
+        `lax.cond` that leaves it unapplied where its loss is not finite (`on_nan`), or
+        is applied whatever its loss, the state before such a step then replayed: the
+        same bits either way; by default none on GPU and TPU, the guard on the CPU.
 
     *Where it runs:*
 
@@ -448,6 +456,10 @@ def fit(
     if data is None:  # the updates make their own: a row of nothing for each step
         data = no_data(options.steps_per_epoch or 1)
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
+    # With `on_nan` "raise" or "stop", a non-finite step applied, then replayed (`_replay`).
+    platform = placement_devices(options.placement)[0].platform
+    step = dataclasses.replace(options.step, replays=replays(options, source, platform))
+    options = dataclasses.replace(options, step=step)
     schedule = schedule_for(source, options)
     loop, start = make_loop(model, schedule, options, source.like, state, opt_state)
     ready = Ready(options, loop, start, source, val_data)

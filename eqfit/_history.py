@@ -28,16 +28,20 @@ StopReason = (
 class NonFinite:
     """What made a step's loss not finite, found by replaying the step: eqfit's runs are
     deterministic, so the step runs again from the state it began from (the one `fit`
-    returns, as the step was not applied), on its batch and key, outside the compiled
-    run, under JAX's checks for NaNs (`jax.debug_nans`) and, where none is made, for
-    infinities (`jax.debug_infs`). In [`eqfit.NonFiniteLossError`][]'s `.found`, and with
-    `on_nan="stop"` in `history.non_finite`.
+    returns), on its batch and key, outside the compiled run, under JAX's checks for NaNs
+    (`jax.debug_nans`) and, where none is made, for infinities (`jax.debug_infs`). In
+    [`eqfit.NonFiniteLossError`][]'s `.found`, and with `on_nan="stop"` in
+    `history.non_finite`.
+
+    Where the run applied that step (no guard in its compiled step: see `fit`'s
+    `on_nan`), the state it began from was first replayed itself, from the newest
+    checkpoint or the run's start (`replayed_from`).
 
     **Attributes:**
 
     - `epoch`, `step`: the step, counted from 1 (the step within its epoch).
     - `member`: the ensemble member (counted from 0), or `None`.
-    - `seconds`: how long the replay took.
+    - `seconds`: how long the replay took, the run's replay up to the step included.
     - `not_reproduced`: why the replay found nothing, or `None`: the step's batch could
         not be read again (a generator), or the replayed loss was finite (a precision
         policy, or XLA's fusion of the compiled step, computed it otherwise).
@@ -58,6 +62,10 @@ class NonFinite:
         epoch: the batches before its batch in the epoch times the batch size, plus its
         place in its batch); `None` where no row alone is (a loss that is no mean over
         its rows).
+    - `replayed_from`: where the run applied the step, the steps done (since the first
+        epoch ever) at the state its replay began from: the newest checkpoint's, or the
+        run's start; `None` where the run kept its last finite state itself (`on_nan=`'s
+        guard, kept under `devices=`, a precision policy or an ensemble).
     """
 
     epoch: int
@@ -71,11 +79,15 @@ class NonFinite:
     parameters: tuple[str, ...] = ()
     rows: tuple[int, ...] | None = None
     update: str | None = None
+    replayed_from: int | None = None
 
     def __str__(self) -> str:
         member = "" if self.member is None else f" of member {self.member}"
         update = "" if self.update is None else f", update {self.update!r}"
         head = f"Replayed step {self.step} of epoch {self.epoch}{member}{update}"
+        if self.replayed_from is not None:
+            start = "the start" if self.replayed_from == 0 else f"step {self.replayed_from}"
+            head += f" (the run replayed from {start})"
         if self.not_reproduced is not None:
             return f"{head}: not reproduced; {self.not_reproduced}."
         lines = [f"{head}:"]

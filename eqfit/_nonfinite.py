@@ -2,11 +2,12 @@
 deterministic, so the step's batch, key and parameters are those it had, and the step
 runs once more, outside the compiled run, under JAX's checks for NaNs and infinities.
 
-With `on_nan="raise"` or `"stop"`, a step whose loss is not finite is not applied, so the
-state the run ends with is the state that step began from: the replay starts there, and
-runs that one step. It reads the step's batch as the run read it: from arrays in memory
-by the epoch's shuffle, from memmaps and loaders by reading their chunks again (a loader
-is iterated again up to the step, as a resumed run reads it).
+With `on_nan="raise"` or `"stop"`, the run stops at a step whose loss is not finite, and
+the state it returns is the state that step began from (kept by the step's guard, or
+replayed up to it: `_replay`): the replay starts there, and runs that one step. It reads
+the step's batch as the run read it: from arrays in memory by the epoch's shuffle, from
+memmaps and loaders by reading their chunks again (a loader is iterated again up to the
+step, as a resumed run reads it).
 """
 
 import os
@@ -56,6 +57,10 @@ def find(
     model_state: PyTree,
     step: int,
     member: int | None,
+    *,
+    replayed_from: int | None = None,
+    replay_seconds: float = 0.0,
+    unreplayed: str | None = None,
 ) -> NonFinite:
     """Replays global step `step` of the run (of ensemble member `member`) from the state
     it began from, and finds what made its loss not finite. A replay that fails says so
@@ -72,20 +77,30 @@ def find(
     - `keys`: the run's key, or each member's.
     - `params`, `opt_state`, `model_state`: the run's final trained arrays, optimizer
         state (several updates': by name) and model state, on the host: those the step
-        began from, as it was not applied.
+        began from.
     - `step`: the global step whose loss was not finite (counted from 0).
     - `member`: the ensemble member, or `None`.
+    - `replayed_from`, `replay_seconds`: where the run had applied the step, the position
+        the replay of the run up to it began from (`_replay`), and how long it took;
+        `unreplayed`: why that replay did not reach the step (the arrays given are then
+        those after it, and nothing is replayed).
 
     **Returns:**
 
     A `NonFinite`.
     """
-    began = time.perf_counter()
+    began = time.perf_counter() - replay_seconds
     epoch, within = loop.schedule.locate(step)
 
     def unfound(why: str) -> NonFinite:
-        return NonFinite(epoch, within, member, time.perf_counter() - began, why)
+        seconds = time.perf_counter() - began
+        return NonFinite(epoch, within, member, seconds, why, replayed_from=replayed_from)
 
+    if unreplayed is not None:
+        return unfound(
+            f"the run could not be replayed up to the step ({unreplayed}), so the model "
+            "returned is the one after it"
+        )
     try:
         frozen, key = consts.frozen, keys
         if member is not None:  # the member's own arrays, from each one's leading axis
@@ -115,7 +130,8 @@ def find(
             "and the replay computed them differently (XLA's fusion, or a precision "
             "policy, norms or microbatches, which the replay does not apply)"
         )
-    return NonFinite(epoch, within, member, time.perf_counter() - began, None, *finding)
+    seconds = time.perf_counter() - began
+    return NonFinite(epoch, within, member, seconds, None, *finding, replayed_from=replayed_from)
 
 
 def _diagnose(

@@ -5,7 +5,7 @@ there is one), the feeds, the observers, the drive itself, and the finish.
 import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -14,7 +14,7 @@ from jaxtyping import PyTree
 
 from ._core._checks import reported_as
 from ._host._drive import drive, feeds
-from ._host._feeds import validation_reader
+from ._host._feeds import Feed, validation_reader
 from ._host._inference import StreamedSets
 from ._host._observers import (
     BestBy,
@@ -29,7 +29,7 @@ from ._host._plan import Plan
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
 from ._host._signals import Interrupt
-from ._host._sources import Source
+from ._host._sources import read_again, Source
 from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
 from ._keep._resume import open_store, resume
@@ -40,7 +40,9 @@ from ._program._loop import Loop
 from ._program._options import Options
 from ._program._parallel import OneDevice
 from ._program._program import start_program
+from ._program._schedule import Schedule
 from ._program._state import Inputs, StartArgs, TrainState
+from ._replay import replay
 from ._result import finish, FitResult, model_from
 
 
@@ -103,11 +105,16 @@ def train(
         placement.put(keys),
         placement.put(consts),
     )
-    chunks = ready.source.chunks(schedule, begin, schedule.total)
-    validation = None if streams is None else validation_reader(streams, placement.put)
-    train_feeds, stop_feeds = feeds(
-        chunks, template, placement.put, ready.source.streamed, validation
-    )
+
+    def feeds_from(
+        source: Source, schedule: Schedule, begin: int, end: int
+    ) -> tuple[Iterator[Feed], Callable[[], None]]:
+        """The feeds of `source` from step `begin` to `end`, and what stops them."""
+        chunks = source.chunks(schedule, begin, end)
+        validation = None if streams is None else validation_reader(streams, placement.put)
+        return feeds(chunks, template, placement.put, source.streamed, validation)
+
+    train_feeds, stop_feeds = feeds_from(ready.source, schedule, begin, schedule.total)
     stack.callback(stop_feeds)
     observers = observers_for(
         options,
@@ -132,15 +139,23 @@ def train(
             )
         # Still deferred: a signal now, with training over, must not lose its result.
         interrupt.ended = True
-        result = finish(
-            outcome.loop,
-            outcome,
-            consts,
-            began,
-            functools.partial(
-                find, outcome.loop, ready.source, options, options.objects.loss, consts, keys
-            ),
+        found = functools.partial(
+            find, outcome.loop, ready.source, options, options.objects.loss, consts, keys
         )
+        nan_step = int(np.asarray(placement.host(outcome.report.nan_step)).max())
+        if loop.step.replays and nan_step >= 0:  # the step was applied: the state before it
+            source = read_again(ready.source, options)
+            assert source is not None  # `replays` asks that it can be
+            with reported_as("fit", "data"):
+                replayed = replay(outcome, ready.start, store, feeds_from, source, nan_step)
+            outcome = replayed.outcome
+            found = functools.partial(
+                found,
+                replayed_from=replayed.began_from,
+                replay_seconds=replayed.seconds,
+                unreplayed=replayed.failed,
+            )
+        result = finish(outcome.loop, outcome, consts, began, found)
     except BaseException:
         interrupt.ended = True
         for observer in observers:  # how the run ended is `sys.exc_info()`'s now
@@ -201,7 +216,11 @@ def observers_for(
         elif policy.keep_best is not None:
             monitor = BestBy(loop.log_names.index(policy.keep_best))
         take = placement.get
-        observers.append(Checkpointing(store, policy, schedule, interrupt, take, host, monitor))
+        observers.append(
+            Checkpointing(
+                store, policy, schedule, interrupt, take, host, monitor, loop.step.replays
+            )
+        )
     if options.profile is not None:
         observers.append(Profiling(options.profile, begin))
     return observers

@@ -233,17 +233,22 @@ def conv_problem():
 def test_fit_chooses_per_step_for_a_convolution_on_the_cpu_and_the_loop_for_an_mlp():
     model, data, settings = conv_problem()
     planned = eqfit.plan(model, data, **settings)
+    # On the CPU the updates keep the NaN guard's `cond`, the faster there for most steps.
     assert planned.execution == eqfit.PerStep(1)
     assert "convolves" in planned.execution_why and "CPU" in planned.execution_why
+    assert "NaN guard's `cond`" in planned.execution_why
     assert "steps run as: a program of one step called from Python" in str(planned)
     x, y = arrays()
     mlp = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1))
     planned = eqfit.plan(mlp, (x, y), loss=eqfit.losses.mse, optimizer=ADAM, key=jax.random.key(2))
     assert planned.execution == eqfit.WholeRun()
     assert "no convolution" in planned.execution_why
-    # Asked for, either way is taken.
-    forced = eqfit.plan(model, data, execution=eqfit.WholeRun(), **settings)
-    assert forced.execution == eqfit.WholeRun() and "asks" in forced.execution_why
+    # Asked for, either way is taken, and the guard with it.
+    forced = eqfit.plan(model, data, execution=eqfit.WholeRun(guard=False), **settings)
+    assert forced.execution == eqfit.WholeRun(guard=False) and "asks" in forced.execution_why
+    assert "no NaN guard" in forced.execution_why
+    skipping = eqfit.plan(model, data, execution=eqfit.WholeRun(), on_nan="skip", **settings)
+    assert "guard" not in skipping.execution_why  # "skip" always guards: nothing to choose
 
 
 def test_a_conv_net_trains_the_same_in_the_way_chosen_and_in_the_loop():

@@ -302,3 +302,115 @@ def test_a_row_is_named_in_the_data_given_when_validation_split_holds_some_out()
         )
     found = info.value.found
     assert found is not None and found.rows == (BAD,)  # not its index among those trained
+
+
+T = BAD // BATCH  # the step (counted from 0) whose batch holds row 37, unshuffled
+
+
+def given(kind, x, y, directory):
+    """The data as `kind`: arrays, memmaps of them, or a loader over them."""
+    if kind == "memmaps":
+        directory.mkdir(exist_ok=True)
+        np.save(directory / "x.npy", x)
+        np.save(directory / "y.npy", y)
+        return tuple(np.load(directory / f"{n}.npy", mmap_mode="r") for n in ("x", "y"))
+    if kind == "loader":
+        return Rows(x, y)
+    return x, y
+
+
+class Rows(Batches):
+    """A re-iterable loader of any number of rows: every batch of them, each pass."""
+
+    def __iter__(self):
+        for i in range(0, len(self.x), BATCH):
+            yield self.x[i : i + BATCH], self.y[i : i + BATCH]
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+
+UNGUARDED = eqfit.WholeRun(guard=False)
+
+
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        ("arrays", dict(execution=UNGUARDED)),
+        ("arrays", dict(execution=eqfit.PerStep(3, guard=False))),
+        ("arrays", dict(execution=UNGUARDED, progress="lines")),
+        pytest.param(
+            "arrays",
+            dict(execution=UNGUARDED, mesh=jax.make_mesh((8,), ("batch",))),
+            marks=pytest.mark.heavy,
+        ),
+        ("memmaps", dict(execution=UNGUARDED)),
+        ("loader", dict(execution=UNGUARDED)),
+    ],
+)
+def test_the_model_returned_is_the_run_replayed_to_the_step_before(tmp_path, kind, options):
+    # With no guard, the step applies the non-finite update, the run stops, and `fit`
+    # replays it from its start to the step before: the model it returns equals a run of
+    # those steps alone, bit for bit, whatever the data and the way of running.
+    x, y = data()
+    kwargs = dict(loss=weighted_loss, optimizer=optax.adam(1e-2), shuffle=False, **options)
+    with pytest.raises(eqfit.NonFiniteLossError) as info:
+        eqfit.fit(Three(jax.random.key(0)), given(kind, x, y, tmp_path), **kwargs, **FIT)
+    e = info.value
+    assert e.step == T + 1 and e.found is not None and e.found.replayed_from == 0
+    assert "the run replayed from the start" in str(e)
+    before = given(kind, x[: T * BATCH], y[: T * BATCH], tmp_path / "before")
+    short = dict(FIT, epochs=1)
+    alone = eqfit.fit(Three(jax.random.key(0)), before, **kwargs, **short)
+    assert_trees_equal(e.result.model, alone.model)
+    assert_trees_equal(e.result.opt_state, alone.opt_state)
+    # The history is the run's: the step's loss is there, NaN, and none after it.
+    losses = e.result.history.step_loss.reshape(-1)
+    assert np.isnan(losses[T]) and np.isfinite(losses[:T]).all()
+
+
+def test_the_replay_starts_from_the_newest_checkpoint_and_none_holds_the_nan(tmp_path):
+    x, y = data()
+    kwargs = dict(loss=weighted_loss, optimizer=optax.adam(1e-2), shuffle=False, **FIT)
+    kwargs |= dict(execution=UNGUARDED)
+    policy = eqfit.Checkpoint(tmp_path, every_steps=3)  # at step 3, the last before the NaN
+    for attempt in range(2):  # the same call again resumes the newest: step 3's
+        result = eqfit.fit(
+            Three(jax.random.key(0)), (x, y), on_nan="stop", checkpoint=policy, **kwargs
+        )
+        found = result.history.non_finite
+        assert found is not None and found.replayed_from == 3 and found.seconds > 0
+        assert found.rows == (BAD,) and found.step == T + 1
+        assert "the run replayed from step 3" in str(found)
+        assert np.isfinite(result.history.step_loss.reshape(-1)[3:T]).all()
+    plain = eqfit.fit(Three(jax.random.key(0)), (x, y), on_nan="stop", **kwargs)
+    assert plain.history.non_finite is not None
+    assert plain.history.non_finite.replayed_from == 0
+    assert_trees_equal(result.model, plain.model)
+    assert all(
+        np.isfinite(a).all() for a in jax.tree.leaves(eqx.filter(result.model, eqx.is_array))
+    )
+
+
+def test_the_guard_stays_on_the_cpu_by_default_and_no_guard_is_refused_where_it_cannot_replay():
+    x, y = data()
+    kwargs = dict(loss=weighted_loss, optimizer=optax.sgd(1e-2), on_nan="stop", **FIT)
+    # On the CPU backend the update's `cond` stays by default: nothing is replayed, and
+    # the model is the same as with none (the same bits either way).
+    guarded = eqfit.fit(Three(jax.random.key(0)), (x, y), **kwargs)
+    assert guarded.history.non_finite is not None
+    assert guarded.history.non_finite.replayed_from is None
+    replayed = eqfit.fit(Three(jax.random.key(0)), (x, y), execution=UNGUARDED, **kwargs)
+    assert replayed.history.non_finite is not None
+    assert replayed.history.non_finite.replayed_from == 0
+    assert_trees_equal(guarded.model, replayed.model)
+    assert_trees_equal(guarded.opt_state, replayed.opt_state)
+    with pytest.raises(ValueError, match=r"guard.*under `devices=` \(`pmap`\)"):
+        eqfit.fit(Three(jax.random.key(0)), (x, y), execution=UNGUARDED, devices=2, **kwargs)
+
+    def batches():
+        yield from Rows(x, y)
+
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        once = dict(kwargs, epochs=1, steps_per_epoch=N // BATCH)
+        eqfit.fit(Three(jax.random.key(0)), batches(), execution=UNGUARDED, **once)

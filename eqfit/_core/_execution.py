@@ -26,7 +26,22 @@ class Execution(eqx.Module):
     """How `fit` runs the training steps: `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`,
     given as `fit(..., execution=...)`. By default (`"auto"`) `fit` chooses, and
     `eqfit.plan` says which and why.
+
+    Each takes `guard=` (keyword only): whether each update sits in a `lax.cond` that
+    leaves it unapplied where its loss is not finite, with `on_nan="raise"` and `"stop"`
+    (`"skip"` always has it). With `guard=False` the update is applied whatever its
+    loss, the run stops after the first non-finite step, and `fit` makes the state that
+    step began from again by replaying the run up to it, from the newest checkpoint or
+    the start: the same result, bit for bit, with no `cond` in the step. `None` (the
+    default, and `"auto"`'s): no guard on GPU and TPU, where XLA runs a step faster
+    without it; the guard on the CPU backend, where it runs most steps faster with it
+    (see the speed guide). Either way the run's arithmetic and bits are the same.
+    `guard=False` is refused where the run cannot be replayed bit for bit: under
+    `devices=`, with a precision policy or an ensemble, on a one-shot iterator, with
+    several processes.
     """
+
+    guard: bool | None = eqx.field(default=None, kw_only=True)
 
     @abc.abstractmethod
     def describe(self) -> str:

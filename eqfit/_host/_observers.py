@@ -26,7 +26,7 @@ from .._keep._checkpoint import Checkpoints
 from .._keep._identity import learned_config
 from .._keep._writer import Writer
 from .._program._schedule import Schedule
-from .._program._state import TrainState
+from .._program._state import stopped_at_non_finite, TrainState
 from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
 from ._signals import Interrupt
 
@@ -329,7 +329,8 @@ class Checkpointing(Observer):
     queued, so no copy is made; by default the `Writer` then commits it (waits for the
     disk, renames it into place) while training goes on, and with `background=False` the
     training thread does. Where several processes take part, the write is made in
-    the training thread, all processes together.
+    the training thread, all processes together. A state that holds a non-finite step
+    (`replays`) is not written.
     """
 
     def __init__(
@@ -341,8 +342,12 @@ class Checkpointing(Observer):
         take: Callable[[TrainState], PyTree],
         host: Callable[[PyTree], PyTree],
         monitor: BestBy | None,
+        replays: bool = False,
     ):
         self.store, self.policy, self.schedule = store, policy, schedule
+        # The run applies a non-finite step (`StepOptions.replays`): a state that stopped
+        # at one holds it, and is never written.
+        self.replays = replays
         self.interrupt = interrupt
         self.take, self.host = take, host
         self.monitor = monitor  # `keep_best`'s value
@@ -430,6 +435,8 @@ class Checkpointing(Observer):
         to run once (`Checkpoints.begin`'s commit; nothing where none is written).
         """
         host = self.host(state)
+        if self.replays and stopped_at_non_finite(host.reason):
+            return lambda: None
         value = None
         if self.monitor is not None and row is not None:
             values = self.monitor.values(host, row)  # each member's

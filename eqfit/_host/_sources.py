@@ -125,9 +125,16 @@ def read_again(source: Source, options: Options) -> Source | None:
     """
     if not isinstance(source, Loader):
         return source
-    if source.one_shot:
+    if not replayable(source):
         return None
     return open_source(source.loader, options)
+
+
+def replayable(source: Source) -> bool:
+    """Whether `source` can be read again from its start (`read_again`): all but a
+    one-shot iterator (a generator, say).
+    """
+    return not (isinstance(source, Loader) and source.one_shot)
 
 
 # The one-shot iterators (generators, say) that `plan` read from, held weakly: a `fit`

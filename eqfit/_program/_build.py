@@ -109,6 +109,12 @@ def make_loop(
         steps_per_epoch=None if schedule.learning else schedule.steps_per_epoch,
         convolves=convolves,
     )
+    if step.on_nan != "skip":  # the guard as `fit` resolved it (`_replay.replays`)
+        why += "; " + (
+            "no NaN guard: a non-finite step is applied, and the state before it replayed"
+            if step.replays
+            else "each update in a NaN guard's `cond`"
+        )
     loop = dataclasses.replace(loop, execution=execution, execution_why=why)
     if loop.early_stopping is not None:
         check_monitor(loop.early_stopping.monitor, loop)

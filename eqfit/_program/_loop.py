@@ -186,6 +186,7 @@ class Loop:
             schedules=tuple(schedule for _, schedule in schedules),
             microbatch=self.microbatch(),
             batch=self.step.batch,
+            guard=not self.step.replays,
         )
         return Rebuilt(objective, combine, step, init, lay_out)
 

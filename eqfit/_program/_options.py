@@ -63,6 +63,10 @@ class StepOptions:
     # `False`: `fit` was given no data (`data=None`): its updates make their own (a
     # rollout's), and each gets `batch=None`.
     batch: bool = True
+    # A non-finite step is applied as any other (no `cond` around its update), the run
+    # stops after it, and its last finite state is replayed (`_replay`): set by `fit`
+    # where the run can be replayed (`replays`).
+    replays: bool = False
 
     def __post_init__(self) -> None:
         if self.on_nan not in ("raise", "stop", "skip"):

@@ -29,6 +29,13 @@ class Stop(enum.IntEnum):
     BAD_LABEL = 3  # a label out of range made the loss non-finite
 
 
+def stopped_at_non_finite(reason: Any) -> bool:
+    """Whether a state's `reason` (an ensemble's: any member's) says its run stopped at
+    a step whose loss was not finite (a label out of range makes one).
+    """
+    return bool(np.isin(np.asarray(reason), (Stop.NON_FINITE_LOSS, Stop.BAD_LABEL)).any())
+
+
 class Callables(NamedTuple):
     """What the run calls: the loss, the metrics, the optimizer (a plain one) and the
     schedules whose values it records; or, with several updates, the updates (and as the

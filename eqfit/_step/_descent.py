@@ -98,6 +98,9 @@ class UpdateContext(eqx.Module):
     # those of them that are weighted means.
     metrics: tuple[tuple[str, MetricLike], ...] = ()
     metric_means: tuple[str, ...] = ()
+    # `False`: a non-finite update is applied too, with no `cond` around it (`fit`'s
+    # `on_nan="raise"` and `"stop"`, which stop there and replay the last finite state).
+    guard: bool = True
 
     def descend(
         self,
@@ -178,7 +181,9 @@ class UpdateContext(eqx.Module):
         else:
             new_scale = None
 
-        def apply(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        def apply(
+            carry: tuple[Any, ...], grads: PyTree, extra: dict[str, Any], new_state: PyTree
+        ) -> tuple[Any, ...]:
             trained, opt_state, *_ = carry
             updates, opt_state = optimizer.update(grads, opt_state, trained, **extra)
             trained = eqx.apply_updates(trained, updates)
@@ -192,12 +197,23 @@ class UpdateContext(eqx.Module):
         def skip(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             return carry  # nothing is applied: with norms, an update of norm 0
 
-        # A `cond`, not a `where` over every leaf, which would compute and select the
-        # whole update even for finite losses.
         carry = (trained, opt_state, kept)
         if norms:
             carry += (jnp.zeros((), jnp.float32),)
-        trained, opt_state, model_state, *update_norm = jax.lax.cond(applies, apply, skip, carry)
+        if self.guard or loss_scale is not None:
+            # A `cond`, not a `where` over every leaf, which would compute and select the
+            # whole update even for finite losses.
+            applied = lambda carry: apply(carry, grads, extra, new_state)  # noqa: E731
+            out = jax.lax.cond(applies, applied, skip, carry)
+        else:
+            # Applied whatever the loss (the run stops after a non-finite step, and its
+            # last finite state is replayed). Between barriers, which keep XLA from fusing
+            # the update with what surrounds it, as the `cond`'s branch did: the same
+            # arithmetic, so the same bits as a guarded run's.
+            arrays, static = eqx.partition((carry, grads, extra, new_state), eqx.is_array)
+            out = apply(*eqx.combine(jax.lax.optimization_barrier(arrays), static))
+            out = jax.lax.optimization_barrier(out)
+        trained, opt_state, model_state, *update_norm = out
         return Descent(
             params=trained,
             opt_state=opt_state,

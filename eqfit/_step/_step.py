@@ -92,6 +92,8 @@ class Step(eqx.Module):
     An update whose loss is not finite is not applied: one `lax.cond` per update, as
     `optax.apply_if_finite` does, so the parameters are always the last finite ones and
     every `on_nan` policy runs the same arithmetic. The caller decides whether to stop.
+    Without `guard`, each is applied whatever its loss (between barriers, with the same
+    arithmetic): the caller stops there and replays the state before it.
     With a loss scale, an update whose gradient is not finite is skipped too, and its
     scale moves. The options own their logic: the precision policy casts and scales, the
     average updates itself; the step records what they report as named values. An
@@ -117,6 +119,8 @@ class Step(eqx.Module):
     microbatch: int | None = None
     # `False`: `fit` was given no data, and the updates get `batch=None`.
     batch: bool = True
+    # `False`: a non-finite update is applied too (`UpdateContext.guard`).
+    guard: bool = True
 
     def __call__(
         self,
@@ -280,6 +284,7 @@ class Step(eqx.Module):
             loss_scale=loss_scale,
             metrics=measures,
             metric_means=tuple(n for n in self.objective.means if n in self.objective.metric_names),
+            guard=self.guard,
         )
         # At the count this update's step uses: its state's before it.
         scheduled = schedule_values(self.schedules, opt_state) if info.schedules else []

@@ -1,0 +1,129 @@
+"""The state a run's first non-finite step began from, replayed (`on_nan="raise"` and
+`"stop"`).
+
+Where a run's execution asks for no guard (`replays`: on GPU and TPU by default), its
+compiled step applies each update whatever its loss: no `cond` around the update, which
+XLA runs more slowly there (`benchmarks/small_steps.py`). The run stops after its first step
+whose loss is not finite, with that step applied. The state the step began from, which
+`fit` returns, is then made again by `replay`: the run's own programs, from the newest
+checkpoint (or the run's start) up to that step, with no observer. A run's result does
+not depend on how its steps are cut into calls, so the replayed state is the one the run
+had, bit for bit.
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from ._host._drive import drive, Outcome
+from ._host._feeds import Feed
+from ._host._signals import Interrupt
+from ._host._sources import replayable, Source
+from ._keep._checkpoint import Checkpoints
+from ._keep._resume import resume
+from ._program._calls import program_for
+from ._program._options import Options
+from ._program._parallel import Pmap
+from ._program._program import start_program
+from ._program._schedule import Schedule
+from ._program._state import StartArgs
+
+
+def replays(options: Options, source: Source, platform: str) -> bool:
+    """Whether a run of `options` on `source` applies a non-finite step and replays the
+    state before it: as its execution's `guard` asks (`None`: where the training devices'
+    `platform` is not the CPU), with `on_nan` `"raise"` or `"stop"`. Refuses `guard=False`
+    where the run cannot be replayed bit for bit (`unreplayable`).
+    """
+    asked = None if options.execution == "auto" else options.execution.guard
+    if asked or options.step.on_nan == "skip":
+        return False
+    why = unreplayable(options, source)
+    if asked is None:
+        return platform != "cpu" and why is None
+    if why is not None:
+        raise ValueError(
+            f"`execution={options.execution!r}` asks for no guard around the updates, but "
+            f"{why}. Leave `guard` as it is (`None`), or `True`."
+        )
+    return True
+
+
+def unreplayable(options: Options, source: Source) -> str | None:
+    """Why a run cannot be replayed to its state before a step bit for bit, if it cannot:
+    under `pmap` and a precision policy XLA computes the update to other last bits
+    without the guard's `cond` (and a finite run gives the bits it gave); an ensemble's
+    members stop each at its own step; a one-shot iterator's batches are gone; several
+    processes would each have to replay in step.
+    """
+    if isinstance(options.placement, Pmap):
+        return "under `devices=` (`pmap`) XLA computes the update to other last bits without it"
+    if options.step.precision is not None:
+        return "with a precision policy XLA computes the update to other last bits without it"
+    if options.members is not None:
+        return "an ensemble's members each stop at their own step, which a replay cannot give"
+    if not replayable(source):
+        return "the data is a one-shot iterator, whose batches cannot be read again to replay"
+    if jax.process_count() > 1:
+        return "several processes would each have to replay the run in step"
+    return None
+
+
+class Replayed(NamedTuple):
+    """The run's outcome with its trained state replaced by the replay's (the state the
+    non-finite step began from), where the replay began, and how long it took; with
+    `failed`, why the replay did not reach the step (the outcome is the run's own).
+    """
+
+    outcome: Outcome
+    began_from: int
+    seconds: float
+    failed: str | None = None
+
+
+def replay(
+    outcome: Outcome,
+    start: StartArgs,
+    store: Checkpoints | None,
+    feeds_from: Callable[[Source, Schedule, int, int], tuple[Iterator[Feed], Callable[[], None]]],
+    source: Source,
+    step: int,
+) -> Replayed:
+    """Replays the run of `outcome` up to global step `step`, its first non-finite one,
+    from the newest checkpoint in `store` (or from the start `start` makes), on `source`
+    read again (`feeds_from(source, schedule, begin, end)` gives the feeds from `begin`
+    to `end`, and what stops them).
+    """
+    began = time.perf_counter()
+    loop = outcome.loop
+    schedule, placement = loop.schedule, loop.placement
+    state, _ = start_program(loop)(*placement.start_inputs(start, loop.trains))
+    begin = schedule.begin
+    if store is not None:
+        resumed, position = resume(store, state, schedule)
+        if position <= step:  # else (never: none is written past it) from the start
+            state, begin = resumed, position
+    train_feeds, stop_feeds = feeds_from(source, schedule, begin, step)
+    try:
+        muted = Interrupt()  # and no observers: the run told them all already
+        replayed = drive(loop, program_for, placement.put(state), train_feeds, begin, [], muted)
+    finally:
+        stop_feeds()
+    reached = int(np.asarray(placement.host(replayed.state.step)).max())
+    seconds = time.perf_counter() - began
+    failure = replayed.failure
+    if failure is not None or reached != step:
+        why = f"{type(failure).__name__}: {failure}" if failure else f"it ended at step {reached}"
+        return Replayed(outcome, begin, seconds, why)
+    r = replayed.state
+    state = outcome.state._replace(
+        params=r.params,
+        opt_state=r.opt_state,
+        model_state=r.model_state,
+        average=r.average,
+        loss_scale=r.loss_scale,
+    )
+    return Replayed(outcome._replace(state=state), begin, seconds)
