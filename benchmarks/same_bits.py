@@ -1,4 +1,4 @@
-"""Same bits before and after a change: trains ten configurations that cover `fit`'s paths
+"""Same bits before and after a change: trains eleven configurations that cover `fit`'s paths
 and saves every array of their results (the history's values and per-step values, the
 step losses, the model, the optimizer state, the average) to an npz; run it in two
 checkouts and compare the files. A refactor that says "no change in behaviour" shows it
@@ -8,11 +8,15 @@ this way: every array equal, dtype and NaNs included.
     PYTHONPATH=. python benchmarks/same_bits.py save after.npz
     python benchmarks/same_bits.py compare before.npz after.npz
 
+`save --unguarded` runs those of them that can be replayed with `guard=False` (the
+updates applied with no `cond` around them: `eqfit.WholeRun`'s `guard`); compared with
+a guarded run's file, every array must be equal too.
+
 The configurations: one loss with `ema=`, `norms=` and validation; `inject_hyperparams`;
 three updates (two built-in, one every third step, and one of the user's own) with norms
 and validation; a weighted-mean loss with batches of weight 0 and validation;
-`microbatches=4`; `PerStep(2)`; `devices=8`; a convolutional net with a metric; bfloat16;
-an ensemble of three members with two updates.
+`microbatches=4`; `PerStep(2)`; `devices=8`; a mesh of 8 with `shard=`; a convolutional
+net with a metric; bfloat16; an ensemble of three members with two updates.
 """
 
 import argparse
@@ -78,8 +82,13 @@ class Shrink(eqfit.AbstractUpdate):
         return eqfit.Applied(model, state + 1, model_state, {"n": state})
 
 
-def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
-    common = dict(key=jax.random.key(0), batch_size=16)
+def configurations(unguarded: bool = False) -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
+    common: dict[str, Any] = dict(key=jax.random.key(0), batch_size=16)
+    # `--unguarded`: the runs that can be replayed without the updates' `cond`
+    # (`execution=...(guard=False)`), which must give the same bits as with it.
+    whole: dict[str, Any] = {}
+    if unguarded:
+        whole = dict(execution=eqfit.WholeRun(guard=False))
     val = (X[:20], Y[:20])
     cnn = eqx.nn.Sequential(
         [
@@ -107,6 +116,7 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
             ema=0.9,
             norms=True,
             validation_data=val,
+            **whole,
             **common,
         ),
         "inject": lambda: eqfit.fit(
@@ -114,6 +124,7 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
             (X, Y),
             loss=fits_a,
             epochs=2,
+            **whole,
             **common,
             optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
         ),
@@ -124,6 +135,7 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
             epochs=3,
             norms=True,
             validation_data=val,
+            **whole,
             **common,
         ),
         "mean": lambda: eqfit.fit(
@@ -133,10 +145,18 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
             optimizer=adam,
             epochs=3,
             validation_data=(X[:20], Y[:20], W[:20]),
+            **whole,
             **common,
         ),
         "microbatches": lambda: eqfit.fit(
-            pair(), (X, Y, W), loss=masked, optimizer=adam, epochs=2, microbatches=4, **common
+            pair(),
+            (X, Y, W),
+            loss=masked,
+            optimizer=adam,
+            epochs=2,
+            microbatches=4,
+            **whole,
+            **common,
         ),
         "per_step": lambda: eqfit.fit(
             pair(),
@@ -144,7 +164,7 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
             loss=fits_a,
             optimizer=adam,
             epochs=2,
-            execution=eqfit.PerStep(2),
+            execution=eqfit.PerStep(2, guard=False) if unguarded else eqfit.PerStep(2),
             **common,
         ),
         "devices": lambda: eqfit.fit(
@@ -156,6 +176,17 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
             devices=8,
             **common,
         ),
+        "mesh": lambda: eqfit.fit(
+            pair(),
+            (X[:96], Y[:96]),
+            loss=fits_a,
+            optimizer=adam,
+            epochs=2,
+            mesh=jax.make_mesh((8,), ("batch",)),
+            shard=eqfit.sharding.fsdp("batch", min_bytes=0),
+            **whole,
+            **common,
+        ),
         "cnn": lambda: eqfit.fit(
             cnn,
             (IMAGES, LABELS),
@@ -163,6 +194,7 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
             optimizer=optax.adam(1e-3),
             epochs=2,
             metrics={"acc": eqfit.metrics.accuracy},
+            **(dict(execution=eqfit.PerStep(guard=False)) if unguarded else {}),
             **common,
         ),
         "bfloat16": lambda: eqfit.fit(
@@ -185,9 +217,9 @@ def configurations() -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
     }
 
 
-def save(path: str) -> None:
+def save(path: str, unguarded: bool = False) -> None:
     arrays: dict[str, np.ndarray] = {}
-    for name, run in configurations().items():
+    for name, run in configurations(unguarded).items():
         result = run()
         history = result.history
         found = {f"values/{k}": v for k, v in history.values.items()}
@@ -222,13 +254,19 @@ def compare(a: str, b: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("save").add_argument("out")
+    saving = commands.add_parser("save")
+    saving.add_argument("out")
+    saving.add_argument(
+        "--unguarded",
+        action="store_true",
+        help="run those that can be with `guard=False` (no `cond` around the updates)",
+    )
     both = commands.add_parser("compare")
     both.add_argument("a")
     both.add_argument("b")
     args = parser.parse_args()
     if args.command == "save":
-        save(args.out)
+        save(args.out, args.unguarded)
     else:
         sys.exit(compare(args.a, args.b))
 

@@ -48,9 +48,15 @@ beforehand (with replacement) from a replay buffer of 50,000 transitions and sta
 a `jax.jit`'d `lax.scan`'s `xs` (`(2000, 128, ...)`), the target network copied from the
 online one every 50 steps by a `lax.cond`, no NaN guard (`given_floor`); against eqfit
 given the same rows as flat arrays with `shuffle=False`, `batch_size=128` and
-`updates=[eqfit.Update("q", ...), TargetCopy(every=50)]` (`given_eqfit`). Its ratio is
+`updates=[eqfit.Update("q", ...), TargetCopy(every=50)]` (`given_eqfit`), both as `fit`
+chooses and with no NaN guard (`WholeRun(guard=False)`). Its ratio is
 named `eqfit/given_floor`: the floors differ (eqfit's shuffle and gather are not in this
 one), so each is reported under its own name.
+
+And with `--guards`, each workload (and the given-minibatch DQN) as eqfit runs it with
+the NaN guard, a `lax.cond` around each update (`WholeRun(guard=True)`, the CPU's
+default), against with none (`WholeRun(guard=False)`, the GPU's and TPU's default, which
+replays the run to the state before a non-finite step): `none/guard`.
 
 Each workload's epochs are set so that one run takes a few tenths of a second on a 2-core
 CPU. The three ways of a workload are timed in one process, interleaved (the order rotated
@@ -356,7 +362,7 @@ def make_scan(w: Workload, same_shuffle: bool) -> Run:
     return lambda: jax.block_until_ready(train(params, opt_state, frozen, w.data, key))
 
 
-def make_eqfit(w: Workload) -> Run:
+def make_eqfit(w: Workload, execution: Any = "auto") -> Run:
     optimizer = w.optimizer()
     key = jax.random.key(0)
 
@@ -372,6 +378,7 @@ def make_eqfit(w: Workload) -> Run:
             epochs=w.epochs,
             batch_size=w.batch_size,
             drop_remainder=True,
+            execution=execution,
         )
 
     return run
@@ -436,7 +443,7 @@ def make_given_floor(model: DQN, batches: tuple[jax.Array, ...]) -> Run:
     return lambda: jax.block_until_ready(train(q, q, opt_state, batches))
 
 
-def make_given_eqfit(model: DQN, batches: tuple[jax.Array, ...]) -> Run:
+def make_given_eqfit(model: DQN, batches: tuple[jax.Array, ...], execution: Any = "auto") -> Run:
     flat = tuple(a.reshape(GIVEN_STEPS * GIVEN_BATCH, *a.shape[2:]) for a in batches)
     updates = [
         eqfit.Update("q", td_loss, optax.adam(2.5e-4), trains=train_q),
@@ -446,39 +453,55 @@ def make_given_eqfit(model: DQN, batches: tuple[jax.Array, ...]) -> Run:
 
     def run() -> eqfit.FitResult:
         return eqfit.fit(
-            model, flat, updates=updates, key=key, batch_size=GIVEN_BATCH, shuffle=False
+            model,
+            flat,
+            updates=updates,
+            key=key,
+            batch_size=GIVEN_BATCH,
+            shuffle=False,
+            execution=execution,
         )
 
     return run
 
 
 def measure_given(repeats: int, inner: int, events: CompileEvents) -> dict[str, Any]:
-    """`given_eqfit` against `given_floor`, interleaved (`interleaved`)."""
+    """`given_eqfit`, as `fit` chooses (`eqfit`) and with no NaN guard (`eqfit_no_guard`:
+    `WholeRun(guard=False)`), against `given_floor`, interleaved (`interleaved`).
+    """
     model, batches = given_problem()
-    runs = {"eqfit": make_given_eqfit(model, batches), "floor": make_given_floor(model, batches)}
+    runs = {
+        "eqfit": make_given_eqfit(model, batches),
+        "eqfit_no_guard": make_given_eqfit(model, batches, eqfit.WholeRun(guard=False)),
+        "floor": make_given_floor(model, batches),
+    }
     measured = interleaved(runs, repeats, inner, events)
     first, samples = measured["first_call_s"], measured["runs_s"]
     compiles = measured["steady_recompiles"]
     per_step = {k: median(v) / GIVEN_STEPS * 1e6 for k, v in samples.items()}
-    paired = median([a / b for a, b in zip(samples["eqfit"], samples["floor"])])
-    ratio = per_step["eqfit"] / per_step["floor"]
     print("\n## DQN on given minibatches, target copied every 50 steps (`--given-batches`)\n")
-    rows = [
-        [
-            str(GIVEN_STEPS),
-            f"{per_step['eqfit']:,.1f}",
-            f"{per_step['floor']:,.1f}",
-            f"{ratio:.3f} ({paired:.3f})",
-            "yes" if ratio <= TARGET else "no",
-            f"{first['eqfit']:.2f} {first['floor']:.2f}",
-            f"{compiles['eqfit']} {compiles['floor']}",
-        ]
-    ]
-    header = ["steps", "eqfit µs", "given_floor µs", "eqfit/given_floor", f"≤ {TARGET}"]
-    print(table([*header, "first s (eqfit floor)", "compiles timed"], rows))
+    rows, ratios = [], {}
+    for way in ("eqfit", "eqfit_no_guard"):
+        paired = median([a / b for a, b in zip(samples[way], samples["floor"])])
+        ratio = per_step[way] / per_step["floor"]
+        ratios |= {f"{way}/given_floor": ratio, f"{way}/given_floor_paired": paired}
+        rows.append(
+            [
+                way,
+                str(GIVEN_STEPS),
+                f"{per_step[way]:,.1f}",
+                f"{per_step['floor']:,.1f}",
+                f"{ratio:.3f} ({paired:.3f})",
+                "yes" if ratio <= TARGET else "no",
+                f"{first[way]:.2f} {first['floor']:.2f}",
+                f"{compiles[way]} {compiles['floor']}",
+            ]
+        )
+    header = ["way", "steps", "µs", "given_floor µs", "way/given_floor", f"≤ {TARGET}"]
+    print(table([*header, "first s (way floor)", "compiles timed"], rows))
     return {
         "us_per_step": per_step,
-        "ratios": {"eqfit/given_floor": ratio, "eqfit/given_floor_paired": paired},
+        "ratios": ratios,
         "runs_s": samples,
         "first_call_s": first,
         "steady_recompiles": compiles,
@@ -520,6 +543,46 @@ def measure(w: Workload, repeats: int, inner: int, events: CompileEvents) -> dic
     measured = interleaved(runs, repeats, inner, events)
     print(f"  {w.name}: done", file=sys.stderr)
     return measured
+
+
+# ---------------------------------------------------------------------------------------
+# The NaN guard: each update in a `lax.cond`, or none (`--guards`)
+
+
+def measure_guards(
+    workloads: list[Workload], repeats: int, inner: int, events: CompileEvents
+) -> dict[str, Any]:
+    """Each workload (and the given-minibatch DQN) as eqfit runs it with the guard
+    (`WholeRun(guard=True)`) and without (`WholeRun(guard=False)`), interleaved; prints
+    the table of µs per step and returns the numbers.
+    """
+    guarded, unguarded = eqfit.WholeRun(guard=True), eqfit.WholeRun(guard=False)
+    problems: dict[str, tuple[dict[str, Run], int]] = {
+        w.name: ({"guard": make_eqfit(w, guarded), "none": make_eqfit(w, unguarded)}, w.steps)
+        for w in workloads
+    }
+    model, batches = given_problem()
+    problems["dqn_given"] = (
+        {
+            "guard": make_given_eqfit(model, batches, guarded),
+            "none": make_given_eqfit(model, batches, unguarded),
+        },
+        GIVEN_STEPS,
+    )
+    results, rows = {}, []
+    for name, (runs, steps) in problems.items():
+        m = interleaved(runs, repeats, inner, events)
+        per_step = {way: median(m["runs_s"][way]) / steps * 1e6 for way in runs}
+        paired = median([a / b for a, b in zip(m["runs_s"]["none"], m["runs_s"]["guard"])])
+        ratio = per_step["none"] / per_step["guard"]
+        results[name] = {"us_per_step": per_step, "none/guard": ratio, **m}
+        cells = [f"{per_step['guard']:,.1f}", f"{per_step['none']:,.1f}"]
+        rows.append([name, str(steps), *cells, f"{ratio:.3f} ({paired:.3f})"])
+        print(f"  {name}: done", file=sys.stderr)
+    print("\n## The NaN guard (`--guards`): µs per step with and without it\n")
+    header = ["workload", "steps", "guard µs", "no guard µs", "none/guard (paired)"]
+    print(table(header, rows))
+    return results
 
 
 # ---------------------------------------------------------------------------------------
@@ -630,6 +693,11 @@ def main() -> None:
         action="store_true",
         help="also eqfit against the DQN floor on minibatches drawn beforehand",
     )
+    parser.add_argument(
+        "--guards",
+        action="store_true",
+        help="also eqfit with the NaN guard's `cond` against without (`guard=False`)",
+    )
     default_out = Path(__file__).parent / "results" / "small_steps.json"
     parser.add_argument("--out", type=Path, default=default_out, help="JSON output path")
     args = parser.parse_args()
@@ -666,6 +734,9 @@ def main() -> None:
     if args.given_batches:
         print("given batches: first calls, warm-up, repeats...", file=sys.stderr)
         results["given_batches"] = measure_given(repeats, inner, events)
+    if args.guards:
+        print("guards: first calls, warm-up, repeats...", file=sys.stderr)
+        results["guards"] = measure_guards(workloads, repeats, inner, events)
     results["config"] = cfg
     finish(args.out, results, start, load_before)
 
