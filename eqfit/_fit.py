@@ -351,7 +351,8 @@ def fit(
         resumes in the other. Each takes `guard=`: whether each update sits in a
         `lax.cond` that leaves it unapplied where its loss is not finite (`on_nan`), or
         is applied whatever its loss, the state before such a step then replayed: the
-        same bits either way; by default none on GPU and TPU, the guard on the CPU.
+        same bits on finite runs; by default none on GPU and TPU, the guard on the CPU
+        and with several updates.
 
     *Where it runs:*
 

@@ -44,7 +44,10 @@ class NonFinite:
     - `seconds`: how long the replay took, the run's replay up to the step included.
     - `not_reproduced`: why the replay found nothing, or `None`: the step's batch could
         not be read again (a generator), or the replayed loss was finite (a precision
-        policy, or XLA's fusion of the compiled step, computed it otherwise).
+        policy, or XLA's fusion of the compiled step, computed it otherwise); or, with no
+        guard, the run's replay did not reach the step (a loader that raised, a signal),
+        and it says which model `fit` returns then: the one after the step, or the
+        replay's where it stopped.
     - `operation`: the first operation that made a NaN (or an infinity), as JAX names it
         (`"invalid value (nan) encountered in log"`).
     - `source`: the line of your code it came from, `"path:line: code"`.

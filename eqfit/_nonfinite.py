@@ -82,8 +82,8 @@ def find(
     - `member`: the ensemble member, or `None`.
     - `replayed_from`, `replay_seconds`: where the run had applied the step, the position
         the replay of the run up to it began from (`_replay`), and how long it took;
-        `unreplayed`: why that replay did not reach the step (the arrays given are then
-        those after it, and nothing is replayed).
+        `unreplayed`: why that replay did not reach the step, and which model the
+        arrays given are (nothing is then replayed).
 
     **Returns:**
 
@@ -97,10 +97,7 @@ def find(
         return NonFinite(epoch, within, member, seconds, why, replayed_from=replayed_from)
 
     if unreplayed is not None:
-        return unfound(
-            f"the run could not be replayed up to the step ({unreplayed}), so the model "
-            "returned is the one after it"
-        )
+        return unfound(f"the run's replay did not reach the step: {unreplayed}")
     try:
         frozen, key = consts.frozen, keys
         if member is not None:  # the member's own arrays, from each one's leading axis

@@ -12,8 +12,9 @@ had, bit for bit.
 """
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -43,7 +44,11 @@ def replays(options: Options, source: Source, platform: str) -> bool:
         return False
     why = unreplayable(options, source)
     if asked is None:
-        return platform != "cpu" and why is None
+        # Several updates keep it unless asked: with it, the updates of the failing step
+        # before (and after) the non-finite one are applied; a replay gives the state
+        # before the whole step.
+        several = len(options.objects.updates) > 1
+        return platform != "cpu" and why is None and not several
     if why is not None:
         raise ValueError(
             f"`execution={options.execution!r}` asks for no guard around the updates, but "
@@ -75,7 +80,7 @@ def unreplayable(options: Options, source: Source) -> str | None:
 class Replayed(NamedTuple):
     """The run's outcome with its trained state replaced by the replay's (the state the
     non-finite step began from), where the replay began, and how long it took; with
-    `failed`, why the replay did not reach the step (the outcome is the run's own).
+    `failed`, why the replay did not reach the step, and which model the outcome holds.
     """
 
     outcome: Outcome
@@ -89,36 +94,54 @@ def replay(
     start: StartArgs,
     store: Checkpoints | None,
     feeds_from: Callable[[Source, Schedule, int, int], tuple[Iterator[Feed], Callable[[], None]]],
-    source: Source,
+    source: Callable[[], Source],
     step: int,
+    interrupt: Interrupt,
 ) -> Replayed:
     """Replays the run of `outcome` up to global step `step`, its first non-finite one,
-    from the newest checkpoint in `store` (or from the start `start` makes), on `source`
-    read again (`feeds_from(source, schedule, begin, end)` gives the feeds from `begin`
-    to `end`, and what stops them).
+    from the newest checkpoint in `store` (or from the start `start` makes), on the data
+    `source()` reads again (`feeds_from(source, schedule, begin, end)` gives the feeds
+    from `begin` to `end`, and what stops them). A signal (`interrupt`) stops it at the
+    end of the call in flight, the model then the replay's at the step it reached. It
+    never raises: where it fails, `failed` says so, and the outcome is the run's own.
     """
     began = time.perf_counter()
     loop = outcome.loop
     schedule, placement = loop.schedule, loop.placement
-    state, _ = start_program(loop)(*placement.start_inputs(start, loop.trains))
     begin = schedule.begin
-    if store is not None:
-        resumed, position = resume(store, state, schedule)
-        if position <= step:  # else (never: none is written past it) from the start
-            state, begin = resumed, position
-    train_feeds, stop_feeds = feeds_from(source, schedule, begin, step)
     try:
-        muted = Interrupt()  # and no observers: the run told them all already
-        replayed = drive(loop, program_for, placement.put(state), train_feeds, begin, [], muted)
-    finally:
-        stop_feeds()
-    reached = int(np.asarray(placement.host(replayed.state.step)).max())
-    seconds = time.perf_counter() - began
-    failure = replayed.failure
-    if failure is not None or reached != step:
-        why = f"{type(failure).__name__}: {failure}" if failure else f"it ended at step {reached}"
-        return Replayed(outcome, begin, seconds, why)
+        state, _ = start_program(loop)(*placement.start_inputs(start, loop.trains))
+        if store is not None:
+            resumed, position = resume(store, state, schedule)
+            if position <= step:  # else (never: none is written past it) from the start
+                state, begin = resumed, position
+        train_feeds, stop_feeds = feeds_from(source(), schedule, begin, step)
+        try:  # no observers: the run told them all already
+            replayed = drive(
+                loop, program_for, placement.put(state), train_feeds, begin, [], interrupt
+            )
+        finally:
+            stop_feeds()
+    except Exception as e:  # the run's result is kept, whatever the replay met
+        why = f"it failed ({type(e).__name__}: {e}), so the model returned is the one after it"
+        return Replayed(outcome, begin, time.perf_counter() - began, why)
     r = replayed.state
+    reached = int(np.asarray(placement.host(r.step)).max())
+    failed = None
+    if replayed.failure is not None or reached != step:
+        cause = replayed.failure or ("a signal" if interrupt.requested else "the data's end")
+        failed = (
+            f"{cause} stopped it at step {reached}, so the model returned is the one after "
+            f"step {reached} (counted from 1)"
+        )
+    elif not _same_losses(placement.host(r.step_loss), placement.host(outcome.state.step_loss)):
+        warnings.warn(
+            "The replay of the run up to its non-finite step computed other losses than the "
+            "run did: the loader gave other batches the second time (an unseeded shuffle), "
+            "or the device's operations are not deterministic. The model returned is the "
+            "replay's, from before the step.",
+            stacklevel=4,
+        )
     state = outcome.state._replace(
         params=r.params,
         opt_state=r.opt_state,
@@ -126,4 +149,14 @@ def replay(
         average=r.average,
         loss_scale=r.loss_scale,
     )
-    return Replayed(outcome._replace(state=state), begin, seconds)
+    report = outcome.report._replace(trained=replayed.report.trained)  # `restore_best`'s
+    return Replayed(
+        outcome._replace(state=state, report=report), begin, time.perf_counter() - began, failed
+    )
+
+
+def _same_losses(replayed: Any, run: Any) -> bool:
+    """Whether every step loss the replay recorded is the run's, bit for bit."""
+    replayed, run = np.asarray(replayed), np.asarray(run)
+    made = ~np.isnan(replayed)
+    return bool(np.array_equal(replayed[made], run[made]))

@@ -143,11 +143,18 @@ def train(
             find, outcome.loop, ready.source, options, options.objects.loss, consts, keys
         )
         nan_step = int(np.asarray(placement.host(outcome.report.nan_step)).max())
-        if loop.step.replays and nan_step >= 0:  # the step was applied: the state before it
-            source = read_again(ready.source, options)
-            assert source is not None  # `replays` asks that it can be
-            with reported_as("fit", "data"):
-                replayed = replay(outcome, ready.start, store, feeds_from, source, nan_step)
+        cut = outcome.interrupted or outcome.failure is not None
+        if loop.step.replays and nan_step >= 0 and not cut:  # applied: the state before it
+            stop_feeds()  # the run's reading ahead ends before the data is read again
+            interrupt.ended = False  # a signal stops the replay too
+
+            def source() -> Source:
+                again = read_again(ready.source, options)
+                assert again is not None  # `replays` asks that it can be read again
+                return again
+
+            replayed = replay(outcome, ready.start, store, feeds_from, source, nan_step, interrupt)
+            interrupt.ended = True
             outcome = replayed.outcome
             found = functools.partial(
                 found,

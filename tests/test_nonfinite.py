@@ -414,3 +414,90 @@ def test_the_guard_stays_on_the_cpu_by_default_and_no_guard_is_refused_where_it_
     with pytest.raises(ValueError, match="one-shot iterator"):
         once = dict(kwargs, epochs=1, steps_per_epoch=N // BATCH)
         eqfit.fit(Three(jax.random.key(0)), batches(), execution=UNGUARDED, **once)
+
+
+def test_with_no_guard_the_result_is_the_guarded_runs_with_norms_ema_and_restore_best():
+    # Everything `fit` returns, the history's per-step values (the update's norm of the
+    # non-finite step: 0, as the guard's skipped update records it) and `restore_best`'s
+    # model (no epoch monitored yet: the last finite one) included.
+    x, y = data()
+    kwargs = dict(
+        loss=weighted_loss,
+        optimizer=optax.adam(1e-2),
+        on_nan="stop",
+        shuffle=False,
+        norms=True,
+        ema=0.9,
+        validation_data=(x[:16] + 1.0, y[:16]),
+        early_stopping=eqfit.EarlyStopping(monitor="val_loss", patience=3, restore_best=True),
+        **FIT,
+    )
+    runs = []
+    for guard in (True, False):
+        # The run stops inside epoch 1, whose validation is then NaN: said, as always.
+        with pytest.warns(RuntimeWarning, match="'val_loss' was NaN at epoch"):
+            execution = eqfit.WholeRun(guard=guard)
+            runs.append(eqfit.fit(Three(jax.random.key(0)), (x, y), execution=execution, **kwargs))
+    guarded, replayed = runs
+    assert replayed.history.non_finite is not None
+    assert replayed.history.non_finite.replayed_from == 0
+    assert_trees_equal(guarded.model, replayed.model)
+    assert_trees_equal(guarded.ema_model, replayed.ema_model)
+    assert_trees_equal(guarded.opt_state, replayed.opt_state)
+    for name, values in guarded.history.step_values.items():
+        np.testing.assert_array_equal(values, replayed.history.step_values[name], err_msg=name)
+    assert replayed.history.step_values["update_norm"].reshape(-1)[T] == 0.0
+
+
+def test_several_updates_with_no_guard_return_the_state_before_the_whole_step():
+    from helpers import pair
+
+    x, y = data()
+
+    def a_loss(m, x, y):
+        return jnp.mean((jax.vmap(m.a)(x)[:, 0] - y) ** 2)
+
+    def b_loss(m, x, y):
+        return jnp.mean(jnp.log(x[:, 0] + 1.0) * (jax.vmap(m.b)(x)[:, 0] - y) ** 2)
+
+    updates = [
+        eqfit.Update("a", a_loss, optax.sgd(1e-3), trains=lambda m: m.a),
+        eqfit.Update("b", b_loss, optax.sgd(1e-3), trains=lambda m: m.b),
+    ]
+    kwargs = dict(updates=updates, shuffle=False, on_nan="stop", execution=UNGUARDED)
+    result = eqfit.fit(pair(), (x, y), **kwargs, **FIT)
+    found = result.history.non_finite
+    assert found is not None and found.update == "b" and found.replayed_from == 0
+    # `a`'s update of that step is not in it, as it is with the guard: the steps before.
+    before = eqfit.fit(pair(), (x[: T * BATCH], y[: T * BATCH]), **kwargs, **dict(FIT, epochs=1))
+    assert_trees_equal(result.model, before.model)
+
+
+class Breaking(Rows):
+    """A loader that raises from its `fail_from`-th pass on (counted from 1)."""
+
+    def __init__(self, x, y, fail_from=None):
+        super().__init__(x, y)
+        self.passes, self.fail_from = 0, fail_from
+
+    def __iter__(self):
+        self.passes += 1
+        if self.fail_from is not None and self.passes >= self.fail_from:
+            raise RuntimeError("the disk went away")
+        return super().__iter__()
+
+
+def test_a_replay_that_fails_keeps_the_runs_result_and_says_so():
+    x, y = data()
+    kwargs = dict(loss=weighted_loss, optimizer=optax.sgd(1e-2), on_nan="stop", **FIT)
+    counting = Breaking(x, y)
+    eqfit.fit(Three(jax.random.key(0)), counting, **kwargs)  # the run's, and the step's
+    # The run's passes, then the replay's: the replay's first pass fails.
+    breaking = Breaking(x, y, fail_from=counting.passes)
+    result = eqfit.fit(Three(jax.random.key(0)), breaking, execution=UNGUARDED, **kwargs)
+    found = result.history.non_finite
+    assert found is not None and found.not_reproduced is not None
+    assert "replay did not reach the step" in found.not_reproduced
+    assert "the disk went away" in found.not_reproduced
+    assert "the model returned is the one after it" in found.not_reproduced
+    assert result.history.stop_reason == "non_finite_loss"

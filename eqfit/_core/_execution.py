@@ -34,11 +34,13 @@ class Execution(eqx.Module):
     step began from again by replaying the run up to it, from the newest checkpoint or
     the start: the same result, bit for bit, with no `cond` in the step. `None` (the
     default, and `"auto"`'s): no guard on GPU and TPU, where XLA runs a step faster
-    without it; the guard on the CPU backend, where it runs most steps faster with it
-    (see the speed guide). Either way the run's arithmetic and bits are the same.
-    `guard=False` is refused where the run cannot be replayed bit for bit: under
-    `devices=`, with a precision policy or an ensemble, on a one-shot iterator, with
-    several processes.
+    without it; the guard on the CPU backend, where XLA runs some steps faster with it
+    and others slower (see the speed guide), and with several updates. Either way a
+    finite run's arithmetic and bits are the same. With several updates and no guard,
+    a non-finite step gives the state from before the whole step, where the guard
+    applies the step's other updates. `guard=False` is refused where the run cannot be
+    replayed bit for bit: under `devices=`, with a precision policy or an ensemble, on a
+    one-shot iterator, with several processes.
     """
 
     guard: bool | None = eqx.field(default=None, kw_only=True)

@@ -213,6 +213,8 @@ class UpdateContext(eqx.Module):
             arrays, static = eqx.partition((carry, grads, extra, new_state), eqx.is_array)
             out = apply(*eqx.combine(jax.lax.optimization_barrier(arrays), static))
             out = jax.lax.optimization_barrier(out)
+            if norms:  # recorded as the guard's skipped update records it: 0
+                out = (*out[:-1], jnp.where(applies, out[-1], 0.0))
         trained, opt_state, model_state, *update_norm = out
         return Descent(
             params=trained,
