@@ -88,23 +88,61 @@ class Replayed(NamedTuple):
     seconds: float
     failed: str | None = None
 
+    def reported(self) -> dict[str, Any]:
+        """What `_nonfinite.find` reports of the replay, as its keyword arguments."""
+        return {
+            "replayed_from": self.began_from,
+            "replay_seconds": self.seconds,
+            "unreplayed": self.failed,
+        }
+
+
+Feeds = Callable[[Source, Schedule, int, int], tuple[Iterator[Feed], Callable[[], None]]]
+
 
 def replay(
     outcome: Outcome,
     start: StartArgs,
     store: Checkpoints | None,
-    feeds_from: Callable[[Source, Schedule, int, int], tuple[Iterator[Feed], Callable[[], None]]],
-    source: Callable[[], Source],
+    feeds_from: Feeds,
+    source: Callable[[], Source | None],
+    interrupt: Interrupt,
+    stop_feeds: Callable[[], None],
+) -> Replayed | None:
+    """The run of `outcome` replayed up to its first non-finite step, where it applied
+    that step (`StepOptions.replays`) and was not cut short (a signal, a failure);
+    `None` where there is nothing to replay.
+
+    It runs from the newest checkpoint in `store` (or from the start `start` makes), on
+    the data `source()` reads again (`feeds_from(source, schedule, begin, end)` gives
+    the feeds from `begin` to `end`, and what stops them), once the run's own feeds have
+    stopped (`stop_feeds`). A signal (`interrupt`) stops it at the end of the call in
+    flight, the model then the replay's at the step it reached. It never raises: where
+    it fails, `failed` says so, and the outcome is the run's own.
+    """
+    loop = outcome.loop
+    step = int(np.asarray(loop.placement.host(outcome.report.nan_step)).max())
+    cut = outcome.interrupted or outcome.failure is not None
+    if not loop.step.replays or step < 0 or cut:
+        return None
+    stop_feeds()  # the run's reading ahead ends before the data is read again
+    interrupt.ended = False  # a signal stops the replay too
+    try:
+        return _replayed(outcome, start, store, feeds_from, source, step, interrupt)
+    finally:
+        interrupt.ended = True
+
+
+def _replayed(
+    outcome: Outcome,
+    start: StartArgs,
+    store: Checkpoints | None,
+    feeds_from: Feeds,
+    source: Callable[[], Source | None],
     step: int,
     interrupt: Interrupt,
 ) -> Replayed:
-    """Replays the run of `outcome` up to global step `step`, its first non-finite one,
-    from the newest checkpoint in `store` (or from the start `start` makes), on the data
-    `source()` reads again (`feeds_from(source, schedule, begin, end)` gives the feeds
-    from `begin` to `end`, and what stops them). A signal (`interrupt`) stops it at the
-    end of the call in flight, the model then the replay's at the step it reached. It
-    never raises: where it fails, `failed` says so, and the outcome is the run's own.
-    """
+    """`replay`'s, up to global step `step`."""
     began = time.perf_counter()
     loop = outcome.loop
     schedule, placement = loop.schedule, loop.placement
@@ -115,7 +153,9 @@ def replay(
             resumed, position = resume(store, state, schedule)
             if position <= step:  # else (never: none is written past it) from the start
                 state, begin = resumed, position
-        train_feeds, stop_feeds = feeds_from(source(), schedule, begin, step)
+        again = source()
+        assert again is not None  # `replays` asks that it can be read again
+        train_feeds, stop_feeds = feeds_from(again, schedule, begin, step)
         try:  # no observers: the run told them all already
             replayed = drive(
                 loop, program_for, placement.put(state), train_feeds, begin, [], interrupt

@@ -23,7 +23,7 @@ from ._keep._checkpoint import CheckpointError, versions
 from ._keep._files import read_leaves, write_atomically
 from ._program._loop import Loop
 from ._program._skeleton import unwrap
-from ._program._state import Consts, Stop, Validations
+from ._program._state import Consts, NON_FINITE_STOPS, Stop, Validations
 from ._step._labels import raise_found
 from ._step._statistics import grouped
 
@@ -269,7 +269,7 @@ def _result(
         )
     reasons: list[StopReason] = []
     for step, code in zip(steps.tolist(), codes.tolist()):
-        if code in (Stop.NON_FINITE_LOSS, Stop.BAD_LABEL):
+        if code in NON_FINITE_STOPS:
             reasons.append("non_finite_loss")
         elif code == Stop.EARLY_STOPPING:
             reasons.append("early_stopping")

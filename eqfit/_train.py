@@ -142,26 +142,12 @@ def train(
         found = functools.partial(
             find, outcome.loop, ready.source, options, options.objects.loss, consts, keys
         )
-        nan_step = int(np.asarray(placement.host(outcome.report.nan_step)).max())
-        cut = outcome.interrupted or outcome.failure is not None
-        if loop.step.replays and nan_step >= 0 and not cut:  # applied: the state before it
-            stop_feeds()  # the run's reading ahead ends before the data is read again
-            interrupt.ended = False  # a signal stops the replay too
-
-            def source() -> Source:
-                again = read_again(ready.source, options)
-                assert again is not None  # `replays` asks that it can be read again
-                return again
-
-            replayed = replay(outcome, ready.start, store, feeds_from, source, nan_step, interrupt)
-            interrupt.ended = True
+        # Where the run applied a non-finite step: the state before it, replayed.
+        again = functools.partial(read_again, ready.source, options)
+        replayed = replay(outcome, ready.start, store, feeds_from, again, interrupt, stop_feeds)
+        if replayed is not None:
             outcome = replayed.outcome
-            found = functools.partial(
-                found,
-                replayed_from=replayed.began_from,
-                replay_seconds=replayed.seconds,
-                unreplayed=replayed.failed,
-            )
+            found = functools.partial(found, **replayed.reported())
         result = finish(outcome.loop, outcome, consts, began, found)
     except BaseException:
         interrupt.ended = True

@@ -29,11 +29,15 @@ class Stop(enum.IntEnum):
     BAD_LABEL = 3  # a label out of range made the loss non-finite
 
 
+# The reasons that say a run stopped at a step whose loss was not finite.
+NON_FINITE_STOPS = (Stop.NON_FINITE_LOSS, Stop.BAD_LABEL)
+
+
 def stopped_at_non_finite(reason: Any) -> bool:
-    """Whether a state's `reason` (an ensemble's: any member's) says its run stopped at
-    a step whose loss was not finite (a label out of range makes one).
+    """Whether a state's `reason` (an ensemble's: any member's) is one of
+    `NON_FINITE_STOPS`.
     """
-    return bool(np.isin(np.asarray(reason), (Stop.NON_FINITE_LOSS, Stop.BAD_LABEL)).any())
+    return bool(np.isin(np.asarray(reason), NON_FINITE_STOPS).any())
 
 
 class Callables(NamedTuple):

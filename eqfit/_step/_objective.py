@@ -392,10 +392,7 @@ class Objective(eqx.Module):
         # Remembered, as `find_outputs`' traces are: a warm `fit` traces nothing (but a
         # metric that cannot be hashed, holding arrays).
         cache_key = _STATISTICS.key(
-            self.accumulating,
-            self.stateful,
-            self.precision,
-            *map(abstract_key, (model, model_state, batch)),
+            (self.accumulating, self.stateful, self.precision), model, model_state, batch
         )
         remembered = _STATISTICS.get(cache_key)
         if remembered is not None:
@@ -536,14 +533,14 @@ def find_outputs(
         names = ("loss", *objective.metric_names) if weighted else ()
         return LossTrace((), names, None)
     # A loss or model that cannot be hashed has no key: it is traced every time.
-    cache_key = _OUTPUTS.key(
+    options = (
         objective.loss,
         objective.metrics,
         objective.stateful,
         objective.use_key,
         objective.precision,
-        *map(abstract_key, (model, model_state, batch)),
     )
+    cache_key = _OUTPUTS.key(options, model, model_state, batch)
     remembered = _OUTPUTS.get(cache_key)
     if remembered is not None:
         return remembered
@@ -606,8 +603,11 @@ class _Traced:
         self._found: dict[Any, Any] = {}
 
     @staticmethod
-    def key(*parts: Any) -> tuple[Any, ...] | None:
-        """`parts` as a key, or `None` where one cannot be hashed."""
+    def key(options: tuple[Any, ...], *traced: PyTree) -> tuple[Any, ...] | None:
+        """What was traced as a key: the `options` as they are, the `traced` trees by
+        their structure and shapes (`abstract_key`); `None` where it cannot be hashed.
+        """
+        parts = (*options, *map(abstract_key, traced))
         try:
             hash(parts)
         except TypeError:
