@@ -21,10 +21,12 @@ ADAM = optax.adam(1e-3)  # one object for the module: fits share their compiled 
 def test_a_validated_epoch_is_timed_by_itself(getkey):
     """Every other epoch validates a set far larger than its training: those epochs take
     longer, each by its own time. (Calls that hold several epochs, their seconds shared
-    evenly among their steps, would read every epoch alike.)
+    evenly among their steps, would read every epoch alike.) A training epoch lasts
+    many of Python's thread switch intervals: a waiting thread woken that late, on a
+    busy machine, finds the next call done too, and times the two as one.
     """
-    x, y = regression_data(getkey(), n=64, features=16)
-    val = regression_data(getkey(), n=2**17, features=16)
+    x, y = regression_data(getkey(), n=4096, features=16)
+    val = regression_data(getkey(), n=2**18, features=16)
     model = eqfit.models.MLP(16, "scalar", 256, 2, key=getkey())
     arguments = dict(
         validation_data=val,
