@@ -43,7 +43,13 @@ compiled nothing. On XLA's CPU backend a convolution inside a `while` body is co
 a naive loop (jax issue #12868), so on a CPU the two conv families are expected to run
 several times slower in `eqfit` and `scan` than in the usual loop.
 
-    python benchmarks/model_families.py [--repeats 5] [--quick] [--families cnn,gru] [--out PATH]
+With `--guards`, only eqfit, two ways: as `fit` chooses (no NaN guard where a non-finite
+step can be replayed; on a CPU, a small step's operations ordered for memory: the table
+says which) against with the guard's `cond` around each update (`guard=True`, XLA's
+default order), interleaved: `default/guard`, the ratio of medians.
+
+    python benchmarks/model_families.py [--repeats 5] [--quick] [--families cnn,gru]
+        [--guards] [--out PATH]
 """
 
 import argparse
@@ -64,6 +70,7 @@ from _common import (
     CompileEvents,
     config,
     finish,
+    interleave,
     load_average,
     median,
     regression_data,
@@ -294,7 +301,9 @@ def make_usual(family: Family, optimizer: optax.GradientTransformation) -> Run:
     return run
 
 
-def make_eqfit(family: Family, optimizer: optax.GradientTransformation) -> Run:
+def make_eqfit(
+    family: Family, optimizer: optax.GradientTransformation, execution: Any = "auto"
+) -> Run:
     key = jax.random.key(0)
 
     def run() -> eqfit.FitResult:
@@ -307,6 +316,7 @@ def make_eqfit(family: Family, optimizer: optax.GradientTransformation) -> Run:
             key=key,
             epochs=family.epochs,
             batch_size=BATCH_SIZE,
+            execution=execution,
         )
 
     return run
@@ -355,6 +365,55 @@ def measure(family: Family, repeats: int, inner: int, events: CompileEvents) -> 
         "inner_runs_per_sample": inner,
         "steady_recompiles": recompiles,
     }
+
+
+# ---------------------------------------------------------------------------------------
+# The NaN guard (`--guards`)
+
+
+def measure_guards(families: list[Family], repeats: int, inner: int) -> dict[str, Any]:
+    """Each family as `fit` runs it by default (no NaN guard where a non-finite step can
+    be replayed; on a CPU, a small step's operations ordered for memory) against with the
+    guard (`guard=True`, XLA's default order), interleaved; prints the table and returns
+    the numbers.
+    """
+    results, rows = {}, []
+    for family in families:
+        planned = eqfit.plan(
+            family.model,
+            family.data,
+            loss=family.loss,
+            optimizer=optax.adam(LEARNING_RATE),
+            key=jax.random.key(0),
+            epochs=family.epochs,
+            batch_size=BATCH_SIZE,
+        )
+        chosen = planned.execution
+        if isinstance(chosen, eqfit.PerStep):
+            guarded: Any = eqfit.PerStep(chosen.unroll, guard=True)
+        else:
+            guarded = eqfit.WholeRun(guard=True)
+        runs = {
+            "default": make_eqfit(family, optax.adam(LEARNING_RATE)),
+            "guard": make_eqfit(family, optax.adam(LEARNING_RATE), guarded),
+        }
+        medians = interleave(runs, repeats, inner)
+        per_step = {way: us(seconds, family.steps) for way, seconds in medians.items()}
+        small = "small step" in planned.execution_why
+        ratio = per_step["default"] / per_step["guard"]
+        results[family.name] = {
+            "us_per_step": per_step,
+            "default/guard": ratio,
+            "ordered_for_memory": small,
+            "execution_why": planned.execution_why,
+        }
+        cells = [f"{per_step['default']:,.1f}", f"{per_step['guard']:,.1f}", f"{ratio:.3f}"]
+        rows.append([family.name, "yes" if small else "no", *cells])
+        print(f"  {family.name}: done", file=sys.stderr)
+    print("\n## The NaN guard (`--guards`): µs per step, as `fit` chooses and with the guard\n")
+    header = ["family", "ordered for memory", "default µs", "guard µs", "default/guard"]
+    print(table(header, rows))
+    return results
 
 
 # ---------------------------------------------------------------------------------------
@@ -469,6 +528,11 @@ def main() -> None:
     parser.add_argument(
         "--families", default=",".join(FAMILIES), help=f"comma-separated, of {FAMILIES}"
     )
+    parser.add_argument(
+        "--guards",
+        action="store_true",
+        help="only eqfit as `fit` chooses against with the NaN guard (`guard=True`)",
+    )
     default_out = Path(__file__).parent / "results" / "model_families.json"
     parser.add_argument("--out", type=Path, default=default_out, help="JSON output path")
     args = parser.parse_args()
@@ -485,6 +549,11 @@ def main() -> None:
     load_before = load_average()
     events = CompileEvents()
     families = make_families(gru, lm, names, args.quick)
+    if args.guards:
+        guards = measure_guards(families, repeats, inner)
+        results = {"guards": guards, "config": {**config(), "repeats": repeats}}
+        finish(args.out, results, start, load_before)
+        return
     measured = {}
     for family in families:
         print(f"{family.name}: first calls, warm-up, {repeats} repeats...", file=sys.stderr)

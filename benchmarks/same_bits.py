@@ -8,9 +8,10 @@ this way: every array equal, dtype and NaNs included.
     PYTHONPATH=. python benchmarks/same_bits.py save after.npz
     python benchmarks/same_bits.py compare before.npz after.npz
 
-`save --unguarded` runs those of them that can be replayed with `guard=False` (the
-updates applied with no `cond` around them: `eqfit.WholeRun`'s `guard`); compared with
-a guarded run's file, every array must be equal too.
+`save --guard off` runs those of them that can be replayed with `guard=False` (the
+updates applied with no `cond` around them: `eqfit.WholeRun`'s `guard`), and `--guard
+on` the same ones with `guard=True` (the `cond`); by default each runs as `fit`
+chooses. Compared with each other, every array must be equal too.
 
 The configurations: one loss with `ema=`, `norms=` and validation; `inject_hyperparams`;
 three updates (two built-in, one every third step, and one of the user's own) with norms
@@ -82,13 +83,13 @@ class Shrink(eqfit.AbstractUpdate):
         return eqfit.Applied(model, state + 1, model_state, {"n": state})
 
 
-def configurations(unguarded: bool = False) -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
+def configurations(guard: bool | None = None) -> dict[str, Callable[[], eqfit.FitResult[Any]]]:
     common: dict[str, Any] = dict(key=jax.random.key(0), batch_size=16)
-    # `--unguarded`: the runs that can be replayed without the updates' `cond`
-    # (`execution=...(guard=False)`), which must give the same bits as with it.
+    # `--guard`: the runs that can be replayed without the updates' `cond`, with it or
+    # without (`execution=...(guard=...)`), which must give the same bits either way.
     whole: dict[str, Any] = {}
-    if unguarded:
-        whole = dict(execution=eqfit.WholeRun(guard=False))
+    if guard is not None:
+        whole = dict(execution=eqfit.WholeRun(guard=guard))
     val = (X[:20], Y[:20])
     cnn = eqx.nn.Sequential(
         [
@@ -164,7 +165,7 @@ def configurations(unguarded: bool = False) -> dict[str, Callable[[], eqfit.FitR
             loss=fits_a,
             optimizer=adam,
             epochs=2,
-            execution=eqfit.PerStep(2, guard=False) if unguarded else eqfit.PerStep(2),
+            execution=eqfit.PerStep(2, guard=guard),
             **common,
         ),
         "devices": lambda: eqfit.fit(
@@ -194,7 +195,7 @@ def configurations(unguarded: bool = False) -> dict[str, Callable[[], eqfit.FitR
             optimizer=optax.adam(1e-3),
             epochs=2,
             metrics={"acc": eqfit.metrics.accuracy},
-            **(dict(execution=eqfit.PerStep(guard=False)) if unguarded else {}),
+            **({} if guard is None else dict(execution=eqfit.PerStep(guard=guard))),
             **common,
         ),
         "bfloat16": lambda: eqfit.fit(
@@ -217,9 +218,9 @@ def configurations(unguarded: bool = False) -> dict[str, Callable[[], eqfit.FitR
     }
 
 
-def save(path: str, unguarded: bool = False) -> None:
+def save(path: str, guard: bool | None = None) -> None:
     arrays: dict[str, np.ndarray] = {}
-    for name, run in configurations(unguarded).items():
+    for name, run in configurations(guard).items():
         result = run()
         history = result.history
         found = {f"values/{k}": v for k, v in history.values.items()}
@@ -257,16 +258,17 @@ def main() -> None:
     saving = commands.add_parser("save")
     saving.add_argument("out")
     saving.add_argument(
-        "--unguarded",
-        action="store_true",
-        help="run those that can be with `guard=False` (no `cond` around the updates)",
+        "--guard",
+        choices=("on", "off"),
+        help="run those that can be replayed with `guard=True` (a `cond` around the "
+        "updates) or `guard=False` (none); by default, as `fit` chooses",
     )
     both = commands.add_parser("compare")
     both.add_argument("a")
     both.add_argument("b")
     args = parser.parse_args()
     if args.command == "save":
-        save(args.out, args.unguarded)
+        save(args.out, None if args.guard is None else args.guard == "on")
     else:
         sys.exit(compare(args.a, args.b))
 

@@ -42,7 +42,7 @@ from ._host._planner import make_plan, step_costs
 from ._host._signals import Interrupt
 from ._program._build import make_loop
 from ._program._options import check_options, no_data
-from ._program._parallel import Device, placement_devices
+from ._program._parallel import Device
 from ._program._sharding import Shard
 from ._replay import replays
 from ._result import FitResult
@@ -268,8 +268,9 @@ def fit(
         gradient that is not finite counts as such a loss. The check never syncs the
         host, and on finite losses all three train alike, bit for bit. With `"raise"`
         and `"stop"`, where the execution has no guard (`execution`'s `guard`; by
-        default on GPU and TPU), the run stops after the non-finite step and the model
-        before it is replayed, from the newest checkpoint or the start.
+        default wherever a replay can give the same bits), the run stops after the
+        non-finite step and the model before it is replayed, from the newest checkpoint
+        or the start.
 
     *Real models:*
 
@@ -351,8 +352,9 @@ def fit(
         resumes in the other. Each takes `guard=`: whether each update sits in a
         `lax.cond` that leaves it unapplied where its loss is not finite (`on_nan`), or
         is applied whatever its loss, the state before such a step then replayed: the
-        same bits on finite runs; by default none on GPU and TPU, the guard on the CPU
-        and with several updates.
+        same bits on finite runs; by default none, but where a replay cannot give the
+        same bits (`devices=`, a precision policy, an ensemble, a one-shot iterator,
+        several processes).
 
     *Where it runs:*
 
@@ -458,8 +460,7 @@ def fit(
         data = no_data(options.steps_per_epoch or 1)
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
     # With `on_nan` "raise" or "stop", a non-finite step applied, then replayed (`_replay`).
-    platform = placement_devices(options.placement)[0].platform
-    step = dataclasses.replace(options.step, replays=replays(options, source, platform))
+    step = dataclasses.replace(options.step, replays=replays(options, source))
     options = dataclasses.replace(options, step=step)
     schedule = schedule_for(source, options)
     loop, start = make_loop(model, schedule, options, source.like, state, opt_state)

@@ -68,7 +68,8 @@ class NonFinite:
     - `replayed_from`: where the run applied the step, the steps done (since the first
         epoch ever) at the state its replay began from: the newest checkpoint's, or the
         run's start; `None` where the run kept its last finite state itself (`on_nan=`'s
-        guard, kept under `devices=`, a precision policy or an ensemble).
+        guard: asked for, or kept under `devices=`, a precision policy, an ensemble, a
+        one-shot iterator).
     """
 
     epoch: int

@@ -1,9 +1,10 @@
 """The state a run's first non-finite step began from, replayed (`on_nan="raise"` and
 `"stop"`).
 
-Where a run's execution asks for no guard (`replays`: on GPU and TPU by default), its
-compiled step applies each update whatever its loss: no `cond` around the update, which
-XLA runs more slowly there (`benchmarks/small_steps.py`). The run stops after its first step
+Where a run's execution asks for no guard (`replays`: by default, wherever the run can be
+replayed), its compiled step applies each update whatever its loss: no `cond` around the
+update, which costs the step time (`benchmarks/small_steps.py --guards`). The run stops
+after its first step
 whose loss is not finite, with that step applied. The state the step began from, which
 `fit` returns, is then made again by `replay`: the run's own programs, from the newest
 checkpoint (or the run's start) up to that step, with no observer. A run's result does
@@ -33,22 +34,18 @@ from ._program._schedule import Schedule
 from ._program._state import StartArgs
 
 
-def replays(options: Options, source: Source, platform: str) -> bool:
+def replays(options: Options, source: Source) -> bool:
     """Whether a run of `options` on `source` applies a non-finite step and replays the
-    state before it: as its execution's `guard` asks (`None`: where the training devices'
-    `platform` is not the CPU), with `on_nan` `"raise"` or `"stop"`. Refuses `guard=False`
-    where the run cannot be replayed bit for bit (`unreplayable`).
+    state before it: as its execution's `guard` asks (`None`: wherever the run can be
+    replayed bit for bit), with `on_nan` `"raise"` or `"stop"`. Refuses `guard=False`
+    where it cannot (`unreplayable`).
     """
     asked = None if options.execution == "auto" else options.execution.guard
     if asked or options.step.on_nan == "skip":
         return False
     why = unreplayable(options, source)
     if asked is None:
-        # Several updates keep it unless asked: with it, the updates of the failing step
-        # before (and after) the non-finite one are applied; a replay gives the state
-        # before the whole step.
-        several = len(options.objects.updates) > 1
-        return platform != "cpu" and why is None and not several
+        return why is None
     if why is not None:
         raise ValueError(
             f"`execution={options.execution!r}` asks for no guard around the updates, but "

@@ -233,10 +233,10 @@ def conv_problem():
 def test_fit_chooses_per_step_for_a_convolution_on_the_cpu_and_the_loop_for_an_mlp():
     model, data, settings = conv_problem()
     planned = eqfit.plan(model, data, **settings)
-    # On the CPU the updates keep the NaN guard's `cond`, the faster there for most steps.
+    # No NaN guard by default, on the CPU too: a non-finite step is replayed.
     assert planned.execution == eqfit.PerStep(1)
     assert "convolves" in planned.execution_why and "CPU" in planned.execution_why
-    assert "NaN guard's `cond`" in planned.execution_why
+    assert "no NaN guard" in planned.execution_why
     assert "steps run as: a program of one step called from Python" in str(planned)
     x, y = arrays()
     mlp = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(1))
@@ -244,11 +244,62 @@ def test_fit_chooses_per_step_for_a_convolution_on_the_cpu_and_the_loop_for_an_m
     assert planned.execution == eqfit.WholeRun()
     assert "no convolution" in planned.execution_why
     # Asked for, either way is taken, and the guard with it.
-    forced = eqfit.plan(model, data, execution=eqfit.WholeRun(guard=False), **settings)
-    assert forced.execution == eqfit.WholeRun(guard=False) and "asks" in forced.execution_why
-    assert "no NaN guard" in forced.execution_why
+    forced = eqfit.plan(model, data, execution=eqfit.WholeRun(guard=True), **settings)
+    assert forced.execution == eqfit.WholeRun(guard=True) and "asks" in forced.execution_why
+    assert "NaN guard's `cond`" in forced.execution_why
     skipping = eqfit.plan(model, data, execution=eqfit.WholeRun(), on_nan="skip", **settings)
     assert "guard" not in skipping.execution_why  # "skip" always guards: nothing to choose
+
+
+class Recurrent(eqx.Module):
+    """A cell scanned over a sequence, as a GRU is: its product runs once an element."""
+
+    cell: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.cell = eqx.nn.Linear(8 + 4, 8, key=k1)
+        self.head = eqx.nn.Linear(8, "scalar", key=k2)
+
+    def __call__(self, xs):
+        def step(h, x):
+            return jnp.tanh(self.cell(jnp.concatenate([h, x]))), None
+
+        h, _ = jax.lax.scan(step, jnp.zeros(8), xs)
+        return self.head(h)
+
+
+def test_a_small_step_without_the_guard_is_ordered_for_memory_on_the_cpu_with_the_same_bits():
+    length, batch = 10, 16
+    rng = np.random.default_rng(0)
+    data = (
+        rng.normal(size=(64, length, 4)).astype(np.float32),
+        rng.normal(size=64).astype(np.float32),
+    )
+    settings = dict(
+        loss=eqfit.losses.mse, optimizer=ADAM, key=jax.random.key(1), epochs=2, batch_size=batch
+    )
+    model = Recurrent(jax.random.key(0))
+    planned = eqfit.plan(model, data, **settings)
+    # The products a batch, as the step runs them: the cell's at every element, the head's
+    # once; two FLOPs a multiply-add.
+    flops = 2 * batch * (length * (8 + 4) * 8 + 8)
+    assert f"a small step ({flops:.3g} FLOPs of products a batch)" in planned.execution_why
+    assert "for memory" in planned.execution_why
+    # Ordered otherwise, the same arithmetic: the guarded run's bits (XLA's own order).
+    ordered = eqfit.fit(model, data, **settings)
+    guarded = eqfit.fit(model, data, execution=eqfit.WholeRun(guard=True), **settings)
+    assert_trees_equal(ordered.model, guarded.model)
+    assert_trees_equal(ordered.opt_state, guarded.opt_state)
+    np.testing.assert_array_equal(ordered.history.step_loss, guarded.history.step_loss)
+    forced = eqfit.plan(model, data, execution=eqfit.WholeRun(guard=True), **settings)
+    assert "small step" not in forced.execution_why
+    # A larger step keeps XLA's order for concurrency.
+    x, y = arrays()
+    wide = eqfit.models.MLP(3, "scalar", 2048, 2, key=jax.random.key(2))
+    planned = eqfit.plan(wide, (x, y), loss=eqfit.losses.mse, optimizer=ADAM, key=jax.random.key(3))
+    assert "no NaN guard" in planned.execution_why and "small step" not in planned.execution_why
 
 
 def test_a_conv_net_trains_the_same_in_the_way_chosen_and_in_the_loop():

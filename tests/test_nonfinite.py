@@ -331,6 +331,7 @@ class Rows(Batches):
 
 
 UNGUARDED = eqfit.WholeRun(guard=False)
+GUARDED = eqfit.WholeRun(guard=True)
 
 
 @pytest.mark.parametrize(
@@ -392,27 +393,35 @@ def test_the_replay_starts_from_the_newest_checkpoint_and_none_holds_the_nan(tmp
     )
 
 
-def test_the_guard_stays_on_the_cpu_by_default_and_no_guard_is_refused_where_it_cannot_replay():
+def test_no_guard_by_default_where_a_replay_can_give_the_bits_else_the_guard():
     x, y = data()
     kwargs = dict(loss=weighted_loss, optimizer=optax.sgd(1e-2), on_nan="stop", **FIT)
-    # On the CPU backend the update's `cond` stays by default: nothing is replayed, and
-    # the model is the same as with none (the same bits either way).
-    guarded = eqfit.fit(Three(jax.random.key(0)), (x, y), **kwargs)
-    assert guarded.history.non_finite is not None
-    assert guarded.history.non_finite.replayed_from is None
-    replayed = eqfit.fit(Three(jax.random.key(0)), (x, y), execution=UNGUARDED, **kwargs)
+    # By default (the CPU backend too) the update has no `cond`: the state before the
+    # step is replayed, and it is the guarded run's, bit for bit.
+    replayed = eqfit.fit(Three(jax.random.key(0)), (x, y), **kwargs)
     assert replayed.history.non_finite is not None
     assert replayed.history.non_finite.replayed_from == 0
+    guarded = eqfit.fit(Three(jax.random.key(0)), (x, y), execution=GUARDED, **kwargs)
+    assert guarded.history.non_finite is not None
+    assert guarded.history.non_finite.replayed_from is None
     assert_trees_equal(guarded.model, replayed.model)
     assert_trees_equal(guarded.opt_state, replayed.opt_state)
+    # Where a replay could not give the same bits, the default keeps the guard, and no
+    # guard is refused.
+    pmapped = eqfit.fit(Three(jax.random.key(0)), (x, y), devices=2, **kwargs)
+    assert pmapped.history.non_finite is not None
+    assert pmapped.history.non_finite.replayed_from is None
     with pytest.raises(ValueError, match=r"guard.*under `devices=` \(`pmap`\)"):
         eqfit.fit(Three(jax.random.key(0)), (x, y), execution=UNGUARDED, devices=2, **kwargs)
 
     def batches():
         yield from Rows(x, y)
 
+    once = dict(kwargs, epochs=1, steps_per_epoch=N // BATCH)
+    streamed = eqfit.fit(Three(jax.random.key(0)), batches(), **once)
+    assert streamed.history.non_finite is not None
+    assert streamed.history.non_finite.replayed_from is None
     with pytest.raises(ValueError, match="one-shot iterator"):
-        once = dict(kwargs, epochs=1, steps_per_epoch=N // BATCH)
         eqfit.fit(Three(jax.random.key(0)), batches(), execution=UNGUARDED, **once)
 
 
@@ -491,7 +500,9 @@ def test_a_replay_that_fails_keeps_the_runs_result_and_says_so():
     x, y = data()
     kwargs = dict(loss=weighted_loss, optimizer=optax.sgd(1e-2), on_nan="stop", **FIT)
     counting = Breaking(x, y)
-    eqfit.fit(Three(jax.random.key(0)), counting, **kwargs)  # the run's, and the step's
+    eqfit.fit(
+        Three(jax.random.key(0)), counting, execution=GUARDED, **kwargs
+    )  # the run's, and the step's
     # The run's passes, then the replay's: the replay's first pass fails.
     breaking = Breaking(x, y, fail_from=counting.passes)
     result = eqfit.fit(Three(jax.random.key(0)), breaking, execution=UNGUARDED, **kwargs)

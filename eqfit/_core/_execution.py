@@ -33,14 +33,14 @@ class Execution(eqx.Module):
     loss, the run stops after the first non-finite step, and `fit` makes the state that
     step began from again by replaying the run up to it, from the newest checkpoint or
     the start: the same result, bit for bit, with no `cond` in the step. `None` (the
-    default, and `"auto"`'s): no guard on GPU and TPU, where XLA runs a step faster
-    without it; the guard on the CPU backend, where XLA runs some steps faster with it
-    and others slower (see the speed guide), and with several updates. Either way a
-    finite run's arithmetic and bits are the same. With several updates and no guard,
-    a non-finite step gives the state from before the whole step, where the guard
-    applies the step's other updates. `guard=False` is refused where the run cannot be
-    replayed bit for bit: under `devices=`, with a precision policy or an ensemble, on a
-    one-shot iterator, with several processes.
+    default, and `"auto"`'s): no guard wherever the run can be replayed, since XLA runs
+    a step as fast without it or faster (on the CPU backend, a small step's operations
+    are then ordered for memory: see the speed guide). Either way a finite run's
+    arithmetic and bits are the same. With several updates and no guard, a non-finite
+    step gives the state from before the whole step, where the guard applies the step's
+    other updates. `guard=False` is refused where the run cannot be replayed bit for
+    bit: under `devices=`, with a precision policy or an ensemble, on a one-shot
+    iterator, with several processes; `None` keeps the guard there.
     """
 
     guard: bool | None = eqx.field(default=None, kw_only=True)

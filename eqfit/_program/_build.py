@@ -24,7 +24,13 @@ from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_l
 from ._compile import PROGRAMS
 from ._loop import Loop
 from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
-from ._parallel import placement_devices, Pmap
+from ._parallel import (
+    CompilerOptions,
+    placement_devices,
+    Pmap,
+    SMALL_STEP_FLOPS,
+    SMALL_STEP_OPTIONS,
+)
 from ._schedule import Schedule
 from ._skeleton import split_arrays
 from ._state import Callables, Consts, StartArgs
@@ -102,20 +108,32 @@ def make_loop(
     init = objects.optimizer.init if objects.optimizer is not None else _init(loop, consts)
     accumulated = accumulated_shapes(objective.accumulating, statistics)
     loop = _with_record(loop, init, params, outputs, objective.metric_names, objects, accumulated)
-    convolves = functools.partial(_convolves, objective, traced, options, outputs)
+    # Traced once, if asked at all (`choose` asks only where it decides).
+    found = functools.cache(functools.partial(_traced_outputs, objective, traced, options, outputs))
+    platform = placement_devices(options.placement)[0].platform
     execution, why = choose(
         options.execution,
-        platform=placement_devices(options.placement)[0].platform,
+        platform=platform,
         steps_per_epoch=None if schedule.learning else schedule.steps_per_epoch,
-        convolves=convolves,
+        convolves=lambda: bool(found().convolves),
     )
+    compiler_options: CompilerOptions = ()
     if step.on_nan != "skip":  # the guard as `fit` resolved it (`_replay.replays`)
         why += "; " + (
             "no NaN guard: a non-finite step is applied, and the state before it replayed"
             if step.replays
             else "each update in a NaN guard's `cond`"
         )
-    loop = dataclasses.replace(loop, execution=execution, execution_why=why)
+        flops = found().flops if step.replays and platform == "cpu" else None
+        if flops is not None and flops < SMALL_STEP_FLOPS:
+            compiler_options = SMALL_STEP_OPTIONS
+            why += (
+                f"; a small step ({flops:.3g} FLOPs of products a batch): XLA:CPU orders "
+                "its operations for memory, not for concurrency"
+            )
+    loop = dataclasses.replace(
+        loop, execution=execution, execution_why=why, compiler_options=compiler_options
+    )
     if loop.early_stopping is not None:
         check_monitor(loop.early_stopping.monitor, loop)
     if options.checkpoint is not None and options.checkpoint.keep_best is not None:
@@ -244,23 +262,24 @@ def _abstract_call(
     return member, state, batch
 
 
-def _convolves(
+def _traced_outputs(
     objective: Objective,
     traced: tuple[PyTree, PyTree, PyTree],
     options: Options,
     outputs: LossTrace,
-) -> bool:
-    """Whether the loss (with several updates, their losses as one) convolves: from the
-    trace that found its `outputs`, or where none was made (eqfit's own loss, or several
-    updates' losses), from one made now (cached with them); `False` for losses that fail
-    to trace, which the run's own trace then reports, with the batch that it meets.
+) -> LossTrace:
+    """What the loss (with several updates, their losses as one) computes, whether it
+    convolves and its products' FLOPs: from the trace that found its `outputs`, or where
+    none was made (eqfit's own loss, or several updates' losses), from one made now
+    (cached with them); unknown (`None`) for losses that fail to trace, which the run's
+    own trace then reports, with the batch that it meets.
     """
     if outputs.convolves is not None:
-        return outputs.convolves
+        return outputs
     try:
-        return bool(_outputs(objective, traced, options, always=True).convolves)
+        return _outputs(objective, traced, options, always=True)
     except Exception:
-        return False
+        return outputs
 
 
 def _outputs(

@@ -84,7 +84,9 @@ class WholeRunCalls(Program):
 
     def __init__(self, loop: Loop):
         self.loop = loop
-        self.compiled: Any = loop.placement.compile(functools.partial(run, loop), (0,))
+        self.compiled: Any = loop.placement.compile(
+            functools.partial(run, loop), (0,), loop.compiler_options
+        )
         validation = loop.validation
         self.closes = None
         if validation is not None and validation.streamed:
@@ -271,7 +273,7 @@ class StepCalls(Program):
 
     def __init__(self, loop: Loop, unroll: int):
         self.loop, self.unroll = loop, unroll
-        compile = loop.placement.compile
+        compile = functools.partial(loop.placement.compile, options=loop.compiler_options)
         self.full: Any = compile(functools.partial(unrolled, loop, unroll, False), (0,))
         self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
         self.closes = EpochCloses(loop, unroll)

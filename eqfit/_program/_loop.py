@@ -28,7 +28,7 @@ from .._step._step import as_run, by_name, select, Step
 from .._step._updates import AbstractUpdate, builtin, Update
 from .._step._validation import Validation
 from ._options import StepOptions
-from ._parallel import microbatch_rows, OneDevice, param_specs, Placement
+from ._parallel import CompilerOptions, microbatch_rows, OneDevice, param_specs, Placement
 from ._schedule import Schedule
 from ._skeleton import Skeleton, split_arrays, unwrap
 from ._state import Consts
@@ -73,6 +73,8 @@ class Loop:
     # Each metric that accumulates: its statistics of a batch, found abstractly
     # (`Objective.find_statistics`), in the order of `Objective.accumulating`.
     statistics: tuple[Like, ...] = ()
+    # XLA's options for the programs that train (`_parallel.SMALL_STEP_OPTIONS`).
+    compiler_options: CompilerOptions = ()
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:

@@ -22,6 +22,20 @@ from .._core._data import take, take_rows
 # `jax.Device`, which type checkers see as a variable rather than a class.
 Device = Any
 
+# XLA's options for a compiled program (`jax.jit`'s `compiler_options`), by name.
+CompilerOptions = tuple[tuple[str, str], ...]
+
+# XLA:CPU's default scheduler orders a program's operations for concurrency, which its
+# runtime then runs side by side. A small step whose updates are not in a `cond` (a run
+# without the NaN guard) runs more slowly so than the same step with them in one; ordered
+# for memory, it runs no slower than the guarded one, while a larger step gains from the
+# concurrency. Small: a loss whose matrix products and convolutions (`_step/_size.py`)
+# take fewer than `SMALL_STEP_FLOPS` a batch (`benchmarks/small_steps.py --guards`, and
+# the larger steps of `benchmarks/model_families.py`). Scheduling leaves every
+# operation's arithmetic, and so every bit, as it was.
+SMALL_STEP_FLOPS = 2e7
+SMALL_STEP_OPTIONS = (("xla_cpu_scheduler_type", "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"),)
+
 
 # Placements are frozen dataclasses, not `eqx.Module`s: `fit` calls their methods several
 # times per call, and a Module makes a new bound-method Module at each method access.
@@ -33,9 +47,13 @@ class OneDevice:
 
     axis_name: None = None
 
-    def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
-        """`fn(*arrays)` compiled, donating the arguments at the positions `donate`."""
-        return jax.jit(fn, donate_argnums=donate)
+    def compile(
+        self, fn: Callable, donate: tuple[int, ...] = (), options: CompilerOptions = ()
+    ) -> Callable:
+        """`fn(*arrays)` compiled, donating the arguments at the positions `donate`, with
+        XLA's `options` (`Loop.compiler_options`).
+        """
+        return jax.jit(fn, donate_argnums=donate, compiler_options=dict(options) or None)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         del sharded
@@ -84,11 +102,14 @@ class Pmap:
     devices: tuple[Device, ...]
     axis_name: str = "devices"
 
-    def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
+    def compile(
+        self, fn: Callable, donate: tuple[int, ...] = (), options: CompilerOptions = ()
+    ) -> Callable:
         # filter_pmap cannot donate some arguments and not others. Arrays are mapped over
         # their leading (device) axis, but for the last argument, the stop position,
-        # which every device shares.
-        del donate
+        # which every device shares. It takes no compiler options: those are for a run
+        # without the NaN guard, which `pmap` never is (`_replay.unreplayable`).
+        del donate, options
         return eqx.filter_pmap(
             fn,
             in_axes=(eqx.if_array(0), eqx.if_array(0), None),
@@ -151,8 +172,10 @@ class Sharded:
     def num_devices(self) -> int:
         return self.mesh.shape[self.axis]
 
-    def compile(self, fn: Callable, donate: tuple[int, ...] = ()) -> Callable:
-        return jax.jit(fn, donate_argnums=donate)
+    def compile(
+        self, fn: Callable, donate: tuple[int, ...] = (), options: CompilerOptions = ()
+    ) -> Callable:
+        return jax.jit(fn, donate_argnums=donate, compiler_options=dict(options) or None)
 
     def put(self, tree: PyTree, *, sharded: bool = False) -> PyTree:
         spec = P(self.axis) if sharded else P()

@@ -22,6 +22,7 @@ from .._core._metric import AbstractMetric, accumulates, MetricLike
 from ._labels import collecting, first_of, LabelError
 from ._mean import Mean
 from ._precision import Precision
+from ._size import product_flops
 from ._statistics import arrays, check_sums, flat_size, Like, unflatten, values
 
 
@@ -500,6 +501,9 @@ class LossTrace(NamedTuple):
     means: tuple[str, ...]  # those of the loss, aux values and metrics that are `Mean`s
     # The loss (its model's forward pass) or a metric convolves; `None`: not traced.
     convolves: bool | None = None
+    # The FLOPs of their matrix products and convolutions (`product_flops`) on a batch;
+    # `None`: not traced.
+    flops: float | None = None
 
 
 def _own(fn: object) -> bool:
@@ -518,12 +522,13 @@ def find_outputs(
     always: bool = False,
 ) -> LossTrace:
     """The names of the aux values that the loss returns, which of its values and the
-    metrics' are weighted means (`eqfit.Mean`), and whether they convolve, found by
-    tracing them once on abstract arrays (nothing runs or compiles), and remembered for
-    the same functions on arrays of the same shapes, so that a second `fit` traces
-    nothing. eqfit's own losses and metrics return no aux values, and a `Mean` where the
-    batch holds weights (`(x, y, weights)`): they are not traced unless `always`, and
-    whether they convolve is then unknown (`None`).
+    metrics' are weighted means (`eqfit.Mean`), whether they convolve and the FLOPs of
+    their products (`product_flops`), found by tracing them once on abstract arrays
+    (nothing runs or compiles), and remembered for the same functions on arrays of the
+    same shapes, so that a second `fit` traces nothing. eqfit's own losses and metrics
+    return no aux values, and a `Mean` where the batch holds weights (`(x, y,
+    weights)`): they are not traced unless `always`, and whether they convolve is then
+    unknown (`None`).
     """
     weighted = len(batch_args(batch)) > 2
     own = _own(objective.loss) and all(
@@ -571,7 +576,9 @@ def find_outputs(
         return outs
 
     jaxpr = eqx.filter_make_jaxpr(trace)(model, model_state, batch)[0]
-    outputs = found[0]._replace(convolves=applies(jaxpr.jaxpr, CONVOLUTION))
+    outputs = found[0]._replace(
+        convolves=applies(jaxpr.jaxpr, CONVOLUTION), flops=product_flops(jaxpr.jaxpr)
+    )
     for name in outputs.aux_names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"`loss`'s aux values must be named by strings, got {name!r}.")
