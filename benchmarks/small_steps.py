@@ -54,9 +54,10 @@ named `eqfit/given_floor`: the floors differ (eqfit's shuffle and gather are not
 one), so each is reported under its own name.
 
 And with `--guards`, each workload (and the given-minibatch DQN) as eqfit runs it with
-the NaN guard, a `lax.cond` around each update (`WholeRun(guard=True)`, the CPU's
-default), against with none (`WholeRun(guard=False)`, the GPU's and TPU's default, which
-replays the run to the state before a non-finite step): `none/guard`.
+the NaN guard, a `lax.cond` around each update (`WholeRun(guard=True)`), against with
+none (`WholeRun(guard=False)`, the default wherever a run can be replayed to the state
+before a non-finite step; on a CPU, a small step's operations then ordered for memory):
+`none/guard`.
 
 Each workload's epochs are set so that one run takes a few tenths of a second on a 2-core
 CPU. The three ways of a workload are timed in one process, interleaved (the order rotated
