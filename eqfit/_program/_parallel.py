@@ -29,10 +29,11 @@ CompilerOptions = tuple[tuple[str, str], ...]
 # runtime then runs side by side. A small step whose updates are not in a `cond` (a run
 # without the NaN guard) loses more to that than it gains, and runs more slowly than the
 # same step with them in one; ordered for memory, it runs no slower than the guarded
-# one, while a larger step gains from the concurrency. Small: a loss whose matrix products and convolutions (`_step/_size.py`)
-# take fewer than `SMALL_STEP_FLOPS` a batch (`benchmarks/small_steps.py --guards`, and
-# the larger steps of `benchmarks/model_families.py`). Scheduling leaves every
-# operation's arithmetic, and so every bit, as it was.
+# one, while a larger step gains from the concurrency. Small: a loss whose matrix
+# products and convolutions (`_step/_size.py`) take fewer than `SMALL_STEP_FLOPS` a
+# batch (`benchmarks/small_steps.py --guards`, and the larger steps of
+# `benchmarks/model_families.py`). Scheduling leaves every operation's arithmetic, and
+# so every bit, as it was.
 SMALL_STEP_FLOPS = 2e7
 SMALL_STEP_OPTIONS = (("xla_cpu_scheduler_type", "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"),)
 
