@@ -4,12 +4,11 @@
 Where a run's execution asks for no guard (`replays`: by default, wherever the run can be
 replayed), its compiled step applies each update whatever its loss: no `cond` around the
 update, which costs the step time (`benchmarks/small_steps.py --guards`). The run stops
-after its first step
-whose loss is not finite, with that step applied. The state the step began from, which
-`fit` returns, is then made again by `replay`: the run's own programs, from the newest
-checkpoint (or the run's start) up to that step, with no observer. A run's result does
-not depend on how its steps are cut into calls, so the replayed state is the one the run
-had, bit for bit.
+after its first step whose loss is not finite, with that step applied. The state the
+step began from, which `fit` returns, is then made again by `replay`: the run's own
+programs, from the newest checkpoint (or the run's start) up to that step, with no
+observer. A run's result does not depend on how its steps are cut into calls, so the
+replayed state is the one the run had, bit for bit.
 """
 
 import time

@@ -23,7 +23,7 @@ from .._step._update_checks import check_applied
 from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
 from ._compile import PROGRAMS
 from ._loop import Loop
-from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options
+from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options, StepOptions
 from ._parallel import (
     CompilerOptions,
     placement_devices,
@@ -108,7 +108,7 @@ def make_loop(
     init = objects.optimizer.init if objects.optimizer is not None else _init(loop, consts)
     accumulated = accumulated_shapes(objective.accumulating, statistics)
     loop = _with_record(loop, init, params, outputs, objective.metric_names, objects, accumulated)
-    # Traced once, if asked at all (`choose` asks only where it decides).
+    # Traced once, if asked at all (`choose` and `_guard` ask only where they decide).
     found = functools.cache(functools.partial(_traced_outputs, objective, traced, options, outputs))
     platform = placement_devices(options.placement)[0].platform
     execution, why = choose(
@@ -117,22 +117,12 @@ def make_loop(
         steps_per_epoch=None if schedule.learning else schedule.steps_per_epoch,
         convolves=lambda: bool(found().convolves),
     )
-    compiler_options: CompilerOptions = ()
-    if step.on_nan != "skip":  # the guard as `fit` resolved it (`_replay.replays`)
-        why += "; " + (
-            "no NaN guard: a non-finite step is applied, and the state before it replayed"
-            if step.replays
-            else "each update in a NaN guard's `cond`"
-        )
-        flops = found().flops if step.replays and platform == "cpu" else None
-        if flops is not None and flops < SMALL_STEP_FLOPS:
-            compiler_options = SMALL_STEP_OPTIONS
-            why += (
-                f"; a small step ({flops:.3g} FLOPs of products a batch): XLA:CPU orders "
-                "its operations for memory, not for concurrency"
-            )
+    guard_why, compiler_options = _guard(step, platform, lambda: found().flops)
     loop = dataclasses.replace(
-        loop, execution=execution, execution_why=why, compiler_options=compiler_options
+        loop,
+        execution=execution,
+        execution_why=why + guard_why,
+        compiler_options=compiler_options,
     )
     if loop.early_stopping is not None:
         check_monitor(loop.early_stopping.monitor, loop)
@@ -260,6 +250,29 @@ def _abstract_call(
     member = jax.tree.map(lambda x: abstract(x, drop), model)
     state = jax.tree.map(lambda x: abstract(x, drop), model_state)
     return member, state, batch
+
+
+def _guard(
+    step: StepOptions, platform: str, flops: Callable[[], float | None]
+) -> tuple[str, CompilerOptions]:
+    """The NaN guard as `fit` resolved it (`_replay.replays`), in words for `plan`'s
+    `execution_why`, and XLA's options for the programs that train: on the CPU, a small
+    step without the guard (its loss's products under `SMALL_STEP_FLOPS` a batch, as
+    `flops()` counts them) ordered for memory (`SMALL_STEP_OPTIONS`).
+    """
+    if step.on_nan == "skip":
+        return "", ()
+    if not step.replays:
+        return "; each update in a NaN guard's `cond`", ()
+    why = "; no NaN guard: a non-finite step is applied, and the state before it replayed"
+    counted = flops() if platform == "cpu" else None
+    if counted is None or counted >= SMALL_STEP_FLOPS:
+        return why, ()
+    why += (
+        f"; a small step ({counted:.3g} FLOPs of products a batch): XLA:CPU orders "
+        "its operations for memory, not for concurrency"
+    )
+    return why, SMALL_STEP_OPTIONS
 
 
 def _traced_outputs(
