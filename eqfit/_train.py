@@ -42,6 +42,7 @@ from ._program._parallel import OneDevice
 from ._program._program import start_program
 from ._program._schedule import Schedule
 from ._program._state import Inputs, StartArgs, TrainState
+from ._program._uncompiled import without_compiling
 from ._replay import replay
 from ._result import finish, FitResult, model_from
 
@@ -58,15 +59,20 @@ class Ready(NamedTuple):
 
 def begin_state(ready: Ready) -> tuple[TrainState | Starting, PyTree]:
     """The training state at the start, and the key of each member (or the key). On one
-    device, with no checkpoint to resume and one key, the state is made in a thread while
-    the run's program is traced (`Starting`); else now.
+    device with one key, where `start` only copies and fills arrays, the state is made
+    without compiling it (`without_compiling`); else, with no checkpoint to resume, it is
+    made in a thread while the run's program is traced (`Starting`); else now.
     """
     loop, options = ready.loop, ready.options
     inputs = loop.placement.start_inputs(ready.start, loop.trains)
-    alone = isinstance(loop.placement, OneDevice) and options.members is None
-    if alone and options.checkpoint is None:
-        return Starting(start_program(loop), inputs), options.key
-    return start_program(loop)(*inputs)
+    program = start_program(loop)
+    if isinstance(loop.placement, OneDevice) and options.members is None:
+        made = without_compiling(program, inputs)
+        if made is not None:
+            return made
+        if options.checkpoint is None:
+            return Starting(program, inputs), options.key
+    return program(*inputs)
 
 
 def train(

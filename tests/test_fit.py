@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal, regression_data
+from helpers import assert_trees_equal, programs_made, regression_data
 
 import eqfit
 
@@ -181,6 +181,53 @@ def test_second_call_does_not_recompile(getkey, progress):
     # Another number of epochs is another program (the history is preallocated).
     eqfit.fit(linear(getkey), data, key=getkey(), **{**kwargs, "epochs": 3})
     assert len(traces) > first
+
+
+def _kept_state(init):
+    """An optimizer of plain gradient descent whose state is `init(params)`, kept as is."""
+
+    def update(grads, state, params=None):
+        return jax.tree.map(lambda g: -0.01 * g, grads), state
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("computes", [False, True])
+def test_a_state_of_copies_and_fills_is_made_without_compiling(getkey, computes):
+    # Adam's state is zeros and a count: `start` only copies and fills arrays, which
+    # `fit` does without compiling it. A state computed from the parameters is compiled,
+    # as `jax.jit` of `init` computes it.
+    def copies_and_fills(params):
+        fill = jnp.full((3,), 7.0, jnp.float32)  # weakly typed without its dtype: compiled
+        return (jax.tree.map(jnp.copy, params), fill, jnp.zeros((), jnp.int32))
+
+    def computed(params):
+        return jax.tree.map(lambda p: jnp.sin(p) * 3.0 + 0.1, params)
+
+    init = computed if computes else copies_and_fills
+    model, data = linear(getkey), regression_data(getkey(), 64)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    expected = jax.jit(init)(params)
+    results = []
+
+    def fit():
+        results.append(
+            eqfit.fit(
+                model,
+                data,
+                loss=eqfit.losses.mse,
+                optimizer=_kept_state(init),
+                key=getkey(),
+                epochs=1,
+                batch_size=16,
+            )
+        )
+        return results[-1]
+
+    # The run's program, and where the state is computed, `start`'s.
+    assert programs_made(fit) == (2 if computes else 1)
+    assert_trees_equal(results[0].opt_state, expected)
+    assert not eqx.tree_equal(results[0].model, model)  # it trained
 
 
 @pytest.mark.parametrize("progress", [False, True])

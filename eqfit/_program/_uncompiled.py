@@ -1,0 +1,85 @@
+"""A program that only copies its arguments and fills arrays with constants, made without
+compiling it (`without_compiling`): `start`'s, for most optimizers (Adam's state is
+zeros and a count).
+
+XLA:CPU takes tens of milliseconds to compile even such a program, and it compiles on
+every core there is: a first `fit` on a small machine waits for that, or shares the host
+with it while it traces the run. Copies of the arguments and filled numpy arrays put on
+the device are the same arrays, bit for bit, and compile nothing.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+from jaxtyping import PyTree
+
+
+# Filled arrays are made in the host's memory, then copied to the device: beyond this many
+# bytes of them, a compiled program that writes them on the device is the cheaper.
+FILL_BYTES = 1 << 26
+
+_Make = Callable[[], jax.Array]
+
+
+def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
+    """What `program(*args)` returns (`program` a `jax.jit` function), made without
+    compiling it where its jaxpr only copies its arguments and broadcasts constants (at
+    most `FILL_BYTES` of them), none of its outputs weakly typed: each output a copy of
+    its argument (wherever that lies) or a filled array on JAX's default device. `None`
+    where it does anything else: then compile it.
+    """
+    traced = program.trace(*args)
+    jaxpr = traced.jaxpr.jaxpr
+    if jaxpr.constvars or any(getattr(v.aval, "weak_type", True) for v in jaxpr.outvars):
+        return None
+    made: dict[Any, _Make] = {
+        var: _copy(arg) for var, arg in zip(jaxpr.invars, jax.tree.leaves(args), strict=True)
+    }
+    filled = 0
+    for eqn in _used(jaxpr):
+        if len(eqn.outvars) != 1:
+            return None
+        (out,), (operand, *_) = eqn.outvars, eqn.invars
+        if eqn.primitive.name == "copy" and operand in made:
+            made[out] = made[operand]
+        elif eqn.primitive.name == "broadcast_in_dim" and isinstance(operand, jex_core.Literal):
+            filled += out.aval.size * out.aval.dtype.itemsize
+            made[out] = _fill(operand.val, out.aval)
+        else:
+            return None
+    if filled > FILL_BYTES:
+        return None
+    outs = []
+    for var in jaxpr.outvars:
+        if isinstance(var, jex_core.Literal):
+            outs.append(_fill(var.val, var.aval))
+        elif var in made:
+            outs.append(made[var])
+        else:
+            return None
+    return jax.tree.unflatten(traced.out_tree, [make() for make in outs])
+
+
+def _copy(arg: Any) -> _Make:
+    return lambda: jax.device_put(arg, may_alias=False)
+
+
+def _fill(value: Any, aval: Any) -> _Make:
+    # A copy, never an alias of numpy's memory: the run donates the state.
+    return lambda: jax.device_put(np.full(aval.shape, value, aval.dtype), may_alias=False)
+
+
+def _used(jaxpr: Any) -> list[Any]:
+    """The equations of `jaxpr` whose values its outputs use, in order: not, say, a key
+    folded for an optimizer's `init` that takes none.
+    """
+    needed = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    used = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            used.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return used[::-1]
