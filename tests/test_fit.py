@@ -230,6 +230,31 @@ def test_a_state_of_copies_and_fills_is_made_without_compiling(getkey, computes)
     assert not eqx.tree_equal(results[0].model, model)  # it trained
 
 
+def test_a_state_made_with_an_effect_is_compiled_and_the_effect_runs(getkey):
+    # An `init` that fills arrays but also calls the host: made without compiling, the
+    # callback would be dropped with the unused equations.
+    calls = []
+
+    def init(params):
+        jax.debug.callback(lambda: calls.append(1))
+        return jnp.zeros((), jnp.int32)
+
+    def fit():
+        return eqfit.fit(
+            linear(getkey),
+            regression_data(getkey(), 64),
+            loss=eqfit.losses.mse,
+            optimizer=_kept_state(init),
+            key=getkey(),
+            epochs=1,
+            batch_size=16,
+        )
+
+    assert programs_made(fit) == 2
+    jax.effects_barrier()
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("progress", [False, True])
 def test_callers_model_is_left_intact(getkey, progress):
     data = regression_data(getkey(), 64)

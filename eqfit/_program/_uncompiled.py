@@ -27,13 +27,16 @@ _Make = Callable[[], jax.Array]
 def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
     """What `program(*args)` returns (`program` a `jax.jit` function), made without
     compiling it where its jaxpr only copies its arguments and broadcasts constants (at
-    most `FILL_BYTES` of them), none of its outputs weakly typed: each output a copy of
-    its argument (wherever that lies) or a filled array on JAX's default device. `None`
-    where it does anything else: then compile it.
+    most `FILL_BYTES` of them), none of its outputs weakly typed and with no effects (a
+    `jax.debug.callback` in an `init` runs, as compiled): each output a copy of its
+    argument (wherever that lies) or a filled array on JAX's default device. `None` where
+    it does anything else: then compile it.
     """
     traced = program.trace(*args)
     jaxpr = traced.jaxpr.jaxpr
-    if jaxpr.constvars or any(getattr(v.aval, "weak_type", True) for v in jaxpr.outvars):
+    if jaxpr.constvars or jaxpr.effects:
+        return None
+    if any(getattr(v.aval, "weak_type", True) for v in jaxpr.outvars):
         return None
     made: dict[Any, _Make] = {
         var: _copy(arg) for var, arg in zip(jaxpr.invars, jax.tree.leaves(args), strict=True)
