@@ -27,7 +27,14 @@ from .._step._statistics import add, zeros
 from ._compile import PROGRAM_CACHE
 from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
-from ._records import fresh_record, logs_of, put_cell, running_pair, start_validations
+from ._records import (
+    fresh_record,
+    logs_of,
+    masked,
+    put_cell,
+    running_pair,
+    start_validations,
+)
 from ._state import (
     CallEnd,
     Consts,
@@ -248,7 +255,10 @@ def each_member(loop: Loop, one: Callable[..., Any], *args: Any) -> Any:
     the leading axis of every argument: the members' states and keys), or for the one
     model: the one place a program is made per member.
     """
-    return one(*args) if loop.members is None else jax.vmap(one)(*args)
+    return one(*args) if loop.members is None else jax.vmap(one, axis_name=MEMBERS)(*args)
+
+
+MEMBERS = "members"  # the axis an ensemble's programs are vmapped over (`each_member`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +300,7 @@ class _Member:
                 remainder = schedule.remainder_step(index)
                 return self.run_steps(state, order, first, end, remainder, step_key)
 
-            state = jax.lax.while_loop(more, one_pass, state)
+            state = self.while_loop(more, one_pass, state)
         # The n-th steps' values (`log_every`), but where the host closes the epochs: it
         # reports them once it has (`EpochCloses.logged`).
         validation = loop.validation
@@ -346,8 +356,8 @@ class _Member:
             if remainder:
                 active = active & (state.step == safe)
             t = jnp.where(active, state.step, safe)
-            stepped = self.step_at(state._replace(step=t), rows(t), full, step_key)
-            state = jax.tree.map(lambda a, b: jnp.where(active, a, b), stepped, state)
+            stepped = self.step_at(state._replace(step=t), rows(t), full, step_key, active)
+            state = stepped._replace(step=jnp.where(active, stepped.step, state.step))
 
         return self.finish(state)
 
@@ -391,10 +401,12 @@ class _Member:
         """
         loop, schedule = self.loop, self.loop.schedule
 
-        def batch_step(state: TrainState, size: int, full: bool) -> TrainState:
+        def batch_step(
+            state: TrainState, size: int, full: bool, active: Bool[Array, ""] | None
+        ) -> TrainState:
             start = (state.step - first) * loop.batch_size  # in range: in the piece
             index = jax.lax.dynamic_slice(order, (start,), (size,), allow_negative_indices=False)
-            return self.step_at(state, index, full, step_key)
+            return self.step_at(state, index, full, step_key, active)
 
         def between_epoch_ends(state: TrainState) -> TrainState:
             epoch_end = schedule.next_epoch_end(state.step)
@@ -407,8 +419,8 @@ class _Member:
 
             passes = schedule.passes
             if passes is None or passes.num_full:  # else all is the remainder
-                state = jax.lax.while_loop(
-                    more_full, lambda s: batch_step(s, loop.batch_size, full), state
+                state = self.steps_while(
+                    more_full, lambda s, active: batch_step(s, loop.batch_size, full, active), state
                 )
             if remainder_step is not None:
                 assert passes is not None
@@ -419,8 +431,8 @@ class _Member:
                     return (state.step == remainder_step) & (state.step < limit) & _running(state)
 
                 remainder = passes.remainder
-                state = jax.lax.while_loop(
-                    remainder_due, lambda s: batch_step(s, remainder, False), state
+                state = self.steps_while(
+                    remainder_due, lambda s, active: batch_step(s, remainder, False, active), state
                 )
             if loop.validation is not None and loop.validation.streamed:
                 return state  # the host validates, then closes it (`close`)
@@ -437,7 +449,37 @@ class _Member:
         def more(state: TrainState) -> Bool[Array, ""]:
             return (state.step < end) & _running(state)
 
-        return jax.lax.while_loop(more, between_epoch_ends, state)
+        return self.while_loop(more, between_epoch_ends, state)
+
+    def while_loop(
+        self,
+        more: Callable[[TrainState], Bool[Array, ""]],
+        body: Callable[[TrainState], TrainState],
+        state: TrainState,
+    ) -> TrainState:
+        """`jax.lax.while_loop(more, body, state)` over stretches of steps. In an
+        ensemble, while any member has `more`: a loop whose condition differs between
+        the members of a `vmap` selects every member's whole state after each turn,
+        its record of the run's steps too. A member with no more runs its turn as a
+        no-op: each step inside is masked (`steps_while`), each epoch end waits for its
+        step and for the member to be running.
+        """
+        if self.loop.members is not None:
+            more = _any_member(more)
+        return jax.lax.while_loop(more, body, state)
+
+    def steps_while(
+        self,
+        more: Callable[[TrainState], Bool[Array, ""]],
+        step: Callable[[TrainState, Bool[Array, ""] | None], TrainState],
+        state: TrainState,
+    ) -> TrainState:
+        """Steps (`step(state, active)`) while `more(state)`; in an ensemble, while any
+        member has more, each member's step masked by its own `more` (`while_loop`).
+        """
+        if self.loop.members is None:
+            return jax.lax.while_loop(more, lambda s: step(s, None), state)
+        return jax.lax.while_loop(_any_member(more), lambda s: step(s, more(s)), state)
 
     def step_at(
         self,
@@ -445,11 +487,14 @@ class _Member:
         index: UInt32[Array, " batch"],
         full: bool,
         step_key: Key[Array, ""] | None,
+        active: Bool[Array, ""] | None = None,
     ) -> TrainState:
         """One step, at `state.step`, on the rows `index` of the data: a full batch
         (split over devices), or a pass's smaller last one (never split, as it need not
-        divide evenly: no pmean).
+        divide evenly: no pmean). Where `active` is false, computed and dropped: the
+        state comes back as it was (`masked`).
         """
+        before = state
         loop, schedule = self.loop, self.loop.schedule
         t = state.step
         size = index.shape[0]
@@ -493,18 +538,18 @@ class _Member:
             reason=reason,
             nan_step=nan_step,
             label_error=label_error,
-            step_loss=put_cell(state.step_loss, out.loss, cell),
+            step_loss=put_cell(state.step_loss, out.loss, cell, active),
             running=state.running + jnp.where(out.finite, running_pair(out, size), 0.0),
-            batch_sizes=put_cell(state.batch_sizes, size, cell),
+            batch_sizes=put_cell(state.batch_sizes, size, cell, active),
         )
         if loop.record.names:
-            values = put_cell(state.step_values, out.values, cell)
+            values = put_cell(state.step_values, out.values, cell, active)
             state = state._replace(step_values=values)
         if out.statistics:  # a step whose loss is not finite is left out, as in the means
             summed = add(state.statistics, out.statistics)
             kept = jax.tree.map(lambda a, b: jnp.where(out.finite, a, b), summed, state.statistics)
             state = state._replace(statistics=kept)
-        return state
+        return state if active is None else masked(active, state, before)
 
     def closed(self, state: TrainState, sums: tuple[ValSums, ...]) -> tuple[TrainState, Report]:
         """`close`'s (the program's) for one member: the epoch closed if its steps have
@@ -581,6 +626,13 @@ class _Member:
 
 def _running(state: TrainState) -> Bool[Array, ""]:
     return state.reason == Stop.RUNNING
+
+
+def _any_member(
+    more: Callable[[TrainState], Bool[Array, ""]],
+) -> Callable[[TrainState], Bool[Array, ""]]:
+    """`more` of any member of an ensemble, the same for all: no member's own."""
+    return lambda state: jax.lax.psum(more(state).astype(jnp.int32), MEMBERS) > 0
 
 
 def _when(

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._step._step import StepResult
 from ._loop import Loop
@@ -45,13 +45,44 @@ def put(record: Array, value: Any, *index: Any) -> Array:
     return jax.lax.dynamic_update_slice(record, update, start, allow_negative_indices=False)
 
 
-def put_cell(record: Array, value: Any, cell: Any) -> Array:
+def put_cell(record: Array, value: Any, cell: Any, active: Bool[Array, ""] | None = None) -> Array:
     """`put` of a step's `value` into a record of `(rows, columns, ...)`, at `cell` of
-    its rows laid end to end (`Schedule.record_cell`).
+    its rows laid end to end (`Schedule.record_cell`); where `active` is false, the
+    cell's own value is put back.
+
+    Written at the cell's row and column, never through a reshape of the record to its
+    cells: XLA then copies the whole record on every step to write one cell in place, a
+    cost that grows with the run. And a masked step writes its one cell masked, where
+    selecting between the records after and before the step reads and writes them whole.
     """
-    rows, columns, *rest = record.shape
-    cells = record.reshape(rows * columns, *rest)
-    return put(cells, value, cell).reshape(record.shape)
+    row, column = cell // record.shape[1], cell % record.shape[1]
+    if active is not None:
+        old = jax.lax.dynamic_index_in_dim(
+            jax.lax.dynamic_index_in_dim(record, row, 0, False, allow_negative_indices=False),
+            column,
+            0,
+            False,
+            allow_negative_indices=False,
+        )
+        value = jnp.where(active, jnp.asarray(value, record.dtype), old)
+    return put(record, value, row, column)
+
+
+RECORDS = ("step_loss", "step_values", "batch_sizes")  # written a cell at a time
+
+
+def masked(active: Bool[Array, ""], stepped: TrainState, state: TrainState) -> TrainState:
+    """`stepped` where `active`, else `state`, but the records: `stepped`'s, whose step
+    wrote its cell masked (`put_cell`'s `active`), so that a masked step costs no pass
+    over the whole run's record.
+    """
+    unrecorded = {name: None for name in RECORDS}
+    kept = jax.tree.map(
+        lambda a, b: jnp.where(active, a, b),
+        stepped._replace(**unrecorded),
+        state._replace(**unrecorded),
+    )
+    return kept._replace(**{name: getattr(stepped, name) for name in RECORDS})
 
 
 def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainState:
