@@ -184,7 +184,8 @@ def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
     values = history.values.get(rule.monitor)
     looked = epochs > rule.start_from_epoch
     validation = loop.validation
-    if rule.monitor in loop.val_names and loop.val_every is not None:
+    by_epoch = not (rule.monitor in loop.val_names and loop.val_every is not None)
+    if not by_epoch:
         # Each validation was judged (`validation_every`), numbered `step // every`.
         epochs, where = history.validation_steps, "the validation(s) after step(s) {}"
         values = history.validations[rule.monitor]
@@ -192,7 +193,10 @@ def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
     elif rule.monitor in loop.val_names and validation is not None and validation.freq != 1:
         looked &= epochs % validation.freq == 0
     assert values is not None
-    nan = np.isnan(values) if values.ndim == 1 else np.isnan(values).any(axis=-1)
+    nan = np.isnan(values)
+    if values.ndim > 1:  # an ensemble's: a member stopped early has NaN after, as it should
+        ran = history.batch_sizes.sum(axis=1) > 0 if by_epoch else True
+        nan = (nan & ran).any(axis=-1)
     found = epochs[looked & nan].tolist()
     if not found:
         return
