@@ -31,7 +31,7 @@ def program_flops(fn: Callable[..., Any], *args: Any) -> Flops:
     compiled), each loop's body counted as many times as the loop runs.
     """
     traced = jax.jit(fn).trace(*args)
-    flops = _xla_flops(traced.lower())
+    flops = _xla_flops(traced)
     extra, unknown = _loops(traced.jaxpr.jaxpr)
     why = None
     if unknown:
@@ -42,15 +42,29 @@ def program_flops(fn: Callable[..., Any], *args: Any) -> Flops:
     return Flops(flops + extra, why)
 
 
-def _xla_flops(lowered: Any) -> float:
+def _xla_flops(traced: Any) -> float:
+    """XLA's FLOPs of a traced program, as its cost analysis counts them before
+    optimising it, lowered for the CPU whatever the devices: the same count on every
+    platform, where a TPU's own lowering has no cost analysis until compiled. A program
+    the CPU cannot lower (a kernel of the device's own, such as Pallas's) is lowered for
+    its device, and compiled where that is what gives a count.
+    """
+    try:
+        lowered = traced.lower(lowering_platforms=("cpu",))
+    except Exception:
+        lowered = traced.lower()
     costs = lowered.cost_analysis()
+    if not costs or "flops" not in costs:
+        costs = lowered.compile().cost_analysis()
+    if isinstance(costs, list | tuple):  # one per device program, in older JAXs
+        costs = costs[0] if costs else None
     return float(costs.get("flops", 0.0)) if costs else 0.0
 
 
 def _body_flops(body: Any) -> float:
     """XLA's FLOPs of a loop's body (a closed jaxpr), lowered alone."""
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals]
-    return _xla_flops(jax.jit(jex.core.jaxpr_as_fun(body)).lower(*avals))
+    return _xla_flops(jax.jit(jex.core.jaxpr_as_fun(body)).trace(*avals))
 
 
 def _loops(jaxpr: Any) -> tuple[float, int]:
