@@ -50,9 +50,11 @@ default on a CPU): GPT 2 layers, d 64, 4 heads, seq 64, vocab 256, batch 4; MLP 
 rows, 64-64 hidden; conv channels 8-8-16-16, 512 images, batch 32, 2 epochs; a
 checkpoint every epoch of 4. The whole `--size full` run is meant to fit in about 8
 minutes on one TPU v5e (GPT steps about 100 ms, a GPT program about 30 s to compile); if
-a call is limited to less, run it in two: `--only first checkpoint` and `--only gpt mlp
-conv`. Progress goes to stdout as it happens; the JSON file (`--out`) is rewritten after
-each part, so a run cut short keeps what it measured.
+a call is limited to less, run it in two: `--only gpt checkpoint` (the checkpoint part
+takes the GPT part's step time and programs) and `--only first mlp conv`. Progress goes
+to stdout as it happens; the JSON file (`--out`) is rewritten after each part, so a run
+cut short keeps what it measured. The checkpoints go to new folders under the system's
+temporary directory (`TMPDIR`), removed after each run.
 
     python benchmarks/accelerator.py [--only gpt mlp conv first checkpoint]
         [--size tiny|full] [--repeats 3] [--checkpoint-seconds 60] [--out PATH]
