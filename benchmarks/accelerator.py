@@ -957,7 +957,7 @@ def guarded(name: str, results: dict[str, Any], fn: Callable[[], dict[str, Any]]
 def main() -> None:
     parser = argparse.ArgumentParser(description="eqfit against the floors of issue 68")
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--size", choices=("tiny", "full"), default=None)
+    parser.add_argument("--size", choices=("tiny", "full", "auto"), default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checkpoint-seconds", type=float, default=None)
     parser.add_argument("--checkpoint-repeats", type=int, default=1)
