@@ -136,6 +136,20 @@ def monitor_hint(monitor: str, validation: Validation | None, step: StepOptions)
     return ""
 
 
+def refuse_array_monitor(monitor: str, names: tuple[str, ...], what: str) -> None:
+    """Refuses a monitored value that is an array each epoch (a confusion matrix, recorded
+    as its entries `monitor/i/j` among `names`): a monitored value is one number.
+    """
+    entries = [n for n in names if n.startswith(monitor + "/")]
+    if entries:
+        raise ValueError(
+            f"{what} is {monitor!r}, a value that is an array each epoch (recorded as its "
+            f"{len(entries)} entries, {entries[0]!r} to {entries[-1]!r}), but a monitored "
+            f"value is one number: monitor one entry, such as {entries[-1]!r}, or a metric "
+            "of one number."
+        )
+
+
 def _refuse_impossible_monitor(
     monitor: str, options: "Options", names: tuple[str, ...], what: str
 ) -> None:
