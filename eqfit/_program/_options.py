@@ -30,7 +30,7 @@ from .._step._precision import as_precision, Precision
 from .._step._record import LOSS, NORMS, record_for, SCALING, UpdateInfo
 from .._step._update_checks import check_updates
 from .._step._updates import AbstractUpdate, builtin, Losses, trained_spec
-from .._step._validation import Validation, ValidationSets
+from .._step._validation import refuse_sets, Validation, ValidationSets
 from ._parallel import choose_placement, Device, Placement
 from ._sharding import resolve
 from ._state import Callables
@@ -225,6 +225,7 @@ def check_options(
 
     `TypeError` or `ValueError`, naming the argument, what it must be and what it is.
     """
+    refuse_sets(data, "data", "fit")
     _check_alive(model, data, validation_data, opt_state, state)
     epochs, initial_epoch, steps_per_epoch, batch_size = _counts(
         epochs, initial_epoch, steps_per_epoch, batch_size
