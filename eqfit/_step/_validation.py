@@ -305,7 +305,7 @@ def refuse_sets(data: Any, name: str, where: str) -> None:
         each = (
             "and the sets as `validation_data=`"
             if where == "fit"
-            else f"or each set, `{{name: eqfit.{where}(model, s, ...) for name, s in sets.items()}}`"
+            else f"or each set, `{{n: eqfit.{where}(model, s, ...) for n, s in sets.items()}}`"
         )
         raise TypeError(
             f"`{where}`'s `{name}` is an `eqfit.ValidationSets` ({', '.join(data)}), which "
