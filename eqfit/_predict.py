@@ -209,7 +209,7 @@ def _unsuited_examples(model: Any, x: Any, state: Any, error: Exception) -> Exce
         return None
     shown = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", example)
     if single:
-        what = f"`x` has shape {tuple(x.shape)}, so each example is a scalar"
+        what = f"`x` has shape {np.shape(x)}, so each example is a scalar"
         fix = "For examples of one feature, pass `x[:, None]`."
     else:
         what = f"`x` is a {type(x).__name__}, so each example is {shown}"

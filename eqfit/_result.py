@@ -129,7 +129,8 @@ def finish(
     if outcome.interrupted:
         raise TrainingInterrupted(result, outcome.signal or "SIGINT")
     try:
-        raise_found(outcome.report.label_error, loop.members is not None)
+        sets = None if loop.validation is None else loop.validation.sets
+        raise_found(outcome.report.label_error, loop.members is not None, sets)
     except ValueError as e:
         e.result = result  # type: ignore[attr-defined]
         raise
