@@ -193,8 +193,8 @@ def _unsuited_examples(model: Any, x: Any, state: Any, error: Exception) -> Exce
     """
     if isinstance(error, TypeCheckError):  # `reported_as` names `x` already
         return None
-    single = _is_array(x)
-    if (single and x.ndim != 1) or not (single or isinstance(x, dict | tuple)):
+    single, shape = _is_array(x), getattr(x, "shape", ())
+    if (single and len(shape) != 1) or not (single or isinstance(x, dict | tuple)):
         return None  # examples of arrays, or a loader's batches
     leaves = jax.tree.leaves(x)
     if not leaves or not all(_is_array(a) and a.ndim > 0 for a in leaves):
@@ -209,7 +209,7 @@ def _unsuited_examples(model: Any, x: Any, state: Any, error: Exception) -> Exce
         return None
     shown = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", example)
     if single:
-        what = f"`x` has shape {np.shape(x)}, so each example is a scalar"
+        what = f"`x` has shape {tuple(shape)}, so each example is a scalar"
         fix = "For examples of one feature, pass `x[:, None]`."
     else:
         what = f"`x` is a {type(x).__name__}, so each example is {shown}"
