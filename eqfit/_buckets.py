@@ -79,7 +79,7 @@ class Buckets:
         pad: float = 0,
     ):
         if not isinstance(data, tuple) or not data:
-            given = "an empty tuple" if data == () else f"a {type(data).__name__}"
+            given = "an empty tuple" if isinstance(data, tuple) else f"a {type(data).__name__}"
             raise TypeError(
                 "`Buckets`'s `data` must be a tuple of one or more fields (`(tokens, "
                 "labels)`), each a list of arrays (one per sample) or an array with a row per "
