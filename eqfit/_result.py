@@ -555,9 +555,8 @@ def _non_finite(saved: dict[str, Any] | None) -> NonFinite | None:
     if saved is None:
         return None
     rows = saved["rows"]
-    return NonFinite(
-        **{**saved, "parameters": tuple(saved["parameters"]), "rows": rows and tuple(rows)}
-    )
+    lists = {k: tuple(saved.get(k, ())) for k in ("parameters", "began_non_finite")}
+    return NonFinite(**{**saved, **lists, "rows": rows and tuple(rows)})
 
 
 def _holds(leaf: Any) -> bool:
