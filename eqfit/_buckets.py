@@ -3,12 +3,16 @@ loader of shuffled batches of one bucket each, which `fit` trains with one progr
 bucket.
 """
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jaxtyping import Array, Key
+
+from ._core._checks import as_int, as_real
+from ._core._data import as_key
 
 
 class Buckets:
@@ -75,18 +79,26 @@ class Buckets:
         pad: float = 0,
     ):
         if not isinstance(data, tuple) or not data:
+            given = "an empty tuple" if isinstance(data, tuple) else f"a {type(data).__name__}"
             raise TypeError(
-                "`Buckets`'s `data` must be a tuple of fields (`(tokens, labels)`), each a "
-                f"list of arrays (one per sample) or an array with a row per sample; got "
-                f"{type(data).__name__}."
+                "`Buckets`'s `data` must be a tuple of one or more fields (`(tokens, "
+                "labels)`), each a list of arrays (one per sample) or an array with a row per "
+                f"sample; got {given}."
             )
-        bounds = [int(n) for n in lengths]
-        if not bounds or any(n < 1 for n in bounds) or bounds != sorted(set(bounds)):
-            raise ValueError(
-                f"`Buckets`'s `lengths` must be increasing lengths of 1 or more, got {lengths!r}."
-            )
+        bounds = _bounds(lengths)
+        batch_size = as_int(batch_size)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`Buckets`'s `batch_size` must be 1 or more, got {batch_size!r}.")
+            raise ValueError(
+                "`Buckets`'s `batch_size` must be a whole number of samples, 1 or more; got "
+                f"{batch_size!r}."
+            )
+        padding = as_real(pad)
+        if padding is None or not math.isfinite(padding):
+            raise ValueError(
+                "`Buckets`'s `pad` must be a finite number: padded positions go through the "
+                "model, and a mask of 0 does not clear a NaN or infinite output (0 * NaN is "
+                f"NaN); got {pad!r}."
+            )
         if shuffle and key is None:
             raise ValueError("`Buckets` shuffles with `key=`: give one, or `shuffle=False`.")
         self._fields: list[list[np.ndarray] | np.ndarray] = [
@@ -118,7 +130,7 @@ class Buckets:
         self._bucket: np.ndarray = np.searchsorted(np.asarray(bounds), self._lengths)
         self._seed: np.ndarray | None = None
         if key is not None:
-            self._seed = np.asarray(jax.random.key_data(key)).ravel()
+            self._seed = np.asarray(jax.random.key_data(_key(key))).ravel()
         self._epoch: int = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -198,6 +210,7 @@ def _field(field: Any, i: int) -> list[np.ndarray] | np.ndarray:
                 f"`Buckets`'s field {i} holds a scalar: a sequence's array has its length "
                 "first (`(length, ...)`); give a field of one value per sample as an array."
             )
+        _check_samples(arrays, i)
         return arrays
     array = np.asarray(field)
     if array.ndim == 0:
@@ -217,3 +230,52 @@ def _sample_lengths(fields: list[Any], ragged: list[bool]) -> np.ndarray:
                 f"{int(other[i])} in two fields: a sample's sequences share their length."
             )
     return per_field[0]
+
+
+def _bounds(lengths: Any) -> list[int]:
+    """`lengths` as a list of ints, refused unless a sequence of increasing numbers, 1 or
+    more.
+    """
+    is_sequence = isinstance(lengths, list | tuple | np.ndarray) and np.ndim(lengths) == 1
+    numbers = [as_real(n) for n in lengths] if is_sequence else []
+    if not is_sequence or not numbers or None in numbers:
+        raise TypeError(
+            "`Buckets`'s `lengths` must be a sequence of bucket lengths, increasing, such as "
+            f"`(16, 32, 64)`; got {lengths!r}."
+        )
+    bounds = [int(n) for n in lengths]
+    if any(n < 1 for n in bounds) or bounds != sorted(set(bounds)):
+        raise ValueError(
+            f"`Buckets`'s `lengths` must be increasing lengths of 1 or more, got {lengths!r}."
+        )
+    return bounds
+
+
+def _key(key: Any) -> Key[Array, ""]:
+    """`key` as a typed PRNG key, refused with `Buckets`'s name."""
+    try:
+        return as_key(key)
+    except TypeError as e:
+        raise TypeError(f"`Buckets`'s {e}") from None
+
+
+def _check_samples(arrays: list[np.ndarray], i: int) -> None:
+    """Refuses a field of sequences whose samples differ past their length (a token of
+    3 features among tokens of 2) or in dtype: one batch holds them in one array.
+    """
+    if not arrays:
+        return
+    first = arrays[0]
+    for j, a in enumerate(arrays):
+        if a.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"`Buckets`'s field {i}: sample {j} has shape {a.shape}, sample 0 "
+                f"{first.shape}: a field's sequences may differ in length (their first axis) "
+                f"only; each of its tokens must have shape {first.shape[1:]}."
+            )
+        if a.dtype != first.dtype:
+            raise ValueError(
+                f"`Buckets`'s field {i}: sample {j} is {a.dtype}, sample 0 {first.dtype}: a "
+                "field's samples share one dtype (a batch holds them in one array); convert "
+                "them to one, such as `[np.asarray(s, np.float32) for s in field]`."
+            )

@@ -24,6 +24,7 @@ from ._step._objective import find_outputs, Objective, takes_key
 from ._step._precision import as_precision, PrecisionLike
 from ._step._record import Record
 from ._step._statistics import accumulated_shapes, grouped
+from ._step._validation import refuse_sets
 from .metrics import _taken
 
 
@@ -77,6 +78,7 @@ def evaluate(
     (see `fit`'s `loss`), and the metrics; a metric whose value is an array (a
     confusion matrix) as a numpy array.
     """
+    refuse_sets(data, "data", "evaluate")
     check_alive(model=model, data=data, state=state)
     check_batch_size(batch_size)
     source = inference_source(data)

@@ -70,6 +70,10 @@ class NonFinite:
         run's start; `None` where the run kept its last finite state itself (`on_nan=`'s
         guard: asked for, or kept under `devices=`, a precision policy, an ensemble, a
         one-shot iterator).
+    - `began_non_finite`: the trained arrays already not finite when the step began, by
+        path: an earlier step's gradient was not finite though its loss was, which a run
+        without `norms=True` does not check (it stops at the next step, whose every row
+        is then not finite).
     """
 
     epoch: int
@@ -84,6 +88,7 @@ class NonFinite:
     rows: tuple[int, ...] | None = None
     update: str | None = None
     replayed_from: int | None = None
+    began_non_finite: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         member = "" if self.member is None else f" of member {self.member}"
@@ -102,6 +107,14 @@ class NonFinite:
             lines.append(f"- non-finite gradients: {', '.join(self.parameters)}")
         if self.rows is not None:
             lines.append(f"- rows whose loss is not finite: {', '.join(map(str, self.rows))}")
+        if self.began_non_finite:
+            lines.append(
+                f"- not finite before the step: {', '.join(self.began_non_finite)}. An "
+                "earlier step's gradient was not finite though its loss was: without "
+                "`norms=True` a run checks only the loss, and so stops a step late, every "
+                "row's loss not finite. Run with `norms=True` to stop at the step whose "
+                "gradient is not finite, and to replay that one."
+            )
         return "\n".join(lines)
 
 

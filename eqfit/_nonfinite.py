@@ -113,6 +113,7 @@ def find(
         # The arrays the run trains (`True`), as a filter spec of the model.
         filled = unwrap(loop.model.fill(list(loop.trains)))
         spec = jax.tree.map(lambda x: x if isinstance(x, bool) else False, filled)
+        broken = _non_finite(eqx.filter(model, spec))
         if options.objects.updates:  # each in its turn, on the model the one before it left
             turn = (options.objects.updates, opt_state, step, step_key, spec)
             finding = _each_update(*turn, model, model_state, batch, rows)
@@ -128,7 +129,25 @@ def find(
             "policy, norms or microbatches, which the replay does not apply)"
         )
     seconds = time.perf_counter() - began
-    return NonFinite(epoch, within, member, seconds, None, *finding, replayed_from=replayed_from)
+    return NonFinite(
+        epoch,
+        within,
+        member,
+        seconds,
+        None,
+        *finding,
+        replayed_from=replayed_from,
+        began_non_finite=broken,
+    )
+
+
+def _non_finite(trained: PyTree) -> tuple[str, ...]:
+    """The paths of `trained`'s arrays that hold a value not finite."""
+    return tuple(
+        jax.tree_util.keystr(path)
+        for path, a in jax.tree_util.tree_leaves_with_path(trained)
+        if eqx.is_inexact_array(a) and not bool(jnp.all(jnp.isfinite(a)))
+    )
 
 
 def _diagnose(

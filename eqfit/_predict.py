@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import PyTree, TypeCheckError
 
 from ._core._checks import checked, reported_as
 from ._core._data import (
@@ -37,6 +37,7 @@ from ._program._state import OnDevice, Releases
 from ._step._evaluate import batch_number, batch_rows
 from ._step._objective import abstract_key, applies, CONVOLUTION
 from ._step._precision import as_precision, Precision, PrecisionLike
+from ._step._validation import refuse_sets
 from .losses import outputs
 
 
@@ -139,6 +140,7 @@ def predict(
     batches' outputs differ in shape, a list of each batch's outputs in its order
     (`Buckets.order()` says which samples each holds).
     """
+    refuse_sets(x, "x", "predict")
     check_alive(model=model, x=x, state=state, out=out)
     check_batch_size(batch_size)
     policy = as_precision(precision, model=model)
@@ -178,7 +180,44 @@ def predict(
                 # A single model whose arrays happen to share their leading size passes
                 # for a stack; this is where it shows.
                 raise not_a_stack(members, "`predict`", e) from e
+            unsuited = _unsuited_examples(model, x, state, e)
+            if unsuited is not None:
+                raise unsuited from e
             raise
+
+
+def _unsuited_examples(model: Any, x: Any, state: Any, error: Exception) -> Exception | None:
+    """Where `x` gives the model scalars (a 1-D `x`) or a PyTree (a dict batch) as its
+    examples and the model itself fails on one, an error saying so; `None` otherwise (the
+    model takes such examples, and failed for another reason).
+    """
+    if isinstance(error, TypeCheckError):  # `reported_as` names `x` already
+        return None
+    single, shape = _is_array(x), getattr(x, "shape", ())
+    if (single and len(shape) != 1) or not (single or isinstance(x, dict | tuple)):
+        return None  # examples of arrays, or a loader's batches
+    leaves = jax.tree.leaves(x)
+    if not leaves or not all(_is_array(a) and a.ndim > 0 for a in leaves):
+        return None
+    example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), x)
+    call = (lambda m, e: m(e)) if state is None else (lambda m, e: m(e, state))
+    try:
+        eqx.filter_eval_shape(call, eqx.nn.inference_mode(model), example)
+    except Exception:
+        pass
+    else:
+        return None
+    shown = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", example)
+    if single:
+        what = f"`x` has shape {tuple(shape)}, so each example is a scalar"
+        fix = "For examples of one feature, pass `x[:, None]`."
+    else:
+        what = f"`x` is a {type(x).__name__}, so each example is {shown}"
+        fix = "Pass the array the model takes, or a model that takes such examples."
+    return ValueError(
+        f"`predict` calls the model on one example of `x` at a time, `model(x[i])`: {what}, "
+        f"and the model fails on it ({type(error).__name__}: {error}). {fix}"
+    )
 
 
 def _is_array(x: Any) -> bool:

@@ -25,7 +25,7 @@ from ._program._loop import Loop
 from ._program._skeleton import unwrap
 from ._program._state import Consts, NON_FINITE_STOPS, Stop, Validations
 from ._step._labels import raise_found
-from ._step._statistics import grouped
+from ._step._statistics import ENTRY, grouped
 
 
 @functools.partial(
@@ -129,7 +129,8 @@ def finish(
     if outcome.interrupted:
         raise TrainingInterrupted(result, outcome.signal or "SIGINT")
     try:
-        raise_found(outcome.report.label_error, loop.members is not None)
+        sets = None if loop.validation is None else loop.validation.sets
+        raise_found(outcome.report.label_error, loop.members is not None, sets)
     except ValueError as e:
         e.result = result  # type: ignore[attr-defined]
         raise
@@ -181,14 +182,14 @@ def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
     if rule is None:
         return
     epochs, where = history.epoch, "epoch(s) {} (counted from 1)"
-    values = history.values.get(rule.monitor)
+    values = _entry(history.values, rule.monitor)
     looked = epochs > rule.start_from_epoch
     validation = loop.validation
     by_epoch = not (rule.monitor in loop.val_names and loop.val_every is not None)
     if not by_epoch:
         # Each validation was judged (`validation_every`), numbered `step // every`.
         epochs, where = history.validation_steps, "the validation(s) after step(s) {}"
-        values = history.validations[rule.monitor]
+        values = _entry(history.validations, rule.monitor)
         looked = epochs // loop.val_every > rule.start_from_epoch
     elif rule.monitor in loop.val_names and validation is not None and validation.freq != 1:
         looked &= epochs % validation.freq == 0
@@ -214,6 +215,19 @@ def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def _entry(values: dict[str, np.ndarray], name: str) -> np.ndarray | None:
+    """The history's values of `name`, or of an array value's entry `name/i/j` (the
+    history holds the array, `(epochs, i, j)`); `None` where it has neither.
+    """
+    if name in values:
+        return values[name]
+    found = ENTRY.search(name)
+    if found is None or name[: found.start()] not in values:
+        return None
+    index = tuple(int(i) for i in found.group()[1:].split("/"))
+    return values[name[: found.start()]][(slice(None), *index)]
 
 
 def outcome_epochs(loop: Loop, outcome: Outcome) -> list[int]:
@@ -545,9 +559,8 @@ def _non_finite(saved: dict[str, Any] | None) -> NonFinite | None:
     if saved is None:
         return None
     rows = saved["rows"]
-    return NonFinite(
-        **{**saved, "parameters": tuple(saved["parameters"]), "rows": rows and tuple(rows)}
-    )
+    lists = {k: tuple(saved.get(k, ())) for k in ("parameters", "began_non_finite")}
+    return NonFinite(**{**saved, **lists, "rows": rows and tuple(rows)})
 
 
 def _holds(leaf: Any) -> bool:

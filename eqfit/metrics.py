@@ -16,7 +16,8 @@ model called as `model(x[i], state)` under `jax.vmap` with `axis_name="batch"`);
 state is dropped.
 """
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, overload
 
 import equinox as eqx
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
+from ._core._checks import as_int
 from ._core._metric import AbstractMetric as AbstractMetric, is_metrax
 from ._step._labels import check_labels, same_shape
 from ._step._mean import Mean
@@ -188,8 +190,16 @@ class ConfusionMatrix(AbstractMetric):
         counts.
     """
 
-    classes: int = eqx.field(static=True)
+    classes: int = eqx.field(static=True, converter=as_int)
     normalize: Literal["true", "pred", "all"] | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self) -> None:
+        _check_classes("ConfusionMatrix", self.classes)
+        if self.normalize not in ("true", "pred", "all", None):
+            raise ValueError(
+                "`ConfusionMatrix`'s `normalize` must be 'true' (each row), 'pred' (each "
+                f"column), 'all' or None (counts), got {self.normalize!r}."
+            )
 
     def statistics(self, model: Any, *batch: Any) -> Array:
         return _confusion("ConfusionMatrix", self.classes, model, batch)
@@ -203,16 +213,26 @@ class ConfusionMatrix(AbstractMetric):
         return jnp.where(total == 0, 0.0, counts / jnp.where(total == 0, 1.0, total))
 
 
+def _check_classes(name: str, classes: Any) -> None:
+    """Refuses a `classes` that is not a whole number, 2 or more."""
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+        raise ValueError(
+            f"`{name}`'s `classes` must be the number of classes, a whole number, 2 or more; "
+            f"got {classes!r}."
+        )
+
+
 Average = Literal["binary", "macro", "micro"] | None
 
 
 class _Scores(AbstractMetric):
     """Precision, recall or F1 from the epoch's confusion counts."""
 
-    classes: int = eqx.field(static=True, default=2)
+    classes: int = eqx.field(static=True, default=2, converter=as_int)
     average: Average = eqx.field(static=True, default="binary")
 
     def __check_init__(self) -> None:
+        _check_classes(type(self).__name__, self.classes)
         if self.average not in ("binary", "macro", "micro", None):
             raise ValueError(
                 f"`average` must be 'binary', 'macro', 'micro' or None, got {self.average!r}."
@@ -300,6 +320,12 @@ class TopKAccuracy(AbstractMetric):
     def statistics(self, model: Any, *batch: Any) -> dict[str, Array]:
         state, x, y, weights = split_state(batch, "TopKAccuracy")
         logits, _ = outputs(model, x, state)
+        if self.k > logits.shape[-1]:
+            raise ValueError(
+                f"`TopKAccuracy(k={self.k})`: the model gives {logits.shape[-1]} logits per "
+                f"example (shape {tuple(logits.shape)}), fewer than `k`: give a `k` of at "
+                f"most {logits.shape[-1]}, the number of classes."
+            )
         logits = check_labels(logits, y, logits.shape[-1], "TopKAccuracy")
         top = jax.lax.top_k(logits, self.k)[1]
         hit = jnp.any(top == y[..., None], axis=-1).astype(jnp.float32)
@@ -357,15 +383,68 @@ class Metrax(AbstractMetric):
         out, _ = outputs(model, x, state)
         rest = (y,) if weights is None else (y, weights)
         if self.inputs is not None:
-            kwargs = self.inputs(out, *rest)
+            kwargs = self._mapped(name, out, rest)
         else:
             kwargs = {"predictions": out, "labels": y}
             if weights is not None:
                 kwargs["sample_weights"] = weights
-        return self.metric.from_model_output(**kwargs, **dict(self.options))
+        try:
+            return self.metric.from_model_output(**kwargs, **dict(self.options))
+        except (TypeError, ValueError) as e:
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(_metrax_failed(name, self.metric, kwargs, e)) from e
+
+    def _mapped(self, name: str, out: Any, rest: tuple[Any, ...]) -> dict[str, Any]:
+        """`inputs(outputs, y[, weights])`, refused unless it takes those arguments and
+        returns a mapping of keyword arguments.
+        """
+        assert self.inputs is not None
+        given = "outputs, y" + (", weights" if len(rest) == 2 else "")
+        try:
+            inspect.signature(self.inputs).bind(out, *rest)
+        except TypeError:
+            raise TypeError(
+                f"`{name}`'s `inputs` is called `inputs({given})` on each batch, but it takes "
+                f"{inspect.signature(self.inputs)}: make it take ({given})."
+            ) from None
+        except ValueError:  # a builtin without a signature: called as it is
+            pass
+        kwargs = self.inputs(out, *rest)
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"`{name}`'s `inputs` must return the keyword arguments of "
+                f"`{self.metric.__name__}.from_model_output` as a dict (such as "
+                f"`{{'predictions': ..., 'labels': y}}`), got a {type(kwargs).__name__}."
+            )
+        return dict(kwargs)
 
     def compute(self, statistics: Any) -> Array:
         return statistics.compute()
+
+
+def _metrax_failed(name: str, metric: type, kwargs: dict[str, Any], error: Exception) -> str:
+    """Why metrax refused a batch's inputs, with what it was given and what would do."""
+    shapes = ", ".join(f"{k}={_described(v)}" for k, v in kwargs.items())
+    text = (
+        f"`{name}`: `{metric.__name__}.from_model_output({shapes})` failed: "
+        f"{str(error).rstrip('.')}. Map the "
+        "model's outputs to what it takes with `Metrax(metric, inputs=lambda outputs, y: "
+        "{...})`."
+    )
+    predictions, labels = kwargs.get("predictions"), kwargs.get("labels")
+    several = getattr(predictions, "ndim", 0) > getattr(labels, "ndim", 0)
+    if metric.__name__ in ("Precision", "Recall") and several:
+        text += (
+            f" metrax's {metric.__name__} scores binary predictions, one probability per "
+            f"label; for several classes use `eqfit.metrics.{metric.__name__}(classes, "
+            "average=...)`."
+        )
+    return text
+
+
+def _described(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    return f"{x.dtype}{list(shape)}" if shape is not None else repr(x)
 
 
 def _taken(metrics: Any) -> dict[str, Any]:

@@ -110,6 +110,9 @@ def as_int(value: Any) -> Any:
     return value
 
 
+MAX_STEPS = 2**31 - 1  # the most steps a run counts, in int32
+
+
 def as_steps(name: str, value: Any, does: str) -> int | None:
     """The argument `name`'s `value` checked: `None`, or a whole number of steps, 1 or
     more (`does`: what happens every n-th step, for the message).
@@ -121,6 +124,11 @@ def as_steps(name: str, value: Any, does: str) -> int | None:
         raise ValueError(
             f"`{name}` must be a whole number of steps, 1 or more ({does} every n-th step), "
             f"or None; got {value!r}."
+        )
+    if every > MAX_STEPS:
+        raise ValueError(
+            f"`{name}` must be a number of steps at most {MAX_STEPS} (a run counts its steps "
+            f"in int32), got {value!r}."
         )
     return every
 

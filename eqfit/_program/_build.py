@@ -23,7 +23,14 @@ from .._step._update_checks import check_applied
 from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
 from ._compile import PROGRAMS
 from ._loop import Loop
-from ._options import EARLY_STOPPING, KEEP_BEST, monitor_hint, Options, StepOptions
+from ._options import (
+    EARLY_STOPPING,
+    KEEP_BEST,
+    monitor_hint,
+    Options,
+    refuse_array_monitor,
+    StepOptions,
+)
 from ._parallel import (
     CompilerOptions,
     placement_devices,
@@ -497,6 +504,7 @@ def check_monitor(monitor: str, loop: Loop, what: str = EARLY_STOPPING) -> None:
     """
     names = loop.log_names
     if monitor not in names:
+        refuse_array_monitor(monitor, names, what)
         hint = monitor_hint(monitor, loop.validation, loop.step)
         raise ValueError(
             f"{what} is {monitor!r}, which this run does not compute; it computes "

@@ -158,7 +158,7 @@ class EpochEnd:
             )
             values.append(val)
             if labels is not None:
-                label_error = label_error.or_else(labels)
+                label_error = label_error.or_else(labels.in_set(i))
         return jnp.concatenate(values), label_error
 
     def model(self, state: TrainState) -> PyTree:
@@ -246,8 +246,8 @@ class EpochEnd:
             totals = [jnp.asarray(set_sums.totals) for set_sums in sums]
             values = [self.parts.objective.quotient(t) for t in totals]
             label_error = state.label_error
-            for _, labels in sums:
-                label_error = label_error.or_else(labels)
+            for i, (_, labels) in enumerate(sums):
+                label_error = label_error.or_else(labels.in_set(i))
             return jnp.concatenate(values), label_error
 
         return validate

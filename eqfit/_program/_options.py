@@ -30,7 +30,7 @@ from .._step._precision import as_precision, Precision
 from .._step._record import LOSS, NORMS, record_for, SCALING, UpdateInfo
 from .._step._update_checks import check_updates
 from .._step._updates import AbstractUpdate, builtin, Losses, trained_spec
-from .._step._validation import Validation, ValidationSets
+from .._step._validation import refuse_sets, Validation, ValidationSets
 from ._parallel import choose_placement, Device, Placement
 from ._sharding import resolve
 from ._state import Callables
@@ -136,6 +136,20 @@ def monitor_hint(monitor: str, validation: Validation | None, step: StepOptions)
     return ""
 
 
+def refuse_array_monitor(monitor: str, names: tuple[str, ...], what: str) -> None:
+    """Refuses a monitored value that is an array each epoch (a confusion matrix, recorded
+    as its entries `monitor/i/j` among `names`): a monitored value is one number.
+    """
+    entries = [n for n in names if n.startswith(monitor + "/")]
+    if entries:
+        raise ValueError(
+            f"{what} is {monitor!r}, a value that is an array each epoch (recorded as its "
+            f"{len(entries)} entries, {entries[0]!r} to {entries[-1]!r}), but a monitored "
+            f"value is one number: monitor one entry, such as {entries[-1]!r}, or a metric "
+            "of one number."
+        )
+
+
 def _refuse_impossible_monitor(
     monitor: str, options: "Options", names: tuple[str, ...], what: str
 ) -> None:
@@ -211,6 +225,7 @@ def check_options(
 
     `TypeError` or `ValueError`, naming the argument, what it must be and what it is.
     """
+    refuse_sets(data, "data", "fit")
     _check_alive(model, data, validation_data, opt_state, state)
     epochs, initial_epoch, steps_per_epoch, batch_size = _counts(
         epochs, initial_epoch, steps_per_epoch, batch_size

@@ -47,7 +47,8 @@ class LabelError(NamedTuple):
     label: Float[Array, "*members"]
     # The label's index in the flattened batch, then the batch's shape (-1 past its rank).
     where: Int[Array, "*members 4"]
-    step: Int[Array, "*members"]  # the global step (-1: validation or evaluation)
+    # The global step; -1: evaluation; -2 - i: validation set i (`in_set`).
+    step: Int[Array, "*members"]
 
     @staticmethod
     def none() -> "LabelError":
@@ -59,6 +60,10 @@ class LabelError(NamedTuple):
             jnp.full((_DIMS,), -1, jnp.int32),
             jnp.asarray(-1, jnp.int32),
         )
+
+    def in_set(self, i: int) -> "LabelError":
+        """This one, met in validation set `i` (found or not)."""
+        return self._replace(step=jnp.full_like(self.step, -2 - i))
 
     def or_else(self, other: "LabelError") -> "LabelError":
         """This one if it found a bad label, else `other`: the first found is kept."""
@@ -152,8 +157,10 @@ def message(name: str, classes: int | None, label: Any, where: tuple[int, ...]) 
     return f"`{name}`: label {label} (at {where} of a batch) {_why(classes)}."
 
 
-def raise_found(error: Any, ensemble: bool = False) -> None:
-    """Raises the `ValueError` for a `LabelError` read back to the host, if it found one."""
+def raise_found(error: Any, ensemble: bool = False, sets: tuple[str, ...] | None = None) -> None:
+    """Raises the `ValueError` for a `LabelError` read back to the host, if it found one
+    (`sets`: the names of the validation sets, where they are named).
+    """
     found = np.asarray(error.found).reshape(-1)
     if not found.any():
         return
@@ -170,6 +177,9 @@ def raise_found(error: Any, ensemble: bool = False) -> None:
     text = message(CHECKERS[int(checker)], classes_, value, where)
     if int(step) >= 0:
         text += f" (Found at step {step + 1} of the run, counted from 1.)"
+    elif int(step) <= -2:
+        where_ = "`validation_data`" if not sets else f"the validation set {sets[-2 - step]!r}"
+        text += f" (Found in {where_}.)"
     if ensemble:
         text = f"member {i}: " + text
     raise ValueError(text)

@@ -23,7 +23,17 @@ from ._labels import collecting, first_of, LabelError
 from ._mean import Mean
 from ._precision import Precision
 from ._size import product_flops
-from ._statistics import arrays, check_sums, flat_size, Like, unflatten, values
+from ._statistics import (
+    arrays,
+    check_batch_free,
+    check_leaves,
+    check_sums,
+    flat_size,
+    Like,
+    one_row_less,
+    unflatten,
+    values,
+)
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -401,10 +411,18 @@ class Objective(eqx.Module):
 
         def each(model: PyTree, model_state: PyTree, batch: PyTree) -> tuple[PyTree, ...]:
             args = self._arguments(model, model_state, batch)
+            out = []
             with collecting():
-                return tuple(metric.statistics(*args) for _, metric in self.accumulating)
+                for name, metric in self.accumulating:
+                    out.append(check_leaves(name, metric.statistics(*args)))
+            return tuple(out)
 
         found = tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, batch)))
+        shorter = one_row_less(batch)
+        if shorter is not None:  # statistics that grow with the batch are not summed ones
+            fewer = tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, shorter)))
+            for (name, _), like, other in zip(self.accumulating, found, fewer):
+                check_batch_free(name, like, other)
         for (name, metric), like in zip(self.accumulating, found):
             check_sums(name, metric, like)
         _STATISTICS.put(cache_key, found)

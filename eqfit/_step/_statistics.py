@@ -190,7 +190,16 @@ def check_sums(name: str, metric: AbstractMetric, like: Like) -> None:
         eqx.combine(jax.tree.map(lambda z: jnp.full(z.shape, k, z.dtype), zeros(like)), like.static)
         for k in (1, 2)
     )
-    merged = arrays(type(ones).merge(ones, twos))
+    try:
+        merged = arrays(type(ones).merge(ones, twos))
+    except NotImplementedError:
+        kind = getattr(taken, "__name__", repr(taken))
+        raise ValueError(
+            f"metric {name!r}: {kind} has no `merge` (metrax leaves it unwritten), so its "
+            "statistics cannot be added up over an epoch's batches. Use a metric that merges "
+            "(eqfit's `F1`, `Precision` and `Recall` accumulate their counts), or write it as "
+            "an `eqfit.metrics.AbstractMetric`."
+        ) from None
     if not all(bool(jnp.all(x == 3)) for x in jax.tree.leaves(merged)):
         kind = getattr(taken, "__name__", repr(taken))
         raise ValueError(
@@ -199,3 +208,55 @@ def check_sums(name: str, metric: AbstractMetric, like: Like) -> None:
             "batches), which would give another value than merging. Write it as an "
             "`eqfit.metrics.AbstractMetric` whose statistics add."
         )
+
+
+def check_leaves(name: str, statistics: PyTree) -> PyTree:
+    """`statistics`, refused where a leaf is a numpy array (text, or numbers made on the
+    host): the run sums statistics as JAX arrays, and a traced function cannot return one.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(statistics):
+        if isinstance(leaf, np.ndarray | np.generic):
+            fix = (
+                "text cannot be summed: count what it names as numbers"
+                if leaf.dtype.kind in "USO"
+                else "make it a JAX array, `jnp.asarray(...)`"
+            )
+            raise TypeError(
+                f"metric {name!r}: its statistics hold a numpy {leaf.dtype}{list(leaf.shape)} "
+                f"at `statistics{jax.tree_util.keystr(path)}`, but the run sums a batch's "
+                f"statistics as JAX arrays: {fix}."
+            )
+    return statistics
+
+
+def one_row_less(batch: PyTree) -> PyTree | None:
+    """`batch`'s shapes with a row less (`None` for a batch of one row, or none): the
+    statistics found on both show which grow with the batch.
+    """
+    leaves = [x for x in jax.tree.leaves(batch) if _is_shaped(x) and x.ndim > 0]
+    if not leaves or leaves[0].shape[0] < 2:
+        return None
+
+    def fewer(x: Any) -> Any:
+        if not (_is_shaped(x) and x.ndim > 0):
+            return x
+        return jax.ShapeDtypeStruct((x.shape[0] - 1, *x.shape[1:]), x.dtype)
+
+    return jax.tree.map(fewer, batch)
+
+
+def check_batch_free(name: str, like: Like, fewer: Like) -> None:
+    """Refuses statistics whose shapes follow the batch's size (`like` found on a batch,
+    `fewer` on it with a row less): a row's each, which summing over batches would add
+    row to row of different examples, or fail where a last batch is smaller.
+    """
+    pairs = zip(jax.tree_util.tree_leaves_with_path(like.tree), jax.tree.leaves(fewer.tree))
+    for (path, a), b in pairs:
+        if _is_shaped(a) and _is_shaped(b) and a.shape != b.shape:
+            raise ValueError(
+                f"metric {name!r}: its statistics `statistics{jax.tree_util.keystr(path)}` "
+                f"have shape {tuple(a.shape)} on a batch and {tuple(b.shape)} on a batch of a "
+                "row less: a batch's statistics must be sums over its rows (counts, totals) "
+                "of a shape of their own, which the run adds up batch by batch; sum them "
+                "over the batch, `jnp.sum(..., axis=0)`."
+            )

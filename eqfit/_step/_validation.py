@@ -295,3 +295,19 @@ class Validation:
         sets = tuple(data) if isinstance(data, ValidationSets) else ()
         streamed = validation_streams(data, freq, *epochs, every)
         return Validation(sets, freq, ema, streamed, every)
+
+
+def refuse_sets(data: Any, name: str, where: str) -> None:
+    """Refuses `ValidationSets` given as `where`'s argument `name` (`fit`'s `data`,
+    `evaluate`'s), which takes one dataset.
+    """
+    if isinstance(data, ValidationSets):
+        each = (
+            "and the sets as `validation_data=`"
+            if where == "fit"
+            else f"or each set, `{{n: eqfit.{where}(model, s, ...) for n, s in sets.items()}}`"
+        )
+        raise TypeError(
+            f"`{where}`'s `{name}` is an `eqfit.ValidationSets` ({', '.join(data)}), which "
+            f"only `fit`'s `validation_data` takes: give one dataset, such as `(x, y)`, {each}."
+        )
