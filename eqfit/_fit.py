@@ -387,7 +387,9 @@ def fit(
         the last is committed. Calling `fit` again with the same directory resumes from
         the newest good checkpoint, inside an epoch or at its end, and ends with the
         same bits as an uninterrupted run; one written by another configuration is
-        refused.
+        refused, as is one of other data, validation data, metrics or optimizer
+        numbers (by fingerprints the checkpoint keeps), naming what differs, unless
+        `eqfit.Checkpoint(directory, allow_changes=(...))` says the change is meant.
     - `checkpoint_every`: epochs between checkpoints, with a directory.
     - `signals`: the signals that stop training as Ctrl-C does, by name: a cluster's
         preemption (SLURM, Kubernetes: SIGTERM, then SIGKILL after a grace period).
