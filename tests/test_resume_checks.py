@@ -237,3 +237,109 @@ def test_allow_changes_is_checked(tmp_path):
         eqfit.Checkpoint(tmp_path, allow_changes=("lr",))
     assert eqfit.Checkpoint(tmp_path, allow_changes="data").allow_changes == ("data",)
 
+
+# `eqfit.load` into a `like`: arrays by path and class.
+
+
+class Pair(eqx.Module):
+    first: jax.Array
+    second: jax.Array
+
+    def __call__(self, x):
+        return x @ self.first @ self.second
+
+
+def saved_pair(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 3)).astype(np.float32)
+    y = x @ rng.normal(size=(3, 3)).astype(np.float32)
+    model = Pair(jax.numpy.eye(3) * 0.5, jax.numpy.eye(3) * 2.0)
+    result = eqfit.fit(
+        model,
+        (x, y),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.05),
+        key=jax.random.key(0),
+        epochs=2,
+        batch_size=8,
+    )
+    eqfit.save(tmp_path / "pair.eqx", result)
+    return result, x
+
+
+def test_load_reads_each_array_at_its_path(tmp_path):
+    """The same class with its fields declared in another order (the same shapes): each
+    array goes to its field, where by position they would be swapped.
+    """
+    result, x = saved_pair(tmp_path)
+
+    class Pair(eqx.Module):  # noqa: F811 (the saved class, as another version declares it)
+        second: jax.Array
+        first: jax.Array
+
+        def __call__(self, x):
+            return x @ self.first @ self.second
+
+    skeleton = eqx.filter_eval_shape(Pair, jax.numpy.zeros((3, 3)), jax.numpy.zeros((3, 3)))
+    loaded = eqfit.load(tmp_path / "pair.eqx", like=skeleton)
+    np.testing.assert_array_equal(loaded.first, result.model.first)
+    np.testing.assert_array_equal(loaded.second, result.model.second)
+    np.testing.assert_array_equal(loaded(x), result.model(x))
+
+
+def test_load_refuses_another_architecture(tmp_path):
+    saved_pair(tmp_path)
+    zeros = jax.numpy.zeros((3, 3))
+
+    class Other(eqx.Module):  # the same leaves, other names
+        u: jax.Array
+        v: jax.Array
+
+    class Swapped(eqx.Module):  # the same names, another class
+        first: jax.Array
+        second: jax.Array
+
+    with pytest.raises(
+        ValueError,
+        match=r"`like`'s model differs .*: the file holds float32\[3, 3\] at `\.first` \(in "
+        r"Pair\), which `like` has not; `like` has `\.u`, `\.v` instead",
+    ):
+        eqfit.load(tmp_path / "pair.eqx", like=Other(zeros, zeros))
+    with pytest.raises(
+        ValueError,
+        match=r"at `\.first` the file holds float32\[3, 3\] in Pair, `like` holds "
+        r"float32\[3, 3\] in Swapped",
+    ):
+        eqfit.load(tmp_path / "pair.eqx", like=Swapped(zeros, zeros))
+    with pytest.raises(ValueError, match=r"at `\.second` the file holds float32\[3, 3\] in Pair, "):
+        eqfit.load(tmp_path / "pair.eqx", like=Pair(zeros, jax.numpy.zeros((3, 2))))
+
+
+def test_load_names_another_activation(tmp_path):
+    """The difference is named, not hidden behind the first leaves of both sides."""
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    model = eqx.nn.MLP(3, "scalar", 4, 2, key=jax.random.key(0))
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=optax.sgd(0.1), key=jax.random.key(1))
+    result = eqfit.fit(model, (x, x.sum(1)), epochs=1, batch_size=8, **kwargs)
+    eqfit.save(tmp_path / "mlp.eqx", result)
+    other = eqx.nn.MLP(3, "scalar", 4, 2, activation=jax.nn.tanh, key=jax.random.key(0))
+    with pytest.raises(
+        ValueError,
+        match=r"at `\.activation` the file holds function relu in MLP, `like` holds function "
+        r"tanh in MLP\. Pass a result \(or model\) of the saved model's structure",
+    ):
+        eqfit.load(tmp_path / "mlp.eqx", like=other)
+    assert_trees_equal(eqfit.load(tmp_path / "mlp.eqx", like=model), result.model)
+
+
+def test_load_reads_a_file_without_paths_in_order(tmp_path):
+    """A file of an eqfit before paths: read in order, as it was."""
+    result, _ = saved_pair(tmp_path)
+    path = tmp_path / "pair.eqx"
+    magic, header, rest = path.read_bytes().split(b"\n", 2)
+    kept = json.loads(header)
+    for part in kept["structure"].values():
+        del part["paths"]
+    path.write_bytes(magic + b"\n" + json.dumps(kept).encode() + b"\n" + rest)
+    loaded = eqfit.load(path, like=result)
+    assert_trees_equal((loaded.model, loaded.opt_state), (result.model, result.opt_state))
