@@ -373,7 +373,8 @@ def fit(
         laid out so. By default every array is replicated.
     - `ensemble`: `model` is a stack of members (every array with a leading member axis,
         as `eqx.filter_vmap` builds it), trained side by side in one program. Member `i`
-        trains as it would alone with key `jax.random.split(key, members)[i]`. `state` and
+        trains as it would alone with key `jax.random.split(key, members)[i]`, with its
+        own slice of every array, those that do not train included. `state` and
         `opt_state`, if given, are stacked too.
 
     *What survives:*
