@@ -4,11 +4,12 @@ configuration (`fingerprints`), and the resume refused where one differs
 (`changed`), unless `Checkpoint.allow_changes` says the change is meant.
 
 An object (a metric, an optimizer) is fingerprinted by what it is made of, read off it
-(`described`): its class and fields (an `eqx.Module`, a dataclass, a named tuple), a
-function's name and the values its closure holds (optax's optimizers are closures over
-their hyperparameters: `optax.adam(1e-3)`'s learning rate is a number in the closure of
-its `update`), a `functools.partial`'s arguments, numbers, strings, small arrays by value
-and larger ones by a hash. Other objects count by their class alone.
+(`_described`): its class and fields (an `eqx.Module`, a dataclass, a named tuple, the
+attributes of another object), a function's name and the values its closure holds
+(optax's optimizers are closures over their hyperparameters: `optax.adam(1e-3)`'s
+learning rate is a number in the closure of its `update`), a `functools.partial`'s
+arguments, numbers, strings, small arrays by value and larger ones by a hash. An object
+without attributes counts by its class alone.
 """
 
 import dataclasses
@@ -34,9 +35,10 @@ from .._step._hyperparams import injected_arrays
 # eqfit before them has none, and resumes unchecked.
 FINGERPRINTS = "fingerprints"
 
-# How much of an object `described` reads: the nesting it follows, the parts it lists,
-# the entries of an array it lists by value (a larger one by a hash, up to `_HASHED`).
-_DEPTH, _PARTS, _VALUES, _HASHED = 12, 4000, 16, 2**22
+# How much of an object `_described` reads: the nesting it follows, the parts it lists,
+# the entries of an array it lists by value (a larger one by a hash), and the bytes of
+# arrays it hashes in all (past them, an array counts by its dtype and shape).
+_DEPTH, _PARTS, _VALUES, _HASHED = 12, 4000, 16, 64 * 2**20
 
 
 def fingerprints(
@@ -106,7 +108,7 @@ def _described(obj: Any) -> Any:
     """`obj` as JSON that tells it from another object of another make (the module's
     docstring says what is read), the same in every process that makes it alike.
     """
-    budget = [_PARTS]
+    budget = [_PARTS, _HASHED]
     return _describe(obj, 0, budget, set())
 
 
@@ -119,7 +121,8 @@ def _describe(obj: Any, depth: int, budget: list[int], seen: set[int]) -> Any:
     if isinstance(obj, float | np.generic):
         return _plain(obj)
     if isinstance(obj, np.ndarray | jax.Array):
-        return _array(obj)
+        budget[1] -= obj.nbytes
+        return _array(obj, hashed=budget[1] >= 0)
     if isinstance(obj, np.dtype | type):
         return getattr(obj, "__qualname__", str(obj)) if isinstance(obj, type) else str(obj)
     if id(obj) in seen:  # a cycle (a closure that holds itself)
@@ -147,6 +150,9 @@ def _describe(obj: Any, depth: int, budget: list[int], seen: set[int]) -> Any:
     wrapped = getattr(obj, "__wrapped__", None)  # `jax.jit`'s functions, `custom_jvp`s
     if wrapped is not None and callable(obj):
         return {"wraps": down(wrapped)}
+    fields = getattr(obj, "__dict__", None)  # `optax.MultiSteps`' inner optimizer, say
+    if isinstance(fields, dict) and not isinstance(obj, types.ModuleType):
+        return {"class": type(obj).__qualname__, "fields": down(fields)}
     return {"object": type(obj).__qualname__}
 
 
@@ -157,12 +163,12 @@ def _cell(cell: Any) -> Any:
         return None
 
 
-def _array(x: Any) -> Any:
-    """An array by its dtype, shape and values (a few), or a hash of them; one that is
-    not all in this process, by its dtype and shape alone.
+def _array(x: Any, hashed: bool) -> Any:
+    """An array by its dtype, shape and values (a few), or a hash of them (where
+    `hashed`); one that is not all in this process, by its dtype and shape alone.
     """
     head = f"{x.dtype}{list(x.shape)}"
-    if isinstance(x, jax.Array) and not x.is_fully_addressable or x.size > _HASHED:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable or not hashed:
         return head
     if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
