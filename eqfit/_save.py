@@ -120,8 +120,7 @@ def load(path: PathLike, *, like: Any) -> Any:
             if saved is not None and "paths" in saved["model"]:
                 loaded = _read_by_path(f, saved, given, parts)
             else:  # a file of an eqfit before paths: in order
-                target = tuple(given) if isinstance(like, FitResult) else like
-                loaded = read_leaves(f, target)
+                loaded = list(read_leaves(f, tuple(given)))
         except Exception as e:  # a truncated file, or arrays of another structure
             raise ValueError(
                 f"{path} does not read back into `like`: the file is truncated, or was saved "
@@ -134,7 +133,7 @@ def load(path: PathLike, *, like: Any) -> Any:
             "model of another structure, or is not the file `eqfit.save` wrote."
         )
     if not isinstance(like, FitResult):
-        return loaded[0] if isinstance(loaded, list) else loaded
+        return loaded[0]
     model, opt_state, state, ema_model = loaded
     return FitResult(model, opt_state, _history(header["history"]), state, ema_model)
 

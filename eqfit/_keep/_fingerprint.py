@@ -99,7 +99,9 @@ def hyperparams_changed(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     change of the optimizer, allowed, which the resumed state must take up, since
     `inject_hyperparams`' updates read them from the state.
     """
-    old = (saved.get(FINGERPRINTS) or {}).get("optimizer") or {}
+    if not isinstance(saved.get(FINGERPRINTS), dict):  # an earlier eqfit's: unknown
+        return False
+    old = saved[FINGERPRINTS].get("optimizer") or {}
     new = (now.get(FINGERPRINTS) or {}).get("optimizer") or {}
     return old.get("hyperparams") != new.get("hyperparams")
 
@@ -118,7 +120,7 @@ def _describe(obj: Any, depth: int, budget: list[int], seen: set[int]) -> Any:
         return "..."
     if obj is None or isinstance(obj, bool | int | str):
         return obj
-    if isinstance(obj, float | np.generic):
+    if isinstance(obj, float | complex | np.generic):
         return _plain(obj)
     if isinstance(obj, np.ndarray | jax.Array):
         budget[1] -= obj.nbytes
