@@ -35,11 +35,10 @@ from ._program._compile import (
 )
 from ._result import (
     FitResult as FitResult,
-    load as load,
     NonFiniteLossError as NonFiniteLossError,
-    save as save,
     TrainingInterrupted as TrainingInterrupted,
 )
+from ._save import load as load, save as save
 from ._step._mean import Mean as Mean
 from ._step._precision import Precision as Precision
 from ._step._updates import (

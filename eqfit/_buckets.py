@@ -3,6 +3,7 @@ loader of shuffled batches of one bucket each, which `fit` trains with one progr
 bucket.
 """
 
+import hashlib
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -154,6 +155,22 @@ class Buckets:
                 row.append((length, *rest) if ragged else tuple(rest))
             out.append((*row, (length,)))
         return out
+
+    def fingerprint(self) -> str:
+        """What tells its batches from another `Buckets`' of the same shapes, for a run's
+        checkpoints (a resumed run must read the same): its key, lengths, batch size,
+        shuffle and padding, its samples' lengths, and a few samples spread over them.
+        """
+        digest = hashlib.blake2b(digest_size=8)
+        seed = None if self._seed is None else self._seed.tolist()
+        head = (seed, self.bucket_lengths, self.batch_size, self.shuffle, repr(self.pad))
+        digest.update(repr(head).encode())
+        digest.update(self._lengths.tobytes())
+        picked = np.linspace(0, len(self._lengths) - 1, min(len(self._lengths), 64))
+        for field in self._fields:
+            for i in np.unique(picked.astype(np.intp)):
+                digest.update(np.ascontiguousarray(field[i]).tobytes())
+        return digest.hexdigest()
 
     def order(self) -> list[tuple[int, np.ndarray]]:
         """This pass's batches: each its bucket and its samples' indices (shorter than

@@ -373,7 +373,8 @@ def fit(
         laid out so. By default every array is replicated.
     - `ensemble`: `model` is a stack of members (every array with a leading member axis,
         as `eqx.filter_vmap` builds it), trained side by side in one program. Member `i`
-        trains as it would alone with key `jax.random.split(key, members)[i]`. `state` and
+        trains as it would alone with key `jax.random.split(key, members)[i]`, with its
+        own slice of every array, those that do not train included. `state` and
         `opt_state`, if given, are stacked too.
 
     *What survives:*
@@ -387,7 +388,9 @@ def fit(
         the last is committed. Calling `fit` again with the same directory resumes from
         the newest good checkpoint, inside an epoch or at its end, and ends with the
         same bits as an uninterrupted run; one written by another configuration is
-        refused.
+        refused, as is one of other data, validation data, metrics or optimizer
+        numbers (by fingerprints the checkpoint keeps), naming what differs, unless
+        `eqfit.Checkpoint(directory, allow_changes=(...))` says the change is meant.
     - `checkpoint_every`: epochs between checkpoints, with a directory.
     - `signals`: the signals that stop training as Ctrl-C does, by name: a cluster's
         preemption (SLURM, Kubernetes: SIGTERM, then SIGKILL after a grace period).

@@ -2,7 +2,8 @@
 memory, or over each chunk of data streamed as training streams it (memmaps, loaders).
 """
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
@@ -157,33 +158,38 @@ def predict(
     else:
         inputs = _inputs(source.like, first)
     with reported_as("predict", "x"):
-        try:
-            args = (
-                eqx.nn.inference_mode(model),
-                inputs,
-                state,
-                batch_size,
-                ensemble,
-                policy,
-                key_,
-            )
+        args = (eqx.nn.inference_mode(model), inputs, state, batch_size, ensemble, policy, key_)
+        with _model_called(members, model, x, state):
             unroll = batches_per_program(execution, lambda: _forward_convolves(*args))
-            if source is not None:
-                return _predict_streamed(args, source, first, unroll, out)
+        if source is not None:
+            return _predict_streamed(args, source, first, unroll, out, members)
+        writer = None if out is None else _Writer(out, ensemble)  # `out` checked first
+        with _model_called(members, model, x, state):
             outputs = _predict(*args) if unroll is None else _predict_in_calls(args, unroll)
-            if out is None:
-                return outputs
-            _Writer(out, ensemble).write(outputs).check_filled()
-            return out
-        except Exception as e:
-            if members is not None:
-                # A single model whose arrays happen to share their leading size passes
-                # for a stack; this is where it shows.
-                raise not_a_stack(members, "`predict`", e) from e
-            unsuited = _unsuited_examples(model, x, state, e)
-            if unsuited is not None:
-                raise unsuited from e
-            raise
+        if writer is None:
+            return outputs
+        writer.write(outputs).check_filled()
+        return out
+
+
+@contextlib.contextmanager
+def _model_called(members: int | None, model: Any, x: Any, state: Any) -> Iterator[None]:
+    """Where the model is called: with `ensemble=True` (`members` of them), an error
+    there says that `model` may be a single model, not a stack; without, that `x`'s
+    examples may be what the model cannot take (`_unsuited_examples`). (`out`'s errors
+    are raised as they are, outside.)
+    """
+    try:
+        yield
+    except Exception as e:
+        if members is not None:
+            # A single model whose arrays happen to share their leading size passes for a
+            # stack; this is where it shows.
+            raise not_a_stack(members, "`predict`", e) from e
+        unsuited = _unsuited_examples(model, x, state, e)
+        if unsuited is not None:
+            raise unsuited from e
+        raise
 
 
 def _unsuited_examples(model: Any, x: Any, state: Any, error: Exception) -> Exception | None:
@@ -232,7 +238,12 @@ def _inputs(batch: PyTree, first: bool) -> PyTree:
 
 
 def _predict_streamed(
-    args: tuple[Any, ...], source: Memmaps | Loader, first: bool, unroll: int | None, out: Any
+    args: tuple[Any, ...],
+    source: Memmaps | Loader,
+    first: bool,
+    unroll: int | None,
+    out: Any,
+    members: int | None,
 ) -> Any:
     """`predict` over streamed data: each chunk's outputs computed as it arrives (one
     program per chunk's shape), and kept or written to `out`.
@@ -250,7 +261,8 @@ def _predict_streamed(
     with inference_chunks(source, batch_size) as chunks:
         done = Releases()
         for chunk in chunks:
-            outputs = _predict_chunk(model, state, ensemble, policy, key, unroll, chunk, first)
+            with _model_called(members, model, None, state):
+                outputs = _predict_chunk(model, state, ensemble, policy, key, unroll, chunk, first)
             if writer is None:
                 parts.append(outputs)
             else:
@@ -310,6 +322,14 @@ class _Writer:
 
     def __init__(self, out: Any, ensemble: bool):
         self.out, self.axis, self.written = out, 1 if ensemble else 0, 0
+        for path, place in jax.tree_util.tree_leaves_with_path(out):
+            if isinstance(place, np.ndarray) and not place.flags.writeable:
+                raise ValueError(
+                    f"`out{jax.tree_util.keystr(path)}` is read-only (a memmap opened with "
+                    "`mode='r'`, or an array made read-only), so `predict` cannot write the "
+                    "outputs into it: give a writable array, such as `np.lib.format."
+                    "open_memmap(path, mode='w+', dtype=..., shape=...)`."
+                )
 
     def write(self, outputs: Any) -> "_Writer":
         if jax.tree.structure(outputs) != jax.tree.structure(self.out):
@@ -326,18 +346,26 @@ class _Writer:
             where = f"`out{jax.tree_util.keystr(path)}`"
             shape = list(value.shape)
             dims = ", ".join("n" if i == axis else str(d) for i, d in enumerate(shape))
+            stacked = " (with `ensemble=True`, the members' axis first)" if axis else ""
             if not isinstance(place, np.ndarray) or place.ndim != value.ndim:
                 raise TypeError(
                     f"{where} must be a numpy array of {value.ndim} dimensions (an "
                     f"`np.memmap` opened for writing, say) to hold outputs of shape "
-                    f"({dims}); got {type(place).__name__} of shape {tuple(np.shape(place))}."
+                    f"({dims}){stacked}; got {type(place).__name__} of shape "
+                    f"{tuple(np.shape(place))}."
                 )
             expected = shape[:axis] + [place.shape[axis]] + shape[axis + 1 :]
             if list(place.shape) != expected or start + rows > place.shape[axis]:
                 raise ValueError(
-                    f"{where} has shape {tuple(place.shape)}, but the outputs are ({dims}) "
-                    f"with n at least {start + rows} so far: give an array of the outputs' "
-                    "shape."
+                    f"{where} has shape {tuple(place.shape)}, but the outputs are "
+                    f"({dims}){stacked} with n at least {start + rows} so far: give an "
+                    "array of the outputs' shape."
+                )
+            if not np.can_cast(value.dtype, place.dtype, casting="same_kind"):
+                raise TypeError(
+                    f"{where} has dtype {place.dtype}, which cannot hold the outputs, of "
+                    f"dtype {value.dtype}, without changing their kind: give an array of "
+                    f"dtype {value.dtype} (or a wider one of its kind)."
                 )
             index = (slice(None),) * axis + (slice(start, start + rows),)
             np.copyto(place[index], value, casting="same_kind")

@@ -1,26 +1,21 @@
-"""What `fit` returns, how it is read back from the run's record, and how it is saved."""
+"""What `fit` returns, and how it is read back from the run's record (`_save.py` saves it)."""
 
 import dataclasses
 import functools
-import json
 import signal
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Generic, overload
+from typing import Any, Generic
 
-import equinox as eqx
 import jax
 import numpy as np
 
-from ._core._checks import checked
-from ._core._typing import Model, ModelState, OptState, PathLike
+from ._core._typing import Model, ModelState, OptState
 from ._history import History, NonFinite, StopReason
 from ._host._drive import Outcome
 from ._host._observers import Throughput
-from ._keep._checkpoint import CheckpointError, versions
-from ._keep._files import read_leaves, write_atomically
+from ._keep._checkpoint import CheckpointError
 from ._program._loop import Loop
 from ._program._skeleton import unwrap
 from ._program._state import Consts, NON_FINITE_STOPS, Stop, Validations
@@ -380,216 +375,3 @@ def model_from(loop: Loop, params: Any, consts: Consts) -> Any:
     it, frozen = iter(trained), iter(consts.frozen)
     arrays = [next(it) if t else next(frozen) for t in loop.trains]
     return unwrap(loop.model.fill(arrays))
-
-
-_MAGIC = b"eqfit-result\n"
-
-
-@checked(
-    "save",
-    {
-        "result": "the `FitResult` that `fit` returned (a model alone saves with "
-        "`eqx.tree_serialise_leaves`)"
-    },
-)
-def save(path: PathLike, result: FitResult[Any]) -> None:
-    """Writes a [`eqfit.FitResult`][] to one file: model, optimizer state, model state and
-    history. The write is atomic: a crash leaves the old file or the new one, never half.
-
-    **Arguments:**
-
-    - `path`: the file to write, in a directory that exists.
-    - `result`: what `fit` returned.
-    """
-    _check_writable(Path(path))
-    h = result.history
-    header = {
-        "history": {
-            "values": {k: np.asarray(v).tolist() for k, v in h.values.items()},
-            "step_loss": np.asarray(h.step_loss).tolist(),
-            "batch_sizes": np.asarray(h.batch_sizes).tolist(),
-            "initial_epoch": h.initial_epoch,
-            "wall_time": h.wall_time,
-            "best_epoch": h.best_epoch,
-            "stop_reason": h.stop_reason,
-            "step_values": {k: np.asarray(v).tolist() for k, v in h.step_values.items()},
-            "validation_steps": np.asarray(h.validation_steps).tolist(),
-            "validations": {k: np.asarray(v).tolist() for k, v in h.validations.items()},
-            "best_step": h.best_step,
-            "non_finite": None if h.non_finite is None else dataclasses.asdict(h.non_finite),
-        },
-        "versions": versions(),
-        "structure": {part: _structure(getattr(result, part)) for part, _ in _PARTS},
-    }
-    leaves = (result.model, result.opt_state, result.state, result.ema_model)
-    write_atomically(Path(path), _MAGIC + json.dumps(header).encode() + b"\n", leaves)
-
-
-@overload
-def load(path: PathLike, *, like: FitResult[Model]) -> FitResult[Model]: ...
-@overload
-def load(path: PathLike, *, like: Model) -> Model: ...
-@checked("load")
-def load(path: PathLike, *, like: Any) -> Any:
-    """Reads what `save` wrote.
-
-    **Arguments:**
-
-    - `path`: the file.
-    - `like`: a `FitResult` of the same structure (`fit(..., epochs=0)` with the saved
-        run's optimizer makes one), or just a model of the same structure: a real one,
-        or a skeleton with no arrays made, `eqx.filter_eval_shape(Model, ..., key=key)`.
-
-    **Returns:**
-
-    A `FitResult` with the saved model, optimizer state, state and history; or, given a
-    model, the saved model.
-    """
-    if not isinstance(like, FitResult) and not any(map(_holds, jax.tree.leaves(like))):
-        raise TypeError(
-            "`like` must be a `FitResult` (such as `fit(..., epochs=0)` returns) or a model "
-            f"of the saved one's structure, to read the arrays into; got {type(like).__name__}, "
-            "which holds no arrays (nor `jax.ShapeDtypeStruct`s, as `eqx.filter_eval_shape` "
-            "makes)."
-        )
-    with open(path, "rb") as f:
-        if f.readline() != _MAGIC:
-            raise ValueError(f"{path} is not an eqfit file written by `eqfit.save`.")
-        try:
-            header = json.loads(f.readline())
-        except ValueError:
-            raise ValueError(f"{path} is truncated: its header does not read.") from None
-        _check_like(path, header.get("structure"), like)  # older files have none
-        try:
-            target = (
-                (like.model, like.opt_state, like.state, like.ema_model)
-                if isinstance(like, FitResult)
-                else like
-            )
-            loaded = read_leaves(f, target)
-        except Exception as e:  # a truncated file, or arrays of another structure
-            raise ValueError(
-                f"{path} does not read back into `like`: the file is truncated, or was saved "
-                f"from a model of another structure ({type(e).__name__}: {e})."
-            ) from None
-        extra = len(f.read()) if isinstance(like, FitResult) else 0  # a model: more follows
-    if extra:
-        raise ValueError(
-            f"{path} has {extra} bytes more than `like`'s arrays take: it was saved from a "
-            "model of another structure, or is not the file `eqfit.save` wrote."
-        )
-    if not isinstance(like, FitResult):
-        return loaded
-    model, opt_state, state, ema_model = loaded
-    h = header["history"]
-    history = History(
-        {k: np.asarray(v, np.float32) for k, v in h["values"].items()},
-        np.asarray(h["step_loss"], np.float32),
-        np.asarray(h["batch_sizes"], np.int32),
-        h["wall_time"],
-        tuple(h["best_epoch"]) if isinstance(h["best_epoch"], list) else h["best_epoch"],
-        tuple(h["stop_reason"]) if isinstance(h["stop_reason"], list) else h["stop_reason"],
-        h["initial_epoch"],
-        {k: np.asarray(v, np.float32) for k, v in h.get("step_values", {}).items()},
-        validation_steps=np.asarray(h.get("validation_steps", []), np.int64),
-        validations={k: np.asarray(v, np.float32) for k, v in h.get("validations", {}).items()},
-        best_step=tuple(best) if isinstance(best := h.get("best_step"), list) else best,
-        non_finite=_non_finite(h.get("non_finite")),
-    )
-    return FitResult(model, opt_state, history, state, ema_model)
-
-
-# The parts of a result that `save` writes, in order, as `load`'s errors name them.
-_PARTS = (
-    ("model", "model"),
-    ("opt_state", "optimizer state"),
-    ("state", "model state"),
-    ("ema_model", "moving average"),
-)
-
-
-def _check_writable(path: Path) -> None:
-    """Refuses a `path` that `save` cannot write, before anything is written."""
-    if path.is_dir():
-        raise IsADirectoryError(
-            f"`path` must be a file to write, got {str(path)!r}, which is a directory. Name "
-            f"a file in it, such as {str(path / 'result.eqx')!r}."
-        )
-    parent = path.parent
-    if not parent.exists():
-        raise FileNotFoundError(
-            f"`path` must be in a directory that exists, but {str(parent)!r} does not exist "
-            f"(`path` is {str(path)!r}). Create it first, with `os.makedirs`."
-        )
-    if not parent.is_dir():
-        raise NotADirectoryError(
-            f"`path` must be in a directory, but {str(parent)!r} is a file "
-            f"(`path` is {str(path)!r})."
-        )
-
-
-def _structure(tree: Any) -> dict[str, Any]:
-    """A part of a result as `save` records it, for `load` to compare with `like`'s: its
-    outer types, and each leaf's dtype and shape (JSON).
-    """
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        kinds = f"({', '.join(type(s).__name__ for s in tree)})"
-    else:
-        kinds = type(tree).__name__
-    leaves = [  # arrays, and what stands for them (`jax.ShapeDtypeStruct`), by dtype and shape
-        f"{x.dtype}[{', '.join(map(str, x.shape))}]"
-        if hasattr(x, "shape") and hasattr(x, "dtype")
-        else type(x).__name__
-        for x in jax.tree.leaves(tree)
-    ]
-    return {"kinds": kinds, "leaves": leaves}
-
-
-def _summary(structure: dict[str, Any]) -> str:
-    """A part's structure in a line: its outer types and its first few leaves."""
-    leaves = structure["leaves"]
-    if not leaves:
-        return f"{structure['kinds']}, with no arrays"
-    more = ", ..." if len(leaves) > 4 else ""
-    return f"{structure['kinds']} of {len(leaves)} leaves [{', '.join(leaves[:4])}{more}]"
-
-
-def _non_finite(saved: dict[str, Any] | None) -> NonFinite | None:
-    """A history's `non_finite` as `save` wrote it (JSON: its tuples as lists)."""
-    if saved is None:
-        return None
-    rows = saved["rows"]
-    lists = {k: tuple(saved.get(k, ())) for k in ("parameters", "began_non_finite")}
-    return NonFinite(**{**saved, **lists, "rows": rows and tuple(rows)})
-
-
-def _holds(leaf: Any) -> bool:
-    """Whether a leaf of `load`'s `like` stands for an array to read."""
-    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
-
-
-def _check_like(path: PathLike, saved: dict[str, Any] | None, like: Any) -> None:
-    """Refuses a `like` whose model, optimizer state or model state has other arrays than
-    the saved one's, naming the part: reading on would fail later with a message about
-    bytes or leaves. Only the arrays must agree (the types are named in the message), as
-    for reading the file; a model class renamed since is fine.
-    """
-    if saved is None:
-        return
-    parts = _PARTS if isinstance(like, FitResult) else _PARTS[:1]
-    for part, name in parts:
-        given = _structure(getattr(like, part) if isinstance(like, FitResult) else like)
-        kept = saved.get(part, _structure(None))  # files from before `ema_model` have none
-        if given["leaves"] == kept["leaves"]:
-            continue
-        hint = {
-            "model": "Pass a result (or model) of the saved model's structure.",
-            "opt_state": "Was `like` made with another optimizer? Make it with the saved "
-            "run's optimizer: `fit(model, data, optimizer=..., epochs=0)`.",
-            "state": "Make it with the saved run's `state=`.",
-            "ema_model": "Make it with the saved run's `ema=` (or without, as it was saved).",
-        }[part]
-        raise ValueError(
-            f"`like`'s {name} differs from the one saved in {path}: the file holds "
-            f"{_summary(kept)}, `like` holds {_summary(given)}. {hint}"
-        )

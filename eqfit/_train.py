@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._core._checks import reported_as
+from ._core._data import fingerprint
 from ._host._drive import drive, feeds
 from ._host._feeds import Feed, validation_reader
 from ._host._inference import StreamedSets
@@ -96,10 +97,13 @@ def train(
     store, begin = None, schedule.begin
     if not isinstance(starting, Starting) and options.checkpoint is not None:
         val_data = ready.val_data
+        prints = (None, None)  # several processes' rows differ: none is compared
+        if jax.process_count() == 1:
+            prints = (ready.source.fingerprint(), validation_fingerprint(val_data, loop.val_sets))
         if isinstance(val_data, StreamedSets):  # described by the sets themselves
             val_data = [opened.describe() for opened in val_data.sets]
         config = checkpoint_config(
-            loop, starting, ready.source.describe(), val_data, options.objects, options.key
+            loop, starting, ready.source.describe(), val_data, options.objects, options.key, prints
         )
         store = open_store(options, config, schedule)
         stack.callback(store.close)
@@ -163,6 +167,19 @@ def train(
     for observer in observers:
         observer.finished()
     return result
+
+
+def validation_fingerprint(val_data: Any, names: tuple[str, ...] | None) -> Any:
+    """The validation data's fingerprint for the checkpoints: the arrays' (`fingerprint`),
+    or each named set's, or each streamed set's (`Source.fingerprint`); `None` for none.
+    """
+    if isinstance(val_data, StreamedSets):
+        return [opened.fingerprint() for opened in val_data.sets]
+    if val_data is None:
+        return None
+    if names:
+        return {name: fingerprint(val_data[name]) for name in names}
+    return fingerprint(val_data)
 
 
 def observers_for(

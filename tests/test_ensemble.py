@@ -85,6 +85,50 @@ def test_members_have_their_own_dropout_keys(getkey):
     assert not np.allclose(result.model.layers[0].weight[0], result.model.layers[0].weight[1])
 
 
+class Scaled(eqx.Module):
+    """A member with an array that trains (`w`), one that `filter_spec` freezes (`scale`)
+    and an integer one (`shift`): each member's own.
+    """
+
+    w: jax.Array
+    scale: jax.Array
+    shift: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w * self.scale + self.shift
+
+
+@pytest.mark.parametrize("execution", ["auto", eqfit.PerStep(2)])
+def test_members_keep_their_own_arrays_that_do_not_train(getkey, execution):
+    """An ensemble's frozen and integer arrays are stacked too: each member trains with its
+    own, as it would alone (it got the whole stack once).
+    """
+    data, val = regression_data(getkey(), 48), regression_data(getkey(), 16)
+    ones = [Scaled(jnp.full(4, 0.1 * i), jnp.asarray(1.0 + i), jnp.asarray(i)) for i in (0, 1)]
+    models = jax.tree.map(lambda *a: jnp.stack(a), *ones)
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.05),
+        epochs=3,
+        batch_size=16,
+        validation_data=val,
+        filter_spec=Scaled(True, False, False),
+        execution=execution,
+    )
+    key = getkey()
+    result = eqfit.fit(models, data, key=key, ensemble=True, **kwargs)
+    for i, k in enumerate(jax.random.split(key, 2)):
+        alone = eqfit.fit(ones[i], data, key=k, **kwargs)
+        assert_trees_close(member(result.model, i), alone.model)
+        np.testing.assert_allclose(result.history.loss[:, i], alone.history.loss, rtol=1e-5)
+        np.testing.assert_allclose(result.history.val_loss[:, i], alone.history.val_loss, rtol=1e-5)
+    # What does not train comes back as it went in, each member's own.
+    np.testing.assert_array_equal(result.model.scale, models.scale)
+    np.testing.assert_array_equal(result.model.shift, models.shift)
+    # `plan` traces each member's step with its own arrays too.
+    assert eqfit.plan(models, data, key=key, ensemble=True, **kwargs).flops_per_step > 0
+
+
 @pytest.mark.heavy
 def test_ensemble_with_state_and_early_stopping(getkey):
     from test_features import batchnorm_loss, BatchNormNet

@@ -214,6 +214,39 @@ def test_predict_refuses_an_out_that_does_not_fit(arrays, memmaps, model):
         eqfit.predict(model, memmaps[0], out=jnp.zeros((N, CLASSES)))
 
 
+@pytest.mark.parametrize("where", ["in memory", "streamed"])
+def test_predict_names_out_of_another_kind_or_read_only(arrays, memmaps, model, tmp_path, where):
+    data = arrays[0] if where == "in memory" else memmaps[0]
+    with pytest.raises(
+        TypeError,
+        match=r"`out` has dtype int32, which cannot hold the outputs, of dtype float32, .*: "
+        r"give an array of dtype float32",
+    ):
+        eqfit.predict(model, data, out=np.zeros((N, CLASSES), np.int32))
+    np.lib.format.open_memmap(tmp_path / "out.npy", "w+", np.float32, (N, CLASSES)).flush()
+    read_only = np.load(tmp_path / "out.npy", mmap_mode="r")
+    with pytest.raises(ValueError, match=r"`out` is read-only .*: give a writable array"):
+        eqfit.predict(model, data, out=read_only)
+
+
+@pytest.mark.parametrize("where", ["in memory", "streamed"])
+def test_predict_names_an_ensemble_out_of_another_shape(arrays, memmaps, where):
+    """Not taken for a single model passed as a stack: `out` is named, members first."""
+    data = arrays[0] if where == "in memory" else memmaps[0]
+    keys = jax.random.split(jax.random.key(0), 3)
+    stack = eqx.filter_vmap(lambda k: eqfit.models.MLP(FEATURES, CLASSES, 8, 1, key=k))(keys)
+    with pytest.raises(
+        TypeError,
+        match=r"`out` must be a numpy array of 3 dimensions .* outputs of shape \(3, n, 3\) "
+        r"\(with `ensemble=True`, the members' axis first\); got ndarray of shape \(203, 3\)",
+    ):
+        eqfit.predict(stack, data, ensemble=True, out=np.zeros((N, CLASSES), np.float32))
+    with pytest.raises(
+        ValueError, match=r"`out` has shape \(2, 203, 3\), but the outputs are \(3, n, 3\) \(with"
+    ):
+        eqfit.predict(stack, data, ensemble=True, out=np.zeros((2, N, CLASSES), np.float32))
+
+
 def test_a_bad_label_in_a_streamed_batch_is_found_and_padding_is_not(arrays, model):
     x, labels, mask = arrays
     bad = labels.copy()

@@ -1,6 +1,7 @@
 """Check and normalise data, plan batches, order samples on the device, gather a batch."""
 
 import functools
+import hashlib
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
@@ -174,6 +175,40 @@ def bucketed(data: Any) -> bool:
     each other, and says so (`bucketed = True`, as `eqfit.Buckets` does).
     """
     return getattr(data, "bucketed", False) is True
+
+
+# Rows a data's fingerprint reads, spread evenly over its samples: enough to tell other
+# data of the same shapes apart, few enough to cost nothing beside a run.
+FINGERPRINT_ROWS = 64
+
+
+def fingerprint(data: PyTree) -> str | None:
+    """A cheap fingerprint of data with a row per sample (arrays in memory, memmaps): a
+    hash of `FINGERPRINT_ROWS` rows spread evenly over its samples, of every array, with
+    their paths, shapes and dtypes. A memmap reads those rows alone; an array on an
+    accelerator gathers them there. `None` where an array is not all in this process (a
+    mesh over several): each process's rows differ.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(data)
+    if not leaves:
+        return None
+    n = leaves[0][1].shape[0]
+    rows = np.unique(np.linspace(0, max(n - 1, 0), min(n, FINGERPRINT_ROWS)).astype(np.intp))
+    digest = hashlib.blake2b(digest_size=8)
+    for path, a in leaves:
+        if isinstance(a, jax.Array):
+            if not a.is_fully_addressable:
+                return None
+            if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a = jax.random.key_data(a)
+            on_cpu = all(d.platform == "cpu" for d in a.devices())
+            # On the CPU the array's own buffer, not copied; elsewhere its rows alone.
+            sample = np.asarray(a)[rows] if on_cpu else np.asarray(a[rows])
+        else:
+            sample = np.asarray(a[rows])
+        digest.update(f"{jax.tree_util.keystr(path)} {a.shape} {a.dtype};".encode())
+        digest.update(np.ascontiguousarray(sample).tobytes())
+    return digest.hexdigest()
 
 
 def sample_shapes(data: PyTree) -> list[list[Any]]:

@@ -13,6 +13,10 @@ from typing import Any, Literal
 # Checkpoints kept by default: the newest, and one before it in case the newest is damaged.
 KEEP = 2
 
+# What a run resumed from a checkpoint may differ in, where `Checkpoint.allow_changes`
+# says the change is meant; each is compared by a fingerprint the checkpoint keeps.
+CHANGES = ("data", "validation_data", "metrics", "optimizer")
+
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
@@ -57,6 +61,14 @@ class Checkpoint:
         [`eqfit.CheckpointError`][] with the training so far. With several processes
         (`jax.distributed`) it is written in the training thread whatever this says:
         every process takes part, in step with the training's collectives.
+    - `allow_changes`: what a run resumed from these checkpoints may change, on purpose:
+        any of `"data"`, `"validation_data"`, `"metrics"` and `"optimizer"`. A
+        checkpoint keeps a fingerprint of each (the rows of data in memory or memmaps,
+        sampled; each metric's configuration; the optimizer's numbers and its injected
+        hyperparameters), and a run that differs in one is refused, naming it with the
+        checkpoint's value and the run's, unless it is allowed here: to go on with a new
+        learning rate, say, `Checkpoint(directory, allow_changes=("optimizer",))`. The
+        checkpoints written after such a resume keep the new fingerprints.
     """
 
     directory: Any
@@ -67,6 +79,7 @@ class Checkpoint:
     keep_best: str | None = None
     mode: Literal["min", "max"] = "min"
     background: bool | None = None
+    allow_changes: tuple[str, ...] | str = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str | os.PathLike):
@@ -116,6 +129,17 @@ class Checkpoint:
                 "`Checkpoint`'s `background` must be `True`, `False` or `None` (chosen by "
                 f"the backend), got {self.background!r}."
             )
+        allowed = self.allow_changes
+        if isinstance(allowed, str):  # one of them, named alone
+            allowed = (allowed,)
+        if not isinstance(allowed, tuple | list | set | frozenset) or any(
+            a not in CHANGES for a in allowed
+        ):
+            raise ValueError(
+                f"`Checkpoint`'s `allow_changes` must be a tuple of what a resumed run may "
+                f"change, of {CHANGES}; got {self.allow_changes!r}."
+            )
+        object.__setattr__(self, "allow_changes", tuple(a for a in CHANGES if a in allowed))
 
     def next_due(self, position: int, steps_per_epoch: int) -> int | None:
         """The first position after `position` where a period falls due (not counting

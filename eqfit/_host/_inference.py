@@ -57,6 +57,10 @@ class Reread:
             return self.source.describe()
         return [["loader", type(self.data).__qualname__], *sample_shapes(self.source.first)]
 
+    def fingerprint(self) -> str | None:
+        """What tells the set from another of its shapes, for a checkpoint (`Source`'s)."""
+        return self.source.fingerprint()
+
     def abstract(self) -> PyTree | None:
         """The whole set as `jax.ShapeDtypeStruct`s, by its rows (a loader's: its length
         times its batch size, where it says its length); `None` where not known.

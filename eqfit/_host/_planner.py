@@ -184,7 +184,8 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
 
 def _lowered_flops(loop: Loop, one: Callable[..., Any], state: TrainState, *args: Any) -> Flops:
     """The FLOPs of `one(state, *args)` lowered alone (not compiled) on abstract arrays,
-    for every member of an ensemble (`one` vmapped over the state's members).
+    for every member of an ensemble (`one` vmapped over the state's members and the
+    frozen arrays of the run's `Consts`, `args`' last).
     """
 
     def like(x: Any) -> Any:
@@ -197,7 +198,12 @@ def _lowered_flops(loop: Loop, one: Callable[..., Any], state: TrainState, *args
     def program(state: TrainState, *args: Any) -> Any:
         if loop.members is None:
             return one(state, *args)
-        return jax.vmap(lambda member: one(member, *args))(state)
+        *rest, consts = args
+
+        def member(state: TrainState, frozen: list[Any]) -> Any:
+            return one(state, *rest, consts._replace(frozen=frozen))
+
+        return jax.vmap(member)(state, consts.frozen)
 
     return program_flops(program, abstract, *jax.tree.map(like, args))
 

@@ -23,7 +23,15 @@ import jax
 import numpy as np
 from jaxtyping import Array, Key, PyTree
 
-from .._core._data import as_data, bucketed, check_data, data_kind, num_samples, sample_shapes
+from .._core._data import (
+    as_data,
+    bucketed,
+    check_data,
+    data_kind,
+    fingerprint,
+    num_samples,
+    sample_shapes,
+)
 from .._keep._checkpoint import newest_config
 from .._program._options import Options
 from .._program._schedule import (
@@ -77,6 +85,12 @@ class Source(Protocol):
 
     def describe(self) -> list[list[Any]]:
         """What identifies the data for a checkpoint: its size and sample shapes."""
+        ...
+
+    def fingerprint(self) -> str | None:
+        """What tells the data from other data of its shapes, for a checkpoint: a hash of
+        rows spread over it (`fingerprint`); `None` where nothing cheap does.
+        """
         ...
 
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Source", PyTree]:
@@ -199,6 +213,9 @@ class InMemory:
     def describe(self) -> list[list[Any]]:
         return [["num_samples", num_samples(self.data)], *sample_shapes(self.data)]
 
+    def fingerprint(self) -> str | None:
+        return fingerprint(self.data)
+
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["InMemory", PyTree]:
         train, held = held_out_rows(num_samples(self.data), fraction, key)
         val = jax.tree.map(lambda a: a[held], self.data)
@@ -295,6 +312,9 @@ class Memmaps(_Streamed):
 
     def describe(self) -> list[list[Any]]:
         return [["num_samples", self.num_samples], *sample_shapes(self.data)]
+
+    def fingerprint(self) -> str | None:
+        return fingerprint(self.data)  # its rows read alone, through the mapping
 
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Memmaps", PyTree]:
         train, held = held_out_rows(self.num_samples, fraction, key)
@@ -440,6 +460,14 @@ class Loader(_Streamed):
         # The epoch's length, stored with the run's checkpoints, is then the first pass's.
         epochs = [["epochs", "as long as its first pass"]] if self.unsaid else []
         return [["loader", type(self.loader).__qualname__], *epochs, *sample_shapes(self.first)]
+
+    def fingerprint(self) -> str | None:
+        """`eqfit.Buckets`'s own (its key, lengths and samples); other loaders have none:
+        a batch read from one may differ from run to run (a shuffle of its own), and
+        reading more of it costs what training does.
+        """
+        own = getattr(self.loader, "fingerprint", None)
+        return str(own()) if bucketed(self.loader) and callable(own) else None
 
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Loader", PyTree]:
         raise ValueError(

@@ -11,7 +11,7 @@ import socket
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,6 +24,7 @@ from .._core._policy import KEEP
 from .._core._version import __version__
 from .._program._schedule import epochs_and_steps
 from ._files import CHECKSUMS, file_checksum, fsync_dir, read_leaves, write_file, write_leaves
+from ._fingerprint import changed, without_fingerprints
 
 
 FORMAT = 3  # 2: a sequence number orders checkpoints; 3: a CRC32, where 2 had a SHA-256
@@ -94,6 +95,9 @@ class Checkpoints:
     - `best`: `(name, mode)`: also keep the checkpoint whose manifest's monitored value
         (`save(..., value=)`) of that name is the best, the lowest (`"min"`) or highest
         (`"max"`), never rotated out.
+    - `allow`: the fingerprints of `config` (`_fingerprint.py`'s, by name) that may
+        differ from a checkpoint's: the changes a resume is told are meant. The others
+        must match, or the checkpoint is refused, naming what differs.
     """
 
     # The manifest's "storage": how the state is kept. `None` (no such key): `state.eqx`.
@@ -110,13 +114,15 @@ class Checkpoints:
         writer: bool = True,
         keep: int = KEEP,
         best: tuple[str, str] | None = None,
+        allow: Collection[str] = (),
     ):
         self.steps_per_epoch, self.writer = steps_per_epoch, writer
-        self.keep, self.best = keep, best
+        self.keep, self.best, self.allow = keep, best, allow
         self.directory = Path(directory)
         self.config = json.loads(json.dumps(config))  # normalised, as it will read back
         self.warned: set[str] = set()
         self.good: dict[str, tuple[int, Path, dict[str, Any]]] | None = None  # by name
+        self.restored: dict[str, Any] | None = None  # the configuration `restore` read
         self._lock: Any = None
         if not writer:
             return
@@ -368,15 +374,20 @@ class Checkpoints:
         shorter run's that this one continues.
         """
         for _, folder, manifest in self._checkpoints():
-            shape = like
-            if manifest["config"] != self.config:
-                shape = None if grows is None else grows(manifest["config"])
+            shape, saved = like, manifest["config"]
+            if without_fingerprints(saved) != without_fingerprints(self.config):
+                shape = None if grows is None else grows(saved)
                 if shape is None:
-                    raise ValueError(_mismatch(folder, manifest["config"], self.config))
+                    raise ValueError(_mismatch(folder, saved, self.config))
+            differs = changed(saved, self.config, self.allow)
+            if differs is not None:
+                raise ValueError(_changed(folder, *differs, self.directory, self.allow))
             if manifest.get("storage") != self.storage:
                 raise ValueError(_other_storage(folder, manifest.get("storage"), self.storage))
             try:
-                return self._read_state(folder, manifest, shape)
+                state = self._read_state(folder, manifest, shape)
+                self.restored = saved
+                return state
             except NotLike:
                 raise
             except Exception as e:  # changed since it was checked, or another layout
@@ -534,6 +545,7 @@ def _check_writable(directory: Path) -> None:
 
 
 def _mismatch(folder: Path, saved: dict[str, Any], now: dict[str, Any]) -> str:
+    saved, now = without_fingerprints(saved), without_fingerprints(now)
     keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     details = "; ".join(
         f"{k}: checkpoint {_short(saved.get(k))}, now {_short(now.get(k))}" for k in keys
@@ -543,6 +555,20 @@ def _mismatch(folder: Path, saved: dict[str, Any], now: dict[str, Any]) -> str:
         f"is not loaded. What differs: {details}. Use another `checkpoint` directory, or "
         "the configuration that wrote it (a run resumed with more `epochs` continues it, "
         "but nothing else may change)."
+    )
+
+
+def _changed(
+    folder: Path, names: list[str], differs: str, directory: Path, allowed: Collection[str]
+) -> str:
+    allow = ", ".join(json.dumps(n) for n in (*allowed, *names))
+    allow += "," if len(allowed) + len(names) == 1 else ""
+    return (
+        f"The checkpoint {folder} was written by a run that differs from this one, so it is "
+        f"not resumed: {differs}. Resume with what wrote it; or, if the change is meant, say "
+        f"so: `checkpoint=eqfit.Checkpoint({str(directory)!r}, allow_changes=({allow}))` "
+        "(the run goes on from the checkpoint with this run's data, metrics and optimizer; "
+        "its history holds the values of both); or use another `checkpoint` directory."
     )
 
 

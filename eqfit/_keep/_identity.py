@@ -16,15 +16,25 @@ from .._program._schedule import Schedule
 from .._program._state import Callables
 from .._step._record import Kind
 from .._step._updates import builtin
+from ._fingerprint import FINGERPRINTS, fingerprints, without_fingerprints
 
 
 def checkpoint_config(
-    loop: Loop, state: PyTree, data: list[list[Any]], val_data: Any, objects: Callables, key: Any
+    loop: Loop,
+    state: PyTree,
+    data: list[list[Any]],
+    val_data: Any,
+    objects: Callables,
+    key: Any,
+    prints: tuple[str | None, Any] = (None, None),
 ) -> dict[str, Any]:
     """What identifies a run for its checkpoints: shapes, settings, key; not devices, so
     that a run may resume on others. A run names its loss, or each of its updates (its
     name, its class, its loss where it has one, how often it runs). `val_data`: the
     validation arrays, or where validation streams, each set's description (a list).
+    `prints`: the fingerprints of the data and of the validation data, kept with those
+    of the metrics and the optimizer (`fingerprints`), which may change where the user
+    allows it.
     """
     schedule = loop.schedule
     config = {
@@ -49,7 +59,9 @@ def checkpoint_config(
             [u.name, type(u).__name__, _name(getattr(builtin(u), "loss", None)), u.every]
             for u in objects.updates
         ]
-    return config | _validation_config(loop)
+    config |= _validation_config(loop)
+    config[FINGERPRINTS] = fingerprints(objects, state.opt_state, *prints)
+    return config
 
 
 def _name(fn: Any) -> str | None:
@@ -137,6 +149,7 @@ def grows(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     many epochs it has (the shuffles, the keys and the validations are counted from its
     first step), so the longer run continued equals it run from the start.
     """
+    saved, now = without_fingerprints(saved), without_fingerprints(now)  # compared apart
     differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
     if "epochs" not in differ or not differ <= {"epochs", "state"}:
         return False

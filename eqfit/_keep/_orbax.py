@@ -4,7 +4,7 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -79,6 +79,7 @@ class ShardedCheckpoints(Checkpoints):
         writer: bool | None = None,
         keep: int = KEEP,
         best: tuple[str, str] | None = None,
+        allow: Collection[str] = (),
     ):
         require_orbax()
         primary = jax.process_index() == 0
@@ -88,7 +89,9 @@ class ShardedCheckpoints(Checkpoints):
                 "checkpoints must be process 0, which commits what Orbax writes. Leave "
                 "`writer` out."
             )
-        super().__init__(directory, config, steps_per_epoch, writer=primary, keep=keep, best=best)
+        super().__init__(
+            directory, config, steps_per_epoch, writer=primary, keep=keep, best=best, allow=allow
+        )
         self.attempts = 0  # writes begun, which name their temporary folders
 
     def save(self, state: PyTree, value: float | None = None) -> Path | None:

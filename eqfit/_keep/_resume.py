@@ -10,7 +10,9 @@ from .._program._options import Options
 from .._program._parallel import param_specs
 from .._program._schedule import Schedule
 from .._program._state import TrainState
+from .._step._hyperparams import with_injected
 from ._checkpoint import Checkpoints, position
+from ._fingerprint import hyperparams_changed
 from ._identity import grafted, grows, shaped_as
 
 
@@ -25,7 +27,12 @@ def open_store(options: Options, config: dict[str, Any], schedule: Schedule) -> 
         from ._orbax import ShardedCheckpoints
 
         return ShardedCheckpoints(
-            policy.directory, config, schedule.steps_per_epoch, keep=policy.keep, best=best
+            policy.directory,
+            config,
+            schedule.steps_per_epoch,
+            keep=policy.keep,
+            best=best,
+            allow=policy.allow_changes,
         )
     writer = jax.process_index() == 0
     return Checkpoints(
@@ -35,13 +42,16 @@ def open_store(options: Options, config: dict[str, Any], schedule: Schedule) -> 
         writer=writer,
         keep=policy.keep,
         best=best,
+        allow=policy.allow_changes,
     )
 
 
 def resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[TrainState, int]:
     """The training state to start from, and its position: the newest good checkpoint's,
     if there is one, else the start's. A checkpoint of the same run asked for fewer epochs
-    (`grows`) is continued: its state, with the rows of the epochs this run adds.
+    (`grows`) is continued: its state, with the rows of the epochs this run adds. One of
+    a run whose optimizer's injected hyperparameters were others (a change allowed) goes
+    on with this run's.
     """
     if store.collective:  # read straight into the state's layout (`shard=`)
         fresh = state
@@ -58,6 +68,10 @@ def resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[T
     if restored is None:
         return state, schedule.begin
     restored = grafted(fresh, restored)
+    assert store.restored is not None
+    if hyperparams_changed(store.restored, store.config):  # allowed, or `restore` refused it
+        opt_state = with_injected(restored.opt_state, fresh.opt_state)
+        restored = restored._replace(opt_state=opt_state)
     if not store.collective:
         restored = jax.device_put(restored)
     return restored, position(restored)

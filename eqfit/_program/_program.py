@@ -143,12 +143,11 @@ def run(
     a while loop over full batches, then the pass's remainder batch and the epoch's end
     (validation, metrics, early stopping) as they fall due.
     """
-    parts = loop.parts(inputs.consts)
 
-    def one(state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
+    def one(parts: Rebuilt, state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
         return _Member(loop, parts, inputs, key, stop).run(state)
 
-    return each_member(loop, one, state, inputs.key)
+    return each_member_with(loop, inputs.consts, one, state, inputs.key)
 
 
 def unrolled(
@@ -158,14 +157,13 @@ def unrolled(
     `until.stop` (`_Member.unrolled`); with `remainder`, the pass's smaller last batch.
     The epoch's end is closed by the programs below, which the host calls after it.
     """
-    parts = loop.parts(inputs.consts)
 
-    def one(state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
+    def one(parts: Rebuilt, state: TrainState, key: Key[Array, ""]) -> tuple[TrainState, Report]:
         return _Member(loop, parts, inputs, key, jnp.asarray(until.stop)).unrolled(
             state, until, unroll, remainder
         )
 
-    return each_member(loop, one, state, inputs.key)
+    return each_member_with(loop, inputs.consts, one, state, inputs.key)
 
 
 def validation_batches(
@@ -184,13 +182,12 @@ def validation_batches(
     validation, in the same order (to XLA's fusion).
     """
     state, sums = carry
-    parts = loop.parts(inputs.consts)
 
-    def one(state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
+    def one(parts: Rebuilt, state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
         end = EpochEnd(loop, parts, inputs, key)
         return end.batches(state, sums, set_index, count, remainder, at)
 
-    return each_member(loop, one, state, sums, inputs.key)
+    return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
 
 
 def validation_chunk(
@@ -208,13 +205,12 @@ def validation_chunk(
     """
     state, sums = carry
     inputs, chunk = read
-    parts = loop.parts(inputs.consts)
 
-    def one(state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
+    def one(parts: Rebuilt, state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
         end = EpochEnd(loop, parts, inputs, key)
         return end.chunk(state, sums, set_index, chunk, batch_size, count, at)
 
-    return each_member(loop, one, state, sums, inputs.key)
+    return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
 
 
 def close(
@@ -228,15 +224,14 @@ def close(
     sums (`read`'s, after the inputs; made by `validation_batches`), and early stopping.
     """
     inputs, sums = read
-    parts = loop.parts(inputs.consts)
 
     def one(
-        state: TrainState, sums: tuple[ValSums, ...], key: Key[Array, ""]
+        parts: Rebuilt, state: TrainState, sums: tuple[ValSums, ...], key: Key[Array, ""]
     ) -> tuple[TrainState, Report]:
         member = _Member(loop, parts, inputs, key, jnp.asarray(until.stop))
         return member.closed(state, sums)
 
-    return each_member(loop, one, state, sums, inputs.key)
+    return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
 
 
 def logs(
@@ -259,6 +254,20 @@ def each_member(loop: Loop, one: Callable[..., Any], *args: Any) -> Any:
 
 
 MEMBERS = "members"  # the axis an ensemble's programs are vmapped over (`each_member`)
+
+
+def each_member_with(loop: Loop, consts: Consts, one: Callable[..., Any], *args: Any) -> Any:
+    """`each_member` of `one(parts, *args)`, given the run's objects rebuilt (`Loop.parts`)
+    with the member's own arrays that do not train: an ensemble's are stacked as its
+    trained ones are (frozen by `filter_spec`, or integers), each member's slice its own.
+    """
+    if loop.members is None:
+        return one(loop.parts(consts), *args)
+
+    def member(frozen: list[Array], *args: Any) -> Any:
+        return one(loop.parts(consts._replace(frozen=frozen)), *args)
+
+    return jax.vmap(member)(consts.frozen, *args)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,10 +27,11 @@ _INJECTED = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
 _COUNTS = ("gradient_step", "count")
 
 
-def _injected(opt_state: PyTree) -> list[tuple[tuple[Any, ...], str, Any]]:
+def _injected(opt_state: PyTree, scalar: bool = True) -> list[tuple[tuple[Any, ...], str, Any]]:
     """Each numeric scalar hyperparameter of each `inject_hyperparams` state in
-    `opt_state`, as `(path of its state, name, value)`: the states in the order optax
-    finds them (outer first, then in flattening order), the names of each sorted.
+    `opt_state` (with `scalar=False`, those of any shape: an ensemble's, stacked), as
+    `(path of its state, name, value)`: the states in the order optax finds them (outer
+    first, then in flattening order), the names of each sorted.
     """
 
     def injected(path: tuple[Any, ...], value: Any) -> bool:
@@ -41,11 +42,43 @@ def _injected(opt_state: PyTree) -> list[tuple[tuple[Any, ...], str, Any]]:
     for path, hyperparams in tree_get_all_with_path(opt_state, "hyperparams", injected):
         for name in sorted(hyperparams):
             value = hyperparams[name]
-            dtype = getattr(value, "dtype", None)
-            numeric = dtype is not None and jnp.issubdtype(dtype, jnp.number)
-            if numeric and np.shape(value) == ():
+            if _numeric(value) and (np.shape(value) == () or not scalar):
                 found.append((path[:-1], name, value))
     return found
+
+
+def _numeric(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.number)
+
+
+def injected_arrays(opt_state: PyTree) -> dict[str, np.ndarray]:
+    """The numeric hyperparameters that `inject_hyperparams` states in `opt_state` hold,
+    of any shape (an ensemble's, one a member), on the host, by the path of each's state
+    and its name (`"learning_rate"`, `"inner_states/b/inner_state/learning_rate"`).
+    """
+    return {
+        "/".join(filter(None, (_path_name(path), name))): np.asarray(value)
+        for path, name, value in _injected(opt_state, scalar=False)
+    }
+
+
+def with_injected(opt_state: PyTree, like: PyTree) -> PyTree:
+    """`opt_state` with the numeric hyperparameters of its `inject_hyperparams` states
+    (the values its updates use) taken from `like`, a state of the same structure.
+    """
+    kept = lambda x: type(x).__name__ in _INJECTED  # noqa: E731
+
+    def take(state: Any, new: Any) -> Any:
+        if not kept(state):
+            return state
+        hyperparams = {
+            k: new.hyperparams[k] if _numeric(v) else v for k, v in state.hyperparams.items()
+        }
+        inner = with_injected(state.inner_state, new.inner_state)
+        return state._replace(hyperparams=hyperparams, inner_state=inner)
+
+    return jax.tree.map(take, opt_state, like, is_leaf=kept)
 
 
 def injected_names(opt_state: PyTree) -> tuple[str, ...]:
