@@ -79,7 +79,7 @@ def evaluate(
     """
     check_alive(model=model, data=data, state=state)
     check_batch_size(batch_size)
-    source = inference_source(data)
+    source = inference_source(data, "data")
     data_ = as_data(data) if source is None else None
     objective = Objective(
         loss,

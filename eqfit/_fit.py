@@ -245,6 +245,7 @@ def fit(
         validations). An epoch's validation values in `history.values` are its last
         validation's. Named so as `log_every` and `checkpoint_every` are: a count of steps,
         where Lightning's `val_check_interval` takes a count or a fraction of an epoch.
+        More than the run's steps is refused: it would never validate.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
         `fn(model, state, *batch)`), recorded per epoch on the training batches and on
         the validation data; or a metric that accumulates (an
@@ -258,7 +259,7 @@ def fit(
         reduced as an epoch's are (the loss and metrics their mean over the samples).
         The loggers of `eqfit.callbacks` write them, so a run of one long epoch logs a
         curve. Computed inside the program at each call's end, and read with the call's
-        report: no step waits for the host.
+        report: no step waits for the host. More than the run's steps is refused.
     - `early_stopping`: an [`eqfit.EarlyStopping`][], carried out on the device.
     - `on_nan`: what a NaN or infinite loss does. `"raise"`: stop, and raise
         [`eqfit.NonFiniteLossError`][] holding the last finite model and what a replay of

