@@ -7,6 +7,7 @@ X is 40 rows, read in batches of 16, 16 and 8, as in the survey.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -44,7 +45,7 @@ class Said:
 
     def __iter__(self):
         x, y = self.xy
-        for i in range(0, N, BATCH):
+        for i in range(0, len(x), BATCH):
             yield x[i : i + BATCH], y[i : i + BATCH]
 
 
@@ -119,3 +120,35 @@ def test_an_every_longer_than_the_run_is_refused(xy, model):
         eqfit.plan(model, xy, log_every=13, **kwargs)
     result = eqfit.fit(model, xy, validation_data=xy, validation_every=12, **kwargs)
     assert list(result.history.validation_steps) == [12]
+
+
+# Early stopping inside an epoch.
+
+
+def mae(model, x, y):
+    return jnp.mean(jnp.abs(jax.vmap(model)(x) - y))
+
+
+@pytest.mark.parametrize("where", ["in memory", "streamed"])
+def test_an_epoch_that_early_stopping_ends_inside_has_its_trained_steps_values(xy, model, where):
+    x, y = xy
+    val = (x[:16], y[:16]) if where == "in memory" else Said((x[:16], y[:16]), 1)
+    result = eqfit.fit(
+        model, xy, validation_data=val, loss=eqfit.losses.mse, metrics={"mae": mae},
+        optimizer=optax.sgd(0.3), key=jax.random.key(0), progress=False, batch_size=8,
+        epochs=4, validation_every=2, early_stopping=eqfit.EarlyStopping(0),
+    )  # fmt: skip
+    history = result.history
+    # 5 steps an epoch; the validation at step 8 is worse than step 6's: epoch 2 stops
+    # after 3 of its steps. Before, its loss and its validation values were NaN.
+    assert history.stop_reason == "early_stopping" and history.epochs == 2
+    trained = history.batch_sizes[1] > 0
+    assert trained.sum() == 3
+    sizes = history.batch_sizes[1][trained]
+    for name, steps in (("loss", history.step_loss), ("mae", history.step_values["mae"])):
+        by_hand = np.sum(steps[1][trained] * sizes) / np.sum(sizes)
+        np.testing.assert_allclose(history.values[name][1], by_hand, rtol=1e-6)
+    assert list(history.validation_steps) == [2, 4, 6, 8]
+    # The epoch's validation values are its last validation's, as for a whole epoch.
+    assert history.val_loss is not None
+    np.testing.assert_array_equal(history.val_loss[1], history.validations["val_loss"][-1])
