@@ -152,3 +152,32 @@ def test_an_epoch_that_early_stopping_ends_inside_has_its_trained_steps_values(x
     # The epoch's validation values are its last validation's, as for a whole epoch.
     assert history.val_loss is not None
     np.testing.assert_array_equal(history.val_loss[1], history.validations["val_loss"][-1])
+
+
+# `eqfit.Mean` weights that sum to 0.
+
+
+def signed_loss(model, x, y, w):
+    return eqfit.Mean.of((jax.vmap(model)(x) - y) ** 2, w)
+
+
+def test_mean_weights_that_sum_to_0_give_nan_in_evaluate_and_validation(xy, model):
+    x, y = xy
+    w = np.where(np.arange(N) % 2 == 0, 1.0, -1.0).astype(np.float32)  # each batch: 0
+    # Before: `evaluate` and `val_loss` gave -inf or inf, where the guide promises NaN.
+    for execution in ("auto", eqfit.PerStep(1)):
+        value = eqfit.evaluate(
+            model, (x, y, w), loss=signed_loss, batch_size=BATCH, execution=execution
+        )
+        assert np.isnan(value["loss"])
+    result = eqfit.fit(
+        model, (x, y, w), validation_data=(x, y, w), loss=signed_loss, optimizer=SGD,
+        key=jax.random.key(1), progress=False, batch_size=BATCH, epochs=2,
+    )  # fmt: skip
+    assert result.history.val_loss is not None
+    assert np.isnan(result.history.val_loss).all() and np.isnan(result.history.loss).all()
+    # Weights that do not cancel still divide as they are.
+    w = np.where(np.arange(N) < 30, 1.0, -1.0).astype(np.float32)
+    by_hand = np.sum(w * (x @ np.asarray(model.weight[0]) + model.bias[0] - y) ** 2) / w.sum()
+    value = eqfit.evaluate(model, (x, y, w), loss=signed_loss, batch_size=BATCH)
+    np.testing.assert_allclose(value["loss"], by_hand, rtol=1e-5)

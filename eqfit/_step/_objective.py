@@ -233,11 +233,14 @@ class Objective(eqx.Module):
         statistics, flat (`Record.accumulated_names`).
         """
         n = len(self.value_names)
+        # Weights that sum to 0 (an `eqfit.Mean`'s that cancel) give NaN, as an epoch's
+        # value does, never the infinity of a total over 0.
+        means = jnp.where(totals[1, :n] == 0, jnp.nan, totals[0, :n] / totals[1, :n])
         if not self.accumulating:
-            return totals[0] / totals[1]
+            return means
         summed = unflatten(totals[0, n:], self.statistics_like)
         computed = values(self.accumulating, self.statistics_like, summed)
-        return jnp.concatenate([totals[0, :n] / totals[1, :n], computed])
+        return jnp.concatenate([means, computed])
 
     @property
     def metric_names(self) -> tuple[str, ...]:
