@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jaxtyping import Array, Key
 
+from ._core._checks import as_int
+
 
 class Buckets:
     """Variable-length sequences, padded to the next of a few bucket lengths, as a loader
@@ -38,9 +40,10 @@ class Buckets:
 
     - `data`: a tuple of fields, one entry per sample in each: a list of arrays whose
         first axis is the sample's length (its tokens: every such field of a sample has
-        the same length), or an array with a row per sample (a label per sequence).
-    - `lengths`: the bucket lengths, increasing: a sample goes to the shortest that holds
-        it, and one longer than the longest is refused.
+        the same length; a field's samples share their dtype and other axes), or an
+        array with a row per sample (a label per sequence).
+    - `lengths`: the bucket lengths, whole numbers, increasing: a sample goes to the
+        shortest that holds it, and one longer than the longest is refused.
     - `batch_size`: samples a batch.
     - `key`: the shuffle's key; `shuffle=False` keeps the samples' order in each bucket
         and the buckets in order.
@@ -68,7 +71,7 @@ class Buckets:
         self,
         data: tuple[Any, ...],
         *,
-        lengths: Sequence[int],
+        lengths: Sequence[int] | np.ndarray,
         batch_size: int,
         key: Key[Array, ""] | None = None,
         shuffle: bool = True,
@@ -80,11 +83,7 @@ class Buckets:
                 f"list of arrays (one per sample) or an array with a row per sample; got "
                 f"{type(data).__name__}."
             )
-        bounds = [int(n) for n in lengths]
-        if not bounds or any(n < 1 for n in bounds) or bounds != sorted(set(bounds)):
-            raise ValueError(
-                f"`Buckets`'s `lengths` must be increasing lengths of 1 or more, got {lengths!r}."
-            )
+        bounds = _bounds(lengths)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`Buckets`'s `batch_size` must be 1 or more, got {batch_size!r}.")
         if shuffle and key is None:
@@ -189,6 +188,24 @@ class Buckets:
         return (*out, mask)
 
 
+def _bounds(lengths: Any) -> list[int]:
+    """`lengths` checked: increasing whole numbers, 1 or more (a float is refused, not
+    cut to an int).
+    """
+    given = list(lengths) if isinstance(lengths, list | tuple | np.ndarray) else None
+    bounds = None if given is None else [as_int(n) for n in given]
+    if bounds is None or any(isinstance(n, bool) or not isinstance(n, int) for n in bounds):
+        raise TypeError(
+            "`Buckets`'s `lengths` must be a tuple of whole numbers, the bucket lengths "
+            f"(`(16, 32, 64)`), got {lengths!r}."
+        )
+    if not bounds or any(n < 1 for n in bounds) or bounds != sorted(set(bounds)):
+        raise ValueError(
+            f"`Buckets`'s `lengths` must be increasing lengths of 1 or more, got {lengths!r}."
+        )
+    return bounds
+
+
 def _field(field: Any, i: int) -> list[np.ndarray] | np.ndarray:
     """A field as a list of numpy arrays (sequences) or one numpy array (a row a sample)."""
     if isinstance(field, list | tuple):
@@ -198,11 +215,33 @@ def _field(field: Any, i: int) -> list[np.ndarray] | np.ndarray:
                 f"`Buckets`'s field {i} holds a scalar: a sequence's array has its length "
                 "first (`(length, ...)`); give a field of one value per sample as an array."
             )
+        _check_alike(arrays, i)
         return arrays
     array = np.asarray(field)
     if array.ndim == 0:
         raise ValueError(f"`Buckets`'s field {i} is a scalar: give one entry per sample.")
     return array
+
+
+def _check_alike(arrays: list[np.ndarray], i: int) -> None:
+    """Refuses a field of sequences whose samples differ in dtype or in a sample's shape
+    past its length: a batch takes its first sample's (a float cut to an int).
+    """
+    first = arrays[0]
+    for j, a in enumerate(arrays):
+        if a.dtype != first.dtype:
+            raise TypeError(
+                f"`Buckets`'s field {i} holds samples of dtype {first.dtype} (sample 0) and "
+                f"{a.dtype} (sample {j}): a field's samples share one dtype (a batch holds "
+                "one, and would take its first sample's, cutting floats to ints). Cast them "
+                "to one, as `[np.asarray(s, np.float32) for s in field]`."
+            )
+        if a.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"`Buckets`'s field {i} holds samples of shapes {first.shape} (sample 0) and "
+                f"{a.shape} (sample {j}): a field's samples may differ in their length (the "
+                "first axis) alone."
+            )
 
 
 def _sample_lengths(fields: list[Any], ragged: list[bool]) -> np.ndarray:

@@ -181,3 +181,37 @@ def test_mean_weights_that_sum_to_0_give_nan_in_evaluate_and_validation(xy, mode
     by_hand = np.sum(w * (x @ np.asarray(model.weight[0]) + model.bias[0] - y) ** 2) / w.sum()
     value = eqfit.evaluate(model, (x, y, w), loss=signed_loss, batch_size=BATCH)
     np.testing.assert_allclose(value["loss"], by_hand, rtol=1e-5)
+
+
+# `eqfit.Buckets`: a field of mixed dtypes, lengths that are not whole.
+
+
+def test_buckets_refuse_a_field_of_mixed_dtypes_and_lengths_not_whole():
+    rng = np.random.default_rng(2)
+    xs = [rng.normal(size=(n, 2)).astype(np.float32) for n in (5, 9, 14, 3)]
+    ys = np.arange(4, dtype=np.float32)
+    # Before: each batch took its first sample's dtype, cutting floats to ints.
+    mixed = [xs[0].astype(np.int32), *xs[1:]]
+    message = r"field 0 holds samples of dtype int32 \(sample 0\) and float32 \(sample 1\)"
+    with pytest.raises(TypeError, match=message):
+        eqfit.Buckets((mixed, ys), lengths=(8, 16), batch_size=2, shuffle=False)
+    with pytest.raises(TypeError, match=r"field 1 holds samples of dtype float32 .* int64"):
+        eqfit.Buckets((xs, [*xs[:2], *(np.ones((len(x), 2), np.int64) for x in xs[2:])]),
+                      lengths=(8, 16), batch_size=2, shuffle=False)  # fmt: skip
+    # Before: (7.9, 16.5, 32.2) became (7, 16, 32).
+    message = r"`Buckets`'s `lengths` must be a tuple of whole numbers, the bucket lengths"
+    for lengths in (np.array([7.9, 16.5, 32.2]), np.array([8.0, 16.0]), np.array([True])):
+        with pytest.raises(TypeError, match=message):
+            eqfit.Buckets((xs, ys), lengths=lengths, batch_size=2, shuffle=False)
+    # (A tuple is refused by this suite's type checks first, naming `lengths` as well.)
+    for lengths in ((7.9, 16.5, 32.2), 16, ("a", 16)):
+        with pytest.raises(TypeError, match=r"lengths"):
+            eqfit.Buckets((xs, ys), lengths=lengths, batch_size=2, shuffle=False)
+    buckets = eqfit.Buckets((xs, ys), lengths=np.array([8, 16]), batch_size=2, shuffle=False)
+    assert buckets.bucket_lengths == (8, 16)
+    # Every batch holds the samples as they were.
+    for (b, samples), (x, _, mask) in zip(buckets.order(), buckets):
+        assert x.shape[1] == buckets.bucket_lengths[b]
+        for row, i in enumerate(samples):
+            np.testing.assert_array_equal(x[row, : len(xs[i])], xs[i])
+            assert mask[row].sum() == len(xs[i])
