@@ -22,6 +22,7 @@ from typing import Any, Literal, overload
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
@@ -156,6 +157,7 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
                 f"`{name}`: the model gives {logits.shape[-1]} logits per example (shape "
                 f"{tuple(logits.shape)}), but `classes` is {classes}."
             )
+        _class_labels(y, name, classes)
         logits = check_labels(logits, y, classes, name)
         predicted = jnp.argmax(logits, axis=-1)
         labels = y.astype(jnp.int32)
@@ -169,6 +171,19 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
     # NaN outputs (a label out of range makes them so, `check_labels`) count as NaN, not
     # as the class `argmax` happens to give them.
     return jnp.where(jnp.any(jnp.isnan(logit_values)), jnp.nan, counts)
+
+
+def _class_labels(y: Array, name: str, classes: int) -> None:
+    """Refuses labels `y` that are not class indices by their dtype (floats), as
+    `accuracy` does: a fractional label would be cut to an integer, and counted.
+    """
+    if not (jnp.issubdtype(y.dtype, jnp.integer) or y.dtype == jnp.bool_):
+        raise TypeError(
+            f"`{name}`: the labels `y` must be integer class indices, from 0 to "
+            f"{classes - 1}, as `accuracy`'s and `softmax_cross_entropy`'s are; got dtype "
+            f"{y.dtype}, whose fractions are no class (a label 0.7 would be cut to class 0, "
+            "or match none). Give integer labels (`y.astype(np.int32)`)."
+        )
 
 
 class ConfusionMatrix(AbstractMetric):
@@ -297,10 +312,27 @@ class TopKAccuracy(AbstractMetric):
 
     k: int = eqx.field(static=True)
 
+    def __check_init__(self) -> None:
+        k = self.k
+        whole = not isinstance(k, bool) and isinstance(k, int | np.integer)
+        if not whole or k < 1:
+            raise (ValueError if whole else TypeError)(
+                "`TopKAccuracy`'s `k` must be a whole number, 1 or more (how many of the "
+                f"largest logits count; 1 is `accuracy`), got {k!r}."
+            )
+
     def statistics(self, model: Any, *batch: Any) -> dict[str, Array]:
         state, x, y, weights = split_state(batch, "TopKAccuracy")
         logits, _ = outputs(model, x, state)
-        logits = check_labels(logits, y, logits.shape[-1], "TopKAccuracy")
+        classes = logits.shape[-1]
+        if self.k > classes:
+            raise ValueError(
+                f"`TopKAccuracy`'s `k` is {self.k}, but the model gives {classes} logits per "
+                f"example (shape {tuple(logits.shape)}): every label would be among the top "
+                f"{self.k}. Give `k` of at most {classes}."
+            )
+        _class_labels(y, "TopKAccuracy", classes)
+        logits = check_labels(logits, y, classes, "TopKAccuracy")
         top = jax.lax.top_k(logits, self.k)[1]
         hit = jnp.any(top == y[..., None], axis=-1).astype(jnp.float32)
         w = jnp.ones(hit.shape, jnp.float32) if weights is None else weights

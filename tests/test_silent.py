@@ -215,3 +215,73 @@ def test_buckets_refuse_a_field_of_mixed_dtypes_and_lengths_not_whole():
         for row, i in enumerate(samples):
             np.testing.assert_array_equal(x[row, : len(xs[i])], xs[i])
             assert mask[row].sum() == len(xs[i])
+
+
+# Fractional float labels, and `TopKAccuracy`'s `k`.
+
+
+@pytest.fixture(scope="module")
+def classified():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
+    y = rng.integers(0, 3, N).astype(np.int32)
+    return x, y, eqfit.models.MLP(FEATURES, 3, 8, 1, key=jax.random.key(4))
+
+
+def output_mean(model, x, y):
+    """A loss that takes labels of any dtype, so that the metric alone judges them."""
+    return jnp.mean(jax.vmap(model)(x))
+
+
+@pytest.mark.parametrize(
+    "metric",
+    [
+        eqfit.metrics.ConfusionMatrix(3),
+        eqfit.metrics.F1(3, average="macro"),
+        eqfit.metrics.Precision(3, average=None),
+        eqfit.metrics.TopKAccuracy(2),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_float_labels_are_refused_by_the_class_metrics(classified, metric):
+    x, y, model = classified
+    name = type(metric).__name__
+    message = rf"`{name}`: the labels `y` must be integer class indices, from 0 to 2"
+    message += r", as `accuracy`'s .* are; got dtype float32"
+    # Before: `y + 0.7` was floored (0.7 counted as class 0), or matched no class.
+    for labels in (y + np.float32(0.7), y.astype(np.float32)):
+        with pytest.raises(TypeError, match=message):
+            eqfit.evaluate(model, (x, labels), loss=output_mean, metrics={"m": metric})
+    kwargs = dict(loss=output_mean, optimizer=SGD, key=jax.random.key(1), progress=False)
+    with pytest.raises(TypeError, match=message):
+        eqfit.fit(model, (x, y + np.float32(0.7)), metrics={"m": metric}, **kwargs)
+
+
+def test_the_confusion_matrix_of_integer_labels_is_counted_by_hand(classified):
+    x, y, model = classified
+    got = eqfit.evaluate(
+        model, (x, y), loss=output_mean, batch_size=BATCH,
+        metrics={"cm": eqfit.metrics.ConfusionMatrix(3), "top2": eqfit.metrics.TopKAccuracy(2)},
+    )  # fmt: skip
+    logits = np.asarray(jax.vmap(model)(x))
+    by_hand = np.zeros((3, 3))
+    np.add.at(by_hand, (y, logits.argmax(axis=1)), 1)
+    np.testing.assert_array_equal(got["cm"], by_hand)
+    top2 = np.argsort(-logits, axis=1)[:, :2]
+    np.testing.assert_allclose(got["top2"], np.mean((top2 == y[:, None]).any(axis=1)))
+
+
+def test_top_k_accuracy_refuses_a_k_below_1_or_above_the_classes(classified):
+    x, y, model = classified
+    # Before: `TopKAccuracy(0)` was always 0.
+    for k, error in ((0, ValueError), (-1, ValueError), (True, TypeError)):
+        message = rf"`TopKAccuracy`'s `k` must be a whole number, 1 or more.* got {k!r}"
+        with pytest.raises(error, match=message):
+            eqfit.metrics.TopKAccuracy(k)
+    with pytest.raises(TypeError, match=r"(?s)2\.5"):  # this suite's type checks, or eqfit's
+        eqfit.metrics.TopKAccuracy(2.5)  # type: ignore[arg-type]
+    message = r"`TopKAccuracy`'s `k` is 9, but the model gives 3 logits per example .* at most 3"
+    with pytest.raises(ValueError, match=message):
+        eqfit.evaluate(
+            model, (x, y), loss=output_mean, metrics={"top": eqfit.metrics.TopKAccuracy(9)}
+        )
