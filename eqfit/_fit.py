@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from ._core._checks import checked
 from ._core._early_stopping import EarlyStopping
 from ._core._execution import Execution
+from ._core._metric import tried
 from ._core._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._core._typing import (
     Data,
@@ -36,11 +37,11 @@ from ._core._typing import (
     Schedules,
 )
 from ._host._observers import Callback
-from ._host._open import open_data, schedule_for
+from ._host._open import first_rows, open_data, schedule_for
 from ._host._plan import Plan
 from ._host._planner import make_plan, step_costs
 from ._host._signals import Interrupt
-from ._program._build import make_loop
+from ._program._build import make_loop, SPLIT_ROWS
 from ._program._options import check_options, no_data
 from ._program._parallel import Device
 from ._program._sharding import Shard
@@ -464,7 +465,8 @@ def fit(
     step = dataclasses.replace(options.step, replays=replays(options, source))
     options = dataclasses.replace(options, step=step)
     schedule = schedule_for(source, options)
-    loop, start = make_loop(model, schedule, options, source.like, state, opt_state)
+    rows = first_rows(source, SPLIT_ROWS) if tried(options.objects.metrics) else None
+    loop, start = make_loop(model, schedule, options, source.like, state, opt_state, rows)
     ready = Ready(options, loop, start, source, val_data)
     # Compile and drive, with Ctrl-C deferred from here on: one while XLA compiles stops
     # the run at its first epoch's end, a second one is raised once the compilation

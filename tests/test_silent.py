@@ -285,3 +285,92 @@ def test_top_k_accuracy_refuses_a_k_below_1_or_above_the_classes(classified):
         eqfit.evaluate(
             model, (x, y), loss=output_mean, metrics={"top": eqfit.metrics.TopKAccuracy(9)}
         )
+
+
+# An `AbstractMetric`'s statistics, checked once before the run.
+
+
+def hits(model, x, y):
+    return jnp.argmax(jax.vmap(model)(x), axis=-1) == y
+
+
+class Counted(eqfit.metrics.AbstractMetric):
+    """The accuracy, as hits and a count whose form `count` says."""
+
+    count: str
+
+    def statistics(self, model, x, y):
+        hit = hits(model, x, y)
+        count = {
+            "python int": y.shape[0],  # before: kept as configuration, not summed (0.75)
+            "array": jnp.asarray(y.shape[0]),
+        }[self.count]
+        return {"hits": jnp.sum(hit), "count": count}
+
+    def compute(self, statistics):
+        return statistics["hits"] / statistics["count"]
+
+
+class Wrong(eqfit.metrics.AbstractMetric):
+    """A statistic the run cannot sum, of the kind `kind` says."""
+
+    kind: str
+
+    def statistics(self, model, x, y):
+        hit = hits(model, x, y)
+        return {
+            "max": {"largest": jnp.max(y)},  # before: 11 for 3
+            "mean": {"share": jnp.mean(hit)},  # before: 0.75 for 0.15
+            "bool": {"any": jnp.any(hit)},  # before: summed as an OR, 1 for 5
+            "complex": {"z": jnp.sum(hit) * (1 + 1j)},  # before: recorded as 0.0
+            "per row": {"each": hit.astype(jnp.float32)},
+        }[self.kind]
+
+    def compute(self, statistics):
+        return jnp.abs(jnp.sum(next(iter(statistics.values()))))
+
+
+@pytest.mark.parametrize(
+    "metric, error, message",
+    [
+        (
+            Counted("python int"),
+            TypeError,
+            r"metric 'm': its statistic `\['count'\]` is a Python int \(\d+\), which the run "
+            r"would keep as it is, as configuration, and not sum over the batches: .*jnp\.asarray",
+        ),
+        (
+            Wrong("max"),
+            ValueError,
+            r"metric 'm': its statistic `\['largest'\]` does not add under a batch split: on 8 "
+            r"rows of the data it is 2, but the sum of its halves' is 3\. .* not a mean or a "
+            r"maximum",
+        ),
+        (Wrong("mean"), ValueError, r"`\['share'\]` does not add under a batch split: on 8 rows"),
+        (Wrong("bool"), TypeError, r"`\['any'\]` is an array of bools, which add as an OR"),
+        (Wrong("complex"), TypeError, r"`\['z'\]` is complex \(complex64\): .* imaginary part"),
+        (
+            Wrong("per row"),
+            ValueError,
+            r"`\['each'\]` has shape \(8,\) on a batch of 8 rows and \(4,\) on its half",
+        ),
+    ],
+    ids=["python int", "max", "mean", "bool", "complex", "per row"],
+)
+def test_statistics_the_run_cannot_sum_are_refused_before_it(classified, metric, error, message):
+    x, y, model = classified
+    y = y.copy()
+    y[:8] = [0, 1, 2, 2, 0, 1, 1, 0]  # a max of 2 on the 8 rows tried, 2 + 1 on its halves
+    with pytest.raises(error, match=message):
+        eqfit.evaluate(model, (x, y), loss=output_mean, metrics={"m": metric})
+    kwargs = dict(loss=output_mean, optimizer=SGD, key=jax.random.key(1), progress=False)
+    with pytest.raises(error, match=message) as e:
+        eqfit.fit(model, (x, y), metrics={"m": metric}, batch_size=BATCH, **kwargs)
+    assert not hasattr(e.value, "result")  # refused before the run, nothing trained
+
+
+def test_statistics_that_add_give_the_metric_of_the_whole_data(classified):
+    x, y, model = classified
+    got = eqfit.evaluate(model, (x, y), loss=output_mean, batch_size=BATCH,
+                         metrics={"m": Counted("array")})  # fmt: skip
+    np.testing.assert_allclose(got["m"], np.mean(np.asarray(hits(model, x, y))), rtol=1e-6)

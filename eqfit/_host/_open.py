@@ -4,6 +4,7 @@ schedule from their shape, each checked against the others.
 
 from typing import Any
 
+import jax
 from jaxtyping import PyTree
 
 from .._core._data import as_data, bucketed, sample_shapes
@@ -13,7 +14,15 @@ from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
 from ._inference import Reread, StreamedSets
-from ._sources import open_source, refuse_planned, remember_planned, Source
+from ._sources import (
+    InMemory,
+    Loader,
+    Memmaps,
+    open_source,
+    refuse_planned,
+    remember_planned,
+    Source,
+)
 
 
 def open_data(
@@ -168,3 +177,16 @@ def _check_every(options: Options, schedule: Schedule) -> None:
                 f"{schedule.steps_per_epoch} steps, counted from the first ever): it would never "
                 f"{does}. Give `{name}` of at most {schedule.total}{instead}."
             )
+
+
+def first_rows(source: Any, n: int) -> PyTree:
+    """Up to `n` of the data's first rows, for a check that needs real ones (a metric's
+    statistics, halved, `check_additive`): a source's, or arrays' in memory.
+    """
+    if isinstance(source, Memmaps):
+        return source.read(0, min(n, source.num_samples))
+    if isinstance(source, Loader):
+        data = source.first
+    else:
+        data = source.data if isinstance(source, InMemory) else source
+    return jax.tree.map(lambda a: a[:n], data)

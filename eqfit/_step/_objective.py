@@ -23,7 +23,7 @@ from ._labels import collecting, first_of, LabelError
 from ._mean import Mean
 from ._precision import Precision
 from ._size import product_flops
-from ._statistics import arrays, check_sums, flat_size, Like, unflatten, values
+from ._statistics import arrays, check_statistics, flat_size, Like, unflatten, values
 
 
 Metrics = Mapping[str, Callable[..., Any]]
@@ -409,7 +409,7 @@ class Objective(eqx.Module):
 
         found = tuple(map(Like.of, eqx.filter_eval_shape(each, model, model_state, batch)))
         for (name, metric), like in zip(self.accumulating, found):
-            check_sums(name, metric, like)
+            check_statistics(name, metric, like)
         _STATISTICS.put(cache_key, found)
         return found
 
