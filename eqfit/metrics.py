@@ -27,7 +27,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
 from ._core._metric import AbstractMetric as AbstractMetric, is_metrax
-from ._step._labels import check_labels, same_shape
+from ._step._labels import check_labels, check_probabilities, CHECKERS, same_shape
 from ._step._mean import Mean
 from .losses import Model, outputs, reduce, split_state, State
 
@@ -360,6 +360,10 @@ class Metrax(AbstractMetric):
         weights), with `outputs` the model's on the batch (vmapped), returning the
         keyword arguments of `from_model_output`. Default:
         `{"predictions": outputs, "labels": y}` (and `"sample_weights": weights`).
+        `predictions` and `labels` whose shapes would broadcast into one neither has
+        (`(n, 1)` and `(n,)`) are refused; so are predictions outside [0, 1] for a
+        metric that takes probabilities (`AUCROC`, `AUCPR`, `Precision`, `Recall`,
+        `FBetaScore`), as labels out of range are.
     - `**options`: more keyword arguments of `from_model_output`, the same for every
         batch (`num_thresholds=100`, `threshold=0.3`).
     """
@@ -394,10 +398,45 @@ class Metrax(AbstractMetric):
             kwargs = {"predictions": out, "labels": y}
             if weights is not None:
                 kwargs["sample_weights"] = weights
+        kwargs = _checked_inputs(name, self.inputs is None, kwargs)
         return self.metric.from_model_output(**kwargs, **dict(self.options))
 
     def compute(self, statistics: Any) -> Array:
         return statistics.compute()
+
+
+def _checked_inputs(name: str, default: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A metrax metric's inputs, refused where its `predictions` and `labels` would
+    broadcast into a shape neither has (outputs `(n, 1)` against labels `(n,)`: a
+    `(n, n)` of every pair), and checked to be probabilities (`check_probabilities`)
+    where the metric takes them.
+    """
+    predictions, labels = kwargs.get("predictions"), kwargs.get("labels")
+    shapes = [getattr(a, "shape", None) for a in (predictions, labels)]
+    if shapes[0] is not None and shapes[1] is not None:
+        _refuse_broadcast(name, default, tuple(shapes[0]), tuple(shapes[1]))
+    if name in CHECKERS and predictions is not None:
+        kwargs = {**kwargs, "predictions": check_probabilities(predictions, name)}
+    return kwargs
+
+
+def _refuse_broadcast(
+    name: str, default: bool, predictions: tuple[int, ...], labels: tuple[int, ...]
+) -> None:
+    """`_checked_inputs`' refusal of shapes that broadcast into one neither has."""
+    try:
+        both = tuple(jnp.broadcast_shapes(predictions, labels))
+    except ValueError:  # metrax says so itself
+        return
+    if both in (predictions, labels):
+        return
+    mapped = "by default, the model's outputs and `y`" if default else "as `inputs` maps them"
+    raise ValueError(
+        f"`{name}`: its `predictions` have shape {predictions} and its `labels` {labels} "
+        f"({mapped}): metrax would broadcast them into {both}, every prediction against "
+        "every label. Give them one shape, through `eqfit.metrics.Metrax(metric, inputs)`: "
+        "`lambda outputs, y: {'predictions': outputs[:, 0], 'labels': y}`."
+    )
 
 
 def _taken(metrics: Any) -> dict[str, Any]:
