@@ -273,7 +273,8 @@ def check_split(
                     "count, a sum."
                 )
             summed = np.asarray(y + z)
-            rtol = max(1e-2, 16 * float(jnp.finfo(x.dtype).eps)) if x.dtype.kind == "f" else 0
+            inexact = jnp.issubdtype(x.dtype, jnp.floating)  # bfloat16's numpy kind is "V"
+            rtol = max(1e-2, 16 * float(jnp.finfo(x.dtype).eps)) if inexact else 0
             # Rounding is of the largest of the three: halves that cancel add up to ~0.
             scale = float(max(np.nanmax(np.abs(v), initial=0.0) for v in (x, y, z)))
             if not np.allclose(summed, x, rtol=rtol, atol=rtol * scale, equal_nan=True):
