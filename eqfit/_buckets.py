@@ -43,9 +43,10 @@ class Buckets:
 
     - `data`: a tuple of fields, one entry per sample in each: a list of arrays whose
         first axis is the sample's length (its tokens: every such field of a sample has
-        the same length), or an array with a row per sample (a label per sequence).
-    - `lengths`: the bucket lengths, increasing: a sample goes to the shortest that holds
-        it, and one longer than the longest is refused.
+        the same length; a field's samples share their dtype and other axes), or an
+        array with a row per sample (a label per sequence).
+    - `lengths`: the bucket lengths, whole numbers, increasing: a sample goes to the
+        shortest that holds it, and one longer than the longest is refused.
     - `batch_size`: samples a batch.
     - `key`: the shuffle's key; `shuffle=False` keeps the samples' order in each bucket
         and the buckets in order.
@@ -73,7 +74,7 @@ class Buckets:
         self,
         data: tuple[Any, ...],
         *,
-        lengths: Sequence[int],
+        lengths: Sequence[int] | np.ndarray,
         batch_size: int,
         key: Key[Array, ""] | None = None,
         shuffle: bool = True,
@@ -218,6 +219,24 @@ class Buckets:
         return (*out, mask)
 
 
+def _bounds(lengths: Any) -> list[int]:
+    """`lengths` checked: increasing whole numbers, 1 or more (a float is refused, not
+    cut to an int).
+    """
+    given = list(lengths) if isinstance(lengths, list | tuple | np.ndarray) else None
+    bounds = None if given is None or np.ndim(lengths) != 1 else [as_int(n) for n in given]
+    if not bounds or any(isinstance(n, bool) or not isinstance(n, int) for n in bounds):
+        raise TypeError(
+            "`Buckets`'s `lengths` must be a sequence of bucket lengths, increasing whole "
+            f"numbers such as `(16, 32, 64)`; got {lengths!r}."
+        )
+    if any(n < 1 for n in bounds) or bounds != sorted(set(bounds)):
+        raise ValueError(
+            f"`Buckets`'s `lengths` must be increasing lengths of 1 or more, got {lengths!r}."
+        )
+    return bounds
+
+
 def _field(field: Any, i: int) -> list[np.ndarray] | np.ndarray:
     """A field as a list of numpy arrays (sequences) or one numpy array (a row a sample)."""
     if isinstance(field, list | tuple):
@@ -249,25 +268,6 @@ def _sample_lengths(fields: list[Any], ragged: list[bool]) -> np.ndarray:
     return per_field[0]
 
 
-def _bounds(lengths: Any) -> list[int]:
-    """`lengths` as a list of ints, refused unless a sequence of increasing numbers, 1 or
-    more.
-    """
-    is_sequence = isinstance(lengths, list | tuple | np.ndarray) and np.ndim(lengths) == 1
-    numbers = [as_real(n) for n in lengths] if is_sequence else []
-    if not is_sequence or not numbers or None in numbers:
-        raise TypeError(
-            "`Buckets`'s `lengths` must be a sequence of bucket lengths, increasing, such as "
-            f"`(16, 32, 64)`; got {lengths!r}."
-        )
-    bounds = [int(n) for n in lengths]
-    if any(n < 1 for n in bounds) or bounds != sorted(set(bounds)):
-        raise ValueError(
-            f"`Buckets`'s `lengths` must be increasing lengths of 1 or more, got {lengths!r}."
-        )
-    return bounds
-
-
 def _key(key: Any) -> Key[Array, ""]:
     """`key` as a typed PRNG key, refused with `Buckets`'s name."""
     try:
@@ -291,8 +291,9 @@ def _check_samples(arrays: list[np.ndarray], i: int) -> None:
                 f"only; each of its tokens must have shape {first.shape[1:]}."
             )
         if a.dtype != first.dtype:
-            raise ValueError(
+            raise TypeError(
                 f"`Buckets`'s field {i}: sample {j} is {a.dtype}, sample 0 {first.dtype}: a "
-                "field's samples share one dtype (a batch holds them in one array); convert "
-                "them to one, such as `[np.asarray(s, np.float32) for s in field]`."
+                "field's samples share one dtype (a batch holds them in one array, and would "
+                "take its first sample's, cutting floats to ints); convert them to one, such "
+                "as `[np.asarray(s, np.float32) for s in field]`."
             )

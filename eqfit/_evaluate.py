@@ -12,10 +12,13 @@ import numpy as np
 from ._core._checks import checked, reported_as
 from ._core._data import as_data, as_key, batch_calls, check_alive, check_batch_size, num_samples
 from ._core._execution import Execution
+from ._core._metric import tried
 from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
 from ._host._feeds import inference_chunks
 from ._host._inference import batches_per_program, EXECUTION_HINTS, inference_source
+from ._host._open import first_rows
 from ._host._sources import Loader, Memmaps
+from ._program._build import check_additive, SPLIT_ROWS
 from ._program._jit import cached_jit
 from ._program._state import Releases
 from ._step._evaluate import add_batches, add_chunk, evaluate_batches
@@ -81,7 +84,7 @@ def evaluate(
     refuse_sets(data, "data", "evaluate")
     check_alive(model=model, data=data, state=state)
     check_batch_size(batch_size)
-    source = inference_source(data)
+    source = inference_source(data, "data")
     data_ = as_data(data) if source is None else None
     objective = Objective(
         loss,
@@ -107,6 +110,9 @@ def evaluate(
             objective = dataclasses.replace(
                 objective, statistics_like=objective.find_statistics(model, state, batch)
             )
+            if tried(objective.metrics):
+                rows = first_rows(data_ if source is None else source, SPLIT_ROWS)
+                check_additive(objective, model, state, rows)
         key_ = None if key is None else as_key(key)
 
         def convolves() -> bool:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from ._core._checks import checked
 from ._core._early_stopping import EarlyStopping
 from ._core._execution import Execution
+from ._core._metric import tried
 from ._core._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._core._typing import (
     Data,
@@ -36,11 +37,11 @@ from ._core._typing import (
     Schedules,
 )
 from ._host._observers import Callback
-from ._host._open import open_data, schedule_for
+from ._host._open import first_rows, open_data, schedule_for
 from ._host._plan import Plan
 from ._host._planner import make_plan, step_costs
 from ._host._signals import Interrupt
-from ._program._build import make_loop
+from ._program._build import make_loop, SPLIT_ROWS
 from ._program._options import check_options, no_data
 from ._program._parallel import Device
 from ._program._sharding import Shard
@@ -245,6 +246,7 @@ def fit(
         validations). An epoch's validation values in `history.values` are its last
         validation's. Named so as `log_every` and `checkpoint_every` are: a count of steps,
         where Lightning's `val_check_interval` takes a count or a fraction of an epoch.
+        More than the run's steps is refused: it would never validate.
     - `metrics`: `{name: fn}`, each `fn(model, *batch) -> scalar` (with `state=`,
         `fn(model, state, *batch)`), recorded per epoch on the training batches and on
         the validation data; or a metric that accumulates (an
@@ -258,7 +260,7 @@ def fit(
         reduced as an epoch's are (the loss and metrics their mean over the samples).
         The loggers of `eqfit.callbacks` write them, so a run of one long epoch logs a
         curve. Computed inside the program at each call's end, and read with the call's
-        report: no step waits for the host.
+        report: no step waits for the host. More than the run's steps is refused.
     - `early_stopping`: an [`eqfit.EarlyStopping`][], carried out on the device.
     - `on_nan`: what a NaN or infinite loss does. `"raise"`: stop, and raise
         [`eqfit.NonFiniteLossError`][] holding the last finite model and what a replay of
@@ -466,7 +468,8 @@ def fit(
     step = dataclasses.replace(options.step, replays=replays(options, source))
     options = dataclasses.replace(options, step=step)
     schedule = schedule_for(source, options)
-    loop, start = make_loop(model, schedule, options, source.like, state, opt_state)
+    rows = first_rows(source, SPLIT_ROWS) if tried(options.objects.metrics) else None
+    loop, start = make_loop(model, schedule, options, source.like, state, opt_state, rows)
     ready = Ready(options, loop, start, source, val_data)
     # Compile and drive, with Ctrl-C deferred from here on: one while XLA compiles stops
     # the run at its first epoch's end, a second one is raised once the compilation

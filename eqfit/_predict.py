@@ -148,7 +148,7 @@ def predict(
     members = ensemble_size(model) if ensemble else None
     key_ = None if key is None else as_key(key)
     single = _is_array(x)
-    source = inference_source((x,) if single else x)
+    source = inference_source((x,) if single else x, "x")
     # Whether a streamed batch's first item is the input: `(x,)` read for one memmap, a
     # loader's `(x, y)`.
     first = single or isinstance(source, Loader)

@@ -23,12 +23,13 @@ from typing import Any, Literal, overload
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
 from ._core._checks import as_int
 from ._core._metric import AbstractMetric as AbstractMetric, is_metrax
-from ._step._labels import check_labels, same_shape
+from ._step._labels import check_labels, check_probabilities, CHECKERS, same_shape
 from ._step._mean import Mean
 from .losses import Model, outputs, reduce, split_state, State
 
@@ -158,6 +159,7 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
                 f"`{name}`: the model gives {logits.shape[-1]} logits per example (shape "
                 f"{tuple(logits.shape)}), but `classes` is {classes}."
             )
+        _class_labels(y, name, classes)
         logits = check_labels(logits, y, classes, name)
         predicted = jnp.argmax(logits, axis=-1)
         labels = y.astype(jnp.int32)
@@ -171,6 +173,19 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
     # NaN outputs (a label out of range makes them so, `check_labels`) count as NaN, not
     # as the class `argmax` happens to give them.
     return jnp.where(jnp.any(jnp.isnan(logit_values)), jnp.nan, counts)
+
+
+def _class_labels(y: Array, name: str, classes: int) -> None:
+    """Refuses labels `y` that are not class indices by their dtype (floats), as
+    `accuracy` does: a fractional label would be cut to an integer, and counted.
+    """
+    if not (jnp.issubdtype(y.dtype, jnp.integer) or y.dtype == jnp.bool_):
+        raise TypeError(
+            f"`{name}`: the labels `y` must be integer class indices, from 0 to "
+            f"{classes - 1}, as `accuracy`'s and `softmax_cross_entropy`'s are; got dtype "
+            f"{y.dtype}, whose fractions are no class (a label 0.7 would be cut to class 0, "
+            "or match none). Give integer labels (`y.astype(np.int32)`)."
+        )
 
 
 class ConfusionMatrix(AbstractMetric):
@@ -317,16 +332,27 @@ class TopKAccuracy(AbstractMetric):
 
     k: int = eqx.field(static=True)
 
+    def __check_init__(self) -> None:
+        k = self.k
+        whole = not isinstance(k, bool) and isinstance(k, int | np.integer)
+        if not whole or k < 1:
+            raise (ValueError if whole else TypeError)(
+                "`TopKAccuracy`'s `k` must be a whole number, 1 or more (how many of the "
+                f"largest logits count; 1 is `accuracy`), got {k!r}."
+            )
+
     def statistics(self, model: Any, *batch: Any) -> dict[str, Array]:
         state, x, y, weights = split_state(batch, "TopKAccuracy")
         logits, _ = outputs(model, x, state)
-        if self.k > logits.shape[-1]:
+        classes = logits.shape[-1]
+        if self.k > classes:
             raise ValueError(
-                f"`TopKAccuracy(k={self.k})`: the model gives {logits.shape[-1]} logits per "
-                f"example (shape {tuple(logits.shape)}), fewer than `k`: give a `k` of at "
-                f"most {logits.shape[-1]}, the number of classes."
+                f"`TopKAccuracy`'s `k` is {self.k}, but the model gives {classes} logits per "
+                f"example (shape {tuple(logits.shape)}): every label would be among the top "
+                f"{self.k}. Give `k` of at most {classes}."
             )
-        logits = check_labels(logits, y, logits.shape[-1], "TopKAccuracy")
+        _class_labels(y, "TopKAccuracy", classes)
+        logits = check_labels(logits, y, classes, "TopKAccuracy")
         top = jax.lax.top_k(logits, self.k)[1]
         hit = jnp.any(top == y[..., None], axis=-1).astype(jnp.float32)
         w = jnp.ones(hit.shape, jnp.float32) if weights is None else weights
@@ -354,6 +380,10 @@ class Metrax(AbstractMetric):
         weights), with `outputs` the model's on the batch (vmapped), returning the
         keyword arguments of `from_model_output`. Default:
         `{"predictions": outputs, "labels": y}` (and `"sample_weights": weights`).
+        `predictions` and `labels` whose shapes would broadcast into one neither has
+        (`(n, 1)` and `(n,)`) are refused; so are predictions outside [0, 1] for a
+        metric that takes probabilities (`AUCROC`, `AUCPR`, `Precision`, `Recall`,
+        `FBetaScore`), as labels out of range are.
     - `**options`: more keyword arguments of `from_model_output`, the same for every
         batch (`num_thresholds=100`, `threshold=0.3`).
     """
@@ -388,6 +418,7 @@ class Metrax(AbstractMetric):
             kwargs = {"predictions": out, "labels": y}
             if weights is not None:
                 kwargs["sample_weights"] = weights
+        kwargs = _checked_inputs(name, self.inputs is None, kwargs)
         try:
             return self.metric.from_model_output(**kwargs, **dict(self.options))
         except (TypeError, ValueError) as e:
@@ -445,6 +476,40 @@ def _metrax_failed(name: str, metric: type, kwargs: dict[str, Any], error: Excep
 def _described(x: Any) -> str:
     shape = getattr(x, "shape", None)
     return f"{x.dtype}{list(shape)}" if shape is not None else repr(x)
+
+
+def _checked_inputs(name: str, default: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A metrax metric's inputs, refused where its `predictions` and `labels` would
+    broadcast into a shape neither has (outputs `(n, 1)` against labels `(n,)`: a
+    `(n, n)` of every pair), and checked to be probabilities (`check_probabilities`)
+    where the metric takes them.
+    """
+    predictions, labels = kwargs.get("predictions"), kwargs.get("labels")
+    shapes = [getattr(a, "shape", None) for a in (predictions, labels)]
+    if shapes[0] is not None and shapes[1] is not None:
+        _refuse_broadcast(name, default, tuple(shapes[0]), tuple(shapes[1]))
+    if name in CHECKERS and predictions is not None:
+        kwargs = {**kwargs, "predictions": check_probabilities(predictions, name)}
+    return kwargs
+
+
+def _refuse_broadcast(
+    name: str, default: bool, predictions: tuple[int, ...], labels: tuple[int, ...]
+) -> None:
+    """`_checked_inputs`' refusal of shapes that broadcast into one neither has."""
+    try:
+        both = tuple(jnp.broadcast_shapes(predictions, labels))
+    except ValueError:  # metrax says so itself
+        return
+    if both in (predictions, labels):
+        return
+    mapped = "by default, the model's outputs and `y`" if default else "as `inputs` maps them"
+    raise ValueError(
+        f"`{name}`: its `predictions` have shape {predictions} and its `labels` {labels} "
+        f"({mapped}): metrax would broadcast them into {both}, every prediction against "
+        "every label. Give them one shape, through `eqfit.metrics.Metrax(metric, inputs)`: "
+        "`lambda outputs, y: {'predictions': outputs[:, 0], 'labels': y}`."
+    )
 
 
 def _taken(metrics: Any) -> dict[str, Any]:

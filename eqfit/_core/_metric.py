@@ -22,8 +22,11 @@ class AbstractMetric(eqx.Module):
         metric function is (`(model, x, y)`, `(model, x, y, weights)`, with a model
         state after the model under `fit(..., state=)`). Its arrays must *add*: the
         run sums them across steps, microbatches, devices and batches (as Keras's
-        metrics' variables and metrax's `merge` do). Its other leaves (Python numbers,
-        strings) are configuration, kept as they are.
+        metrics' variables and metrax's `merge` do). Checked before the run: each leaf
+        an array (a Python number would not be summed, and is refused; a string is
+        configuration, kept as it is) of real numbers, not bools (which add as an OR);
+        and, on the data's first few rows, the statistics of the two halves must sum to
+        the whole's (a mean or a maximum of the batch does not).
     - `compute(self, statistics) -> Array`: the value from the summed statistics: a
         scalar (recorded, shown and monitored as any metric), or an array of any shape
         (a confusion matrix, a score per class), recorded as an array per epoch.
@@ -60,9 +63,24 @@ def is_metrax(metric: Any) -> bool:
     )
 
 
+def adds(metric: AbstractMetric) -> bool:
+    """Whether `metric`'s statistics are known to add under a batch split: eqfit's own
+    (metrax's through `Metrax`, whose `merge` is checked instead); a metric of one's own
+    is tried on the data before the run.
+    """
+    return type(metric).__module__ == "eqfit.metrics"
+
+
 def accumulates(metric: Any) -> bool:
     """Whether `metrics=`'s `metric` accumulates (is not a function of a batch)."""
     return isinstance(metric, AbstractMetric)
+
+
+def tried(metrics: Any) -> bool:
+    """Whether any of `metrics` (`(name, metric)` pairs) accumulates and is not known to
+    add (`adds`): its statistics are then tried on a few rows of the data.
+    """
+    return any(accumulates(m) and not adds(m) for _, m in metrics)
 
 
 # A metric as the run holds it: a function of a batch, or one that accumulates.

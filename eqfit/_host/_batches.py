@@ -1,6 +1,6 @@
 """A loader's batches as the training reads them: numpy arrays, each checked to be like
-the first (or a batch of another bucket: the same arrays, of other lengths), and the
-shapes met (`ShapesMet`).
+the first (or a batch of another bucket: the same arrays, of other lengths), the
+shapes met (`ShapesMet`), and each pass counted against the loader's `len` (`PassLength`).
 """
 
 import warnings
@@ -94,3 +94,53 @@ def check_batch(
             f"{size}: all must have that many but the last of a pass, which may have fewer."
         )
     return got_size
+
+
+class PassLength:
+    """Each pass of a loader counted against its `len`, where a run takes `len` as an
+    epoch's batches (or an inference as its pass's): a pass of another length is refused
+    as soon as it shows, never read as the batches `len` said (a loader started over, or
+    cut short).
+    """
+
+    def __init__(self, said: int | None, name: str):
+        self.said, self.name = said, name
+        self.start = self.samples = 0  # the pass's first step, and its samples so far
+
+    def add(self, step: int, starts_pass: bool, size: int) -> None:
+        """Batch `step`, of `size` samples, read."""
+        if self.said is None:
+            return
+        if starts_pass and step:
+            self.ended(step)
+            self.start, self.samples = step, 0
+        elif step - self.start == self.said:
+            raise ValueError(
+                f"`len({self.name})` is {self.said}, but a pass over `{self.name}` yielded "
+                f"more batches: its batch {self.said} (counted from 0) came in the same "
+                f"pass. {self._advice()}"
+            )
+        self.samples += size
+
+    def ended(self, step: int) -> None:
+        """The pass ends before batch `step` (a new pass starts there, or the loader ran
+        out).
+        """
+        yielded = step - self.start
+        if self.said is None or yielded == self.said:
+            return
+        samples = (
+            ": `len` is its number of samples, where a loader's is its number of batches"
+            if self.samples == self.said
+            else ""
+        )
+        raise ValueError(
+            f"`len({self.name})` is {self.said}, but a pass over `{self.name}` yielded "
+            f"{yielded} batches ({self.samples} samples){samples}. {self._advice()}"
+        )
+
+    def _advice(self) -> str:
+        return (
+            "Make `__len__` return the number of batches a pass yields, or leave it out: a "
+            "loader without `len` is read to the end of its pass."
+        )

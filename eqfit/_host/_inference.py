@@ -17,16 +17,16 @@ from .._program._schedule import plan_passes, Schedule, UNKNOWN
 from ._sources import Chunk, Loader, Memmaps
 
 
-def inference_source(data: Any) -> "Memmaps | Loader | None":
-    """The source that an inference (`evaluate`, `predict`) streams `data` from, read
-    once, in order: memmaps, or a loader (its own batches); `None` for arrays in memory,
-    which go to the device whole.
+def inference_source(data: Any, name: str) -> "Memmaps | Loader | None":
+    """The source that an inference (`evaluate`, `predict`) streams `data` (the argument
+    `name`) from, read once, in order: memmaps, or a loader (its own batches, one pass,
+    which its `len` must count); `None` for arrays in memory, which go to the device whole.
     """
     kind = data_kind(data)
     if kind == "memmaps":
         return Memmaps(data, shuffle=False, seed=0, mapped=True)
     if kind == "loader":
-        return Loader(data)
+        return Loader(data, name=name, once=True)
     return None
 
 
@@ -39,7 +39,7 @@ class Reread:
 
     def __init__(self, data: Any, name: str):
         self.data, self.name, self.fresh = data, name, True
-        source = inference_source(data)
+        source = inference_source(data, name)
         if source is None:  # arrays in memory, read a chunk at a time as a memmap is
             check_data(data, name)
             source = Memmaps(jax.tree.map(np.asarray, data), shuffle=False, seed=0)
@@ -79,7 +79,7 @@ class Reread:
     def chunks(self, batch_size: int) -> Iterator[Chunk]:
         """The set's batches, a pass, as `one_pass` gives them."""
         if not self.fresh and isinstance(self.source, Loader):
-            self.source = Loader(self.data)
+            self.source = Loader(self.data, name=self.name, once=True)
         self.fresh = False
         return one_pass(self.source, batch_size)
 
@@ -101,10 +101,20 @@ def one_pass(source: "Memmaps | Loader", batch_size: int) -> Iterator[Chunk]:
     if isinstance(source, Memmaps):
         passes = plan_passes(source.num_samples, batch_size, drop_remainder=False)
         schedule = Schedule(batch_size, passes.steps_per_pass, 0, 1, passes)
-    else:  # a loader without `len` shows its pass's end as it is read
-        length = UNKNOWN if source.length is None else source.length
-        schedule = Schedule(source.batch_size, length, 0, 1, columns=1)
-    return source.chunks(schedule, 0, schedule.total)
+        return source.chunks(schedule, 0, schedule.total)
+    return _loader_pass(source)
+
+
+def _loader_pass(source: Loader) -> Iterator[Chunk]:
+    """A loader's pass, as `one_pass` gives it, then read to its end: where the loader
+    yields more batches than its `len` says, refused (`PassLength`), not cut short.
+    """
+    # A loader without `len` shows its pass's end as it is read.
+    length = UNKNOWN if source.length is None else source.length
+    schedule = Schedule(source.batch_size, length, 0, 1, columns=1)
+    yield from source.chunks(schedule, 0, schedule.total)
+    for _ in source.read:
+        pass
 
 
 # What `execution=` takes, in words, for the runtime check's messages.

@@ -4,6 +4,7 @@ schedule from their shape, each checked against the others.
 
 from typing import Any
 
+import jax
 from jaxtyping import PyTree
 
 from .._core._data import as_data, bucketed, sample_shapes
@@ -13,7 +14,15 @@ from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
 from ._inference import Reread, StreamedSets
-from ._sources import open_source, refuse_planned, remember_planned, Source
+from ._sources import (
+    InMemory,
+    Loader,
+    Memmaps,
+    open_source,
+    refuse_planned,
+    remember_planned,
+    Source,
+)
 
 
 def open_data(
@@ -133,16 +142,51 @@ def schedule_for(source: Source, options: Options) -> Schedule:
     check_profile(options, schedule)
     if not schedule.learning:
         warn_if_short(options.step.average, schedule.total - schedule.begin)
-    else:
-        every = None if options.validation is None else options.validation.every
-        for name, n, kept in (
-            ("log_every", options.log_every, "the values every n steps are"),
-            ("validation_every", every, "each validation's values are"),
-        ):
-            if n is not None:
-                raise ValueError(
-                    f"`{name}={n}` with a loader that does not say its length (no `len`): "
-                    "the run's steps are not known before its first epoch ends, and "
-                    f"{kept} kept for the run's length. Pass `steps_per_epoch=`."
-                )
+    _check_every(options, schedule)
     return schedule
+
+
+def _check_every(options: Options, schedule: Schedule) -> None:
+    """Refuses a `log_every` or `validation_every` that the run's steps are not known
+    for (a loader without `len`), or that no step of the run reaches: it would log or
+    validate nothing, without a word.
+    """
+    every = None if options.validation is None else options.validation.every
+    for name, n, kept, does, instead in (
+        ("log_every", options.log_every, "the values every n steps are", "log a value", ""),
+        (
+            "validation_every",
+            every,
+            "each validation's values are",
+            "validate",
+            ", or leave it out to validate at each epoch's end",
+        ),
+    ):
+        if n is None:
+            continue
+        if schedule.learning:
+            raise ValueError(
+                f"`{name}={n}` with a loader that does not say its length (no `len`): "
+                "the run's steps are not known before its first epoch ends, and "
+                f"{kept} kept for the run's length. Pass `steps_per_epoch=`."
+            )
+        if n > schedule.total:
+            epochs = schedule.total // schedule.steps_per_epoch
+            raise ValueError(
+                f"`{name}={n}`, but this run has {schedule.total} steps ({epochs} epochs of "
+                f"{schedule.steps_per_epoch} steps, counted from the first ever): it would never "
+                f"{does}. Give `{name}` of at most {schedule.total}{instead}."
+            )
+
+
+def first_rows(source: Any, n: int) -> PyTree:
+    """Up to `n` of the data's first rows, for a check that needs real ones (a metric's
+    statistics, halved, `check_additive`): a source's, or arrays' in memory.
+    """
+    if isinstance(source, Memmaps):
+        return source.read(0, min(n, source.num_samples))
+    if isinstance(source, Loader):
+        data = source.first
+    else:
+        data = source.data if isinstance(source, InMemory) else source
+    return jax.tree.map(lambda a: a[:n], data)

@@ -39,7 +39,7 @@ from .._program._schedule import (
     Schedule,
     SourceShape,
 )
-from ._batches import as_batch, check_batch, sample_shapes_of, ShapesMet
+from ._batches import as_batch, check_batch, PassLength, sample_shapes_of, ShapesMet
 from ._rows import advise_rows, POPULATE_READ, read_rows
 
 
@@ -400,9 +400,12 @@ class Loader(_Streamed):
         steps_per_epoch: int | None = None,
         initial_epoch: int = 0,
         directory: Any = None,
+        name: str = "data",
+        once: bool = False,
     ):
-        self.loader = loader
+        self.loader, self.name = loader, name
         self.one_shot = isinstance(loader, collections.abc.Iterator)
+        self.once = once  # one pass read (an inference's), not pass after pass
         self.passes_done = 0
         length = _length(loader)
         if length is not None and length >= 2**31 and steps_per_epoch is None:
@@ -412,6 +415,9 @@ class Loader(_Streamed):
                 "epoch takes."
             )
         self.length = length  # batches in a pass, if known
+        # Where `len` is taken as a pass's length (not only `steps_per_epoch`'s), each
+        # pass is checked to have it.
+        self.said = length if steps_per_epoch is None else None
         # Neither `len` nor `steps_per_epoch`: an epoch is as long as the first pass.
         self.unsaid = self.learns = steps_per_epoch is None and length is None
         self.stored: int | None = None  # that length, as the checkpoints resumed keep it
@@ -525,7 +531,7 @@ class Loader(_Streamed):
                 starts = False
                 index += 1
                 batch = following if ahead else next(batches, _END)
-            if self.one_shot or starts:  # used up, or a pass yielded nothing
+            if self.one_shot or self.once or starts:  # used up, or a pass yielded nothing
                 return
 
     def _checked(self, stream: Iterator[tuple[PyTree, bool, bool]]) -> Iterator[Any]:
@@ -535,7 +541,7 @@ class Loader(_Streamed):
         structure = jax.tree.structure(self.first)
         shapes = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(self.first)]
         size, stored = self.batch_size, self.stored
-        met = ShapesMet(self.first)
+        met, passes = ShapesMet(self.first), PassLength(self.said, self.name)
         smaller = None  # the size of the last batch, if smaller: its pass must end there
         step = 0
         for step, (batch, starts_pass, ends_first) in enumerate(stream):
@@ -548,6 +554,7 @@ class Loader(_Streamed):
             got = check_batch(batch, step, structure, shapes, size)
             smaller = got if got < size else None
             met.add(batch, step)
+            passes.add(step, starts_pass, got)
             if stored is not None and 0 < step < stored and starts_pass:
                 raise self._changed(f"{step} batches")
             if stored is not None and step == stored and not starts_pass:
@@ -555,6 +562,7 @@ class Loader(_Streamed):
             yield step, batch, starts_pass, ends_first, got
         if stored is not None and step + 1 < stored:  # the loader ran out in its first pass
             raise self._changed(f"{step + 1} batches")
+        passes.ended(step + 1)
 
     def _changed(self, now: str) -> ValueError:
         return ValueError(

@@ -13,15 +13,17 @@ import jax
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._core._data import describe, dtype_of, is_dtype, not_a_stack, summary
+from .._core._data import describe, dtype_of, is_dtype, not_a_stack, num_samples, summary
 from .._core._execution import choose
+from .._core._metric import adds
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
 from .._step._record import LOSS, Record, record_for, UpdateInfo
-from .._step._statistics import accumulated_shapes
+from .._step._statistics import accumulated_shapes, check_split, split_statistics
 from .._step._update_checks import check_applied
 from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
 from ._compile import PROGRAMS
+from ._jit import cached_jit
 from ._loop import Loop
 from ._options import (
     EARLY_STOPPING,
@@ -50,6 +52,7 @@ def make_loop(
     like: PyTree,
     model_state: PyTree,
     opt_state: PyTree | None,
+    rows: PyTree = None,
 ) -> tuple[Loop, StartArgs]:
     """Splits the model into the arrays that train and the frozen rest, takes out the
     arrays the other objects hold, finds the aux values the loss returns (by tracing it
@@ -57,8 +60,9 @@ def make_loop(
     `Loop`, whose record it declares (`record_for`, which checks the names) and checks
     against early stopping's and the checkpoints' monitors. It finds the hyperparameters
     to record in the optimizer's state, made on abstract arrays, and checks a given
-    `opt_state` against that state. Returns the `Loop` and the starting program's
-    arguments.
+    `opt_state` against that state; and a metric of one's own that accumulates, on a
+    few `rows` of the data (`check_additive`). Returns the `Loop` and the starting
+    program's arguments.
     """
     objects, filter_spec = options.objects, options.filter_spec
     arrays, skeleton = split_arrays(model)
@@ -86,6 +90,8 @@ def make_loop(
     # Several updates' losses are traced one by one (`_update_info`).
     outputs = LossTrace((), ()) if infos else _outputs(objective, traced, options)
     statistics = objective.find_statistics(*traced) if objective.accumulating else ()
+    if statistics and rows is not None:
+        check_additive(objective, model, model_state, rows, options.members)
     loop = Loop(
         model=skeleton,
         trains=trains,
@@ -238,6 +244,38 @@ def _opt_state_shape(
         trained = jax.eval_shape(loop.step.precision.master, trained)
     opt_state = jax.eval_shape(init, trained)
     return opt_state, injected_names(opt_state)
+
+
+# A metric's statistics are tried on this many rows of the data, whole and halved.
+SPLIT_ROWS = 8
+_split_statistics = cached_jit(split_statistics)
+
+
+def check_additive(
+    objective: Objective,
+    model: PyTree,
+    model_state: PyTree,
+    rows: PyTree,
+    members: int | None = None,
+) -> None:
+    """Tries each metric of one's own that accumulates on a few `rows` of the data, whole
+    and in two halves (`check_split`), in inference mode (one member's, of an ensemble):
+    its statistics must add, or the run's sums of them would be wrong without a word.
+    Nothing runs where eqfit's and metrax's are the only ones, or the data is one row.
+    """
+    if all(adds(metric) for _, metric in objective.accumulating):
+        return
+    n = min(num_samples(rows), SPLIT_ROWS) // 2 * 2
+    if n < 2:
+        return
+    if members is not None:
+        model, model_state = jax.tree.map(
+            lambda a: a[0] if eqx.is_array(a) else a, (model, model_state)
+        )
+    rows = jax.tree.map(lambda a: a[:n], rows)
+    model = eqx.nn.inference_mode(model)
+    halves = _split_statistics(objective, model, model_state, rows, n // 2)
+    check_split(objective.accumulating, *halves, n)
 
 
 def _abstract_call(

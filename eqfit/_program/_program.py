@@ -597,6 +597,10 @@ class _Member:
                 sums,
             )
         closes = reached if epoch_end is True else reached & epoch_end
+        if stop is not None:
+            # Stopped early inside an epoch: the epoch closes where its steps ended, its
+            # values those of the steps it trained (as `log_every`'s are of theirs).
+            closes = reached & (epoch_end | stop)
         # With `validation_every`, the epoch's validation values are its last validation's.
         closing = () if every is not None else sums or ()
         state = _when(

@@ -34,7 +34,11 @@ CHECKERS = (
     "Recall",
     "F1",
     "TopKAccuracy",
+    # metrax's metrics whose predictions are probabilities (`check_probabilities`).
+    *(f"Metrax({name})" for name in ("AUCROC", "AUCPR", "Precision", "Recall", "FBetaScore")),
 )
+# `LabelError.classes` of a check of labels in [0, 1], and of predictions in [0, 1].
+_BINARY, _PROBABILITIES = -1, -2
 _DIMS = 4  # where in a batch the label was: up to this many indices
 
 
@@ -43,7 +47,7 @@ class LabelError(NamedTuple):
 
     found: Bool[Array, "*members"]
     checker: Int[Array, "*members"]  # its index in `CHECKERS`
-    classes: Int[Array, "*members"]  # -1: binary labels, in [0, 1]
+    classes: Int[Array, "*members"]  # -1: binary labels, in [0, 1]; -2: probabilities
     label: Float[Array, "*members"]
     # The label's index in the flattened batch, then the batch's shape (-1 past its rank).
     where: Int[Array, "*members 4"]
@@ -109,7 +113,22 @@ def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Arr
     """`values` (logits or outputs), NaN where a label of `y` is outside `[0, classes)`
     (or, with `classes=None`, outside `[0, 1]`), the label reported as described above.
     """
-    bad = (y < 0) | (y >= classes) if classes is not None else (y < 0) | (y > 1)
+    return _checked(values, y, _BINARY if classes is None else classes, name)
+
+
+def check_probabilities(predictions: Array, name: str) -> Array:
+    """`predictions` of a metric that takes probabilities (metrax's `AUCROC`, given
+    logits: a value, not an error, without this), NaN where one is outside `[0, 1]`, and
+    that one reported as a label out of range is.
+    """
+    return _checked(predictions, predictions, _PROBABILITIES, name)
+
+
+def _checked(values: Array, y: Array, classes: int, name: str) -> Array:
+    """`check_labels`' and `check_probabilities`' check of `y`: `classes` the number of
+    classes, or `_BINARY` or `_PROBABILITIES` for values in `[0, 1]`.
+    """
+    bad = (y < 0) | (y >= classes) if classes > 0 else (y < 0) | (y > 1)
     if not isinstance(y, Tracer):  # called directly, not in a program: raise now
         if bool(jnp.any(bad)):
             y_, bad_ = np.asarray(y), np.asarray(bad)
@@ -118,8 +137,8 @@ def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Arr
         return values
     found = _COLLECTOR.get()
     if found is None:  # traced by someone else's program: fail loudly at run time
-        why = _why(classes)
-        return eqx.error_if(values, jnp.any(bad), f"`{name}`: a label {why}.")
+        what = "a prediction" if classes == _PROBABILITIES else "a label"
+        return eqx.error_if(values, jnp.any(bad), f"`{name}`: {what} {_why(classes, name)}.")
     # The first bad label's flat index (its size if none), by one plain min-reduction,
     # which XLA compiles faster than `argmax` and `any` together.
     size = max(bad.size, 1)
@@ -134,7 +153,7 @@ def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Arr
         LabelError(
             found=any_bad,
             checker=jnp.asarray(CHECKERS.index(name), jnp.int32),
-            classes=jnp.asarray(-1 if classes is None else classes, jnp.int32),
+            classes=jnp.asarray(classes, jnp.int32),
             label=y.reshape(-1)[flat].astype(jnp.float32),
             where=where,
             step=jnp.asarray(-1, jnp.int32),
@@ -144,8 +163,15 @@ def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Arr
     return jnp.where(any_bad, jnp.nan, values)
 
 
-def _why(classes: int | None) -> str:
-    if classes is None:
+def _why(classes: int, name: str) -> str:
+    if classes == _PROBABILITIES:
+        return (
+            f"is outside [0, 1]: `{name}` takes probabilities as its predictions (logits "
+            "would give another value without a word). Map the model's outputs to them in "
+            "`Metrax`'s `inputs` (`lambda logits, y: {'predictions': jax.nn.sigmoid(logits), "
+            "'labels': y}`)"
+        )
+    if classes == _BINARY:
         return "is outside [0, 1]: labels must be 0 or 1, or probabilities"
     return (
         f"is outside [0, {classes}): the model gives {classes} classes, so labels must be "
@@ -153,8 +179,9 @@ def _why(classes: int | None) -> str:
     )
 
 
-def message(name: str, classes: int | None, label: Any, where: tuple[int, ...]) -> str:
-    return f"`{name}`: label {label} (at {where} of a batch) {_why(classes)}."
+def message(name: str, classes: int, label: Any, where: tuple[int, ...]) -> str:
+    what = "prediction" if classes == _PROBABILITIES else "label"
+    return f"`{name}`: {what} {label} (at {where} of a batch) {_why(classes, name)}."
 
 
 def raise_found(error: Any, ensemble: bool = False, sets: tuple[str, ...] | None = None) -> None:
@@ -171,10 +198,9 @@ def raise_found(error: Any, ensemble: bool = False, sets: tuple[str, ...] | None
     )
     flat, *dims = np.asarray(error.where).reshape(-1, _DIMS)[i].tolist()
     where = tuple(int(w) for w in np.unravel_index(flat, [d for d in dims if d >= 0]))
-    classes_ = None if int(classes) < 0 else int(classes)
     # Class labels are integers; binary ones may be probabilities.
-    value = int(label) if classes_ is not None else float(label)
-    text = message(CHECKERS[int(checker)], classes_, value, where)
+    value = int(label) if int(classes) > 0 else float(label)
+    text = message(CHECKERS[int(checker)], int(classes), value, where)
     if int(step) >= 0:
         text += f" (Found at step {step + 1} of the run, counted from 1.)"
     elif int(step) <= -2:

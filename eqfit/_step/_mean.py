@@ -26,7 +26,8 @@ class Mean(eqx.Module):
     A batch whose weight is 0 (every target masked, or weights that cancel) trains with
     a zero gradient whatever its total (the optimizer still steps, as on any zero
     gradient) and records NaN as its step's value (0 / 0), which the epoch leaves out; an
-    epoch (or a validation set) whose weights sum to 0 records NaN, never 0. Negative
+    epoch (a validation set, `eqfit.evaluate`'s data) whose weights sum to 0 records NaN,
+    never 0 or an infinity. Negative
     weights are allowed and divided as they are: the epoch's value is still the sum of
     the totals over the sum of the weights.
 

@@ -27,7 +27,7 @@ from ._statistics import (
     arrays,
     check_batch_free,
     check_leaves,
-    check_sums,
+    check_statistics,
     flat_size,
     Like,
     one_row_less,
@@ -243,11 +243,14 @@ class Objective(eqx.Module):
         statistics, flat (`Record.accumulated_names`).
         """
         n = len(self.value_names)
+        # Weights that sum to 0 (an `eqfit.Mean`'s that cancel) give NaN, as an epoch's
+        # value does, never the infinity of a total over 0.
+        means = jnp.where(totals[1, :n] == 0, jnp.nan, totals[0, :n] / totals[1, :n])
         if not self.accumulating:
-            return totals[0] / totals[1]
+            return means
         summed = unflatten(totals[0, n:], self.statistics_like)
         computed = values(self.accumulating, self.statistics_like, summed)
-        return jnp.concatenate([totals[0, :n] / totals[1, :n], computed])
+        return jnp.concatenate([means, computed])
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -424,7 +427,7 @@ class Objective(eqx.Module):
             for (name, _), like, other in zip(self.accumulating, found, fewer):
                 check_batch_free(name, like, other)
         for (name, metric), like in zip(self.accumulating, found):
-            check_sums(name, metric, like)
+            check_statistics(name, metric, like)
         _STATISTICS.put(cache_key, found)
         return found
 

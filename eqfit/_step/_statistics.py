@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._core._metric import AbstractMetric
+from .._core._metric import AbstractMetric, adds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,14 +178,43 @@ def unflatten(flat: Array, likes: tuple[Like, ...]) -> tuple[PyTree, ...]:
     return jax.tree.unflatten(treedef, out)
 
 
-def check_sums(name: str, metric: AbstractMetric, like: Like) -> None:
-    """Refuses a metrax (or clu) metric whose `merge` does not add its arrays: the run
-    sums statistics (across devices too, by `psum`), and would silently give another
-    value. Tried on two small statistics of ones and twos: their merge must hold threes.
+def check_statistics(name: str, metric: AbstractMetric, like: Like) -> None:
+    """Refuses, before the run, statistics it would not sum right, as found abstractly
+    (`like`): a number that is no array (kept as configuration, never summed), an array
+    of bools (summed as an OR) or of complex numbers (recorded as float32, its imaginary
+    part dropped); and a metrax (or clu) metric whose `merge` does not add its arrays
+    (the run sums them, across devices too, by `psum`). That `merge` is tried on two
+    small statistics of ones and twos: it must give threes.
     """
     taken = getattr(metric, "metric", None)  # `Metrax`'s class
-    if getattr(taken, "merge", None) is None:
-        return
+    merges = getattr(taken, "merge", None) is not None
+    for path, leaf in jax.tree_util.tree_leaves_with_path(like.tree):
+        where = f"metric {name!r}: its statistic `{jax.tree_util.keystr(path)}`"
+        if not _is_shaped(leaf):
+            if not merges and isinstance(leaf, int | float | complex | np.number):
+                raise TypeError(
+                    f"{where} is a Python {type(leaf).__name__} ({leaf!r}), which the run "
+                    "would keep as it is, as configuration, and not sum over the batches: "
+                    "return it as an array (`jnp.asarray(...)`), so that it adds."
+                )
+            continue  # configuration (a metrax metric's `num_thresholds`)
+        if leaf.dtype == jnp.bool_:
+            raise TypeError(
+                f"{where} is an array of bools, which add as an OR (True + True is True): "
+                "count them (`jnp.sum(...)`), or return them as numbers (`.astype(jnp.int32)`)."
+            )
+        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+            raise TypeError(
+                f"{where} is complex ({leaf.dtype}): the run keeps statistics as real "
+                "numbers, and would drop its imaginary part. Return its real and imaginary "
+                "parts as two statistics."
+            )
+    if merges:
+        _check_merge(name, taken, like)
+
+
+def _check_merge(name: str, taken: Any, like: Like) -> None:
+    """Refuses a metrax (or clu) metric class whose `merge` does not add (`check_statistics`)."""
     ones, twos = (
         eqx.combine(jax.tree.map(lambda z: jnp.full(z.shape, k, z.dtype), zeros(like)), like.static)
         for k in (1, 2)
@@ -260,3 +289,69 @@ def check_batch_free(name: str, like: Like, fewer: Like) -> None:
                 "of a shape of their own, which the run adds up batch by batch; sum them "
                 "over the batch, `jnp.sum(..., axis=0)`."
             )
+
+
+def split_statistics(
+    objective: Any, model: PyTree, model_state: PyTree, rows: PyTree, half: int
+) -> tuple[tuple[PyTree, ...], tuple[PyTree, ...], tuple[PyTree, ...]]:
+    """The statistics of each metric that accumulates (`objective`'s) on `rows`, and on
+    its first `half` rows and the rest: what `check_split` compares.
+    """
+
+    def of(batch: PyTree) -> tuple[PyTree, ...]:
+        return objective.statistics(model, model_state, batch)[0]
+
+    first = jax.tree.map(lambda a: a[:half], rows)
+    second = jax.tree.map(lambda a: a[half:], rows)
+    return of(rows), of(first), of(second)
+
+
+def check_split(
+    accumulating: tuple[tuple[str, AbstractMetric], ...],
+    whole: tuple[PyTree, ...],
+    first: tuple[PyTree, ...],
+    second: tuple[PyTree, ...],
+    rows: int,
+) -> None:
+    """Refuses a metric of one's own (eqfit's and metrax's are known to add) whose
+    statistics do not add under a batch split: those of `rows` rows of the data (`whole`)
+    must be, to float rounding, the sum of those of its two halves. The run sums them
+    over steps, microbatches, devices and batches; a mean or a maximum would be summed.
+    """
+    for (name, metric), w, a, b in zip(accumulating, whole, first, second):
+        if adds(metric):
+            continue
+        for (path, x), y, z in zip(
+            jax.tree_util.tree_leaves_with_path(w), jax.tree.leaves(a), jax.tree.leaves(b)
+        ):
+            x, y, z = np.asarray(x), np.asarray(y), np.asarray(z)
+            where = f"metric {name!r}: its statistic `{jax.tree_util.keystr(path)}`"
+            if y.shape != x.shape or z.shape != x.shape:
+                raise ValueError(
+                    f"{where} has shape {x.shape} on a batch of {rows} rows and {y.shape} "
+                    "on its half: its shape depends on the batch (a statistic per row?), so "
+                    "the batches' cannot be summed. Reduce it over the batch's rows: a "
+                    "count, a sum."
+                )
+            summed = np.asarray(y + z)
+            inexact = jnp.issubdtype(x.dtype, jnp.floating)  # bfloat16's numpy kind is "V"
+            rtol = max(1e-2, 16 * float(jnp.finfo(x.dtype).eps)) if inexact else 0
+            # Rounding is of the largest of the three: halves that cancel add up to ~0.
+            scale = float(max(np.nanmax(np.abs(v), initial=0.0) for v in (x, y, z)))
+            if not np.allclose(summed, x, rtol=rtol, atol=rtol * scale, equal_nan=True):
+                raise ValueError(
+                    f"{where} does not add under a batch split: on {rows} rows of the data "
+                    f"it is {_shown(x)}, but the sum of its halves' is {_shown(summed)}. The run "
+                    "sums a batch's statistics over the steps, microbatches, devices and "
+                    "validation batches, so each must be a sum over the batch's rows (a "
+                    "count, a sum), not a mean or a maximum: return sums, and divide in "
+                    "`compute`."
+                )
+
+
+def _shown(x: np.ndarray) -> str:
+    """A statistic's value in a message: a number, or an array's first entries."""
+    if x.ndim == 0:
+        return f"{x.item():.6g}"
+    flat = ", ".join(f"{v:.6g}" for v in x.reshape(-1)[:4].tolist())
+    return f"[{flat}{', ...' if x.size > 4 else ''}] (shape {x.shape})"
