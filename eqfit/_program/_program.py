@@ -267,7 +267,7 @@ def each_member_with(loop: Loop, consts: Consts, one: Callable[..., Any], *args:
     def member(frozen: list[Array], *args: Any) -> Any:
         return one(loop.parts(consts._replace(frozen=frozen)), *args)
 
-    return jax.vmap(member)(consts.frozen, *args)
+    return jax.vmap(member, axis_name=MEMBERS)(consts.frozen, *args)
 
 
 @dataclasses.dataclass(frozen=True)
