@@ -1,6 +1,7 @@
 """Ready metrics. The functions, each `metric(model, x, y) -> scalar` on a batch,
 vmapping the model, are means over the batch's examples: given a batch `(x, y, weights)`,
-each returns the weighted mean as an `eqfit.Mean`, as `eqfit.losses` do.
+each returns the weighted mean as an `eqfit.Mean`, as `eqfit.losses` do (a mask over each
+sequence's positions, with a label per sequence, weighs each sequence 1 or 0, as there).
 
 The classes accumulate (`AbstractMetric`): a batch gives counts, the run sums them over
 the epoch (or the validation set, or `eqfit.evaluate`'s data) and computes the value once.
@@ -16,6 +17,7 @@ model called as `model(x[i], state)` under `jax.vmap` with `axis_name="batch"`);
 state is dropped.
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -28,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 from ._core._metric import AbstractMetric as AbstractMetric, is_metrax
 from ._step._labels import check_labels, same_shape
 from ._step._mean import Mean
-from .losses import Model, outputs, reduce, split_state, State
+from .losses import check_weights, Model, outputs, reduce, split_state, State
 
 
 @overload
@@ -160,8 +162,7 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
         predicted = jnp.argmax(logits, axis=-1)
         labels = y.astype(jnp.int32)
         logit_values = logits
-    w = jnp.ones(labels.shape, jnp.float32) if weights is None else weights
-    w = jnp.broadcast_to(w.astype(jnp.float32), labels.shape).reshape(-1)
+    w = _each_label(weights, labels.shape, name).reshape(-1)
     # A product of one-hot matrices, not a scatter: a matmul on every accelerator.
     true = jax.nn.one_hot(labels.reshape(-1), classes, dtype=jnp.float32)
     pred = jax.nn.one_hot(predicted.reshape(-1), classes, dtype=jnp.float32)
@@ -169,6 +170,16 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
     # NaN outputs (a label out of range makes them so, `check_labels`) count as NaN, not
     # as the class `argmax` happens to give them.
     return jnp.where(jnp.any(jnp.isnan(logit_values)), jnp.nan, counts)
+
+
+def _each_label(weights: Array | None, shape: tuple[int, ...], name: str) -> Array:
+    """Each label's weight, float32 of the labels' `shape`: 1 without `weights`; else
+    theirs, per example or per label (`check_weights`), spread over the axes they leave.
+    """
+    if weights is None:
+        return jnp.ones(shape, jnp.float32)
+    w = check_weights(weights, shape, name).astype(jnp.float32)
+    return jnp.broadcast_to(w.reshape(w.shape + (1,) * (len(shape) - w.ndim)), shape)
 
 
 class ConfusionMatrix(AbstractMetric):
@@ -303,8 +314,7 @@ class TopKAccuracy(AbstractMetric):
         logits = check_labels(logits, y, logits.shape[-1], "TopKAccuracy")
         top = jax.lax.top_k(logits, self.k)[1]
         hit = jnp.any(top == y[..., None], axis=-1).astype(jnp.float32)
-        w = jnp.ones(hit.shape, jnp.float32) if weights is None else weights
-        w = jnp.broadcast_to(w.astype(jnp.float32), hit.shape)
+        w = _each_label(weights, hit.shape, "TopKAccuracy")
         return {"hits": jnp.sum(w * hit), "count": jnp.sum(w)}
 
     def compute(self, statistics: dict[str, Array]) -> Array:
@@ -324,10 +334,13 @@ class Metrax(AbstractMetric):
 
     - `metric`: the metrax metric class (`metrax.AUCROC`, `metrax.Precision`, ...). Its
         `merge` must add its arrays, as metrax's do.
-    - `inputs`: `inputs(outputs, y)` (or `inputs(outputs, y, weights)` for a batch with
-        weights), with `outputs` the model's on the batch (vmapped), returning the
-        keyword arguments of `from_model_output`. Default:
-        `{"predictions": outputs, "labels": y}` (and `"sample_weights": weights`).
+    - `inputs`: `inputs(outputs, y)`, with `outputs` the model's on the batch (vmapped),
+        returning the keyword arguments of `from_model_output`. Default:
+        `{"predictions": outputs, "labels": y}`. A batch with weights (`(x, y, weights)`;
+        an `eqfit.Buckets` batch's mask, one weight per sequence where `y` is a label per
+        sequence) adds them as `"sample_weights"`, and is refused for a metric that takes
+        none (metrax's `Precision`: the rows of weight 0 would count); an
+        `inputs(outputs, y, weights)` of three arguments is given them, to use as it will.
     - `**options`: more keyword arguments of `from_model_output`, the same for every
         batch (`num_thresholds=100`, `threshold=0.3`).
     """
@@ -355,17 +368,56 @@ class Metrax(AbstractMetric):
         name = f"Metrax({self.metric.__name__})"
         state, x, y, weights = split_state(batch, name)
         out, _ = outputs(model, x, state)
-        rest = (y,) if weights is None else (y, weights)
-        if self.inputs is not None:
-            kwargs = self.inputs(out, *rest)
+        if self.inputs is not None and (weights is None or _takes_three(self.inputs)):
+            kwargs = self.inputs(out, y) if weights is None else self.inputs(out, y, weights)
         else:
             kwargs = {"predictions": out, "labels": y}
+            if self.inputs is not None:
+                kwargs = dict(self.inputs(out, y))
             if weights is not None:
-                kwargs["sample_weights"] = weights
+                kwargs = self._weighted(kwargs, weights, name)
         return self.metric.from_model_output(**kwargs, **dict(self.options))
+
+    def _weighted(self, kwargs: dict[str, Any], weights: Array, name: str) -> dict[str, Any]:
+        """`kwargs` with the batch's weights as `sample_weights`, where `inputs` takes no
+        weights (or is the default): refused where the metric takes none, or `inputs` gave
+        its own, rather than counting the rows of weight 0 (padding) or dropping some.
+        """
+        try:
+            parameters = inspect.signature(self.metric.from_model_output).parameters
+        except (TypeError, ValueError):
+            parameters = {"sample_weights": None}
+        if "sample_weights" not in parameters:
+            raise TypeError(
+                f"`{name}`: the batches hold weights after `y` (an `eqfit.Buckets` batch's "
+                f"mask, say), but `{self.metric.__name__}.from_model_output` takes no "
+                "`sample_weights`, so its counts would take in the rows of weight 0 (a "
+                "bucket's padding). Use `eqfit.metrics.Precision`, `Recall` or `F1`, which "
+                "weigh each example, or give `inputs(outputs, y, weights)` that uses them."
+            )
+        if "sample_weights" in kwargs:
+            raise TypeError(
+                f"`{name}`: `inputs` gives `sample_weights` of its own, but the batches hold "
+                "weights too (an `eqfit.Buckets` batch's mask, say): give `inputs(outputs, "
+                "y, weights)` and combine them."
+            )
+        return {**kwargs, "sample_weights": weights}
 
     def compute(self, statistics: Any) -> Array:
         return statistics.compute()
+
+
+def _takes_three(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` can be called with three positional arguments (as if so, where its
+    signature is not known).
+    """
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except ValueError:
+        return True
+    except TypeError:
+        return False
+    return True
 
 
 def _taken(metrics: Any) -> dict[str, Any]:
