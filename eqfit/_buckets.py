@@ -54,7 +54,9 @@ class Buckets:
 
     A batch is the tuple of the fields, each padded to its bucket's length (`(batch,
     length, ...)`; a field with a row per sample stays `(batch, ...)`), then the mask,
-    `(batch, length)` float32: 1 at a sample's tokens, 0 at padding.
+    `(batch, length)` float32: 1 at a sample's tokens, 0 at padding. With a label per
+    sequence (a classifier's, `(batch,)`), eqfit's losses and ready metrics weigh each
+    sequence 1 if any of its positions is real, 0 for a row of padding.
 
     How to choose the lengths: a few (4 to 8), so that the programs compile in little
     time, spread so that each bucket pads its samples little: the quantiles of the

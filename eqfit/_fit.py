@@ -401,7 +401,12 @@ def fit(
     **Returns:**
 
     A [`eqfit.FitResult`][] with the trained `model`, the `opt_state`, the `history`, the
-    model `state`, and with `ema=` the average as `ema_model`.
+    model `state`, and with `ema=` the average as `ema_model`. What the run carries (the
+    arrays that train, the optimizer's and the model's state) comes back strongly typed,
+    of its dtype, where it was weakly typed (Equinox's `PReLU(0.2)` holds
+    `jnp.asarray(0.2)`), as a hand loop's optax update makes it: the run fixes its types
+    before the first call, so that no call compiles its program again. (In a model of a
+    lower precision such an array then promotes as a float32 would: give it its dtype.)
 
     **Raises:**
 

@@ -2,7 +2,10 @@
 
 Given a batch `(x, y, weights)`, each returns the weighted mean as an `eqfit.Mean`:
 `weights` per example or per label, a mask or class weights (`class_weights[y]`), which
-`fit` averages as a sum over a sum (a masked sequence loss's mean over tokens).
+`fit` averages as a sum over a sum (a masked sequence loss's mean over tokens). With one
+label per sequence, `(batch,)`, and a mask over its positions, `(batch, length)` (a
+classifier over `eqfit.Buckets`), each sequence weighs 1 if any of its positions is real
+and 0 if none is (a row of padding): the ready metrics take them so too.
 
 The model is called on one example at a time, `model(x[i])`, as Equinox models are. Each
 loss also takes:
@@ -86,14 +89,16 @@ def _check_takes_state(model: Any) -> None:
 def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, Any, Any]:
     """`(x, y)`, `(x, y, weights)`, or either after a `state`: the arguments after the
     model, as `fit` passes them; `x`, `y` and `weights` as JAX arrays (numpy ones are
-    taken too); `weights` `None` where none are given.
+    taken too); `weights` `None` where none are given, and one per sequence where they
+    are a mask over its positions and `y` one label per sequence (`per_sequence`).
     """
     state = None
     if args and isinstance(args[0], eqx.nn.State):
         state, args = args[0], args[1:]
     if len(args) in (2, 3):
-        weights = jnp.asarray(args[2]) if len(args) == 3 else None
-        return state, jax.tree.map(jnp.asarray, args[0]), jnp.asarray(args[1]), weights
+        y = jnp.asarray(args[1])
+        weights = per_sequence(jnp.asarray(args[2]), y) if len(args) == 3 else None
+        return state, jax.tree.map(jnp.asarray, args[0]), y, weights
     raise TypeError(
         f"`{name}` takes `(model, x, y)` or `(model, x, y, weights)`, with a model state "
         f"after the model for a stateful model (an `eqx.nn.State`); got "
@@ -101,6 +106,39 @@ def split_state(args: tuple[Any, ...], name: str) -> tuple[State | None, Any, An
         + (f", the first a {type(args[0]).__name__}" if args and state is None else "")
         + "."
     )
+
+
+def per_sequence(weights: Array, y: Array) -> Array:
+    """`weights` for labels `y`: a mask over each sequence's positions, `(batch, length)`
+    (an `eqfit.Buckets` batch's), where `y` has one axis fewer (a label per sequence: a
+    classifier's), made one weight per sequence: 1 where any of its positions is real (its
+    weight not 0), 0 where none is (a row of padding, which fills a bucket's last batch).
+    Any, not a sum or a mean over the positions: a sequence has one label and counts once,
+    however long. Other weights are returned as they are.
+    """
+    if y.ndim == 0 or weights.ndim != y.ndim + 1 or weights.shape[:-1] != y.shape:
+        return weights
+    return jnp.any(weights != 0, axis=-1).astype(weights.dtype)
+
+
+def check_weights(weights: Array, shape: tuple[int, ...], name: str) -> Array:
+    """Refuses, naming `name`, `weights` that are not per example (`(batch,)`) nor shaped
+    as a leading part of `shape`, the per-output values' (`(batch, time)` for sequence
+    targets); else returns them as they are.
+    """
+    if weights.shape != tuple(shape[: weights.ndim]) or weights.ndim == 0:
+        mask = ""
+        if weights.ndim > len(shape):
+            mask = (
+                " (A mask over each sequence's positions, `(batch, length)`, is taken as one "
+                "weight per sequence where the labels are one per sequence, `(batch,)`.)"
+            )
+        raise ValueError(
+            f"`{name}`: `weights` must have shape (batch,) or a leading part of the "
+            f"per-output values' shape {tuple(shape)}, but it has shape "
+            f"{tuple(weights.shape)}.{mask}"
+        )
+    return weights
 
 
 def reduce(values: Array, weights: Array | None, name: str) -> Any:
@@ -112,12 +150,7 @@ def reduce(values: Array, weights: Array | None, name: str) -> Any:
     """
     if weights is None:
         return jnp.mean(values)
-    if weights.shape != values.shape[: weights.ndim] or weights.ndim == 0:
-        raise ValueError(
-            f"`{name}`: `weights` must have shape (batch,) or a leading part of the "
-            f"per-output values' shape {tuple(values.shape)}, but it has shape "
-            f"{tuple(weights.shape)}."
-        )
+    check_weights(weights, values.shape, name)
     if not (jnp.issubdtype(weights.dtype, jnp.number) or weights.dtype == jnp.bool_):
         raise TypeError(f"`{name}`: `weights` must be numbers or bools, got {weights.dtype}.")
     per = jnp.mean(values, axis=tuple(range(weights.ndim, values.ndim)))

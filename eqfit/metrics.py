@@ -1,6 +1,7 @@
 """Ready metrics. The functions, each `metric(model, x, y) -> scalar` on a batch,
 vmapping the model, are means over the batch's examples: given a batch `(x, y, weights)`,
-each returns the weighted mean as an `eqfit.Mean`, as `eqfit.losses` do.
+each returns the weighted mean as an `eqfit.Mean`, as `eqfit.losses` do (a mask over each
+sequence's positions, with a label per sequence, weighs each sequence 1 or 0, as there).
 
 The classes accumulate (`AbstractMetric`): a batch gives counts, the run sums them over
 the epoch (or the validation set, or `eqfit.evaluate`'s data) and computes the value once.
@@ -31,7 +32,7 @@ from ._core._checks import as_int
 from ._core._metric import AbstractMetric as AbstractMetric, is_metrax
 from ._step._labels import check_labels, check_probabilities, CHECKERS, same_shape
 from ._step._mean import Mean
-from .losses import Model, outputs, reduce, split_state, State
+from .losses import check_weights, Model, outputs, reduce, split_state, State
 
 
 @overload
@@ -164,8 +165,7 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
         predicted = jnp.argmax(logits, axis=-1)
         labels = y.astype(jnp.int32)
         logit_values = logits
-    w = jnp.ones(labels.shape, jnp.float32) if weights is None else weights
-    w = jnp.broadcast_to(w.astype(jnp.float32), labels.shape).reshape(-1)
+    w = _each_label(weights, labels.shape, name).reshape(-1)
     # A product of one-hot matrices, not a scatter: a matmul on every accelerator.
     true = jax.nn.one_hot(labels.reshape(-1), classes, dtype=jnp.float32)
     pred = jax.nn.one_hot(predicted.reshape(-1), classes, dtype=jnp.float32)
@@ -186,6 +186,16 @@ def _class_labels(y: Array, name: str, classes: int) -> None:
             f"{y.dtype}, whose fractions are no class (a label 0.7 would be cut to class 0, "
             "or match none). Give integer labels (`y.astype(np.int32)`)."
         )
+
+
+def _each_label(weights: Array | None, shape: tuple[int, ...], name: str) -> Array:
+    """Each label's weight, float32 of the labels' `shape`: 1 without `weights`; else
+    theirs, per example or per label (`check_weights`), spread over the axes they leave.
+    """
+    if weights is None:
+        return jnp.ones(shape, jnp.float32)
+    w = check_weights(weights, shape, name).astype(jnp.float32)
+    return jnp.broadcast_to(w.reshape(w.shape + (1,) * (len(shape) - w.ndim)), shape)
 
 
 class ConfusionMatrix(AbstractMetric):
@@ -355,8 +365,7 @@ class TopKAccuracy(AbstractMetric):
         logits = check_labels(logits, y, classes, "TopKAccuracy")
         top = jax.lax.top_k(logits, self.k)[1]
         hit = jnp.any(top == y[..., None], axis=-1).astype(jnp.float32)
-        w = jnp.ones(hit.shape, jnp.float32) if weights is None else weights
-        w = jnp.broadcast_to(w.astype(jnp.float32), hit.shape)
+        w = _each_label(weights, hit.shape, "TopKAccuracy")
         return {"hits": jnp.sum(w * hit), "count": jnp.sum(w)}
 
     def compute(self, statistics: dict[str, Array]) -> Array:
@@ -376,10 +385,13 @@ class Metrax(AbstractMetric):
 
     - `metric`: the metrax metric class (`metrax.AUCROC`, `metrax.Precision`, ...). Its
         `merge` must add its arrays, as metrax's do.
-    - `inputs`: `inputs(outputs, y)` (or `inputs(outputs, y, weights)` for a batch with
-        weights), with `outputs` the model's on the batch (vmapped), returning the
-        keyword arguments of `from_model_output`. Default:
-        `{"predictions": outputs, "labels": y}` (and `"sample_weights": weights`).
+    - `inputs`: `inputs(outputs, y)`, with `outputs` the model's on the batch (vmapped),
+        returning the keyword arguments of `from_model_output`. Default:
+        `{"predictions": outputs, "labels": y}`. A batch with weights (`(x, y, weights)`;
+        an `eqfit.Buckets` batch's mask, one weight per sequence where `y` is a label per
+        sequence) adds them as `"sample_weights"`, and is refused for a metric that takes
+        none (metrax's `Precision`: the rows of weight 0 would count); an
+        `inputs(outputs, y, weights)` of three arguments is given them, to use as it will.
         `predictions` and `labels` whose shapes would broadcast into one neither has
         (`(n, 1)` and `(n,)`) are refused; so are predictions outside [0, 1] for a
         metric that takes probabilities (`AUCROC`, `AUCPR`, `Precision`, `Recall`,
@@ -411,13 +423,14 @@ class Metrax(AbstractMetric):
         name = f"Metrax({self.metric.__name__})"
         state, x, y, weights = split_state(batch, name)
         out, _ = outputs(model, x, state)
-        rest = (y,) if weights is None else (y, weights)
-        if self.inputs is not None:
-            kwargs = self._mapped(name, out, rest)
+        if self.inputs is not None and (weights is None or _takes_three(self.inputs)):
+            kwargs = self._mapped(name, out, (y,) if weights is None else (y, weights))
         else:
             kwargs = {"predictions": out, "labels": y}
+            if self.inputs is not None:
+                kwargs = self._mapped(name, out, (y,))
             if weights is not None:
-                kwargs["sample_weights"] = weights
+                kwargs = self._weighted(kwargs, weights, name)
         kwargs = _checked_inputs(name, self.inputs is None, kwargs)
         try:
             return self.metric.from_model_output(**kwargs, **dict(self.options))
@@ -448,6 +461,31 @@ class Metrax(AbstractMetric):
                 f"`{{'predictions': ..., 'labels': y}}`), got a {type(kwargs).__name__}."
             )
         return dict(kwargs)
+
+    def _weighted(self, kwargs: dict[str, Any], weights: Array, name: str) -> dict[str, Any]:
+        """`kwargs` with the batch's weights as `sample_weights`, where `inputs` takes no
+        weights (or is the default): refused where the metric takes none, or `inputs` gave
+        its own, rather than counting the rows of weight 0 (padding) or dropping some.
+        """
+        try:
+            parameters = inspect.signature(self.metric.from_model_output).parameters
+        except (TypeError, ValueError):
+            parameters = {"sample_weights": None}
+        if "sample_weights" not in parameters:
+            raise TypeError(
+                f"`{name}`: the batches hold weights after `y` (an `eqfit.Buckets` batch's "
+                f"mask, say), but `{self.metric.__name__}.from_model_output` takes no "
+                "`sample_weights`, so its counts would take in the rows of weight 0 (a "
+                "bucket's padding). Use `eqfit.metrics.Precision`, `Recall` or `F1`, which "
+                "weigh each example, or give `inputs(outputs, y, weights)` that uses them."
+            )
+        if "sample_weights" in kwargs:
+            raise TypeError(
+                f"`{name}`: `inputs` gives `sample_weights` of its own, but the batches hold "
+                "weights too (an `eqfit.Buckets` batch's mask, say): give `inputs(outputs, "
+                "y, weights)` and combine them."
+            )
+        return {**kwargs, "sample_weights": weights}
 
     def compute(self, statistics: Any) -> Array:
         return statistics.compute()
@@ -510,6 +548,19 @@ def _refuse_broadcast(
         "every label. Give them one shape, through `eqfit.metrics.Metrax(metric, inputs)`: "
         "`lambda outputs, y: {'predictions': outputs[:, 0], 'labels': y}`."
     )
+
+
+def _takes_three(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` can be called with three positional arguments (as if so, where its
+    signature is not known).
+    """
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except ValueError:
+        return True
+    except TypeError:
+        return False
+    return True
 
 
 def _taken(metrics: Any) -> dict[str, Any]:

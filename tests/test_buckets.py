@@ -1,15 +1,19 @@
 """Sequences of many lengths: a loader whose batches come in a few shapes (buckets) trains
-in one run, one program per shape, bit for bit as a hand loop of one jitted step per
-bucket fed the same batches; `eqfit.Buckets` pads sequences to a few lengths with a mask,
-so that a masked `eqfit.Mean` is the mean over the real tokens.
+in one run, one program per shape, as a hand loop of one jitted step per bucket fed the
+same batches (bit for bit with `PerStep()`; the default way's program may round
+otherwise); `eqfit.Buckets` pads sequences to a few lengths with a mask, so that a masked
+`eqfit.Mean` is the mean over the real tokens, and a classifier's ready losses and
+metrics count each real sequence once.
 """
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import metrax
 import numpy as np
 import optax
 import pytest
+from helpers import programs_compiled
 
 import eqfit
 
@@ -54,30 +58,18 @@ def buckets(sequences, lengths=LENGTHS, **more):
     return eqfit.Buckets(sequences, lengths=lengths, batch_size=8, **more)
 
 
-def count_compiles():
-    """A list that grows by one for each XLA compilation from now on."""
-    seen = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    return seen
-
-
 def test_buckets_train_as_a_hand_loop_one_program_each(sequences):
     model, optimizer = GRU(jax.random.key(1)), optax.adam(1e-2)
     kwargs = dict(loss=masked_loss, optimizer=optimizer, key=jax.random.key(0), epochs=2)
     eqfit.clear_cache()
-    compiles = count_compiles()
-    one = eqfit.fit(model, buckets(sequences, lengths=(64,)), **kwargs)
-    alone = len(compiles)
+    with programs_compiled() as alone:
+        one = eqfit.fit(model, buckets(sequences, lengths=(64,)), **kwargs)
     eqfit.clear_cache()
     data = buckets(sequences)
-    result = eqfit.fit(model, data, **kwargs)
+    with programs_compiled() as compiles:
+        result = eqfit.fit(model, data, **kwargs)
     # One program more for each bucket more: the step compiled once per shape.
-    assert len(compiles) - alone == alone + len(LENGTHS) - 1
+    assert len(compiles) == len(alone) + len(LENGTHS) - 1
     assert one.history.epochs == result.history.epochs == 2
     # A hand loop of one jitted step (`Update.apply`, which is `fit`'s own) per batch.
     update = eqfit.Update("u", masked_loss, optimizer)
@@ -296,3 +288,152 @@ def test_the_plan_lists_the_buckets(sequences):
     assert plan.bucket_shapes == tuple(((n, 3), (n,), (n,)) for n in LENGTHS)
     assert "data in 4 buckets, a program each when first met" in str(plan)
     assert "[64, 3] [64] [64]" in str(plan)
+
+
+# A classifier over buckets: one label per sequence, `(batch,)`, beside the `(batch,
+# length)` mask; the ready losses and metrics weigh each sequence by whether any of its
+# positions is real (a bucket's last batch is filled up with rows of padding).
+
+
+class Pooled(eqx.Module):
+    """The mean of a sequence's real tokens' embeddings (token 0 is padding, as `Buckets`
+    pads), then one logit: a binary classifier of sequences.
+    """
+
+    embed: eqx.nn.Embedding
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(20, 8, key=k1)
+        self.head = eqx.nn.Linear(8, "scalar", key=k2)
+
+    def __call__(self, tokens):
+        real = (tokens != 0).astype(jnp.float32)
+        pooled = real @ jax.vmap(self.embed)(tokens) / jnp.maximum(real.sum(), 1.0)
+        return self.head(pooled)
+
+
+@pytest.fixture(scope="module")
+def reviews():
+    """`(tokens, labels)` of 90 sequences of 3 to 40 tokens in 1..19, labelled 1 where
+    more than half of them exceed 10; and of 50 more.
+    """
+    rng = np.random.default_rng(5)
+
+    def made(n):
+        tokens = [rng.integers(1, 20, m).astype(np.int32) for m in rng.integers(3, 41, n)]
+        return tokens, np.array([(t > 10).mean() > 0.5 for t in tokens], np.int32)
+
+    return made(90), made(50)
+
+
+def classified(fields, **more):
+    more = {"key": jax.random.key(4)} | more
+    return eqfit.Buckets(fields, lengths=(16, 32, 40), batch_size=16, **more)
+
+
+def real_outputs(model, data):
+    """The model's logits and the labels of `data`'s real sequences (its rows of padding
+    left out), bucket by bucket.
+    """
+    logits, labels = [], []
+    call = jax.jit(jax.vmap(model))
+    for tokens, y, mask in data:
+        real = mask.any(axis=1)
+        logits.append(np.asarray(call(tokens))[real])
+        labels.append(y[real])
+    return np.concatenate(logits), np.concatenate(labels)
+
+
+@pytest.mark.parametrize(
+    "validated", [False, pytest.param(True, marks=pytest.mark.heavy)], ids=["train", "validation"]
+)
+def test_a_classifier_over_buckets_gets_the_ready_metrics_of_its_real_sequences(reviews, validated):
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
+
+    train, val = reviews
+    probabilities = lambda logits, y: {"predictions": jax.nn.sigmoid(logits), "labels": y}  # noqa: E731
+    metrics = {
+        "f1": eqfit.metrics.F1(),
+        "cm": eqfit.metrics.ConfusionMatrix(2),
+        "accuracy": eqfit.metrics.binary_accuracy,
+        "auc": eqfit.metrics.Metrax(metrax.AUCROC, probabilities),  # the guide's, two arguments
+        "roc": metrax.AUCROC,  # given itself: the logits as its predictions
+    }
+    model = Pooled(jax.random.key(6))
+    sets = [("", train)]
+    more = {}
+    if validated:  # a program more per bucket: validation's
+        sets.append(("val_", val))
+        more = dict(validation_data=classified(val, shuffle=False))
+    result = eqfit.fit(
+        model, classified(train), loss=eqfit.losses.binary_cross_entropy,
+        optimizer=optax.sgd(0.0),  # the model stays as it is: its epoch is computable
+        metrics=metrics, key=jax.random.key(7), **more,
+    )  # fmt: skip
+    h = result.history
+    for prefix, fields in sets:
+        logits, labels = real_outputs(model, classified(fields))
+        assert len(labels) == len(fields[1])  # every sequence once, no row of padding
+        predicted = logits > 0
+        cm = confusion_matrix(labels, predicted)
+        assert cm.sum() == len(labels) and cm[:, 1].sum() and cm[1].sum()  # both classes
+        np.testing.assert_array_equal(h[prefix + "cm"][-1], cm)
+        np.testing.assert_allclose(h[prefix + "f1"][-1], f1_score(labels, predicted), rtol=1e-6)
+        accuracy = accuracy_score(labels, predicted)
+        np.testing.assert_allclose(h[prefix + "accuracy"][-1], accuracy, rtol=1e-6)
+        p = 1 / (1 + np.exp(-logits))
+        by_hand = np.log1p(np.exp(-np.abs(logits))) + np.maximum(logits, 0) - logits * labels
+        np.testing.assert_allclose(h[prefix + "loss"][-1], by_hand.mean(), rtol=1e-5)
+        # metrax's AUC of every real sequence at once: counts summed over the batches.
+        for name, predictions in (("auc", p), ("roc", logits)):
+            whole = metrax.AUCROC.from_model_output(jnp.asarray(predictions), jnp.asarray(labels))
+            np.testing.assert_allclose(h[prefix + name][-1], whole.compute(), rtol=1e-5)
+
+
+def test_a_metrax_metric_without_weights_over_buckets_is_refused_naming_it(reviews):
+    train, _ = reviews
+    probabilities = lambda logits, y: {"predictions": jax.nn.sigmoid(logits), "labels": y}  # noqa: E731
+    # metrax's `Precision` takes no `sample_weights`: the padding rows would count.
+    precision = eqfit.metrics.Metrax(metrax.Precision, probabilities)
+    arguments = dict(loss=eqfit.losses.binary_cross_entropy, metrics={"precision": precision})
+    with pytest.raises(TypeError, match=r"`Metrax\(Precision\)`.*takes no `sample_weights`.*F1"):
+        eqfit.evaluate(Pooled(jax.random.key(6)), classified(train), **arguments)
+    # Weights that are neither per sequence nor a mask over its positions: named too.
+    tokens = np.ones((16, 8), np.int32)
+    odd = (tokens, np.zeros(16, np.int32), np.ones((16, 8, 2), np.float32))
+    for metric in (eqfit.metrics.ConfusionMatrix(2), eqfit.metrics.F1()):
+        name = type(metric).__name__
+        with pytest.raises(ValueError, match=rf"`{name}`: `weights` must have shape \(batch,\)"):
+            eqfit.evaluate(
+                Pooled(jax.random.key(6)), odd, loss=lambda m, x, y, w: jnp.mean(jax.vmap(m)(x)),
+                metrics={"m": metric}, batch_size=8,
+            )  # fmt: skip
+
+
+def test_a_classifier_over_buckets_trains_per_step_bit_for_bit_as_a_hand_loop(reviews):
+    train, _ = reviews
+    model, optimizer = Pooled(jax.random.key(8)), optax.adam(3e-2)
+    loss = eqfit.losses.binary_cross_entropy
+    kwargs = dict(loss=loss, optimizer=optimizer, key=jax.random.key(0), epochs=2)
+    per_step = eqfit.fit(model, classified(train), execution=eqfit.PerStep(), **kwargs)
+    default = eqfit.fit(model, classified(train), **kwargs)
+    # A hand loop of one jitted step (`Update.apply`, `fit`'s own) per batch.
+    update = eqfit.Update("u", loss, optimizer)
+    apply = eqx.filter_jit(
+        lambda m, s, b: update.apply(m, s, b, model_state=None, key=jax.random.key(0))
+    )
+    hand, state = model, update.init(eqx.filter(model, eqx.is_inexact_array))
+    data = classified(train)
+    for epoch in range(2):
+        data.set_epoch(epoch)
+        for batch in data:
+            out = apply(hand, state, batch)
+            hand, state = out.model, out.state
+    arrays = [jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in (hand, per_step.model)]
+    for a, b, c in zip(*arrays, jax.tree.leaves(default.model)):
+        np.testing.assert_array_equal(a, b)
+        # The default way's program (each bucket's batch a call of the run's loop) is
+        # compiled otherwise than a jitted step, and may round otherwise.
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)

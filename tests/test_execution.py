@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, assert_trees_equal, worker_env
+from helpers import assert_trees_close, assert_trees_equal, programs_compiled, worker_env
 
 # The problem of test_long_runs: N = 200 at batch 16, 13 steps a pass (12 of 16, one of 8).
 from test_long_runs import arrays, BATCH, Batches
@@ -158,6 +158,60 @@ def test_every_way_trains_an_ensemble_the_same():
     per_step = eqfit.fit(models, (x, y), execution=eqfit.PerStep(2), **settings)
     assert_trees_close(per_step.model, whole.model)
     np.testing.assert_allclose(per_step.history.val_loss, whole.history.val_loss, rtol=1e-5)
+
+
+class Slope(eqx.Module):
+    """A linear layer then Equinox's PReLU, whose `PReLU(0.2)` holds `jnp.asarray(0.2)`:
+    weakly typed.
+    """
+
+    linear: eqx.nn.Linear
+    prelu: eqx.nn.PReLU
+
+    def __call__(self, x):
+        return self.prelu(self.linear(x))[0]
+
+
+@pytest.mark.parametrize(
+    "execution",
+    [eqfit.PerStep(), eqfit.WholeRun(), eqfit.PerStep(guard=True)],
+    ids=["per-step", "whole-run", "guarded"],
+)
+def test_a_weakly_typed_array_compiles_the_step_once_and_trains_strongly_typed(execution):
+    x, y = arrays()
+    model = Slope(eqx.nn.Linear(3, 1, key=jax.random.key(1)), eqx.nn.PReLU(0.2))
+    assert model.prelu.negative_slope.weak_type
+    optimizer = optax.adam(1e-2)  # this test's own: its first fit compiles
+    settings = dict(
+        loss=mae,
+        optimizer=optimizer,
+        key=jax.random.key(2),
+        epochs=2,
+        batch_size=40,  # no remainder: `PerStep` would compile a program for it
+        validation_data=(x[:40], y[:40]),
+        execution=execution,
+    )
+    with programs_compiled() as first:
+        result = eqfit.fit(model, (x, y), **settings)
+    # One program of steps, for every call: the state's types were fixed before the first.
+    # (`start` is made without compiling: it only copies the model and fills Adam's state.)
+    steps = [name for name in first if name in ("jit(run)", "jit(unrolled)", "jit(start)")]
+    assert steps == ["jit(run)" if execution == eqfit.WholeRun() else "jit(unrolled)"]
+    # What a hand loop's optax update makes of it: a strongly typed float32; and Adam's.
+    slope = result.model.prelu.negative_slope
+    assert slope.dtype == jnp.float32 and not slope.weak_type
+    assert not any(leaf.weak_type for leaf in jax.tree.leaves(result.opt_state))
+    assert result.history.epochs == 2 and np.isfinite(result.history.loss).all()
+    with programs_compiled() as again:
+        eqfit.fit(model, (x, y), **settings)
+    assert again == []
+    # The same run, the same program, as the slope given strongly typed.
+    strong = eqx.tree_at(lambda m: m.prelu.negative_slope, model, jnp.float32(0.2))
+    with programs_compiled() as typed:
+        from_strong = eqfit.fit(strong, (x, y), **settings)
+    assert typed == []
+    assert_trees_equal(from_strong.model, result.model)
+    assert_trees_equal(from_strong.opt_state, result.opt_state)
 
 
 def test_a_run_stopped_by_a_nan_stops_at_its_step_in_every_way():

@@ -1,6 +1,5 @@
 """`eqfit.plan`: the run's own programs, what they need, and throughput and MFU."""
 
-import contextlib
 import time
 
 import equinox as eqx
@@ -9,35 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import regression_data
+from helpers import programs_compiled, regression_data
 from jax.sharding import PartitionSpec as P
 
 import eqfit
 from eqfit._host._plan import _bytes, _flops, folded_rows
-
-
-@contextlib.contextmanager
-def counted_compiles():
-    """Names the programs JAX compiles, or loads from its persistent cache, inside the
-    block, in any thread (`plan` compiles in threads of its own).
-    """
-    names: list[str] = []
-
-    def compiled(event: str, duration: float, **fields: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(str(fields.get("fun_name")))
-
-    def loaded(event: str, **fields: object) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            names.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(compiled)
-    jax.monitoring.register_event_listener(loaded)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(compiled)
-        jax.monitoring.unregister_event_listener(loaded)
 
 
 def weights(model):
@@ -55,7 +30,7 @@ def test_plan_is_the_runs_program_and_fit_compiles_nothing_more(getkey):
         batch_size=32,
         validation_data=(x[:64], y[:64]),
     )
-    with counted_compiles() as planned:
+    with programs_compiled() as planned:
         plan = eqfit.plan(model, (x, y), **arguments)
     assert planned, "the plan compiles the run"
     stats = plan.compiled.memory_analysis()
@@ -68,7 +43,7 @@ def test_plan_is_the_runs_program_and_fit_compiles_nothing_more(getkey):
     assert plan.memory.total == total + stats.generated_code_size_in_bytes
     # The arguments hold at least the data, the weights and Adam's two moments.
     assert plan.memory.argument >= x.nbytes + y.nbytes + 3 * 4 * weights(model)
-    with counted_compiles() as compiled:
+    with programs_compiled() as compiled:
         result = eqfit.fit(model, (x, y), **arguments)
     assert compiled == [], "fit after plan compiled again"
     assert plan.steps == 2 * 8
@@ -94,10 +69,10 @@ def test_fit_after_plan_compiles_nothing_for_an_update_with_weak_types(getkey):
     (the lowering's shapes drop them, and `fit` then compiled the run again)."""
     model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
     arguments = dict(updates=[Counting()], steps_per_epoch=3, epochs=2, key=getkey())
-    with counted_compiles() as planned:
+    with programs_compiled() as planned:
         eqfit.plan(model, **arguments)
     assert planned
-    with counted_compiles() as compiled:
+    with programs_compiled() as compiled:
         result = eqfit.fit(model, **arguments)
     assert compiled == [], "fit after plan compiled again"
     assert int(result.opt_state["count"]["n"]) == 6

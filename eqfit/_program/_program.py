@@ -42,6 +42,7 @@ from ._state import (
     Report,
     Steps,
     Stop,
+    strongly_typed,
     TrainState,
     ValAt,
     ValSums,
@@ -58,7 +59,8 @@ def start(
 ) -> tuple[TrainState, Key[Array, "*members"]]:
     """The training state at the start, and the key of each member (or the key).
 
-    Its outputs are new buffers (`run` may donate them), never the caller's arrays.
+    Its outputs are new buffers (`run` may donate them), never the caller's arrays, and
+    never weakly typed (`strongly_typed`).
     """
     parts = loop.parts(consts)
     schedule = loop.schedule
@@ -84,7 +86,7 @@ def start(
         if loop.early_stopping is not None:
             stopping = loop.early_stopping.init((params, average), model_state)
         nan = jnp.float32(jnp.nan)
-        return TrainState(
+        state = TrainState(
             params=params,
             opt_state=opt_state,
             model_state=model_state,
@@ -103,6 +105,8 @@ def start(
             validations=None if loop.val_every is None else start_validations(loop),
             statistics=tuple(map(zeros, loop.statistics)),
         )
+        # Its types fixed once, as every program returns them (`finish`): no weak type.
+        return strongly_typed(state)
 
     if loop.members is None:
         return start_one(params, opt_state, model_state, key), key
@@ -392,6 +396,8 @@ class _Member:
             state = state._replace(params=params, opt_state=opt_state)
             if state.average is not None:
                 state = state._replace(average=lay_out(state.average, None)[0])
+        # As `start` made its types: a step of an update's own may return a weak type.
+        state = strongly_typed(state)
         return state, self.report(state, logs_of(loop, state) if logs else None)
 
     def run_steps(

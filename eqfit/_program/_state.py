@@ -113,6 +113,21 @@ class TrainState(NamedTuple):
     statistics: tuple[PyTree, ...] = ()
 
 
+def strongly_typed(state: TrainState) -> TrainState:
+    """`state` with each weakly typed array made strongly typed, its dtype kept: the types
+    of the state `start` makes and each program returns. An update hands its arrays back
+    strongly typed (optax's arithmetic with the gradient), so a weakly typed one (Equinox's
+    `PReLU(0.2)` holds `jnp.asarray(0.2)`; gymnax's states hold many) would change type
+    after the first call, and the next call would trace and compile its program again.
+    """
+
+    def strong(x: Any) -> Any:
+        # A conversion only where a type changes: on the others, no equation at all.
+        return jax.lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x
+
+    return jax.tree.map(strong, state)
+
+
 class Piece(NamedTuple):
     """A piece of streamed data: the rows of consecutive batches, all of the program's
     `Loop.batch_size`. Step `t` (a global step, `first <= t < end`) takes rows

@@ -26,17 +26,15 @@ _Make = Callable[[], jax.Array]
 
 def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
     """What `program(*args)` returns (`program` a `jax.jit` function), made without
-    compiling it where its jaxpr only copies its arguments and broadcasts constants (at
-    most `FILL_BYTES` of them), none of its outputs weakly typed and with no effects (a
-    `jax.debug.callback` in an `init` runs, as compiled): each output a copy of its
-    argument (wherever that lies) or a filled array on JAX's default device. `None` where
-    it does anything else: then compile it.
+    compiling it where its jaxpr only copies its arguments (or drops their weak types:
+    `strongly_typed`) and broadcasts constants (at most `FILL_BYTES` of them, and of the
+    weakly typed arguments), with no effects (a `jax.debug.callback` in an `init` runs, as
+    compiled): each output a copy of its argument (wherever that lies) or a filled array
+    on JAX's default device. `None` where it does anything else: then compile it.
     """
     traced = program.trace(*args)
     jaxpr = traced.jaxpr.jaxpr
     if jaxpr.constvars or jaxpr.effects:
-        return None
-    if any(getattr(v.aval, "weak_type", True) for v in jaxpr.outvars):
         return None
     made: dict[Any, _Make] = {
         var: _copy(arg) for var, arg in zip(jaxpr.invars, jax.tree.leaves(args), strict=True)
@@ -48,6 +46,9 @@ def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
         (out,), (operand, *_) = eqn.outvars, eqn.invars
         if eqn.primitive.name == "copy" and operand in made:
             made[out] = made[operand]
+        elif _drops_weak_type(eqn) and operand in made:
+            filled += out.aval.size * out.aval.dtype.itemsize
+            made[out] = _strong(made[operand])
         elif eqn.primitive.name == "broadcast_in_dim" and isinstance(operand, jex_core.Literal):
             filled += out.aval.size * out.aval.dtype.itemsize
             made[out] = _fill(operand.val, out.aval)
@@ -68,6 +69,26 @@ def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
 
 def _copy(arg: Any) -> _Make:
     return lambda: jax.device_put(arg, may_alias=False)
+
+
+def _drops_weak_type(eqn: Any) -> bool:
+    """Whether `eqn` only makes a weakly typed array strongly typed, its dtype kept."""
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    return eqn.params["new_dtype"] == eqn.invars[0].aval.dtype and not eqn.params["weak_type"]
+
+
+def _strong(make: _Make) -> _Make:
+    # `device_put` keeps a weak type; an array put from numpy's memory has none. Where it
+    # lies as the copy does, committed or not (a committed one lowers the run anew).
+    def strong() -> jax.Array:
+        x = make()
+        if not x.weak_type:
+            return x
+        where = x.sharding if x.committed else None
+        return jax.device_put(np.asarray(x), where, may_alias=False)
+
+    return strong
 
 
 def _fill(value: Any, aval: Any) -> _Make:
