@@ -112,8 +112,11 @@ def test_an_every_longer_than_the_run_is_refused(xy, model):
     kwargs = dict(loss=eqfit.losses.mse, optimizer=SGD, key=jax.random.key(1), progress=False)
     kwargs |= dict(batch_size=BATCH, epochs=4)  # 3 steps an epoch
     steps = r"this run has 12 steps \(4 epochs of 3 steps, counted from the first ever\)"
-    for every in (13, 1000, 2**31, 10**30):
+    for every in (13, 1000):
         with pytest.raises(ValueError, match=rf"`validation_every={every}`, but {steps}"):
+            eqfit.fit(model, xy, validation_data=xy, validation_every=every, **kwargs)
+    for every in (2**31, 10**30):  # past what a run's int32 step count can reach
+        with pytest.raises(ValueError, match=r"`validation_every` must be .* at most 2147483647"):
             eqfit.fit(model, xy, validation_data=xy, validation_every=every, **kwargs)
     with pytest.raises(ValueError, match=rf"`log_every=1000`, but {steps}: it would never log"):
         eqfit.fit(model, xy, log_every=1000, **kwargs)
@@ -353,7 +356,8 @@ class Wrong(eqfit.metrics.AbstractMetric):
         (
             Wrong("per row"),
             ValueError,
-            r"`\['each'\]` has shape \(8,\) on a batch of 8 rows and \(4,\) on its half",
+            r"`statistics\['each'\]` have shape \(\d+,\) on a batch and \(\d+,\) on a "
+            r"batch of a row less",
         ),
     ],
     ids=["python int", "max", "mean", "bool", "complex", "per row"],
