@@ -415,8 +415,8 @@ CASES: list[tuple[str, Callable[[Any], Any], Raises | Gives]] = [
      Raises(TypeError, r"`Metrax\(MSE\)`'s `inputs` is called `inputs\(outputs, y\)`.*takes \(o\)")),
     ("metrax-mapping-n1", lambda t: evaluate({"m": Metrax(metrax.AUCROC, lambda o, y: {"predictions": o[:, :1],
                                                                                         "labels": y})}),
-     Raises(TypeError, r"`Metrax\(AUCROC\)`: `AUCROC.from_model_output\(predictions=float32\[4, 1\], "
-                        r"labels=int32\[4\]\)` failed")),
+     Raises(ValueError, r"`Metrax\(AUCROC\)`: its `predictions` have shape \(4, 1\) and its "
+                        r"`labels` \(4,\)")),
     ("metrax-precision-multiclass", lambda t: evaluate({"p": metrax.Precision}),
      Raises(ValueError, r"`Metrax\(Precision\)`.*predictions=float32\[4, 3\], labels=int32\[4\].*"
                         r"eqfit.metrics.Precision\(classes")),
