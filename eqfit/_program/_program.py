@@ -28,9 +28,11 @@ from ._compile import PROGRAM_CACHE
 from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
 from ._records import (
+    any_member,
     fresh_record,
     logs_of,
     masked,
+    MEMBERS,
     put_cell,
     running_pair,
     start_validations,
@@ -257,9 +259,6 @@ def each_member(loop: Loop, one: Callable[..., Any], *args: Any) -> Any:
     return one(*args) if loop.members is None else jax.vmap(one, axis_name=MEMBERS)(*args)
 
 
-MEMBERS = "members"  # the axis an ensemble's programs are vmapped over (`each_member`)
-
-
 def each_member_with(loop: Loop, consts: Consts, one: Callable[..., Any], *args: Any) -> Any:
     """`each_member` of `one(parts, *args)`, given the run's objects rebuilt (`Loop.parts`)
     with the member's own arrays that do not train: an ensemble's are stacked as its
@@ -286,6 +285,7 @@ class _Member:
 
     def run(self, state: TrainState) -> tuple[TrainState, Report]:
         loop, schedule = self.loop, self.loop.schedule
+        begin = state.step  # the call's first step
         stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
         if schedule.learning:  # each call's steps are recorded afresh, for the host
             state = fresh_record(state)
@@ -317,7 +317,9 @@ class _Member:
         # The n-th steps' values (`log_every`), but where the host closes the epochs: it
         # reports them once it has (`EpochCloses.logged`).
         validation = loop.validation
-        return self.finish(state, logs=validation is None or not validation.streamed)
+        return self.finish(
+            state, logs_from=begin if validation is None or not validation.streamed else None
+        )
 
     def unrolled(
         self, state: TrainState, until: CallEnd, unroll: int, remainder: bool
@@ -385,9 +387,12 @@ class _Member:
         """
         return jax.random.fold_in(self.key, 1) if self.loop.use_key else None
 
-    def finish(self, state: TrainState, logs: bool = False) -> tuple[TrainState, Report]:
+    def finish(
+        self, state: TrainState, logs_from: Int[Array, ""] | None = None
+    ) -> tuple[TrainState, Report]:
         """The state at the call's end, laid out as `shard=` asks, and its report; with
-        `logs` (a call of the drive's whole), the n-th steps' values (`log_every`).
+        `logs_from` (a call of the drive's whole, from that step), the n-th steps' values
+        it reached (`log_every`).
         """
         loop = self.loop
         lay_out = self.parts.lay_out
@@ -398,7 +403,8 @@ class _Member:
                 state = state._replace(average=lay_out(state.average, None)[0])
         # As `start` made its types: a step of an update's own may return a weak type.
         state = strongly_typed(state)
-        return state, self.report(state, logs_of(loop, state) if logs else None)
+        logs = None if logs_from is None else logs_of(loop, state, logs_from)
+        return state, self.report(state, logs)
 
     def run_steps(
         self,
@@ -651,7 +657,7 @@ def _any_member(
     more: Callable[[TrainState], Bool[Array, ""]],
 ) -> Callable[[TrainState], Bool[Array, ""]]:
     """`more` of any member of an ensemble, the same for all: no member's own."""
-    return lambda state: jax.lax.psum(more(state).astype(jnp.int32), MEMBERS) > 0
+    return lambda state: any_member(more(state))
 
 
 def _when(

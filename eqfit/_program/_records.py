@@ -147,19 +147,51 @@ def rows_every(loop: Loop, every: int) -> int:
     return max(schedule.total // every - schedule.begin // every, 1)
 
 
-def logs_of(loop: Loop, state: TrainState) -> Float[Array, "rows values"] | None:
-    """What a call reports of the n-th steps (`log_every=n`): each of the run's, the
-    training values of the n steps before it, reduced from the record as an epoch's are
-    (`Record.epoch_values`), NaN for one the run has not reached. Computed at the end of
-    the drive's call (a second's steps or so), all at once from the record, so the
-    steps pay nothing for it.
+def logs_of(
+    loop: Loop, state: TrainState, begin: Int[Array, ""] | None = None
+) -> Float[Array, "rows values"] | None:
+    """What a call reports of the n-th steps (`log_every=n`): the training values of the
+    n steps before each, reduced from the record as an epoch's are
+    (`Record.epoch_values`), NaN for one not computed. With `begin` (the call's first
+    step), those the call reached, one at a time: a cost of the call's steps, not of the
+    run's; else every one the run has reached. Computed at the end of the drive's call,
+    from the record, so the steps pay nothing for it.
     """
     every, schedule = loop.log_every, loop.schedule
     if every is None:
         return None
     first = schedule.begin // every  # the run's first n-th step is `(first + 1) * every`
-    rows, cells = log_rows(loop), state.step_loss.size
-    steps = first * every + jnp.arange(rows * every, dtype=jnp.int32)  # each row's n steps
+    rows = log_rows(loop)
+    if begin is None:
+        values = jax.vmap(lambda r: _log_row(loop, state, r))(jnp.arange(rows))
+        reached = (first + 1 + jnp.arange(rows)) * every <= state.step
+        return jnp.where(reached[:, None], values, jnp.nan)
+    end = state.step // every - first  # the rows before it are reached
+
+    def more(carry: tuple[Int[Array, ""], Array]) -> Bool[Array, ""]:
+        return carry[0] < end
+
+    def row(carry: tuple[Int[Array, ""], Array]) -> tuple[Int[Array, ""], Array]:
+        r, table = carry
+        value = jnp.where(more(carry), _log_row(loop, state, r), jnp.nan)
+        return r + 1, put(table, value, jnp.clip(r, 0, rows - 1))
+
+    width = jax.eval_shape(lambda: _log_row(loop, state, jnp.int32(0))).shape[0]
+    table = jnp.full((rows, width), jnp.float32(jnp.nan))
+    start = jnp.maximum(begin // every - first, 0)
+    if loop.members is not None:  # while any member has a row more (`any_member`)
+        return jax.lax.while_loop(lambda c: any_member(more(c)), row, (start, table))[1]
+    return jax.lax.while_loop(more, row, (start, table))[1]
+
+
+def _log_row(loop: Loop, state: TrainState, r: Int[Array, ""]) -> Float[Array, " values"]:
+    """The values of the log's row `r` (`logs_of`): its n steps' reduced from the record,
+    those the run has not reached left out.
+    """
+    every, schedule = loop.log_every, loop.schedule
+    assert every is not None
+    cells = state.step_loss.size
+    steps = (schedule.begin // every + r) * every + jnp.arange(every, dtype=jnp.int32)
     cell = schedule.record_cell(steps)
     inside = (steps >= schedule.begin) & (steps < state.step) & (cell < cells)
     index = jnp.clip(cell, 0, cells - 1)
@@ -167,16 +199,24 @@ def logs_of(loop: Loop, state: TrainState) -> Float[Array, "rows values"] | None
     def gathered(record: Array, fill: Any) -> Array:
         flat = record.reshape(cells, *record.shape[2:])
         picked = flat.at[index].get(mode="promise_in_bounds")
-        mask = inside.reshape(-1, *(1,) * (picked.ndim - 1))
-        return jnp.where(mask, picked, fill).reshape(rows, every, *picked.shape[1:])
+        return jnp.where(inside.reshape(-1, *(1,) * (picked.ndim - 1)), picked, fill)
 
-    values = jax.vmap(loop.record.epoch_values)(
+    return loop.record.epoch_values(
         gathered(state.step_loss, jnp.nan),
         gathered(state.step_values, jnp.nan),
         gathered(state.batch_sizes, 0),
     )
-    reached = (first + 1 + jnp.arange(rows)) * every <= state.step
-    return jnp.where(reached[:, None], values, jnp.nan)
+
+
+MEMBERS = "members"  # the axis an ensemble's programs are vmapped over (`each_member`)
+
+
+def any_member(more: Bool[Array, ""]) -> Bool[Array, ""]:
+    """Whether any member of an ensemble has `more`: the same for all, no member's own
+    (a loop whose condition differs between a `vmap`'s members selects each member's
+    whole carry after every turn).
+    """
+    return jax.lax.psum(more.astype(jnp.int32), MEMBERS) > 0
 
 
 def start_validations(loop: Loop) -> Validations:
