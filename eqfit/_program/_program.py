@@ -541,6 +541,11 @@ class _Member:
             t,
         )
         cell = schedule.record_cell(t)
+        if loop.members is not None and active is not None:
+            # The running members' cell, the same for all: they step together, and a
+            # member not stepping writes its cell's own value back. A write at each
+            # member's own cell would be a scatter in the `vmap`; this one is in place.
+            cell = jax.lax.pmax(cell, MEMBERS)
         nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
         reason, label_error = state.reason, state.label_error
         why: Any = Stop.NON_FINITE_LOSS
