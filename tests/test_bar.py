@@ -265,7 +265,7 @@ def test_a_log_says_where_and_why_a_run_stopped_early(tmp_path, capsys):
 # A long epoch in a log: a line about every `INTERVAL` seconds between its epoch lines (an
 # hour's epoch gets one a minute), by the environment's knob.
 INTERVAL = 0.4
-STEPS = 30000  # an epoch's: long enough for several of `INTERVAL`'s lines, short for a test
+STEPS = 120000  # an epoch's: seconds, long enough for several of `INTERVAL`'s lines
 STEP_LINE = re.compile(
     rf"epoch (\d)/3, step (\d+)/{3 * STEPS}: loss=\S+ \d+(\.\d+)?[kMG]? samples/s", re.ASCII
 )
