@@ -64,6 +64,21 @@ class CompileEvents:
         }
 
 
+class Keeps:
+    """A callback that keeps what it is told."""
+
+    stops_training = False
+
+    def __init__(self) -> None:
+        self.told: list[Any] = []
+
+    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
+        self.told.append((step, logs))
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        self.told.append((epoch, logs))
+
+
 def regression_data(n: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The benchmarks' problem: `x` standard normal, of shape `(n, features)`, and a smooth
     target `y = sin(x @ w / 4)` with a little noise; float32 numpy arrays.

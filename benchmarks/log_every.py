@@ -23,24 +23,9 @@ from typing import Any
 
 import jax
 import optax
-from _common import config, finish, interleave, load_average, regression_data, table
+from _common import config, finish, interleave, Keeps, load_average, regression_data, table
 
 import eqfit
-
-
-class Keeps:
-    """A callback that keeps what it is told."""
-
-    stops_training = False
-
-    def __init__(self) -> None:
-        self.told: list[Any] = []
-
-    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
-        self.told.append((step, logs))
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
-        self.told.append((epoch, logs))
 
 
 def main() -> None:

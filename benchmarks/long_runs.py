@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import config, finish, interleave, load_average, table
+from _common import config, finish, interleave, Keeps, load_average, table
 
 import eqfit
 
@@ -96,21 +96,6 @@ def counts(model: Any, x: Any, y: Any) -> Any:
     true = jax.nn.one_hot(labels, 2, dtype=jnp.float32)
     pred = jax.nn.one_hot(predicted, 2, dtype=jnp.float32)
     return true.T @ pred
-
-
-class Keeps:
-    """A callback that keeps what it is told."""
-
-    stops_training = False
-
-    def __init__(self) -> None:
-        self.told: list[Any] = []
-
-    def on_train_batch_end(self, step: int, logs: dict[str, float]) -> None:
-        self.told.append((step, logs))
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
-        self.told.append((epoch, logs))
 
 
 # -- The floor: a hand `jit(lax.scan)` over epochs of a `lax.scan` over steps.
