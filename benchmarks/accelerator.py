@@ -824,15 +824,18 @@ def way_cell(step_s: float, share: float | None, unit: str = "ms") -> str:
     return cell if share is None else f"{cell}, MFU {pct(share)}"
 
 
+def step_row(title: str, part: Any) -> list[list[str]]:
+    """A workload's row of a step's time and MFU each way, if its part ran."""
+    if not (isinstance(part, dict) and "step_s" in part):
+        return []
+    s, m = part["step_s"], part["mfu"]
+    cells = [way_cell(s[k], m[k]) for k in ("eqfit", "usual", "hand")]
+    return [[title, *cells, f"{part['eqfit_over_floor']:.3f}×"]]
+
+
 def summary_rows(parts: dict[str, Any]) -> list[list[str]]:
     rows = []
-    if isinstance(gpt := parts.get("gpt"), dict) and "step_s" in gpt:
-        s, m = gpt["step_s"], gpt["mfu"]
-        rows.append(
-            ["GPT, a step"]
-            + [way_cell(s[k], m[k]) for k in ("eqfit", "usual", "hand")]
-            + [f"{gpt['eqfit_over_floor']:.3f}×"]
-        )
+    rows += step_row("GPT, a step", parts.get("gpt"))
     if isinstance(mlp := parts.get("mlp"), dict) and "step_s" in mlp:
         s, f = mlp["step_s"], mlp["fixed_s"]
         rows.append(
@@ -845,13 +848,7 @@ def summary_rows(parts: dict[str, Any]) -> list[list[str]]:
             + [f"{f['eqfit'] * 1e3:.2f} ms", "–", f"{f['hand'] * 1e3:.2f} ms"]
             + [f"{mlp['eqfit_minus_hand_fixed_s'] * 1e3:+.2f} ms"]
         )
-    if isinstance(conv := parts.get("conv"), dict) and "step_s" in conv:
-        s, m = conv["step_s"], conv["mfu"]
-        rows.append(
-            ["conv net, a step"]
-            + [way_cell(s[k], m[k]) for k in ("eqfit", "usual", "hand")]
-            + [f"{conv['eqfit_over_floor']:.3f}×"]
-        )
+    rows += step_row("conv net, a step", parts.get("conv"))
     if isinstance(first := parts.get("first"), dict) and "eqfit" in first:
         e, u = first["eqfit"], first["usual"]
         rows.append(
