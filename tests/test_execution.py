@@ -356,6 +356,36 @@ def test_a_small_step_without_the_guard_is_ordered_for_memory_on_the_cpu_with_th
     assert "no NaN guard" in planned.execution_why and "small step" not in planned.execution_why
 
 
+class Rollout(eqfit.AbstractUpdate):
+    """An update of one's own whose work (here a long scan, as a rollout's) is not a
+    loss's: no loss of its own, and products of a few FLOPs.
+    """
+
+    name: str = "rollout"
+
+    def init(self, params):
+        return None
+
+    def apply(self, model, state, batch, *, model_state, key):
+        def turn(h, _):
+            return jnp.tanh(h + 0.01), None
+
+        h, _ = jax.lax.scan(turn, jnp.zeros(()), None, length=512)
+        model = jax.tree.map(lambda p: p - 1e-3 * h if eqx.is_inexact_array(p) else p, model)
+        return eqfit.Applied(model, state, model_state, {"h": h})
+
+
+def test_an_update_of_ones_own_keeps_xlas_order_its_work_unknown():
+    # Its step's size is not its loss's (it has none): it is not taken for a small step.
+    planned = eqfit.plan(
+        eqfit.models.MLP(2, 1, 4, 1, key=jax.random.key(0)),
+        updates=[Rollout()],
+        steps_per_epoch=3,
+        key=jax.random.key(1),
+    )
+    assert "no NaN guard" in planned.execution_why and "small step" not in planned.execution_why
+
+
 def test_a_conv_net_trains_the_same_in_the_way_chosen_and_in_the_loop():
     model, data, settings = conv_problem()
     chosen = eqfit.fit(model, data, progress="bar", **settings)  # PerStep(1), as planned

@@ -130,7 +130,10 @@ def make_loop(
         steps_per_epoch=None if schedule.learning else schedule.steps_per_epoch,
         convolves=lambda: bool(found().convolves),
     )
-    guard_why, compiler_options = _guard(step, platform, lambda: found().flops)
+    # An update of one's own does work its loss's trace does not see (a rollout): its
+    # step's size is unknown.
+    own = any(not info.loss for info in infos)
+    guard_why, compiler_options = _guard(step, platform, lambda: None if own else found().flops)
     loop = dataclasses.replace(
         loop,
         execution=execution,
