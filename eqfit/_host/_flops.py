@@ -30,8 +30,8 @@ def program_flops(fn: Callable[..., Any], *args: Any) -> Flops:
     """The FLOPs of `fn(*args)` (`args` abstract arrays, or arrays) lowered alone (not
     compiled), each loop's body counted as many times as the loop runs.
     """
-    traced = jax.jit(fn).trace(*args)
-    flops = _xla_flops(traced)
+    traced, lowered = _lowered(fn, args)
+    flops = _xla_flops(lowered)
     extra, unknown = _loops(traced.jaxpr.jaxpr)
     why = None
     if unknown:
@@ -42,17 +42,52 @@ def program_flops(fn: Callable[..., Any], *args: Any) -> Flops:
     return Flops(flops + extra, why)
 
 
-def _xla_flops(traced: Any) -> float:
-    """XLA's FLOPs of a traced program, as its cost analysis counts them before
-    optimising it, lowered for the CPU whatever the devices: the same count on every
-    platform, where a TPU's own lowering has no cost analysis until compiled. A program
-    the CPU cannot lower (a kernel of the device's own, such as Pallas's) is lowered for
-    its device, and compiled where that is what gives a count.
+def _on_cpu(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args`' abstract arrays placed on the CPU, so that their program is lowered for
+    the CPU's backend, whose cost analysis needs no compile: a TPU's (a PJRT plugin's)
+    has none before compiling, and a count made by compiling the step once more costs a
+    first `fit` on the chip what its own compile does. As they are where JAX has no CPU.
     """
+    if jax.default_backend() == "cpu":
+        return args
     try:
-        lowered = traced.lower(lowering_platforms=("cpu",))
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    except RuntimeError:
+        return args
+
+    def place(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)
+        return x
+
+    return jax.tree.map(place, args)
+
+
+def _lowered(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """`fn(*args)` traced and lowered for the CPU whatever the devices, its arrays placed
+    there (`_on_cpu`): the same count on every platform, with nothing compiled. Where
+    that fails (a step that lays its arrays out over the devices' mesh), lowered for the
+    CPU as placed; a program the CPU cannot lower (a kernel of the device's own, such as
+    Pallas's) for its device.
+    """
+    placed = _on_cpu(args)
+    if placed is not args:
+        traced = jax.jit(fn).trace(*placed)
+        try:
+            return traced, traced.lower(lowering_platforms=("cpu",))
+        except Exception:
+            pass
+    traced = jax.jit(fn).trace(*args)
+    try:
+        return traced, traced.lower(lowering_platforms=("cpu",))
     except Exception:
-        lowered = traced.lower()
+        return traced, traced.lower()
+
+
+def _xla_flops(lowered: Any) -> float:
+    """XLA's FLOPs of a lowered program, as its cost analysis counts them before
+    optimising it; compiled where that is what gives a count (a device's own lowering).
+    """
     costs = lowered.cost_analysis()
     if not costs or "flops" not in costs:
         costs = lowered.compile().cost_analysis()
@@ -63,8 +98,8 @@ def _xla_flops(traced: Any) -> float:
 
 def _body_flops(body: Any) -> float:
     """XLA's FLOPs of a loop's body (a closed jaxpr), lowered alone."""
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals]
-    return _xla_flops(jax.jit(jex.core.jaxpr_as_fun(body)).trace(*avals))
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals)
+    return _xla_flops(_lowered(jex.core.jaxpr_as_fun(body), avals)[1])
 
 
 def _loops(jaxpr: Any) -> tuple[float, int]:
