@@ -187,6 +187,19 @@ def test_throughput_has_flops_and_mfu_from_the_plan(getkey):
     np.testing.assert_allclose(figures["mfu"], figures["flops_per_second"] / 1e12)
 
 
+def test_counting_the_flops_compiles_nothing(getkey):
+    # The step is lowered for the CPU's cost analysis, on a chip as here: a first fit that
+    # counts its FLOPs (a known peak) compiles its run's program and nothing more.
+    x, y = regression_data(getkey(), n=256, features=16)
+    model = eqfit.models.MLP(16, "scalar", 32, 2, key=getkey())
+    arguments = dict(
+        loss=eqfit.losses.mse, optimizer=optax.adam(1e-3), key=getkey(), peak_flops=1e12
+    )
+    with programs_compiled() as names:
+        history = eqfit.fit(model, (x, y), epochs=2, batch_size=64, **arguments).history
+    assert names == ["jit(run)"] and (history.throughput["mfu"] > 0).all()
+
+
 def test_a_plain_fit_on_an_unknown_device_does_not_count_flops(getkey):
     x, y = regression_data(getkey(), n=64)
     model = eqfit.models.LinearRegression(4, key=getkey())

@@ -46,10 +46,9 @@ def _on_cpu(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """`args`' abstract arrays placed on the CPU, so that their program is lowered for
     the CPU's backend, whose cost analysis needs no compile: a TPU's (a PJRT plugin's)
     has none before compiling, and a count made by compiling the step once more costs a
-    first `fit` on the chip what its own compile does. As they are where JAX has no CPU.
+    first `fit` on the chip what its own compile does. Done on the CPU too, so that its
+    tests take the chip's path. As they are where JAX has no CPU.
     """
-    if jax.default_backend() == "cpu":
-        return args
     try:
         cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     except RuntimeError:
@@ -71,7 +70,7 @@ def _lowered(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, Any]:
     Pallas's) for its device.
     """
     placed = _on_cpu(args)
-    if placed is not args:
+    if placed is not args:  # as placed, with nothing compiled
         traced = jax.jit(fn).trace(*placed)
         try:
             return traced, traced.lower(lowering_platforms=("cpu",))
