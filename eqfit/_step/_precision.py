@@ -10,6 +10,7 @@ low-precision copy of the model (levanter #426 describes the trap of casting the
 model up front).
 """
 
+import functools
 import math
 import re
 from typing import Any, Literal, NamedTuple
@@ -149,9 +150,12 @@ class Precision(eqx.Module):
         return LossScale(jnp.asarray(self.initial_scale, jnp.float32), jnp.asarray(0, jnp.int32))
 
     def cast(self, model: ArrayTree) -> ArrayTree:
-        """`model` with each floating array in `compute`, but those `keep` matches."""
+        """`model` with each floating array in `compute`, but those `keep` matches. Under
+        a loss scale, a gradient beyond `compute`'s range comes back infinite (`_narrowed`).
+        """
         compute = self.compute_dtype
         patterns = [re.compile(p) for p in self.keep]
+        scales = self.scales
 
         def one(path: Any, x: Any) -> Any:
             if not _is_floating(x) or x.dtype == compute:
@@ -160,7 +164,7 @@ class Precision(eqx.Module):
                 where = jax.tree_util.keystr(path)
                 if any(p.search(where) for p in patterns):
                     return x.astype(self.params_dtype)
-            return x.astype(compute)
+            return _narrowed(x, x.dtype, compute) if scales else x.astype(compute)
 
         return jax.tree_util.tree_map_with_path(one, model)
 
@@ -194,6 +198,29 @@ class Precision(eqx.Module):
             finite, jnp.where(grows, state.scale * 2.0, state.scale), state.scale / 2.0
         )
         return LossScale(scale, jnp.where(grows, 0, good))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _narrowed(x: Array, wide: Any, narrow: Any) -> Array:
+    """`x` (of dtype `wide`) cast to `narrow`, whose gradient comes back infinite where it
+    is beyond `narrow`'s range. It is so already where the chip rounds every result to
+    `narrow` (a CPU's float16); a TPU computes float16 in float32 and can hand back a
+    larger, finite one, which the loss scale's check would then apply instead of skip.
+    """
+    return x.astype(narrow)
+
+
+def _narrowed_fwd(x: Array, wide: Any, narrow: Any) -> tuple[Array, None]:
+    return x.astype(narrow), None
+
+
+def _narrowed_bwd(wide: Any, narrow: Any, _: None, cotangent: Array) -> tuple[Array]:
+    back = cotangent.astype(wide)
+    beyond = jnp.abs(back) > float(jnp.finfo(narrow).max)
+    return (jnp.where(beyond, jnp.asarray(jnp.inf, wide), back),)
+
+
+_narrowed.defvjp(_narrowed_fwd, _narrowed_bwd)
 
 
 PrecisionLike = Precision | Literal["bfloat16", "float16"] | None
