@@ -9,7 +9,7 @@
    256, with `shuffle=True` against `shuffle=False` (the same steps on rows in order),
    interleaved, median of repeats.
 
-    python benchmarks/shuffle.py [--repeats 7] [--quick] [--out PATH]
+    python benchmarks/shuffle.py [--repeats 7] [--quick] [--training-only] [--out PATH]
 """
 
 import argparse
@@ -127,13 +127,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats (median)")
     parser.add_argument("--quick", action="store_true", help="a smoke test: 2 repeats")
+    parser.add_argument("--training-only", action="store_true", help="part 2 only")
     default_out = Path(__file__).parent / "results" / "shuffle.json"
     parser.add_argument("--out", type=Path, default=default_out, help="JSON output path")
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
     load_before = os.getloadavg()
 
-    by_size = shuffles(repeats)
+    by_size = {} if args.training_only else shuffles(repeats)
     print("  training...", flush=True)
     train = training(repeats)
 
