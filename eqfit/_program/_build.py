@@ -79,11 +79,7 @@ def make_loop(
         _update_info(u, spec, [p for p, t in zip(picks, trains) if t], traced, options)
         for u, spec, picks in zip(objects.updates, specs, picked)
     )
-    if infos:
-        # An update of the user's own gets a key; a loss's, where the loss takes one.
-        use_key = any((b := builtin(u)) is None or takes_key(b.loss) for u in objects.updates)
-    else:
-        use_key = takes_key(objects.loss)
+    use_key = _uses_key(objects)
     objective = Objective(
         objects.loss, objects.metrics, options.stateful, use_key, precision=step.precision
     )
@@ -123,6 +119,31 @@ def make_loop(
     loop = _with_record(loop, init, params, outputs, objective.metric_names, objects, accumulated)
     # Traced once, if asked at all (`choose` and `_guard` ask only where they decide).
     found = functools.cache(functools.partial(_traced_outputs, objective, traced, options, outputs))
+    loop = _with_execution(loop, options, found)
+    if loop.early_stopping is not None:
+        check_monitor(loop.early_stopping.monitor, loop)
+    if options.checkpoint is not None and options.checkpoint.keep_best is not None:
+        check_monitor(options.checkpoint.keep_best, loop, what=KEEP_BEST)
+    if opt_state is not None:
+        check_opt_state(loop, params, opt_state, consts)
+    return loop, StartArgs(params, opt_state, model_state, options.key, consts)
+
+
+def _uses_key(objects: Callables) -> bool:
+    """Whether the step makes a key: for an update of the user's own, or a loss (each
+    update's, or `fit`'s one) that takes one.
+    """
+    if objects.updates:
+        # An update of the user's own gets a key; a loss's, where the loss takes one.
+        return any((b := builtin(u)) is None or takes_key(b.loss) for u in objects.updates)
+    return takes_key(objects.loss)
+
+
+def _with_execution(loop: Loop, options: Options, found: Callable[[], LossTrace]) -> Loop:
+    """`loop` with the way its steps run (`choose`), why, and XLA's options for its
+    programs (`_guard`); `found()` traces the loss where one of them needs it.
+    """
+    schedule = loop.schedule
     platform = placement_devices(options.placement)[0].platform
     execution, why = choose(
         options.execution,
@@ -132,21 +153,16 @@ def make_loop(
     )
     # An update of one's own does work its loss's trace does not see (a rollout): its
     # step's size is unknown.
-    own = any(not info.loss for info in infos)
-    guard_why, compiler_options = _guard(step, platform, lambda: None if own else found().flops)
-    loop = dataclasses.replace(
+    own = any(not info.loss for info in loop.updates)
+    guard_why, compiler_options = _guard(
+        options.step, platform, lambda: None if own else found().flops
+    )
+    return dataclasses.replace(
         loop,
         execution=execution,
         execution_why=why + guard_why,
         compiler_options=compiler_options,
     )
-    if loop.early_stopping is not None:
-        check_monitor(loop.early_stopping.monitor, loop)
-    if options.checkpoint is not None and options.checkpoint.keep_best is not None:
-        check_monitor(options.checkpoint.keep_best, loop, what=KEEP_BEST)
-    if opt_state is not None:
-        check_opt_state(loop, params, opt_state, consts)
-    return loop, StartArgs(params, opt_state, model_state, options.key, consts)
 
 
 def _what_trains(
