@@ -28,8 +28,8 @@ from ._keep._resume import resume
 from ._program._calls import program_for
 from ._program._options import Options
 from ._program._parallel import Pmap
-from ._program._program import start_program
 from ._program._schedule import Schedule
+from ._program._start import start_program
 from ._program._state import StartArgs
 
 

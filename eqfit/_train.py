@@ -40,8 +40,8 @@ from ._program._compile import Starting
 from ._program._loop import Loop
 from ._program._options import Options
 from ._program._parallel import OneDevice
-from ._program._program import start_program
 from ._program._schedule import Schedule
+from ._program._start import start_program
 from ._program._state import Inputs, StartArgs, TrainState
 from ._program._uncompiled import without_compiling
 from ._replay import replay
