@@ -23,9 +23,10 @@ from ._program._jit import cached_jit
 from ._program._state import Releases
 from ._step._evaluate import add_batches, add_chunk, evaluate_batches
 from ._step._labels import LabelError, raise_found
-from ._step._objective import find_outputs, Objective, takes_key
+from ._step._objective import find_outputs, Objective
 from ._step._precision import as_precision, PrecisionLike
 from ._step._record import Record
+from ._step._signatures import takes_key
 from ._step._statistics import accumulated_shapes, grouped
 from ._step._validation import refuse_sets
 from .metrics import _taken

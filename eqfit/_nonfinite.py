@@ -33,7 +33,8 @@ from ._program._skeleton import unwrap
 from ._program._state import Consts
 from ._result import model_from
 from ._step._mean import Mean
-from ._step._objective import batch_args, split_output, takes_key
+from ._step._objective import batch_args, split_output
+from ._step._signatures import takes_key
 from ._step._updates import trained_spec, validation_loss
 
 

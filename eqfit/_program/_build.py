@@ -17,8 +17,9 @@ from .._core._data import describe, dtype_of, is_dtype, not_a_stack, num_samples
 from .._core._execution import choose
 from .._core._metric import adds
 from .._step._hyperparams import check_schedules, injected_names
-from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
+from .._step._objective import abstract_key, find_outputs, LossTrace, Objective
 from .._step._record import LOSS, Record, record_for, UpdateInfo
+from .._step._signatures import takes_key
 from .._step._statistics import accumulated_shapes, check_split, split_statistics
 from .._step._update_checks import check_applied
 from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss

@@ -24,9 +24,10 @@ from .._core._typing import ArrayTree
 from ._descent import hyperparams, UpdateContext
 from ._labels import LabelError
 from ._mean import Mean
-from ._objective import clone, find_outputs, LossTrace, Objective, split_output, takes_key
+from ._objective import clone, find_outputs, LossTrace, Objective, split_output
 from ._precision import LossScale, Precision
 from ._record import column_name, LOSS, UpdateInfo, weight_name
+from ._signatures import takes_key
 
 
 # An update's name begins the history's names of its values (`d_loss`): a word.
