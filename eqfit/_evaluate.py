@@ -16,8 +16,9 @@ from ._core._metric import tried
 from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
 from ._host._feeds import inference_chunks
 from ._host._inference import batches_per_program, EXECUTION_HINTS, inference_source
+from ._host._loader import Loader
 from ._host._open import first_rows
-from ._host._sources import Loader, Memmaps
+from ._host._sources import Memmaps
 from ._program._build import check_additive, SPLIT_ROWS
 from ._program._jit import cached_jit
 from ._program._state import Releases

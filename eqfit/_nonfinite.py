@@ -26,7 +26,8 @@ from jaxtyping import PyTree
 
 from ._core._data import order_at, shuffle_seed
 from ._history import NonFinite
-from ._host._sources import InMemory, Memmaps, read_again, Source
+from ._host._open import read_again
+from ._host._sources import InMemory, Memmaps, Source
 from ._program._loop import Loop
 from ._program._options import Options
 from ._program._skeleton import unwrap

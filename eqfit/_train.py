@@ -26,11 +26,12 @@ from ._host._observers import (
     EpochModels,
     Observer,
 )
+from ._host._open import read_again
 from ._host._plan import Plan
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
 from ._host._signals import Interrupt
-from ._host._sources import read_again, Source
+from ._host._sources import Source
 from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
 from ._keep._resume import open_store, resume

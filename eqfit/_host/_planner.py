@@ -28,9 +28,10 @@ from .._program._state import Consts, Inputs, Piece, StartArgs, TrainState
 from .._step._evaluate import evaluate_batches
 from ._flops import Flops, program_flops
 from ._inference import StreamedSets
+from ._loader import Loader
 from ._observers import Costs
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
-from ._sources import Loader, Source
+from ._sources import Source
 
 
 def memory_of(compiled: Any) -> Memory:
