@@ -43,7 +43,8 @@ from ._host._plan import Plan
 from ._host._planner import make_plan, step_costs
 from ._host._signals import Interrupt
 from ._program._build import make_loop, SPLIT_ROWS
-from ._program._options import check_options, no_data, Options
+from ._program._callables import no_data
+from ._program._options import check_options, Options
 from ._program._parallel import Device
 from ._program._sharding import Shard
 from ._replay import replays
