@@ -438,7 +438,9 @@ def validation_loss(update: AbstractUpdate) -> Callable[..., Any] | None:
 def builtin(update: AbstractUpdate) -> Update | None:
     """`update` where it is the built-in one (`eqfit.Update`: a loss, which validation
     computes, and whose values are its loss and aux values); `None` for an update of the
-    user's own. The one place the two are told apart, besides `_take_turn`.
+    user's own. How the update objects are told apart where the run is checked, traced
+    and built; inside the step, `_take_turn` is each kind's own, and what reads the run's
+    static description tells them apart by `UpdateInfo.loss`.
     """
     return update if isinstance(update, Update) else None
 
