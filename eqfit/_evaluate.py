@@ -16,16 +16,18 @@ from ._core._metric import tried
 from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
 from ._host._feeds import inference_chunks
 from ._host._inference import batches_per_program, EXECUTION_HINTS, inference_source
+from ._host._loader import Loader
 from ._host._open import first_rows
-from ._host._sources import Loader, Memmaps
+from ._host._sources import Memmaps
 from ._program._build import check_additive, SPLIT_ROWS
 from ._program._jit import cached_jit
 from ._program._state import Releases
 from ._step._evaluate import add_batches, add_chunk, evaluate_batches
 from ._step._labels import LabelError, raise_found
-from ._step._objective import find_outputs, Objective, takes_key
+from ._step._objective import find_outputs, Objective
 from ._step._precision import as_precision, PrecisionLike
 from ._step._record import Record
+from ._step._signatures import takes_key
 from ._step._statistics import accumulated_shapes, grouped
 from ._step._validation import refuse_sets
 from .metrics import _taken

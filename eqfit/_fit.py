@@ -14,6 +14,7 @@ from typing import Any, cast, Literal, ParamSpec
 
 import equinox as eqx
 from jax.sharding import Mesh
+from jaxtyping import PyTree
 
 from ._core._checks import checked
 from ._core._early_stopping import EarlyStopping
@@ -42,7 +43,8 @@ from ._host._plan import Plan
 from ._host._planner import make_plan, step_costs
 from ._host._signals import Interrupt
 from ._program._build import make_loop, SPLIT_ROWS
-from ._program._options import check_options, no_data
+from ._program._callables import no_data
+from ._program._options import check_options, Options
 from ._program._parallel import Device
 from ._program._sharding import Shard
 from ._replay import replays
@@ -465,7 +467,19 @@ def fit(
         trains=trains,
         filter_spec=filter_spec,
     )
-    # Open the data, plan the run's shape from it, and build its static description.
+    ready = _open_and_build(model, data, validation_data, state, opt_state, options)
+    return _compile_and_drive(ready, model, began)
+
+
+def _open_and_build(
+    model: PyTree,
+    data: Data | None,
+    validation_data: Data | ValidationSets | None,
+    state: ModelState | None,
+    opt_state: OptState | None,
+    options: Options,
+) -> Ready:
+    """Opens the data, plans the run's shape from it, and builds its static description."""
     if data is None:  # the updates make their own: a row of nothing for each step
         data = no_data(options.steps_per_epoch or 1)
     source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
@@ -475,11 +489,18 @@ def fit(
     schedule = schedule_for(source, options)
     rows = first_rows(source, SPLIT_ROWS) if tried(options.objects.metrics) else None
     loop, start = make_loop(model, schedule, options, source.like, state, opt_state, rows)
-    ready = Ready(options, loop, start, source, val_data)
-    # Compile and drive, with Ctrl-C deferred from here on: one while XLA compiles stops
-    # the run at its first epoch's end, a second one is raised once the compilation
-    # returns, and every way out waits for the threads that compile: the process must not
-    # exit with XLA still at work in it.
+    return Ready(options, loop, start, source, val_data)
+
+
+def _compile_and_drive(ready: Ready, model: Model, began: float) -> FitResult[Model]:
+    """Compiles the run's programs and drives them to the run's end (with `plan`, stops
+    once they are compiled).
+    """
+    options, loop, start, source, val_data = ready
+    # Ctrl-C deferred from here on: one while XLA compiles stops the run at its first
+    # epoch's end, a second one is raised once the compilation returns, and every way out
+    # waits for the threads that compile: the process must not exit with XLA still at
+    # work in it.
     with contextlib.ExitStack() as stack:
         interrupt = stack.enter_context(Interrupt(options.signals).deferred())
         plan = None

@@ -19,30 +19,36 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
+import optax
 from jaxtyping import PyTree
 
 from ._core._data import order_at, shuffle_seed
 from ._history import NonFinite
-from ._host._sources import InMemory, Memmaps, read_again, Source
+from ._host._open import read_again
+from ._host._sources import InMemory, Memmaps, Source
 from ._program._loop import Loop
 from ._program._options import Options
 from ._program._skeleton import unwrap
 from ._program._state import Consts
 from ._result import model_from
 from ._step._mean import Mean
-from ._step._objective import batch_args, split_output, takes_key
+from ._step._objective import batch_args, split_output
+from ._step._signatures import takes_key
 from ._step._updates import trained_spec, validation_loss
 
 
-def _folders(*modules: Any) -> tuple[str, ...]:
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in modules if m.__file__)
+def _folders(*files: str | None) -> tuple[str, ...]:
+    """The folders of modules' files, each ending in a separator."""
+    return tuple(os.path.dirname(f) + os.sep for f in files if f)
 
 
 # Where an operation's line is looked for: first the user's code, outside these libraries;
-# else (a loss of eqfit's, an Equinox layer's) theirs, never JAX's or numpy's own.
-_INTERNALS = _folders(jax, np, __import__("jaxlib"))
-_LIBRARIES = (*_INTERNALS, *_folders(eqx, __import__("optax"), __import__("eqfit")))
+# else (a loss of eqfit's, an Equinox layer's) theirs, never JAX's or numpy's own. eqfit's
+# folder is this module's: importing eqfit from inside it would run back up the package.
+_INTERNALS = _folders(jax.__file__, np.__file__, jaxlib.__file__)
+_LIBRARIES = (*_INTERNALS, *_folders(eqx.__file__, optax.__file__, __file__))
 
 
 def find(

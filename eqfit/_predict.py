@@ -32,7 +32,8 @@ from ._host._inference import (
     EXECUTION_HINTS,
     inference_source,
 )
-from ._host._sources import Loader, Memmaps
+from ._host._loader import Loader
+from ._host._sources import Memmaps
 from ._program._jit import cached_jit
 from ._program._state import OnDevice, Releases
 from ._step._evaluate import batch_number, batch_rows

@@ -21,15 +21,16 @@ import numpy as np
 
 from ._host._drive import drive, Outcome
 from ._host._feeds import Feed
+from ._host._open import replayable
 from ._host._signals import Interrupt
-from ._host._sources import replayable, Source
+from ._host._sources import Source
 from ._keep._checkpoint import Checkpoints
 from ._keep._resume import resume
 from ._program._calls import program_for
 from ._program._options import Options
 from ._program._parallel import Pmap
-from ._program._program import start_program
 from ._program._schedule import Schedule
+from ._program._start import start_program
 from ._program._state import StartArgs
 
 

@@ -17,6 +17,7 @@ from ._host._drive import Outcome
 from ._host._observers import Throughput
 from ._keep._checkpoint import CheckpointError
 from ._program._loop import Loop
+from ._program._schedule import Schedule
 from ._program._skeleton import unwrap
 from ._program._state import Consts, NON_FINITE_STOPS, Stop, Validations
 from ._step._labels import raise_found
@@ -280,32 +281,8 @@ def _result(
             step_values[None],
             sizes[None],
         )
-    reasons: list[StopReason] = []
-    for step, code in zip(steps.tolist(), codes.tolist()):
-        if code in NON_FINITE_STOPS:
-            reasons.append("non_finite_loss")
-        elif code == Stop.EARLY_STOPPING:
-            reasons.append("early_stopping")
-        elif step >= schedule.total:
-            reasons.append(None)
-        elif outcome.interrupted:
-            reasons.append("interrupted")
-        elif outcome.stopped_by_callback:
-            reasons.append("callback")
-        elif isinstance(outcome.failure, CheckpointError):
-            reasons.append("checkpoint_error")
-        elif outcome.failure is not None:
-            reasons.append("error")
-        else:
-            reasons.append("out_of_data")
-    has_stopping = loop.early_stopping is not None
-    best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
-    best_steps: list[int | None] = [None for _ in best_epochs]
-    every, rule = loop.val_every, loop.early_stopping
-    if every is not None and rule is not None and rule.monitor in loop.val_names:
-        # Early stopping counted validations: its best is one, `step // every`.
-        best_steps = [None if b is None else b * every for b in best_epochs]
-        best_epochs = [None if t is None else schedule.epoch_of(t - 1) for t in best_steps]
+    reasons = _stop_reasons(steps, codes, schedule, outcome)
+    best_epochs, best_steps = _best(loop, best)
     rows = max(outcome_epochs(loop, outcome))
 
     def squeeze(x: np.ndarray) -> np.ndarray:  # (members, rows, ...) -> (rows, ..., members)
@@ -344,6 +321,48 @@ def _result(
     return FitResult(
         model_from(loop, params, consts), opt_state, history, model_state, ema_model
     ), reasons
+
+
+def _stop_reasons(
+    steps: np.ndarray, codes: np.ndarray, schedule: Schedule, outcome: Outcome
+) -> list[StopReason]:
+    """Why each member stopped, from the step it reached and the stop code its state
+    holds, else from how the drive ended.
+    """
+    reasons: list[StopReason] = []
+    for step, code in zip(steps.tolist(), codes.tolist()):
+        if code in NON_FINITE_STOPS:
+            reasons.append("non_finite_loss")
+        elif code == Stop.EARLY_STOPPING:
+            reasons.append("early_stopping")
+        elif step >= schedule.total:
+            reasons.append(None)
+        elif outcome.interrupted:
+            reasons.append("interrupted")
+        elif outcome.stopped_by_callback:
+            reasons.append("callback")
+        elif isinstance(outcome.failure, CheckpointError):
+            reasons.append("checkpoint_error")
+        elif outcome.failure is not None:
+            reasons.append("error")
+        else:
+            reasons.append("out_of_data")
+    return reasons
+
+
+def _best(loop: Loop, best: np.ndarray) -> tuple[list[int | None], list[int | None]]:
+    """Each member's best epoch by early stopping (`None` without it, or with no best
+    yet), and its best validation's step where early stopping counted validations.
+    """
+    has_stopping = loop.early_stopping is not None
+    best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
+    best_steps: list[int | None] = [None for _ in best_epochs]
+    every, rule = loop.val_every, loop.early_stopping
+    if every is not None and rule is not None and rule.monitor in loop.val_names:
+        # Early stopping counted validations: its best is one, `step // every`.
+        best_steps = [None if b is None else b * every for b in best_epochs]
+        best_epochs = [None if t is None else loop.schedule.epoch_of(t - 1) for t in best_steps]
+    return best_epochs, best_steps
 
 
 def _throughput(

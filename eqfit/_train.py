@@ -26,11 +26,12 @@ from ._host._observers import (
     EpochModels,
     Observer,
 )
+from ._host._open import read_again
 from ._host._plan import Plan
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
 from ._host._signals import Interrupt
-from ._host._sources import read_again, Source
+from ._host._sources import Source
 from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
 from ._keep._resume import open_store, resume
@@ -40,8 +41,8 @@ from ._program._compile import Starting
 from ._program._loop import Loop
 from ._program._options import Options
 from ._program._parallel import OneDevice
-from ._program._program import start_program
 from ._program._schedule import Schedule
+from ._program._start import start_program
 from ._program._state import Inputs, StartArgs, TrainState
 from ._program._uncompiled import without_compiling
 from ._replay import replay
@@ -96,34 +97,10 @@ def train(
         stack.callback(starting.join)
     store, begin = None, schedule.begin
     if not isinstance(starting, Starting) and options.checkpoint is not None:
-        val_data = ready.val_data
-        prints = (None, None)  # several processes' rows differ: none is compared
-        if jax.process_count() == 1:
-            prints = (ready.source.fingerprint(), validation_fingerprint(val_data, loop.val_sets))
-        if isinstance(val_data, StreamedSets):  # described by the sets themselves
-            val_data = [opened.describe() for opened in val_data.sets]
-        config = checkpoint_config(
-            loop, starting, ready.source.describe(), val_data, options.objects, options.key, prints
-        )
-        store = open_store(options, config, schedule)
+        store = _open_store(ready, starting)
         stack.callback(store.close)
         starting, begin = resume(store, starting, schedule)
-    streams = ready.val_data if isinstance(ready.val_data, StreamedSets) else None
-    template = Inputs(
-        None,
-        None if streams is not None else placement.put(ready.val_data, sharded=True),
-        placement.put(keys),
-        placement.put(consts),
-    )
-
-    def feeds_from(
-        source: Source, schedule: Schedule, begin: int, end: int
-    ) -> tuple[Iterator[Feed], Callable[[], None]]:
-        """The feeds of `source` from step `begin` to `end`, and what stops them."""
-        chunks = source.chunks(schedule, begin, end)
-        validation = None if streams is None else validation_reader(streams, placement.put)
-        return feeds(chunks, template, placement.put, source.streamed, validation)
-
+    feeds_from = _feeds_from(ready, keys)
     train_feeds, stop_feeds = feeds_from(ready.source, schedule, begin, schedule.total)
     stack.callback(stop_feeds)
     observers = observers_for(
@@ -167,6 +144,50 @@ def train(
     for observer in observers:
         observer.finished()
     return result
+
+
+def _feeds_from(
+    ready: Ready, keys: PyTree
+) -> Callable[[Source, Schedule, int, int], tuple[Iterator[Feed], Callable[[], None]]]:
+    """What makes the run's feeds (the training run's, and a replay's): each call's
+    inputs, with the validation data, the keys and the frozen arrays put on the devices
+    once, here.
+    """
+    placement, consts = ready.loop.placement, ready.start.consts
+    streams = ready.val_data if isinstance(ready.val_data, StreamedSets) else None
+    template = Inputs(
+        None,
+        None if streams is not None else placement.put(ready.val_data, sharded=True),
+        placement.put(keys),
+        placement.put(consts),
+    )
+
+    def feeds_from(
+        source: Source, schedule: Schedule, begin: int, end: int
+    ) -> tuple[Iterator[Feed], Callable[[], None]]:
+        """The feeds of `source` from step `begin` to `end`, and what stops them."""
+        chunks = source.chunks(schedule, begin, end)
+        validation = None if streams is None else validation_reader(streams, placement.put)
+        return feeds(chunks, template, placement.put, source.streamed, validation)
+
+    return feeds_from
+
+
+def _open_store(ready: Ready, starting: TrainState) -> Checkpoints:
+    """The run's checkpoint directory, opened for the run that `ready` and its starting
+    state describe (refused where its checkpoints are another run's).
+    """
+    loop, options = ready.loop, ready.options
+    val_data = ready.val_data
+    prints = (None, None)  # several processes' rows differ: none is compared
+    if jax.process_count() == 1:
+        prints = (ready.source.fingerprint(), validation_fingerprint(val_data, loop.val_sets))
+    if isinstance(val_data, StreamedSets):  # described by the sets themselves
+        val_data = [opened.describe() for opened in val_data.sets]
+    config = checkpoint_config(
+        loop, starting, ready.source.describe(), val_data, options.objects, options.key, prints
+    )
+    return open_store(options, config, loop.schedule)
 
 
 def validation_fingerprint(val_data: Any, names: tuple[str, ...] | None) -> Any:

@@ -33,7 +33,7 @@ from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 from ._core._typing import ArrayTree, PRNGKey
 from ._step._labels import check_labels, same_shape
 from ._step._mean import Mean
-from ._step._objective import takes_key
+from ._step._signatures import takes_key
 
 
 Model = Callable[..., Any]

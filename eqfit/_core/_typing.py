@@ -60,7 +60,7 @@ else:
     # Data as `fit`, `evaluate` and `predict` take it: arrays, PyTrees of them, memmaps,
     # loaders and generators. Too many kinds for one runtime annotation (a PyTree check
     # would flatten a generator): eqfit checks it itself (`_data.check_data`,
-    # `_sources`), and names what is wrong.
+    # `_sources`, `_loader`), and names what is wrong.
     Data = object
     # What `optimizer.init(params)` returns; `FitResult.opt_state`.
     OptState = PyTree

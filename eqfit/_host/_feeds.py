@@ -15,7 +15,8 @@ from jaxtyping import PyTree
 
 from .._program._state import Inputs, OnDevice, Piece, ReadSet
 from ._inference import one_pass, StreamedSets
-from ._sources import Chunk, Loader, Memmaps
+from ._loader import Loader
+from ._sources import Chunk, Memmaps
 
 
 _Fed = TypeVar("_Fed")

@@ -14,7 +14,8 @@ from jaxtyping import PyTree
 from .._core._data import check_data, data_kind, sample_shapes
 from .._core._execution import choose, Execution
 from .._program._schedule import plan_passes, Schedule, UNKNOWN
-from ._sources import Chunk, Loader, Memmaps
+from ._loader import Loader
+from ._sources import Chunk, Memmaps
 
 
 def inference_source(data: Any, name: str) -> "Memmaps | Loader | None":

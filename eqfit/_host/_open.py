@@ -1,28 +1,25 @@
-"""The open phase: the training data's source, the validation data, and the run's
-schedule from their shape, each checked against the others.
+"""The open phase: the training data's source (`open_source`, and `read_again` to read
+it from its start once more), the validation data, and the run's schedule from their
+shape, each checked against the others.
 """
 
+import collections.abc
+import weakref
 from typing import Any
 
 import jax
+import numpy as np
 from jaxtyping import PyTree
 
-from .._core._data import as_data, bucketed, sample_shapes
+from .._core._data import as_data, bucketed, data_kind, sample_shapes
 from .._program._options import Options
 from .._program._parallel import check_batch_split, global_rows
 from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
 from ._inference import Reread, StreamedSets
-from ._sources import (
-    InMemory,
-    Loader,
-    Memmaps,
-    open_source,
-    refuse_planned,
-    remember_planned,
-    Source,
-)
+from ._loader import Loader
+from ._sources import host_seed, InMemory, Memmaps, Source
 
 
 def open_data(
@@ -190,3 +187,77 @@ def first_rows(source: Any, n: int) -> PyTree:
     else:
         data = source.data if isinstance(source, InMemory) else source
     return jax.tree.map(lambda a: a[:n], data)
+
+
+def open_source(data: Any, options: Options, planning: bool = False) -> Source:
+    """The source of `data`: arrays in memory, memmaps, or a loader. `planning`: for
+    `eqfit.plan`, which remembers a one-shot iterator it reads from, for `fit` to refuse.
+    """
+    arrays = (np.ndarray, jax.Array)
+    if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
+        raise TypeError(
+            f"`data` is a list of {len(data)} arrays; pass them as a tuple, `(x, y)`. (A list "
+            "is taken as a loader: a sequence of batches.)"
+        )
+    kind = data_kind(data)
+    if kind == "memmaps":
+        return Memmaps(data, options.shuffle, host_seed(options.key))
+    if kind == "loader":
+        refuse_planned(data, "data")
+        directory = None if options.checkpoint is None else options.checkpoint.directory
+        loader = Loader(
+            data,
+            epochs=options.epochs,
+            steps_per_epoch=options.steps_per_epoch,
+            initial_epoch=options.initial_epoch,
+            directory=directory,
+        )
+        if planning:
+            remember_planned(data)
+        return loader
+    return InMemory(data)  # a PyTree of arrays (an `eqx.Module`, say), checked there
+
+
+def read_again(source: Source, options: Options) -> Source | None:
+    """`source` to be read from its start again (a step's batch replayed, `_nonfinite`):
+    arrays and memmaps as they are (their chunks are made afresh each time), a loader
+    opened anew (iterated again from its first pass); `None` for a one-shot iterator,
+    whose batches are gone.
+    """
+    if not isinstance(source, Loader):
+        return source
+    if not replayable(source):
+        return None
+    return open_source(source.loader, options)
+
+
+def replayable(source: Source) -> bool:
+    """Whether `source` can be read again from its start (`read_again`): all but a
+    one-shot iterator (a generator, say).
+    """
+    return not (isinstance(source, Loader) and source.one_shot)
+
+
+# The one-shot iterators (generators, say) that `plan` read from, held weakly: a `fit`
+# given one would silently train without the batches `plan` took.
+_PLANNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def refuse_planned(data: Any, name: str) -> None:
+    """Refuses an iterator that `eqfit.plan` has read from (`remember_planned`)."""
+    if isinstance(data, collections.abc.Iterator) and data in _PLANNED:
+        raise ValueError(
+            f"`{name}` is an iterator that `eqfit.plan` has read its first batches from: a "
+            "run on it would miss them. Pass a fresh iterator (a new generator, say) to "
+            "`fit`, and give `plan` one of its own."
+        )
+
+
+def remember_planned(data: Any) -> None:
+    """Remembers a one-shot iterator that `eqfit.plan` read from, for `fit` to refuse."""
+    if not isinstance(data, collections.abc.Iterator):
+        return
+    try:
+        _PLANNED.add(data)
+    except TypeError:  # not weakly referable (`iter(list)`, `map`): not remembered
+        pass

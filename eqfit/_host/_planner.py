@@ -23,14 +23,15 @@ from .._program._calls import program_for, program_key
 from .._program._compile import PROGRAM_CACHE
 from .._program._loop import Loop
 from .._program._parallel import OneDevice, param_specs, placement_devices, Pmap, Sharded
-from .._program._program import start_program
+from .._program._start import start_program
 from .._program._state import Consts, Inputs, Piece, StartArgs, TrainState
 from .._step._evaluate import evaluate_batches
 from ._flops import Flops, program_flops
 from ._inference import StreamedSets
+from ._loader import Loader
 from ._observers import Costs
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
-from ._sources import Loader, Source
+from ._sources import Source
 
 
 def memory_of(compiled: Any) -> Memory:

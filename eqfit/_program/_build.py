@@ -1,6 +1,8 @@
 """The run's static description built from `fit`'s checked arguments (`make_loop`), and
-the checks that need the model, the loss and the optimizer: what trains, the aux values
-the loss returns, the names the run records, the optimizer's state.
+the checks that need the model, the loss and the optimizer: what trains, the names the
+run records, the optimizer's state. What the losses and updates give, traced before the
+run (the aux values a loss returns, what an update of one's own records), is
+`_traces.py`'s.
 """
 
 import dataclasses
@@ -13,14 +15,14 @@ import jax
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._core._data import describe, dtype_of, is_dtype, not_a_stack, num_samples, summary
+from .._core._data import describe, dtype_of, is_dtype, num_samples, summary
 from .._core._execution import choose
 from .._core._metric import adds
 from .._step._hyperparams import check_schedules, injected_names
-from .._step._objective import abstract_key, find_outputs, LossTrace, Objective, takes_key
+from .._step._objective import LossTrace, Objective
 from .._step._record import LOSS, Record, record_for, UpdateInfo
+from .._step._signatures import takes_key
 from .._step._statistics import accumulated_shapes, check_split, split_statistics
-from .._step._update_checks import check_applied
 from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
 from ._compile import PROGRAMS
 from ._jit import cached_jit
@@ -43,6 +45,7 @@ from ._parallel import (
 from ._schedule import Schedule
 from ._skeleton import split_arrays
 from ._state import Callables, Consts, StartArgs
+from ._traces import abstract_call, loss_outputs, traced_outputs, update_info
 
 
 def make_loop(
@@ -74,21 +77,17 @@ def make_loop(
     object_arrays, objects_skeleton = split_arrays(objects)
     step = options.step
     # What the loss is traced on, to find its aux values and whether it convolves.
-    traced = _abstract_call(model, model_state, like, schedule.batch_size, options)
+    traced = abstract_call(model, model_state, like, schedule.batch_size, options)
     infos = tuple(
-        _update_info(u, spec, [p for p, t in zip(picks, trains) if t], traced, options)
+        update_info(u, spec, [p for p, t in zip(picks, trains) if t], traced, options)
         for u, spec, picks in zip(objects.updates, specs, picked)
     )
-    if infos:
-        # An update of the user's own gets a key; a loss's, where the loss takes one.
-        use_key = any((b := builtin(u)) is None or takes_key(b.loss) for u in objects.updates)
-    else:
-        use_key = takes_key(objects.loss)
+    use_key = _uses_key(objects)
     objective = Objective(
         objects.loss, objects.metrics, options.stateful, use_key, precision=step.precision
     )
-    # Several updates' losses are traced one by one (`_update_info`).
-    outputs = LossTrace((), ()) if infos else _outputs(objective, traced, options)
+    # Several updates' losses are traced one by one (`update_info`).
+    outputs = LossTrace((), ()) if infos else loss_outputs(objective, traced, options)
     statistics = objective.find_statistics(*traced) if objective.accumulating else ()
     if statistics and rows is not None:
         check_additive(objective, model, model_state, rows, options.members)
@@ -122,7 +121,32 @@ def make_loop(
     accumulated = accumulated_shapes(objective.accumulating, statistics)
     loop = _with_record(loop, init, params, outputs, objective.metric_names, objects, accumulated)
     # Traced once, if asked at all (`choose` and `_guard` ask only where they decide).
-    found = functools.cache(functools.partial(_traced_outputs, objective, traced, options, outputs))
+    found = functools.cache(functools.partial(traced_outputs, objective, traced, options, outputs))
+    loop = _with_execution(loop, options, found)
+    if loop.early_stopping is not None:
+        check_monitor(loop.early_stopping.monitor, loop)
+    if options.checkpoint is not None and options.checkpoint.keep_best is not None:
+        check_monitor(options.checkpoint.keep_best, loop, what=KEEP_BEST)
+    if opt_state is not None:
+        check_opt_state(loop, params, opt_state, consts)
+    return loop, StartArgs(params, opt_state, model_state, options.key, consts)
+
+
+def _uses_key(objects: Callables) -> bool:
+    """Whether the step makes a key: for an update of the user's own, or a loss (each
+    update's, or `fit`'s one) that takes one.
+    """
+    if objects.updates:
+        # An update of the user's own gets a key; a loss's, where the loss takes one.
+        return any((b := builtin(u)) is None or takes_key(b.loss) for u in objects.updates)
+    return takes_key(objects.loss)
+
+
+def _with_execution(loop: Loop, options: Options, found: Callable[[], LossTrace]) -> Loop:
+    """`loop` with the way its steps run (`choose`), why, and XLA's options for its
+    programs (`_guard`); `found()` traces the loss where one of them needs it.
+    """
+    schedule = loop.schedule
     platform = placement_devices(options.placement)[0].platform
     execution, why = choose(
         options.execution,
@@ -132,21 +156,16 @@ def make_loop(
     )
     # An update of one's own does work its loss's trace does not see (a rollout): its
     # step's size is unknown.
-    own = any(not info.loss for info in infos)
-    guard_why, compiler_options = _guard(step, platform, lambda: None if own else found().flops)
-    loop = dataclasses.replace(
+    own = any(not info.loss for info in loop.updates)
+    guard_why, compiler_options = _guard(
+        options.step, platform, lambda: None if own else found().flops
+    )
+    return dataclasses.replace(
         loop,
         execution=execution,
         execution_why=why + guard_why,
         compiler_options=compiler_options,
     )
-    if loop.early_stopping is not None:
-        check_monitor(loop.early_stopping.monitor, loop)
-    if options.checkpoint is not None and options.checkpoint.keep_best is not None:
-        check_monitor(options.checkpoint.keep_best, loop, what=KEEP_BEST)
-    if opt_state is not None:
-        check_opt_state(loop, params, opt_state, consts)
-    return loop, StartArgs(params, opt_state, model_state, options.key, consts)
 
 
 def _what_trains(
@@ -281,25 +300,6 @@ def check_additive(
     check_split(objective.accumulating, *halves, n)
 
 
-def _abstract_call(
-    model: PyTree, model_state: PyTree, like: PyTree, batch_size: int, options: Options
-) -> tuple[PyTree, PyTree, PyTree]:
-    """What the loss is traced on: one member's model and state (in an ensemble) and a
-    batch of `batch_size` samples like `like`'s, as abstract arrays.
-    """
-
-    def abstract(x: Any, drop: int = 0, lead: tuple[int, ...] = ()) -> Any:
-        if not eqx.is_array(x) and not isinstance(x, np.ndarray):
-            return x
-        return jax.ShapeDtypeStruct((*lead, *x.shape[drop:]), x.dtype)
-
-    drop = 0 if options.members is None else 1
-    batch = jax.tree.map(lambda x: abstract(x, 1, (batch_size,)), like)
-    member = jax.tree.map(lambda x: abstract(x, drop), model)
-    state = jax.tree.map(lambda x: abstract(x, drop), model_state)
-    return member, state, batch
-
-
 def _guard(
     step: StepOptions, platform: str, flops: Callable[[], float | None]
 ) -> tuple[str, CompilerOptions]:
@@ -321,47 +321,6 @@ def _guard(
         "its operations for memory, not for concurrency"
     )
     return why, SMALL_STEP_OPTIONS
-
-
-def _traced_outputs(
-    objective: Objective,
-    traced: tuple[PyTree, PyTree, PyTree],
-    options: Options,
-    outputs: LossTrace,
-) -> LossTrace:
-    """What the loss (with several updates, their losses as one) computes, whether it
-    convolves and its products' FLOPs: from the trace that found its `outputs`, or where
-    none was made (eqfit's own loss, or several updates' losses), from one made now
-    (cached with them); unknown (`None`) for losses that fail to trace, which the run's
-    own trace then reports, with the batch that it meets.
-    """
-    if outputs.convolves is not None:
-        return outputs
-    try:
-        return _outputs(objective, traced, options, always=True)
-    except Exception:
-        return outputs
-
-
-def _outputs(
-    objective: Objective,
-    traced: tuple[PyTree, PyTree, PyTree],
-    options: Options,
-    always: bool = False,
-) -> LossTrace:
-    """What the loss returns (`find_outputs`), traced on `traced` (`_abstract_call`'s: one
-    member's model and state in an ensemble, and a batch); eqfit's own losses only where
-    `always`.
-    """
-    member, state, batch = traced
-    if options.members is None:
-        return find_outputs(objective, member, state, batch, always)
-    # An ensemble: one member is traced whatever the loss, so that a single model taken
-    # for a stack is refused here, saying so, not deep inside the run's trace.
-    try:
-        return find_outputs(objective, member, state, batch, always=True)
-    except Exception as e:
-        raise not_a_stack(options.members, "`fit`", e) from e
 
 
 def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) -> None:
@@ -435,102 +394,6 @@ def update_picks(model: PyTree, arrays: list[Any], spec: PyTree) -> tuple[bool, 
     picks = tuple(bool(s) for s, x in zip(jax.tree.leaves(spec), leaves) if eqx.is_array(x))
     assert len(picks) == len(arrays)
     return picks
-
-
-# What an update of the user's own records, found by tracing it (`_update_info`), by the
-# update and the shapes it was traced on: a second `fit` traces nothing.
-_OWN_UPDATES: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
-
-
-def _update_info(
-    update: AbstractUpdate,
-    spec: PyTree,
-    picks: list[bool],
-    traced: tuple[PyTree, PyTree, PyTree],
-    options: Options,
-) -> UpdateInfo:
-    """What a run keeps of an update, static: for a loss's update the aux names its loss
-    returns; for a user's own the names of the values its `apply` records (traced once,
-    on abstract arrays).
-    """
-    member, state, batch = traced
-    loss_update = builtin(update)
-    if loss_update is not None:
-        objective = loss_update._objective(options.stateful, options.step.precision)
-        return loss_update._info(tuple(picks), _outputs(objective, traced, options))
-
-    batch = batch if options.step.batch else None  # no data: the step hands `None`
-    try:  # traced once for the same update on arrays of the same shapes
-        cache_key = (update, *map(abstract_key, (spec, member, state, batch)))
-        hash(cache_key)
-    except TypeError:  # an update that holds arrays, say: traced every time
-        cache_key = None
-    validated = _validated(update, traced, options)
-    if cache_key is not None and cache_key in _OWN_UPDATES:
-        names, means = _OWN_UPDATES[cache_key]
-        return _own_info(update, picks, names, means, validated)
-
-    def values(model: PyTree, model_state: PyTree, batch: PyTree) -> None:
-        kwargs = {"key": jax.random.key(0)} if takes_key(update.init) else {}
-        own = update.init(eqx.filter(model, spec), **kwargs)
-        try:
-            out = update.apply(model, own, batch, model_state=model_state, key=jax.random.key(0))
-        except (TypeError, IndexError, AttributeError, KeyError) as e:
-            if options.step.batch:
-                raise
-            raise ValueError(
-                f"Update {update.name!r}'s `apply` failed on `batch=None`, which it gets "
-                "where `fit` has no data (`data=None`): an update that reads a batch needs "
-                f"`data`; one that makes its own (a rollout) must not read it. The error: "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        found.append(check_applied(update, model, spec, own, model_state, out))
-
-    found: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
-    eqx.filter_eval_shape(values, member, state, batch)
-    names, means = found[0]
-    if cache_key is not None:
-        if len(_OWN_UPDATES) >= 64:
-            _OWN_UPDATES.pop(next(iter(_OWN_UPDATES)))
-        _OWN_UPDATES[cache_key] = found[0]
-    return _own_info(update, picks, names, means, validated)
-
-
-def _validated(
-    update: AbstractUpdate, traced: tuple[PyTree, PyTree, PyTree], options: Options
-) -> tuple[str, ...]:
-    """The values of an update of the user's own that validation computes, by its own
-    names: its `loss` method's value (`"loss"`) and aux values, found by tracing it as
-    `fit`'s loss is; none without such a method.
-    """
-    loss = validation_loss(update)
-    if loss is None:
-        return ()
-    objective = Objective(loss, (), options.stateful, takes_key(loss))
-    return (LOSS.name, *_outputs(objective, traced, options, always=True).aux_names)
-
-
-def _own_info(
-    update: AbstractUpdate,
-    picks: list[bool],
-    names: tuple[str, ...],
-    means: tuple[str, ...],
-    validated: tuple[str, ...],
-) -> UpdateInfo:
-    """What a run keeps of an update of the user's own, refusing a `loss` method whose
-    values its `apply` does not record (validation's values are training's, on other data).
-    """
-    missing = [n for n in validated if n not in names]
-    if missing:
-        raise ValueError(
-            f"Update {update.name!r}'s `loss` method returns {list(validated)}, but its "
-            f"`apply` records {list(names)}, without {missing}: validation computes its loss "
-            "as training records it (`val_<name>_loss` beside `<name>_loss`), so `apply` must "
-            "record the same values by the same names (its loss as 'loss')."
-        )
-    return UpdateInfo(
-        update.name, update.every, tuple(picks), False, names, means=means, validated=validated
-    )
 
 
 def _samples_per_step(updates: tuple[AbstractUpdate, ...]) -> int | None:

@@ -20,9 +20,10 @@ from jaxtyping import Array, Key, PyTree
 
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution, WholeRun
-from .._step._objective import Objective, takes_key
+from .._step._objective import Objective
 from .._step._precision import LossScale
 from .._step._record import Kind, LOSS, Record, UpdateInfo
+from .._step._signatures import takes_key
 from .._step._statistics import flat_size, Like
 from .._step._step import as_run, by_name, select, Step
 from .._step._updates import AbstractUpdate, builtin, Update

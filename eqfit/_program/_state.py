@@ -63,7 +63,7 @@ class Consts(NamedTuple):
 
 
 class StartArgs(NamedTuple):
-    """The arguments of the program that makes the training state (`_program.start`)."""
+    """The arguments of the program that makes the training state (`_start.start`)."""
 
     params: list[Array]  # the model's arrays that train, in order
     opt_state: PyTree | None  # given to continue from, else made by the optimizer

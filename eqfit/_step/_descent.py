@@ -125,8 +125,7 @@ class UpdateContext(eqx.Module):
         weighted = LOSS.name in objective.means  # a weighted mean (`eqfit.Mean`)
         m = self.measure(objective, trained, model_state, loss_scale, batch, key)
         loss, grads, v = m.loss, m.grads, m.value
-        aux, new_state, labels = v.aux, v.state, m.labels
-        metrics, metric_weights = m.metrics, m.metric_weights
+        aux, new_state, labels, metrics = v.aux, v.state, m.labels, m.metrics
         if self.axis_name is not None:
             # Data parallel: each device saw an equal share of the batch, so the mean of
             # the per-device means is the mean over the whole batch. A weighted mean's
@@ -137,23 +136,8 @@ class UpdateContext(eqx.Module):
         if self.axis_name is not None and statistics:
             # Counts add across devices: summed, not averaged as the values are.
             statistics = jax.lax.psum(statistics, self.axis_name)
-        weights: dict[str, Array] = {}
         finite = jnp.isfinite(loss)
-        empty = jnp.asarray(False)  # a weighted mean loss's batch of weight 0
-        if objective.means:
-            pairs = (v.weight, v.aux_weights, metric_weights)
-            if self.axis_name is not None:
-                summed = jax.lax.psum(pairs, self.axis_name)
-                n = jax.lax.psum(1, self.axis_name)
-                aux_w, metric_w = summed[1] / n, summed[2] / n
-            else:
-                summed, (_, aux_w, metric_w) = pairs, pairs
-            aux, metrics = aux / aux_w, metrics / metric_w  # a plain value's weight is 1
-            names = objective.value_names
-            every = jnp.concatenate([summed[0][None], summed[1], summed[2]])
-            weights = {n: w for n, w in zip(names, every) if n in objective.means}
-            if weighted:  # a batch of weight 0 records NaN (0 / 0), and trains on 0
-                empty = summed[0] == 0
+        aux, metrics, weights, empty = self._weighed(objective, m, aux, metrics)
 
         def grad_fn(p: PyTree, _: Any) -> PyTree:
             """The gradient at `p` on this step's batch, as `grads` is at `trained`."""
@@ -180,6 +164,68 @@ class UpdateContext(eqx.Module):
             new_scale = policy.adjust(loss_scale, grads_finite)
         else:
             new_scale = None
+        carry = (trained, opt_state, kept)
+        out = self._apply(optimizer, carry, grads, extra, new_state, applies, loss_scale)
+        trained, opt_state, model_state, *update_norm = out
+        return Descent(
+            params=trained,
+            opt_state=opt_state,
+            model_state=model_state,
+            loss_scale=new_scale,
+            loss=jnp.where(empty, jnp.nan, loss) if weighted else loss,
+            aux=aux,
+            finite=finite,
+            applies=applies,
+            norms=None if grad_norm is None else (grad_norm, update_norm[0]),
+            labels=labels,
+            metrics=metrics,
+            weights=weights,
+            statistics=statistics,
+        )
+
+    def _weighed(
+        self, objective: Objective, m: ForwardBackward, aux: Array, metrics: Array
+    ) -> tuple[Array, Array, dict[str, Array], Array]:
+        """`aux` and `metrics` (averaged over the devices) with the weighted means'
+        (`eqfit.Mean`) totals divided by their weights, summed over the devices; those
+        weights by the values' names; and whether a weighted mean loss's batch weighs 0.
+        """
+        v, metric_weights = m.value, m.metric_weights
+        weighted = LOSS.name in objective.means  # a weighted mean (`eqfit.Mean`)
+        weights: dict[str, Array] = {}
+        empty = jnp.asarray(False)  # a weighted mean loss's batch of weight 0
+        if not objective.means:
+            return aux, metrics, weights, empty
+        pairs = (v.weight, v.aux_weights, metric_weights)
+        if self.axis_name is not None:
+            summed = jax.lax.psum(pairs, self.axis_name)
+            n = jax.lax.psum(1, self.axis_name)
+            aux_w, metric_w = summed[1] / n, summed[2] / n
+        else:
+            summed, (_, aux_w, metric_w) = pairs, pairs
+        aux, metrics = aux / aux_w, metrics / metric_w  # a plain value's weight is 1
+        names = objective.value_names
+        every = jnp.concatenate([summed[0][None], summed[1], summed[2]])
+        weights = {n: w for n, w in zip(names, every) if n in objective.means}
+        if weighted:  # a batch of weight 0 records NaN (0 / 0), and trains on 0
+            empty = summed[0] == 0
+        return aux, metrics, weights, empty
+
+    def _apply(
+        self,
+        optimizer: optax.GradientTransformationExtraArgs,
+        carry: tuple[Any, ...],
+        grads: PyTree,
+        extra: dict[str, Any],
+        new_state: PyTree,
+        applies: Bool[Array, ""],
+        loss_scale: LossScale | None,
+    ) -> tuple[Any, ...]:
+        """The update applied to `carry` (the trained arrays, the optimizer state, the
+        model state) where `applies`, under a `cond`; or without a guard, whatever the
+        loss. With norms, the update's norm after them (0 where not applied).
+        """
+        norms = self.norms
 
         def apply(
             carry: tuple[Any, ...], grads: PyTree, extra: dict[str, Any], new_state: PyTree
@@ -197,40 +243,23 @@ class UpdateContext(eqx.Module):
         def skip(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             return carry  # nothing is applied: with norms, an update of norm 0
 
-        carry = (trained, opt_state, kept)
         if norms:
             carry += (jnp.zeros((), jnp.float32),)
         if self.guard or loss_scale is not None:
             # A `cond`, not a `where` over every leaf, which would compute and select the
             # whole update even for finite losses.
             applied = lambda carry: apply(carry, grads, extra, new_state)  # noqa: E731
-            out = jax.lax.cond(applies, applied, skip, carry)
-        else:
-            # Applied whatever the loss (the run stops after a non-finite step, and its
-            # last finite state is replayed). Between barriers, which keep XLA from fusing
-            # the update with what surrounds it, as the `cond`'s branch did: the same
-            # arithmetic, so the same bits as a guarded run's.
-            arrays, static = eqx.partition((carry, grads, extra, new_state), eqx.is_array)
-            out = apply(*eqx.combine(jax.lax.optimization_barrier(arrays), static))
-            out = jax.lax.optimization_barrier(out)
-            if norms:  # recorded as the guard's skipped update records it: 0
-                out = (*out[:-1], jnp.where(applies, out[-1], 0.0))
-        trained, opt_state, model_state, *update_norm = out
-        return Descent(
-            params=trained,
-            opt_state=opt_state,
-            model_state=model_state,
-            loss_scale=new_scale,
-            loss=jnp.where(empty, jnp.nan, loss) if weighted else loss,
-            aux=aux,
-            finite=finite,
-            applies=applies,
-            norms=None if grad_norm is None else (grad_norm, update_norm[0]),
-            labels=labels,
-            metrics=metrics,
-            weights=weights,
-            statistics=statistics,
-        )
+            return jax.lax.cond(applies, applied, skip, carry)
+        # Applied whatever the loss (the run stops after a non-finite step, and its last
+        # finite state is replayed). Between barriers, which keep XLA from fusing the
+        # update with what surrounds it, as the `cond`'s branch did: the same arithmetic,
+        # so the same bits as a guarded run's.
+        arrays, static = eqx.partition((carry, grads, extra, new_state), eqx.is_array)
+        out = apply(*eqx.combine(jax.lax.optimization_barrier(arrays), static))
+        out = jax.lax.optimization_barrier(out)
+        if norms:  # recorded as the guard's skipped update records it: 0
+            out = (*out[:-1], jnp.where(applies, out[-1], 0.0))
+        return out
 
     def measure(
         self,

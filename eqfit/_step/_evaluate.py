@@ -9,7 +9,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
 
 from ._labels import either, LabelError
-from ._objective import clone, needs_key, Objective
+from ._objective import clone, Objective
+from ._signatures import needs_key
 from ._statistics import flatten
 
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Key, PyTree
+from jaxtyping import Array, Bool, Float, Key, PyTree
 
 from ._labels import either, LabelError
 from ._mean import divisor
@@ -50,21 +50,67 @@ def in_microbatches(
     """
     rows = jax.tree.leaves(batch)[0].shape[0]
     n, tail = divmod(rows, size)
-    weighted = "loss" in objective.means
-    aux_means = jnp.asarray([a in objective.means for a in objective.aux_names], bool)
-    metric_means = jnp.asarray([a in objective.means for a in objective.metric_names], bool)
+    sums = _Sums.of(objective, device_mean)
 
     def micro_key(j: Any) -> Key[Array, ""] | None:
         return None if key is None else jax.random.fold_in(key, j)
 
+    # Rows `j, j + n, ...` are microbatch `j`: sliced from the batch as it is, in
+    # the loop, not copied out into a stack of microbatches before it.
+    stacked = jax.tree.map(lambda x: x[: n * size].reshape(size, n, *x.shape[1:]), batch)
+
+    def microbatch(j: Any) -> PyTree:
+        return jax.tree.map(
+            lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), stacked
+        )
+
+    shapes = jax.eval_shape(once, model_state, microbatch(0), micro_key(0))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    labels = None if shapes.labels is None else LabelError.none()
+    init = zeros._replace(value=zeros.value._replace(state=model_state), labels=labels)
+
+    def body(carry: tuple[ForwardBackward, Array], j: Array) -> tuple[Any, None]:
+        total, count = carry
+        part = once(clone(total.value.state), microbatch(j), micro_key(j))
+        return sums.add(total, part, count, size), None
+
+    carry = (init, jnp.zeros((), jnp.float32))
+    (total, count), _ = jax.lax.scan(body, carry, jnp.arange(n))
+    if tail:
+        last = jax.tree.map(lambda x: x[n * size :], batch)
+        part = once(clone(total.value.state), last, micro_key(n))
+        total, count = sums.add(total, part, count, tail)
+    return sums.whole(total, count)
+
+
+class _Sums(NamedTuple):
+    """How microbatches' passes add up as one batch's: each value weighs as its rows, a
+    `Mean` (`weighted` for the loss; `aux_means` and `metric_means` say which of the aux
+    values and metrics are) as its weight.
+    """
+
+    weighted: bool
+    aux_means: Bool[Array, " aux"]
+    metric_means: Bool[Array, " metrics"]
+    device_mean: Callable[[Array], Array]
+
+    @classmethod
+    def of(cls, objective: Objective, device_mean: Callable[[Array], Array]) -> "_Sums":
+        """`objective`'s, with `device_mean`, a value's mean over the devices."""
+        weighted = "loss" in objective.means
+        aux_means = jnp.asarray([a in objective.means for a in objective.aux_names], bool)
+        metric_means = jnp.asarray([a in objective.means for a in objective.metric_names], bool)
+        return cls(weighted, aux_means, metric_means, device_mean)
+
     def add(
-        total: ForwardBackward, part: ForwardBackward, count: Array, rows: int
-    ) -> tuple[Any, ...]:
+        self, total: ForwardBackward, part: ForwardBackward, count: Array, rows: int
+    ) -> tuple[ForwardBackward, Array]:
         """`total` (sums) and `count` (the loss's weights) with `part` added."""
+        aux_means, metric_means = self.aux_means, self.metric_means
         v, t = part.value, total.value
         # The loss's weight among the microbatches: a `Mean`'s, over every device
         # (the divisor `part.loss` was taken over), or its rows.
-        weight = device_mean(v.weight) if weighted else jnp.asarray(rows, jnp.float32)
+        weight = self.device_mean(v.weight) if self.weighted else jnp.asarray(rows, jnp.float32)
         aux = jnp.where(aux_means, v.aux, rows * v.aux)
         aux_weights = jnp.where(aux_means, v.aux_weights, rows)
         metrics = jnp.where(metric_means, part.metrics, rows * part.metrics)
@@ -87,47 +133,27 @@ def in_microbatches(
         )
         return summed, count + weight
 
-    # Rows `j, j + n, ...` are microbatch `j`: sliced from the batch as it is, in
-    # the loop, not copied out into a stack of microbatches before it.
-    stacked = jax.tree.map(lambda x: x[: n * size].reshape(size, n, *x.shape[1:]), batch)
-
-    def microbatch(j: Any) -> PyTree:
-        return jax.tree.map(
-            lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), stacked
+    def whole(self, total: ForwardBackward, count: Array) -> ForwardBackward:
+        """The sums of every microbatch (`total`, the loss's weights summing to `count`)
+        as one batch's pass: a plain value's mean over the rows, weight 1; a `Mean`'s
+        sums stay sums.
+        """
+        aux_means, metric_means = self.aux_means, self.metric_means
+        v = total.value
+        aux = jnp.where(aux_means, v.aux, v.aux / v.aux_weights)
+        aux_weights = jnp.where(aux_means, v.aux_weights, 1.0)
+        metrics = jnp.where(metric_means, total.metrics, total.metrics / total.metric_weights)
+        metric_weights = jnp.where(metric_means, total.metric_weights, 1.0)
+        # A `Mean` whose weights over the microbatches sum to 0 trains on 0 (`divisor`).
+        by = divisor(count)
+        loss = total.loss / by
+        weight = v.weight if self.weighted else jnp.ones((), jnp.float32)
+        return ForwardBackward(
+            loss,
+            jax.tree.map(lambda g: g / by, total.grads),
+            Value(loss, weight, aux, aux_weights, v.state, None),
+            metrics,
+            metric_weights,
+            total.labels,
+            total.statistics,
         )
-
-    shapes = jax.eval_shape(once, model_state, microbatch(0), micro_key(0))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    labels = None if shapes.labels is None else LabelError.none()
-    init = zeros._replace(value=zeros.value._replace(state=model_state), labels=labels)
-
-    def body(carry: tuple[ForwardBackward, Array], j: Array) -> tuple[Any, None]:
-        total, count = carry
-        part = once(clone(total.value.state), microbatch(j), micro_key(j))
-        return add(total, part, count, size), None
-
-    carry = (init, jnp.zeros((), jnp.float32))
-    (total, count), _ = jax.lax.scan(body, carry, jnp.arange(n))
-    if tail:
-        last = jax.tree.map(lambda x: x[n * size :], batch)
-        part = once(clone(total.value.state), last, micro_key(n))
-        total, count = add(total, part, count, tail)
-    v = total.value
-    # A plain value's mean over the rows, weight 1; a `Mean`'s sums stay sums.
-    aux = jnp.where(aux_means, v.aux, v.aux / v.aux_weights)
-    aux_weights = jnp.where(aux_means, v.aux_weights, 1.0)
-    metrics = jnp.where(metric_means, total.metrics, total.metrics / total.metric_weights)
-    metric_weights = jnp.where(metric_means, total.metric_weights, 1.0)
-    # A `Mean` whose weights over the microbatches sum to 0 trains on 0 (`divisor`).
-    by = divisor(count)
-    loss = total.loss / by
-    weight = v.weight if weighted else jnp.ones((), jnp.float32)
-    return ForwardBackward(
-        loss,
-        jax.tree.map(lambda g: g / by, total.grads),
-        Value(loss, weight, aux, aux_weights, v.state, None),
-        metrics,
-        metric_weights,
-        total.labels,
-        total.statistics,
-    )

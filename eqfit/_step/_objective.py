@@ -1,27 +1,24 @@
 """How eqfit calls the user's loss and metrics (`Objective`): with or without model state,
 under a precision policy, with a key where the loss takes one; what a loss returns
 (`split_output`, `aux_value`), the aux names it returns and which of its values and the
-metrics' are weighted means (`find_outputs`); and notes that name the call when the
-user's function fails while traced.
+metrics' are weighted means (`find_outputs`). What it reads of their signatures, and
+the notes that name a call that fails while traced, are `_signatures.py`'s.
 """
 
-import contextlib
-import functools
-import inspect
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Key, PyTree, TypeCheckError
+from jaxtyping import Array, Float, Key, PyTree
 
 from .._core._metric import AbstractMetric, accumulates, MetricLike
 from ._labels import collecting, first_of, LabelError
 from ._mean import Mean
 from ._precision import Precision
+from ._signatures import check_signature, dtype_shape, is_own, noting_call
 from ._size import product_flops
 from ._statistics import (
     arrays,
@@ -37,41 +34,6 @@ from ._statistics import (
 
 
 Metrics = Mapping[str, Callable[..., Any]]
-
-
-def takes_key(fn: object) -> bool:
-    """Whether `fn` accepts a keyword argument `key` (for dropout and the like); `False`
-    for what is not callable (a model may be any PyTree).
-    """
-    return _key_parameter(fn) is not None
-
-
-def needs_key(fn: object) -> bool:
-    """Whether `fn` requires a keyword argument `key` (one without a default); `False`
-    for what is not callable.
-    """
-    param = _key_parameter(fn)
-    return param is not None and param.default is inspect.Parameter.empty
-
-
-def _key_parameter(fn: object) -> inspect.Parameter | None:
-    try:
-        return _cached_key_parameter(fn)  # `inspect.signature` is slow next to a small `fit`
-    except TypeError:  # unhashable: a Module with a list field, say
-        return _cached_key_parameter.__wrapped__(fn)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_key_parameter(fn: object) -> inspect.Parameter | None:
-    if not callable(fn):
-        return None
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return None
-    param = parameters.get("key")
-    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return param if param is not None and param.kind in kinds else None
 
 
 def check_scalar(value: Any, what: str) -> Float[Array, ""]:
@@ -96,104 +58,6 @@ def batch_args(batch: PyTree) -> tuple[Any, ...]:
     PyTree (a dict, say) is passed whole (`loss(model, batch)`).
     """
     return batch if isinstance(batch, tuple) else (batch,)
-
-
-def _check_signature(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], what: str, stateful: bool
-) -> None:
-    """Refuses a loss or metric that cannot take the arguments eqfit passes, saying which
-    it passes, rather than failing with Python's bare `TypeError` (runs while tracing).
-    """
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin or the like: let the call speak
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as e:
-        expected = "(model, state, *batch)" if stateful else "(model, *batch)"
-        got = ", ".join(type(a).__name__ for a in args)
-        raise TypeError(
-            f"{what} is called as fn{expected}, here with {len(args)} arguments ({got}), "
-            f"which its signature {signature} does not take: {e}."
-        ) from None
-
-
-# Words of the errors that a model called on a whole batch raises: `dot_general requires
-# contracting dimensions to have the same shape`, `Input to Conv needs to have rank 3`,
-# `Incompatible shapes for broadcasting`.
-_SHAPE_ERROR = re.compile(r"shape|dimension|\brank\b|broadcast", re.IGNORECASE)
-
-
-@contextlib.contextmanager
-def noting_call(
-    name: str, fn: Callable[..., Any], args: tuple[Any, ...], stateful: bool
-) -> Iterator[None]:
-    """Notes on an error raised while the user's `fn` (the loss, or metric `name`) is
-    traced: the call, with the shapes of the batch it was given, since the traceback shows
-    only tracers; and, for an Equinox model and an error such as calling it on the whole
-    batch gives, that the model is called on one example and should be vmapped.
-    """
-    try:
-        yield
-    except Exception as e:
-        first = 2 if stateful else 1
-        call, shapes = _described_call(fn, args[first:], ("model", "state")[:first])
-        e.add_note(f"while eqfit traced `{name}{call}` with {shapes} (one batch)")
-        if isinstance(args[0], eqx.Module) and _whole_batch_error(e, fn, args[first:]):
-            e.add_note(
-                "Equinox models are called on one example, `model(x[i])`: if the loss calls "
-                "the model on the whole batch, `jax.vmap` it over the batch, "
-                "`jax.vmap(model)(x)`, as `eqfit.losses` do."
-            )
-        raise
-
-
-def _whole_batch_error(error: Exception, fn: Callable[..., Any], batch: tuple[Any, ...]) -> bool:
-    """Whether `error` looks like that of a model called on the whole batch: an error about
-    shapes, or a runtime type check that met an array with the batch's leading size.
-    """
-    if _own(fn):
-        return False  # eqfit's losses and metrics vmap the model themselves
-    if not isinstance(error, TypeCheckError):
-        return _SHAPE_ERROR.search(str(error)) is not None
-    leaves = [x for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0) > 0]
-    if not leaves:
-        return False
-    return re.search(rf"Actual value: \w+\[{leaves[0].shape[0]}[,\]]", str(error)) is not None
-
-
-def _described_call(
-    fn: Callable[..., Any], batch: tuple[Any, ...], before: tuple[str, ...]
-) -> tuple[str, str]:
-    """`(model, x, y)` with `fn`'s own names for the batch's arguments (else `(model,
-    *batch)`), and each argument's arrays as `x: float32[32, 16]`.
-    """
-    names = None
-    with contextlib.suppress(TypeError, ValueError):
-        parameters = list(inspect.signature(fn).parameters.values())[len(before) :]
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        if len(parameters) >= len(batch) and all(
-            p.kind in positional for p in parameters[: len(batch)]
-        ):
-            names = [p.name for p in parameters[: len(batch)]]
-    if names is None:
-        call = f"({', '.join([*before, '*batch'])})"
-        names = [f"batch[{i}]" for i in range(len(batch))]
-    else:
-        call = f"({', '.join([*before, *names])})"
-    shapes = [
-        f"{name}{jax.tree_util.keystr(path)}: {_shape(leaf)}"
-        for name, arg in zip(names, batch)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(arg)
-    ]
-    return call, ", ".join(shapes) or "no arrays"
-
-
-def _shape(x: Any) -> str:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"{x.dtype}[{', '.join(map(str, x.shape))}]"
-    return type(x).__name__
 
 
 class Value(NamedTuple):
@@ -282,7 +146,7 @@ class Objective(eqx.Module):
         """What the loss returns, as it returns it, and the label checks it made."""
         args = self._arguments(model, model_state, batch)
         kwargs = {"key": key} if self.use_key and key is not None else {}
-        _check_signature(self.loss, args, kwargs, "`loss`", self.stateful)
+        check_signature(self.loss, args, kwargs, "`loss`", self.stateful)
         with collecting() as checks, noting_call("loss", self.loss, args, self.stateful):
             out = self.loss(*args, **kwargs)
         return out, checks
@@ -366,7 +230,7 @@ class Objective(eqx.Module):
             for name, fn in self.metrics:
                 if isinstance(fn, AbstractMetric):
                     continue
-                _check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
+                check_signature(fn, args, {}, f"metric {name!r}", self.stateful)
                 with noting_call(f"metrics[{name!r}]", fn, args, self.stateful):
                     value = fn(*args)
                 if isinstance(value, Mean) or name in self.means:
@@ -390,7 +254,7 @@ class Objective(eqx.Module):
         out = []
         with collecting() as checks:
             for name, metric in self.accumulating:
-                _check_signature(metric.statistics, args, {}, f"metric {name!r}", self.stateful)
+                check_signature(metric.statistics, args, {}, f"metric {name!r}", self.stateful)
                 with noting_call(f"metrics[{name!r}]", metric.statistics, args, self.stateful):
                     out.append(arrays(metric.statistics(*args)))
         return tuple(out), first_of(checks)
@@ -451,24 +315,24 @@ def aux_value(name: str, value: Any) -> Array:
     dtype = value.dtype
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(
-            f"{what} is complex ({_shape(value)}), but the run records its values as float32, "
+            f"{what} is complex ({dtype_shape(value)}), but the run records its values as float32, "
             "which would drop the imaginary part: record a real value (`jnp.abs(v)`, or "
             "`v.real` and `v.imag` as two aux values)."
         )
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         raise TypeError(
-            f"{what} is a PRNG key ({_shape(value)}), not a number: a key cannot be averaged "
+            f"{what} is a PRNG key ({dtype_shape(value)}), not a number: a key cannot be averaged "
             "and recorded. Leave it out of `aux`."
         )
     if dtype == jnp.bool_:
         raise TypeError(
-            f"{what} is an array of bools ({_shape(value)}): record a number, such as "
+            f"{what} is an array of bools ({dtype_shape(value)}): record a number, such as "
             "`v.astype(jnp.float32)`, whose average is the fraction that are true."
         )
     if not jnp.issubdtype(dtype, jnp.number):
         raise TypeError(
             f"{what} must be an array of numbers (a scalar, or an array that is averaged), "
-            f"got {_shape(value)}."
+            f"got {dtype_shape(value)}."
         )
     return value
 
@@ -490,7 +354,7 @@ def split_output(out: Any, stateful: bool) -> tuple[Any, Mapping[str, Any] | Non
             if stateful
             else "`return value` (a scalar), or `return value, aux` (a tuple)"
         )
-        parts = ", ".join(_shape(x) if hasattr(x, "dtype") else type(x).__name__ for x in out)
+        parts = ", ".join(dtype_shape(x) if hasattr(x, "dtype") else type(x).__name__ for x in out)
         raise TypeError(
             f"`loss` returned a list of {len(out)} ([{parts}]), but a loss returns its value, "
             f"or its value and a dict of aux values as a tuple, not a list: {fix}."
@@ -527,11 +391,6 @@ class LossTrace(NamedTuple):
     flops: float | None = None
 
 
-def _own(fn: object) -> bool:
-    # `__module__` is None for a function made by `exec` without a `__name__`.
-    return (getattr(fn, "__module__", None) or "").startswith("eqfit.")
-
-
 CONVOLUTION = "conv_general_dilated"
 
 
@@ -552,8 +411,8 @@ def find_outputs(
     unknown (`None`).
     """
     weighted = len(batch_args(batch)) > 2
-    own = _own(objective.loss) and all(
-        _own(fn) for _, fn in objective.metrics if not accumulates(fn)
+    own = is_own(objective.loss) and all(
+        is_own(fn) for _, fn in objective.metrics if not accumulates(fn)
     )
     if not always and own:
         names = ("loss", *objective.metric_names) if weighted else ()
@@ -584,11 +443,11 @@ def find_outputs(
         for name, fn in objective.metrics:
             if isinstance(fn, AbstractMetric):
                 continue
-            if _own(fn):
+            if is_own(fn):
                 if weighted:
                     means.append(name)
                 continue
-            _check_signature(fn, args, {}, f"metric {name!r}", objective.stateful)
+            check_signature(fn, args, {}, f"metric {name!r}", objective.stateful)
             with collecting(), noting_call(f"metrics[{name!r}]", fn, args, objective.stateful):
                 outs.append(fn(*args))
             if isinstance(outs[-1], Mean):

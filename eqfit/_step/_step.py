@@ -151,29 +151,9 @@ class Step(eqx.Module):
         finite = applied = None
         turns: list[Turn] = []
         for i, (info, update) in enumerate(self.updates):
-            turn_key = key
-            if key is not None and info.name:
-                turn_key = jax.random.fold_in(key, i)
-            # The metrics ride in the first update's forward pass where it has one.
-            measures = self.objective.metrics if i == 0 and info.every == 1 else ()
-
-            def run(
-                operand: tuple[PyTree, PyTree, PyTree, LossScale | None],
-                i: int = i,
-                info: UpdateInfo = info,
-                update: AbstractUpdate = update,
-                turn_key: Key[Array, ""] | None = turn_key,
-                measures: tuple[tuple[str, MetricLike], ...] = measures,
-            ) -> Turn:
-                return self._turn(i, info, update, *operand, batch, turn_key, measures)
-
             scale = None if scales is None else scales.get(info.name)
             operand = (params, states[info.name], model_state, scale)
-            if info.every == 1:
-                out = run(operand)
-            else:  # on steps `every`, `2 * every`, ... (counted from 1)
-                due = (step + 1) % info.every == 0
-                out = jax.lax.cond(due, run, functools.partial(_not_due, run), operand)
+            out = self._when_due(i, info, update, operand, batch, key, step)
             params, states[info.name], model_state = out.params, out.opt_state, out.model_state
             if scales is not None and out.loss_scale is not None:
                 scales[info.name] = out.loss_scale
@@ -207,6 +187,35 @@ class Step(eqx.Module):
             reported.get(weight_name(LOSS.name)),
             statistics,
         )
+
+    def _when_due(
+        self,
+        i: int,
+        info: UpdateInfo,
+        update: AbstractUpdate,
+        operand: tuple[PyTree, PyTree, PyTree, LossScale | None],
+        batch: PyTree,
+        key: Key[Array, ""] | None,
+        step: Int[Array, ""],
+    ) -> Turn:
+        """The `i`-th update's turn (`_turn`) on `operand` (the parameters, its state, the
+        model state, its loss scale), with its own key (a named update's); on the steps it
+        is due at alone (`every`), else nothing done (`_not_due`).
+        """
+        turn_key = key
+        if key is not None and info.name:
+            turn_key = jax.random.fold_in(key, i)
+        # The metrics ride in the first update's forward pass where it has one.
+        measures = self.objective.metrics if i == 0 and info.every == 1 else ()
+
+        def run(operand: tuple[PyTree, PyTree, PyTree, LossScale | None]) -> Turn:
+            return self._turn(i, info, update, *operand, batch, turn_key, measures)
+
+        if info.every == 1:
+            return run(operand)
+        # On steps `every`, `2 * every`, ... (counted from 1).
+        due = (step + 1) % info.every == 0
+        return jax.lax.cond(due, run, functools.partial(_not_due, run), operand)
 
     def _metrics(
         self, params: PyTree, model_state: PyTree, batch: PyTree

@@ -24,9 +24,10 @@ from .._core._typing import ArrayTree
 from ._descent import hyperparams, UpdateContext
 from ._labels import LabelError
 from ._mean import Mean
-from ._objective import clone, find_outputs, LossTrace, Objective, split_output, takes_key
+from ._objective import clone, find_outputs, LossTrace, Objective, split_output
 from ._precision import LossScale, Precision
 from ._record import column_name, LOSS, UpdateInfo, weight_name
+from ._signatures import takes_key
 
 
 # An update's name begins the history's names of its values (`d_loss`): a word.
@@ -437,7 +438,9 @@ def validation_loss(update: AbstractUpdate) -> Callable[..., Any] | None:
 def builtin(update: AbstractUpdate) -> Update | None:
     """`update` where it is the built-in one (`eqfit.Update`: a loss, which validation
     computes, and whose values are its loss and aux values); `None` for an update of the
-    user's own. The one place the two are told apart, besides `_take_turn`.
+    user's own. How the update objects are told apart where the run is checked, traced
+    and built; inside the step, `_take_turn` is each kind's own, and what reads the run's
+    static description tells them apart by `UpdateInfo.loss`.
     """
     return update if isinstance(update, Update) else None
 
