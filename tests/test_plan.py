@@ -198,6 +198,19 @@ def test_counting_the_flops_compiles_nothing(getkey):
     with programs_compiled() as names:
         history = eqfit.fit(model, (x, y), epochs=2, batch_size=64, **arguments).history
     assert names == ["jit(run)"] and (history.throughput["mfu"] > 0).all()
+    # Counted once: a second fit of new arrays of the same shapes traces nothing.
+    traces = []
+
+    def loss(model, x, y):
+        traces.append(1)  # runs only while JAX traces
+        return eqfit.losses.mse(model, x, y)
+
+    arguments["loss"] = loss
+    counts = []
+    for seed in range(3):
+        eqfit.fit(model, regression_data(jax.random.key(seed), n=256, features=16), **arguments)
+        counts.append(len(traces))
+    assert counts[0] > 0 and counts[1:] == [counts[0]] * 2
 
 
 def test_a_plain_fit_on_an_unknown_device_does_not_count_flops(getkey):

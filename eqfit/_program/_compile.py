@@ -62,10 +62,15 @@ class ProgramCache:
             return self.facts.get(key, {}).get(name)
 
     def set_fact(self, key: Hashable, name: Hashable, value: Any) -> None:
-        """Keeps `value` as `name` of the program cached under `key`, while it is."""
+        """Keeps `value` as `name` of the program cached under `key`, while it is; or
+        of one about to be compiled (a step's FLOPs, counted before the run compiles),
+        with the `size` newest such facts.
+        """
         with self.lock:
-            if key in self.entries:
-                self.facts.setdefault(key, {})[name] = value
+            self.facts.setdefault(key, {})[name] = value
+            waiting = [k for k in self.facts if k not in self.entries]
+            for old in waiting[: max(0, len(waiting) - self.size)]:
+                del self.facts[old]
 
     def clear(self) -> None:
         with self.lock:
