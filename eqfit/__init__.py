@@ -8,6 +8,7 @@ from . import (
     sharding as sharding,
 )
 from ._buckets import Buckets as Buckets
+from ._core._auto_microbatches import AutoMicrobatches as AutoMicrobatches
 from ._core._early_stopping import EarlyStopping as EarlyStopping
 from ._core._execution import (
     Execution as Execution,

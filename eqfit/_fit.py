@@ -6,20 +6,17 @@ way through them.
 
 import contextlib
 import contextvars
-import dataclasses
-import inspect
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast, Literal, ParamSpec
+from typing import Any, Literal
 
 import equinox as eqx
 from jax.sharding import Mesh
-from jaxtyping import PyTree
 
-from ._core._checks import checked
+from ._core._auto_microbatches import AutoMicrobatches
+from ._core._checks import checked, takes_arguments_of
 from ._core._early_stopping import EarlyStopping
 from ._core._execution import Execution
-from ._core._metric import tried
 from ._core._policy import Checkpoint, PREEMPTION_SIGNALS, Profile
 from ._core._typing import (
     Data,
@@ -38,21 +35,17 @@ from ._core._typing import (
     Schedules,
 )
 from ._host._observers import Callback
-from ._host._open import first_rows, open_data, schedule_for
 from ._host._plan import Plan
-from ._host._planner import make_plan, step_costs
+from ._host._planner import step_costs
 from ._host._signals import Interrupt
-from ._program._build import make_loop, SPLIT_ROWS
-from ._program._callables import no_data
-from ._program._options import check_options, Options
+from ._program._options import check_options
 from ._program._parallel import Device
 from ._program._sharding import Shard
-from ._replay import replays
 from ._result import FitResult
 from ._step._precision import PrecisionLike
 from ._step._updates import AbstractUpdate
 from ._step._validation import ValidationSets
-from ._train import Ready, train
+from ._train import choose_microbatches, open_and_build, plan_of, Ready, train
 from .metrics import _taken
 
 
@@ -74,9 +67,12 @@ from .metrics import _taken
                 "validation_every",
                 "log_every",
                 "checkpoint_every",
-                "microbatches",
             )
         },
+        "microbatches": (
+            'a whole number (a Python int or a numpy integer), "auto" or an '
+            "`eqfit.AutoMicrobatches(memory, margin)`"
+        ),
         "execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`",
         "optimizer": (
             "one optax `GradientTransformation`, such as `optax.adam(1e-3)` (`optax.adam` "
@@ -134,7 +130,7 @@ def fit(
     ema: Number | None = None,
     validate_ema: bool = False,
     norms: Flag = False,
-    microbatches: Integer = 1,
+    microbatches: Integer | Literal["auto"] | AutoMicrobatches = 1,
     schedules: Schedules | None = None,
     peak_flops: Number | None = None,
     profile: Profile | None = None,
@@ -305,7 +301,10 @@ def fit(
         The model state (BatchNorm) passes from each microbatch to the next, and each
         gets its own key. Unlike `optax.MultiSteps` (and Keras's
         `gradient_accumulation_steps`), `batch_size` is the batch the step trains on,
-        and a step is one update.
+        and a step is one update. `"auto"` (or an [`eqfit.AutoMicrobatches`][] with
+        its own memory and margin): the fewest that fit the device's memory, as the
+        compiled run's memory analysis says (it compiles each count it tries);
+        `history.microbatches` holds the count, `eqfit.plan`'s `microbatches_why` why.
     - `schedules`: `{name: schedule}`, such as `{"learning_rate": schedule}` for
         `optax.adam(schedule)`: each step records `schedule(count)` under `name`, the
         count being the one the step's update uses (the optimizer state's first `count`
@@ -467,55 +466,39 @@ def fit(
         trains=trains,
         filter_spec=filter_spec,
     )
-    ready = _open_and_build(model, data, validation_data, state, opt_state, options)
-    return _compile_and_drive(ready, model, began)
+    ready, build = open_and_build(
+        model, data, validation_data, state, opt_state, options, _PLANNING.get()
+    )
+    return _compile_and_drive(ready, build, model, began)
 
 
-def _open_and_build(
-    model: PyTree,
-    data: Data | None,
-    validation_data: Data | ValidationSets | None,
-    state: ModelState | None,
-    opt_state: OptState | None,
-    options: Options,
-) -> Ready:
-    """Opens the data, plans the run's shape from it, and builds its static description."""
-    if data is None:  # the updates make their own: a row of nothing for each step
-        data = no_data(options.steps_per_epoch or 1)
-    source, val_data = open_data(data, validation_data, options, planning=_PLANNING.get())
-    # With `on_nan` "raise" or "stop", a non-finite step applied, then replayed (`_replay`).
-    step = dataclasses.replace(options.step, replays=replays(options, source))
-    options = dataclasses.replace(options, step=step)
-    schedule = schedule_for(source, options)
-    rows = first_rows(source, SPLIT_ROWS) if tried(options.objects.metrics) else None
-    loop, start = make_loop(model, schedule, options, source.like, state, opt_state, rows)
-    return Ready(options, loop, start, source, val_data)
-
-
-def _compile_and_drive(ready: Ready, model: Model, began: float) -> FitResult[Model]:
+def _compile_and_drive(
+    ready: Ready, build: Callable[[int], Ready], model: Model, began: float
+) -> FitResult[Model]:
     """Compiles the run's programs and drives them to the run's end (with `plan`, stops
     once they are compiled).
     """
-    options, loop, start, source, val_data = ready
     # Ctrl-C deferred from here on: one while XLA compiles stops the run at its first
     # epoch's end, a second one is raised once the compilation returns, and every way out
     # waits for the threads that compile: the process must not exit with XLA still at
     # work in it.
     with contextlib.ExitStack() as stack:
-        interrupt = stack.enter_context(Interrupt(options.signals).deferred())
+        interrupt = stack.enter_context(Interrupt(ready.options.signals).deferred())
         plan = None
-        if options.progress or _PLANNING.get():
-            # Compiles the run's programs into eqfit's cache, where the drive finds them.
-            plan = make_plan(loop, model, source, val_data, start, options)
-            if _PLANNING.get():
-                if interrupt.requested:  # answered once the compilation is done
-                    raise KeyboardInterrupt(f"`eqfit.plan` stopped by {interrupt.signal}.")
-                raise _Planned(plan)
+        auto = ready.options.auto_microbatches
+        if auto is not None:
+            ready, plan = choose_microbatches(auto, ready, build, model)
+        elif ready.options.progress or _PLANNING.get():
+            plan = plan_of(ready, model)
+        if _PLANNING.get():
+            assert plan is not None
+            if interrupt.requested:  # answered once the compilation is done
+                raise KeyboardInterrupt(f"`eqfit.plan` stopped by {interrupt.signal}.")
+            raise _Planned(plan)
+        options, loop, start, source, _ = ready
         costs = step_costs(loop, model, source, start, options, plan)
         return train(ready, interrupt=interrupt, costs=costs, plan=plan, stack=stack, began=began)
 
-
-_P = ParamSpec("_P")
 
 # Set while `plan` runs `fit`: `fit` then stops once its programs are compiled, and
 # raises `_Planned` with what they need, instead of training.
@@ -530,22 +513,7 @@ class _Planned(BaseException):
         self.plan = plan
 
 
-def _takes_arguments_of(
-    fn: Callable[_P, Any],
-) -> Callable[[Callable[..., Plan]], Callable[_P, Plan]]:
-    """Gives the decorated function `fn`'s signature (for type checkers and the docs),
-    returning a `Plan`.
-    """
-
-    def decorate(planner: Callable[..., Plan]) -> Callable[_P, Plan]:
-        shown = inspect.signature(fn).replace(return_annotation=Plan)
-        cast(Any, planner).__signature__ = shown
-        return cast(Any, planner)
-
-    return decorate
-
-
-@_takes_arguments_of(fit)
+@takes_arguments_of(fit, Plan)
 def plan(*args: Any, **kwargs: Any) -> Plan:
     """Compiles the run that `fit` with these arguments would make, trains nothing, and
     tells what it will need: memory per device, FLOPs, the model's arrays and their

@@ -195,6 +195,9 @@ class History:
         step of the best validation (`best_epoch` is the epoch it fell in); else `None`.
     - `non_finite`: with `on_nan="stop"`, what made the loss not finite where it stopped
         the run (an [`eqfit.NonFinite`][], found by replaying the step); else `None`.
+    - `microbatches`: the number of microbatches each batch was computed in: as given,
+        or as `microbatches="auto"` chose it (`eqfit.plan(...).microbatches_why` says
+        why).
 
     For an ensemble every per-epoch value has a last axis of members, `step_loss` and
     `batch_sizes` are `(epochs, steps, members)`, `best_epoch` and `stop_reason` are
@@ -218,6 +221,7 @@ class History:
     validations: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     best_step: int | None | tuple[int | None, ...] = None
     non_finite: NonFinite | None = None
+    microbatches: int = 1
 
     @property
     def loss(self) -> np.ndarray:

@@ -309,6 +309,7 @@ def _result(
         _throughput(outcome.epoch_figures, schedule.first_epoch, rows),
         *_validations(loop, placement.host(state.validations), squeeze),
         tuple(best_steps) if ensemble else best_steps[0],
+        microbatches=loop.step.microbatches,
     )
     if report.trained is not None:
         params, model_state, average = report.trained

@@ -3,6 +3,7 @@ there is one), the feeds, the observers, the drive itself, and the finish.
 """
 
 import contextlib
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -12,8 +13,11 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._core._auto_microbatches import AutoMicrobatches, Needs
 from ._core._checks import reported_as
 from ._core._data import fingerprint
+from ._core._metric import tried
+from ._core._typing import Data, ModelState, OptState
 from ._host._drive import drive, feeds
 from ._host._feeds import Feed, validation_reader
 from ._host._inference import StreamedSets
@@ -26,8 +30,9 @@ from ._host._observers import (
     EpochModels,
     Observer,
 )
-from ._host._open import read_again
+from ._host._open import first_rows, open_data, read_again, schedule_for
 from ._host._plan import Plan
+from ._host._planner import make_plan
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
 from ._host._signals import Interrupt
@@ -36,17 +41,20 @@ from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
 from ._keep._resume import open_store, resume
 from ._nonfinite import find
+from ._program._build import make_loop, SPLIT_ROWS
+from ._program._callables import no_data
 from ._program._calls import program_for
 from ._program._compile import Starting
 from ._program._loop import Loop
 from ._program._options import Options
-from ._program._parallel import OneDevice
+from ._program._parallel import check_batch_split, OneDevice, split_count
 from ._program._schedule import Schedule
 from ._program._start import start_program
 from ._program._state import Inputs, StartArgs, TrainState
 from ._program._uncompiled import without_compiling
-from ._replay import replay
+from ._replay import replay, replays
 from ._result import finish, FitResult, model_from
+from ._step._validation import ValidationSets
 
 
 class Ready(NamedTuple):
@@ -57,6 +65,67 @@ class Ready(NamedTuple):
     start: StartArgs
     source: Source
     val_data: PyTree | None
+
+
+def open_and_build(
+    model: PyTree,
+    data: Data | None,
+    validation_data: Data | ValidationSets | None,
+    state: ModelState | None,
+    opt_state: OptState | None,
+    options: Options,
+    planning: bool,
+) -> tuple[Ready, Callable[[int], Ready]]:
+    """Opens the data, plans the run's shape from it, and builds its static description;
+    and how to build it again with another number of microbatches (`"auto"`).
+    """
+    if data is None:  # the updates make their own: a row of nothing for each step
+        data = no_data(options.steps_per_epoch or 1)
+    source, val_data = open_data(data, validation_data, options, planning=planning)
+    # With `on_nan` "raise" or "stop", a non-finite step applied, then replayed (`_replay`).
+    step = dataclasses.replace(options.step, replays=replays(options, source))
+    options = dataclasses.replace(options, step=step)
+    schedule = schedule_for(source, options)
+    rows = first_rows(source, SPLIT_ROWS) if tried(options.objects.metrics) else None
+
+    def build(microbatches: int) -> Ready:
+        step = dataclasses.replace(options.step, microbatches=microbatches)
+        chosen = dataclasses.replace(options, step=step)
+        check_batch_split(chosen.placement, schedule.batch_size, microbatches)
+        loop, start = make_loop(model, schedule, chosen, source.like, state, opt_state, rows)
+        return Ready(chosen, loop, start, source, val_data)
+
+    return build(options.step.microbatches), build
+
+
+def plan_of(ready: Ready, model: PyTree) -> Plan:
+    """Compiles the run's programs into eqfit's cache, where the drive finds them, and
+    reads what they need.
+    """
+    options, loop, start, source, val_data = ready
+    return make_plan(loop, model, source, val_data, start, options)
+
+
+def choose_microbatches(
+    auto: AutoMicrobatches, ready: Ready, build: Callable[[int], Ready], model: PyTree
+) -> tuple[Ready, Plan]:
+    """`microbatches="auto"`: the run built with the fewest microbatches whose compiled
+    program fits, and its plan, which says why.
+    """
+    built = {1: (ready, plan_of(ready, model))}
+
+    def needs(count: int) -> Needs:
+        if count not in built:
+            again = build(count)
+            built[count] = again, plan_of(again, model)
+        memory = built[count][1].memory
+        return Needs(memory.total, memory.temporary)
+
+    loop = ready.loop
+    rows = loop.schedule.batch_size // split_count(loop.placement)
+    count, why = auto.choose(rows, needs, built[1][1].memory_limit)
+    chosen, plan = built[count]
+    return chosen, dataclasses.replace(plan, microbatches_why=why)
 
 
 def begin_state(ready: Ready) -> tuple[TrainState | Starting, PyTree]:

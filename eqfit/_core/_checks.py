@@ -18,7 +18,7 @@ import inspect
 import re
 import textwrap
 from collections.abc import Callable, Iterator
-from typing import Any, cast, TypeVar
+from typing import Any, cast, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,24 @@ def checked(name: str, hints: dict[str, str] | None = None) -> Callable[[_F], _F
         if shown is not None:
             cast(Any, call).__signature__ = shown
         return call  # pyright: ignore[reportReturnType]
+
+    return decorate
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def takes_arguments_of(
+    fn: Callable[_P, Any], returns: type[_R]
+) -> Callable[[Callable[..., _R]], Callable[_P, _R]]:
+    """Gives the decorated function `fn`'s signature (for type checkers and the docs),
+    returning `returns`: `eqfit.plan` takes `fit`'s arguments.
+    """
+
+    def decorate(other: Callable[..., _R]) -> Callable[_P, _R]:
+        cast(Any, other).__signature__ = inspect.signature(fn).replace(return_annotation=returns)
+        return cast(Any, other)
 
     return decorate
 

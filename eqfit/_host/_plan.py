@@ -172,6 +172,10 @@ class Plan:
     - `validation_streamed`: the validation sets stream (memmaps, loaders): read from
         the host a chunk at a time at each validation, so no device holds them, and
         `memory` leaves them out.
+    - `microbatches`: the number of microbatches each batch is computed in
+        (`fit(..., microbatches=)`).
+    - `microbatches_why`: with `microbatches="auto"`, why that number, in words: the
+        memory each count tried needs, against the device's; else `None`.
     - `compiled`: the run's compiled program (`jax.stages.Compiled`, or
         Equinox's for `devices=`): `plan.compiled.as_text()` shows its HLO. With
         `PerStep`, the program of full batches' steps that `fit` calls again and again
@@ -197,6 +201,8 @@ class Plan:
     flops_lower_bound: str | None = None
     validation_streamed: bool = False
     bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    microbatches: int = 1
+    microbatches_why: str | None = None
 
     @property
     def flops(self) -> float | None:
@@ -243,6 +249,10 @@ class Plan:
         ]
         if self.sharded:
             parts.append(f"{self.split} of {len(self.arrays)} arrays split")
+        if self.microbatches_why is not None:
+            parts.append(f"microbatches {self.microbatches_why}")
+        elif self.microbatches > 1:
+            parts.append(f"{self.microbatches} microbatches")
         return "eqfit: " + ", ".join(parts)
 
     def __str__(self) -> str:
@@ -271,6 +281,10 @@ class Plan:
             f"steps run as: {self.execution.describe()} ({self.execution_why})",
             f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
+        if self.microbatches_why is not None:
+            lines.insert(-1, f"microbatches: {self.microbatches_why}")
+        elif self.microbatches > 1:
+            lines.insert(-1, f"microbatches: {self.microbatches} a batch")
         if self.bucket_shapes is not None:
             shown = " | ".join(
                 " ".join(str(list(s)) for s in shapes) for shapes in self.bucket_shapes

@@ -402,6 +402,7 @@ def _compile_plan_in(
         flops_lower_bound=step.lower_bound or validation.lower_bound,
         validation_streamed=streams,
         bucket_shapes=source.bucket_shapes() if isinstance(source, Loader) else None,
+        microbatches=loop.step.microbatches,
     )
 
 

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
+from .._core._auto_microbatches import as_microbatches, AutoMicrobatches
 from .._core._checks import as_int, as_real, as_steps
 from .._core._data import as_key, check_alive, ensemble_size
 from .._core._early_stopping import EarlyStopping
@@ -106,6 +107,8 @@ class Options:
     profile: Profile | None = None  # checked against the run's steps by `check_profile`
     execution: Execution | Literal["auto"] = "auto"  # checked against the run by `choose`
     log_every: int | None = None  # tell the callbacks the training values every n steps
+    # `microbatches="auto"`: `step.microbatches` is chosen once the run is built.
+    auto_microbatches: AutoMicrobatches | None = None
 
 
 EARLY_STOPPING = "`early_stopping.monitor`"
@@ -244,6 +247,7 @@ def check_options(
         )
         batch_size, shuffle = 1, False  # one step a row of `no_data`'s
     scheduled = as_schedules(schedules)
+    microbatches, auto_microbatches = as_microbatches(microbatches)
     options = Options(
         log_every=as_steps("log_every", log_every, "tell the callbacks the training values"),
         key=as_key(key),
@@ -279,6 +283,7 @@ def check_options(
         execution=execution,
         objects=callables(loss, optimizer, updates, metrics, scheduled, state is not None),
         filter_spec=trained_filter(model, trains, filter_spec, updates),
+        auto_microbatches=auto_microbatches,
     )
     _refuse_impossible_monitors(options, tuple(metrics or ()))
     return options
