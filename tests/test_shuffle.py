@@ -158,3 +158,46 @@ def test_consecutive_epochs_are_uncorrelated(shuffle, n):
     # Their spread: (n - 1) * sum(rho^2) is about chi-square with one degree per pair.
     statistic = (n - 1) * (rho**2).sum()
     assert abs(_z_chi_square(statistic, len(rho))) < Z_MAX
+
+
+@pytest.mark.parametrize("validation_every", [None, 37])
+def test_a_shuffled_pass_trains_on_the_rows_one_step_at_a_time_would(validation_every):
+    # A shuffled pass over arrays in memory on the CPU gathers the rows of many steps at
+    # once (`_ahead`), and `PerStep` gathers each step's own: each step must see the same
+    # rows in the same order. 1,003 rows in batches of 8: 125 full batches and one of 3,
+    # more than one stretch of steps gathered at once, the last stretch's rows cut at
+    # the pass's end; and validations in the middle of stretches.
+    import equinox as eqx
+    import optax
+
+    import eqfit
+
+    n = 1003
+    ids = np.arange(n, dtype=np.float32)
+    data = (ids[:, None], np.arange(n, dtype=np.int32) % 7)
+
+    def loss(model, x, y):
+        weights = 1.0 + jnp.arange(x.shape[0], dtype=jnp.float32)  # the rows' order too
+        value = jnp.mean((jax.vmap(model)(x) - y[:, None]) ** 2)
+        return value, {"rows": jnp.sum(x[:, 0] * weights), "labels": jnp.sum(y * weights)}
+
+    runs = {
+        name: eqfit.fit(
+            eqx.nn.Linear(1, 1, key=jax.random.key(0)),
+            data,
+            loss=loss,
+            optimizer=optax.sgd(1e-6),
+            key=jax.random.key(3),
+            epochs=2,
+            batch_size=8,
+            validation_data=data if validation_every else None,
+            validation_every=validation_every,
+            execution=execution,
+        )
+        for name, execution in [("whole", eqfit.WholeRun()), ("per step", eqfit.PerStep())]
+    }
+    whole, per_step = runs["whole"].history, runs["per step"].history
+    for name in ("rows", "labels"):
+        np.testing.assert_array_equal(whole.step_values[name], per_step.step_values[name])
+    assert whole.step_values["rows"].shape == (2, 126)
+    np.testing.assert_array_equal(whole.step_loss, per_step.step_loss)

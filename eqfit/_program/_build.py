@@ -24,6 +24,7 @@ from .._step._record import LOSS, Record, record_for, UpdateInfo
 from .._step._signatures import takes_key
 from .._step._statistics import accumulated_shapes, check_split, split_statistics
 from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
+from ._ahead import steps_ahead
 from ._compile import PROGRAMS
 from ._jit import cached_jit
 from ._loop import Loop
@@ -113,6 +114,7 @@ def make_loop(
         samples_per_step=_samples_per_step(objects.updates),
         log_every=options.log_every,
         statistics=statistics,
+        ahead=steps_ahead(options.placement, schedule, options.shuffle, options.members, like),
     )
     consts = Consts(frozen, object_arrays)
     # The optimizer's `init` (the user's object's, so that its state's shapes are cached

@@ -76,6 +76,8 @@ class Loop:
     statistics: tuple[Like, ...] = ()
     # XLA's options for the programs that train (`_parallel.SMALL_STEP_OPTIONS`).
     compiler_options: CompilerOptions = ()
+    # The steps whose rows a shuffled pass gathers at once (`_ahead.steps_ahead`).
+    ahead: int = 1
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:

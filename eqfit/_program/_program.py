@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
 from .._step._statistics import add
+from ._ahead import gathered_steps
 from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
 from ._records import (
@@ -350,7 +351,9 @@ class _Member:
                 return (state.step < full_limit) & _running(state)
 
             passes = schedule.passes
-            if passes is None or passes.num_full:  # else all is the remainder
+            if loop.ahead > 1 and self.inputs.piece is None:  # shuffled, on one CPU
+                state = gathered_steps(self, state, order, first, full_limit, step_key)
+            elif passes is None or passes.num_full:  # else all is the remainder
                 state = self.steps_while(
                     more_full, lambda s, active: batch_step(s, loop.batch_size, full, active), state
                 )
@@ -420,11 +423,12 @@ class _Member:
         full: bool,
         step_key: Key[Array, ""] | None,
         active: Bool[Array, ""] | None = None,
+        batch: PyTree = None,
     ) -> TrainState:
-        """One step, at `state.step`, on the rows `index` of the data: a full batch
-        (split over devices), or a pass's smaller last one (never split, as it need not
-        divide evenly: no pmean). Where `active` is false, computed and dropped: the
-        state comes back as it was (`masked`).
+        """One step, at `state.step`, on the rows `index` of the data (or `batch`, those
+        rows taken ahead): a full batch (split over devices), or a pass's smaller last
+        one (never split, as it need not divide evenly: no pmean). Where `active` is
+        false, computed and dropped: the state comes back as it was (`masked`).
         """
         before = state
         loop, schedule = self.loop, self.loop.schedule
@@ -434,7 +438,9 @@ class _Member:
         # Unshuffled arrays in memory: each batch's rows are consecutive, and sliced.
         consecutive = not loop.shuffle and self.inputs.piece is None
         if full:
-            batch, step = placement.full_batch(data, index, consecutive), self.parts.step
+            step = self.parts.step
+            if batch is None:
+                batch = placement.full_batch(data, index, consecutive)
         else:
             batch = placement.remainder_batch(data, index, consecutive)
             step = dataclasses.replace(
