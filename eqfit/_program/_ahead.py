@@ -25,8 +25,8 @@ from ._state import Inputs, Stop, TrainState
 # The rows of the steps gathered at once: about this many bytes of them, of at most
 # `AHEAD_STEPS` steps (and no more than a pass's full batches): few enough to stay in a
 # core's cache.
-AHEAD_BYTES = 2**20
-AHEAD_STEPS = 64
+AHEAD_BYTES = 2**21
+AHEAD_STEPS = 128
 
 
 def steps_ahead(
