@@ -340,11 +340,18 @@ def fit_options(args: argparse.Namespace) -> dict[str, Any]:
     # `fit`; without them asked for, this runs on an eqfit without it.
     if args.remat != "none":
         options["remat"] = args.remat
-    if args.microbatches != "1":
-        options["microbatches"] = (
-            args.microbatches if args.microbatches == "auto" else int(args.microbatches)
-        )
+    if args.microbatches != 1:
+        options["microbatches"] = args.microbatches
     return options
+
+
+def count_or_auto(text: str) -> int | str:
+    """`--microbatches`: a positive integer, or `auto`."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer or auto, not {text!r}")
+    return int(text)
 
 
 def parse() -> argparse.Namespace:
@@ -360,7 +367,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--remat", choices=("none", "nothing", "dots", "dots_no_batch"), default="none"
     )
-    parser.add_argument("--microbatches", default="1", help="an integer, or auto")
+    parser.add_argument("--microbatches", type=count_or_auto, default=1, help="K or auto")
     parser.add_argument("--progress", action="store_true", help="fit's plan, lines, bar")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     return parser.parse_args()
