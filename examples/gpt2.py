@@ -395,9 +395,7 @@ def main() -> None:
         else text_tokens(size, args.text)
     )
 
-    result = eqfit.fit(
-        model,
-        (tokens,),
+    arguments: dict[str, Any] = dict(
         loss=loss,
         optimizer=optimizer(size, steps * epochs),
         key=fit_key,
@@ -411,8 +409,20 @@ def main() -> None:
         progress=args.progress,
         **fit_options(args),
     )
+    # The plan compiles the run's programs into eqfit's cache (`fit` then compiles
+    # nothing), and says the memory they need on the device.
+    plan = eqfit.plan(model, (tokens,), **arguments)
+    print(plan.summary())
+    result = eqfit.fit(model, (tokens,), **arguments)
 
     figures = summary(result, size, batch)
+    stats = device.memory_stats() or {}  # the CPU keeps none
+    figures.update(
+        plan_memory_bytes=plan.memory.total,
+        peak_bytes_in_use=stats.get("peak_bytes_in_use"),
+        microbatches=result.history.microbatches,
+        microbatches_why=plan.microbatches_why,
+    )
     mfu = (
         "MFU unknown (no peak: --peak-tflops)"
         if figures["mfu"] is None

@@ -69,7 +69,7 @@ class AutoMicrobatches(eqx.Module):
         elif device_limit is not None:
             memory, whose = device_limit, "the device's"
         else:
-            memory, whose = _physical_memory(), "the machine's (the CPU says none)"
+            memory, whose = _physical_memory(), "the machine's: a CPU device says none"
         return math.floor(memory * (1 - self.margin)), f"{_gib(memory)}, {whose}"
 
     def choose(
