@@ -50,6 +50,7 @@ from ._program._sharding import Shard
 from ._replay import replays
 from ._result import FitResult
 from ._step._precision import PrecisionLike
+from ._step._remat import REMAT_VALUES, RematLike
 from ._step._updates import AbstractUpdate
 from ._step._validation import ValidationSets
 from ._train import Ready, train
@@ -66,18 +67,12 @@ from .metrics import _taken
         **{
             name: "a whole number (a Python int or a numpy integer)"
             for name in (
-                "epochs",
-                "initial_epoch",
-                "steps_per_epoch",
-                "batch_size",
-                "validation_freq",
-                "validation_every",
-                "log_every",
-                "checkpoint_every",
-                "microbatches",
-            )
+                "epochs initial_epoch steps_per_epoch batch_size validation_freq "
+                "validation_every log_every checkpoint_every microbatches"
+            ).split()
         },
         "execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`",
+        "remat": REMAT_VALUES,
         "optimizer": (
             "one optax `GradientTransformation`, such as `optax.adam(1e-3)` (`optax.adam` "
             "itself makes one when called; to train parts of the model at once, each by an "
@@ -135,6 +130,7 @@ def fit(
     validate_ema: bool = False,
     norms: Flag = False,
     microbatches: Integer = 1,
+    remat: RematLike = None,
     schedules: Schedules | None = None,
     peak_flops: Number | None = None,
     profile: Profile | None = None,
@@ -306,6 +302,12 @@ def fit(
         gets its own key. Unlike `optax.MultiSteps` (and Keras's
         `gradient_accumulation_steps`), `batch_size` is the batch the step trains on,
         and a step is one update.
+    - `remat`: activation checkpointing: the loss's forward pass (each microbatch's, each
+        `eqfit.Update`'s unless its own `remat=` says otherwise) keeps what a
+        `jax.checkpoint` policy saves, and the backward pass computes the rest again:
+        `"nothing"` (`nothing_saveable`), `"dots"` (`dots_saveable`), `"dots_no_batch"`
+        (`dots_with_no_batch_dims_saveable`) or a policy function. It trains as without,
+        to float rounding; the FLOPs (and MFU) are the model's. Keras has no such option.
     - `schedules`: `{name: schedule}`, such as `{"learning_rate": schedule}` for
         `optax.adam(schedule)`: each step records `schedule(count)` under `name`, the
         count being the one the step's update uses (the optimizer state's first `count`
@@ -456,6 +458,7 @@ def fit(
         validate_ema=validate_ema,
         norms=norms,
         microbatches=microbatches,
+        remat=remat,
         peak_flops=peak_flops,
         signals=signals,
         schedules=schedules,
