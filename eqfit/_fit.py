@@ -43,6 +43,7 @@ from ._program._parallel import Device
 from ._program._sharding import Shard
 from ._result import FitResult
 from ._step._precision import PrecisionLike
+from ._step._remat import REMAT_VALUES, RematLike
 from ._step._updates import AbstractUpdate
 from ._step._validation import ValidationSets
 from ._train import choose_microbatches, open_and_build, plan_of, Ready, train
@@ -59,21 +60,16 @@ from .metrics import _taken
         **{
             name: "a whole number (a Python int or a numpy integer)"
             for name in (
-                "epochs",
-                "initial_epoch",
-                "steps_per_epoch",
-                "batch_size",
-                "validation_freq",
-                "validation_every",
-                "log_every",
-                "checkpoint_every",
-            )
+                "epochs initial_epoch steps_per_epoch batch_size validation_freq "
+                "validation_every log_every checkpoint_every"
+            ).split()
         },
         "microbatches": (
             'a whole number (a Python int or a numpy integer), "auto" or an '
             "`eqfit.AutoMicrobatches(memory, margin)`"
         ),
         "execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`",
+        "remat": REMAT_VALUES,
         "optimizer": (
             "one optax `GradientTransformation`, such as `optax.adam(1e-3)` (`optax.adam` "
             "itself makes one when called; to train parts of the model at once, each by an "
@@ -131,6 +127,7 @@ def fit(
     validate_ema: bool = False,
     norms: Flag = False,
     microbatches: Integer | Literal["auto"] | AutoMicrobatches = 1,
+    remat: RematLike = None,
     schedules: Schedules | None = None,
     peak_flops: Number | None = None,
     profile: Profile | None = None,
@@ -305,6 +302,12 @@ def fit(
         its own memory and margin): the fewest that fit the device's memory, as the
         compiled run's memory analysis says (it compiles each count it tries);
         `history.microbatches` holds the count, `eqfit.plan`'s `microbatches_why` why.
+    - `remat`: activation checkpointing: the loss's forward pass (each microbatch's, each
+        `eqfit.Update`'s unless its own `remat=` says otherwise) keeps what a
+        `jax.checkpoint` policy saves, and the backward pass computes the rest again:
+        `"nothing"` (`nothing_saveable`), `"dots"` (`dots_saveable`), `"dots_no_batch"`
+        (`dots_with_no_batch_dims_saveable`) or a policy function. It trains as without,
+        to float rounding; the FLOPs (and MFU) are the model's. Keras has no such option.
     - `schedules`: `{name: schedule}`, such as `{"learning_rate": schedule}` for
         `optax.adam(schedule)`: each step records `schedule(count)` under `name`, the
         count being the one the step's update uses (the optimizer state's first `count`
@@ -455,6 +458,7 @@ def fit(
         validate_ema=validate_ema,
         norms=norms,
         microbatches=microbatches,
+        remat=remat,
         peak_flops=peak_flops,
         signals=signals,
         schedules=schedules,

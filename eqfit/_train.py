@@ -368,6 +368,7 @@ def train_config(options: Options, loop: Loop) -> dict[str, Any]:
         "validate_ema": validation is not None and validation.ema,
         "norms": step.norms,
         "microbatches": step.microbatches,
+        "remat": None if step.remat is None else step.remat.name,
         "ensemble_members": options.members,
         "devices": devices,
         "checkpoint": None if checkpoint is None else str(checkpoint.directory),

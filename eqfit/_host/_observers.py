@@ -39,7 +39,7 @@ class Callback(Protocol):
     the run's arguments as plain JSON-able values (`train_config`'s: epochs,
     initial_epoch, batch_size, steps_per_epoch, shuffle, drop_remainder, on_nan, metrics,
     validation, validation_split, early_stopping, precision, ema, validate_ema, norms,
-    microbatches, ensemble_members, devices, checkpoint, checkpoint_every,
+    microbatches, remat, ensemble_members, devices, checkpoint, checkpoint_every,
     checkpoint_every_steps, checkpoint_every_seconds, signals, schedules, profile,
     log_every, validation_every); `on_train_batch_end(step, logs)`, called with
     `fit(..., log_every=n)` after every n-th step with the step's global number (the

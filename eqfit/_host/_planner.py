@@ -172,8 +172,11 @@ def step_flops(loop: Loop, state: TrainState, data_like: PyTree, consts: Consts)
     def one_step(state: TrainState, batch: PyTree, consts: Consts) -> Any:
         # The whole batch on one device, in one pass: the same arithmetic as the
         # placement's, without the collectives that split it, nor the loop over
-        # microbatches, which would count the batch's rows once more per microbatch.
-        step = dataclasses.replace(loop.parts(consts).step, axis_name=None, microbatch=None)
+        # microbatches, which would count the batch's rows once more per microbatch;
+        # and with no forward pass checkpointed (`remat=`): the model's FLOPs, without
+        # those of the forward pass computed again.
+        step = loop.parts(consts).step
+        step = dataclasses.replace(step, axis_name=None, microbatch=None, recompute=False)
         key = jax.random.key(0) if loop.use_key else None
         args = (state.params, state.opt_state, state.model_state, state.average)
         return step(*args, state.loss_scale, batch, key, state.step)

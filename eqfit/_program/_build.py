@@ -353,6 +353,11 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
                     "casts each loss's forward pass",
                     options.step.precision is not None,
                 ),
+                (
+                    "remat=",
+                    "checkpoints each loss's forward pass",
+                    options.step.remat is not None,
+                ),
             )
             if given
         ]
@@ -361,8 +366,8 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
             raise ValueError(
                 f"`{option}` with only updates of your own ({', '.join(map(repr, custom))}): "
                 f"it {does}, and an update of your own has none: its `apply` trains as it "
-                f"is written. Cast or measure inside `apply` (recording norms as values), "
-                f"or train without `{option.split('=')[0]}=`."
+                f"is written. Cast, measure or checkpoint inside `apply` (recording norms as "
+                f"values; `jax.checkpoint`), or train without `{option.split('=')[0]}=`."
             )
     if custom and isinstance(options.placement, Pmap):
         raise ValueError(

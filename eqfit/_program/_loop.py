@@ -192,6 +192,7 @@ class Loop:
             microbatch=self.microbatch(),
             batch=self.step.batch,
             guard=not self.step.replays,
+            remat=self.step.remat,
         )
         return Rebuilt(objective, combine, step, init, lay_out)
 

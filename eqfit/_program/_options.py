@@ -26,6 +26,7 @@ from .._core._policy import as_signals, Checkpoint, Profile
 from .._step._average import as_average, Average
 from .._step._precision import as_precision, Precision
 from .._step._record import LOSS, NORMS, record_for, SCALING, UpdateInfo
+from .._step._remat import as_remat, Remat
 from .._step._validation import refuse_sets, Validation, ValidationSets
 from ._callables import as_schedules, callables, check_no_data, trained_filter
 from ._parallel import choose_placement, Device, Placement
@@ -48,8 +49,8 @@ def _whole(name: str, value: Any, least: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """What each step does besides its loss and optimizer: `on_nan=`, `precision=`,
-    `ema=`, `norms=`, `microbatches=`. Hashable: the run's static description holds it
-    whole.
+    `ema=`, `norms=`, `microbatches=`, `remat=`. Hashable: the run's static description
+    holds it whole.
     """
 
     on_nan: OnNan = "raise"
@@ -57,6 +58,9 @@ class StepOptions:
     average: Average | None = None  # `ema=`
     norms: bool = False
     microbatches: int = 1  # each batch computed in this many parts, one after another
+    # The policy each `eqfit.Update`'s forward pass is checkpointed by (its own `remat=`
+    # over it); `None`: not checkpointed.
+    remat: Remat | None = None
     # `False`: `fit` was given no data (`data=None`): its updates make their own (a
     # rollout's), and each gets `batch=None`.
     batch: bool = True
@@ -196,6 +200,7 @@ def check_options(
     validate_ema: bool,
     norms: Any,
     microbatches: Any,
+    remat: Any,
     peak_flops: Any,
     signals: Any,
     schedules: Any,
@@ -274,6 +279,7 @@ def check_options(
             average,
             bool(norms),
             as_int(microbatches),
+            remat=as_remat(remat),
             batch=data is not None,
         ),
         peak_flops=_peak_flops(peak_flops),

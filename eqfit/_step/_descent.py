@@ -26,6 +26,7 @@ from ._objective import clone, Objective
 from ._optimizer import extra_args
 from ._precision import all_finite, LossScale, Precision
 from ._record import GRAD_NORM, LOSS, UPDATE_NORM
+from ._remat import checkpointed, Remat
 
 
 def _whole(params: PyTree) -> PyTree:
@@ -83,7 +84,9 @@ class UpdateContext(eqx.Module):
     out of a whole model (`combine`'s inverse), for an update of the user's own, whose
     `apply` gives a whole model; `loss_scale`: the update's loss scale (float16's), which
     an `eqfit.Update`'s turn descends with; `metrics`: those it computes in its forward
-    pass, on the model before it.
+    pass, on the model before it; `remat`: the policy its loss's forward pass is
+    checkpointed by (`remat=`), and `recompute`: false where the step is traced only to
+    count its FLOPs, so that no policy applies (`_remat.chosen`).
     """
 
     combine: Callable[[PyTree], PyTree] = _whole
@@ -101,6 +104,8 @@ class UpdateContext(eqx.Module):
     # `False`: a non-finite update is applied too, with no `cond` around it (`fit`'s
     # `on_nan="raise"` and `"stop"`, which stop there and replay the last finite state).
     guard: bool = True
+    remat: Remat | None = None
+    recompute: bool = True
 
     def descend(
         self,
@@ -274,7 +279,8 @@ class UpdateContext(eqx.Module):
         """The loss, its gradient with respect to `trained` and its aux values on `batch`,
         and (with `metrics`) the metrics on the model the loss saw, with the state after
         it. With `microbatch`, one microbatch after another, each summed into the whole:
-        the same values as in one pass, holding one microbatch's activations.
+        the same values as in one pass, holding one microbatch's activations. With
+        `remat`, each forward pass (each microbatch's) is checkpointed by its policy.
         """
         policy = objective.precision
         weighted = LOSS.name in objective.means  # a weighted mean (`eqfit.Mean`)
@@ -289,6 +295,8 @@ class UpdateContext(eqx.Module):
                 loss = loss / divisor(self.device_mean(jax.lax.stop_gradient(v.weight)))
             scaled = loss if policy is None else policy.scale(loss, loss_scale)
             return scaled, (loss, v, model)
+
+        value = checkpointed(value, self.remat)
 
         def once(state: PyTree, batch: PyTree, key: Key[Array, ""] | None) -> ForwardBackward:
             # One forward pass: the aux values ride out of it with the loss.

@@ -31,6 +31,7 @@ from ._record import (
     UpdateInfo,
     weight_name,
 )
+from ._remat import Remat
 from ._updates import AbstractUpdate, Turn
 
 
@@ -121,6 +122,11 @@ class Step(eqx.Module):
     batch: bool = True
     # `False`: a non-finite update is applied too (`UpdateContext.guard`).
     guard: bool = True
+    # With `remat=`: the policy each `eqfit.Update`'s forward pass is checkpointed by
+    # (its own over it); `recompute` false: none is, whatever the policies, where the
+    # step is traced to count its FLOPs (the model's).
+    remat: Remat | None = None
+    recompute: bool = True
 
     def __call__(
         self,
@@ -294,6 +300,8 @@ class Step(eqx.Module):
             metrics=measures,
             metric_means=tuple(n for n in self.objective.means if n in self.objective.metric_names),
             guard=self.guard,
+            remat=self.remat,
+            recompute=self.recompute,
         )
         # At the count this update's step uses: its state's before it.
         scheduled = schedule_values(self.schedules, opt_state) if info.schedules else []

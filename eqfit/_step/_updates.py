@@ -8,6 +8,7 @@ order on its batch, each on the model the one before it left.
 """
 
 import abc
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -27,6 +28,7 @@ from ._mean import Mean
 from ._objective import clone, find_outputs, LossTrace, Objective, split_output
 from ._precision import LossScale, Precision
 from ._record import column_name, LOSS, UpdateInfo, weight_name
+from ._remat import as_remat, chosen, RematLike
 from ._signatures import takes_key
 
 
@@ -293,14 +295,21 @@ class Update(AbstractUpdate):
         (`lambda m: m.generator`); `None`: every floating-point array.
     - `every`: it runs on steps `every`, `2 * every`, ... (counted from 1) only; on the
         others its values are not recorded (a WGAN's generator: `every=5`).
+    - `remat`: activation checkpointing of its loss's forward pass, by a policy of
+        `jax.checkpoint`'s, as `fit`'s `remat=` (which it overrides for this update):
+        `"nothing"`, `"dots"`, `"dots_no_batch"` or a policy function; `None` (the
+        default): `fit`'s. In a hand loop, its `apply` checkpoints so too.
 
-    Precision, `on_nan`, `norms` and `ema` act per update as with one loss: an update
-    whose loss is not finite is not applied.
+    Precision, `on_nan`, `norms`, `ema` and `remat` act per update as with one loss: an
+    update whose loss is not finite is not applied. (An update of your own, an
+    `eqfit.AbstractUpdate`, trains as its `apply` is written: checkpoint inside it, with
+    `jax.checkpoint`, where it should.)
     """
 
     name: str
     loss: Callable[..., Any]
     optimizer: optax.GradientTransformation
+    remat: RematLike = eqx.field(default=None, kw_only=True)
 
     def __check_init__(self) -> None:
         if not callable(self.loss):
@@ -322,6 +331,7 @@ class Update(AbstractUpdate):
                 f"`GradientTransformation`, such as `optax.adam(1e-3)`, got "
                 f"{type(optimizer).__name__}.{hint}"
             )
+        as_remat(self.remat, f"`eqfit.Update({self.name!r})`'s `remat`")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Final, as in Equinox's rule: `fit` and a hand loop run its `apply` as it is, so
@@ -346,9 +356,10 @@ class Update(AbstractUpdate):
         key: Key[Array, ""],
     ) -> Applied:
         """The step `fit` runs for this update, its very turn in the step (`fit`'s options
-        at their defaults: one device, no precision policy, no norms, no microbatches),
-        for a hand-written loop: the same bits as `fit`'s parameters, optimizer state and
-        values (its loss, its aux values, its injected hyperparameters). An update
+        at their defaults: one device, no precision policy, no norms, no microbatches;
+        its own `remat`), for a hand-written loop: the same bits as `fit`'s parameters,
+        optimizer state and values (its loss, its aux values, its injected
+        hyperparameters). An update
         whose loss is not finite is not applied; a weighted mean's batch of weight 0
         trains on a zero gradient and records NaN; `grad_fn` reaches optimizers that take
         it (SAM's opaque mode).
@@ -372,9 +383,12 @@ class Update(AbstractUpdate):
         batch: ArrayTree,
         key: Key[Array, ""] | None,
     ) -> Turn:
-        """Its turn in `fit`'s step: `apply`'s descent, under `fit`'s options, with the
-        run's metrics (`context.metrics`) computed in its forward pass.
+        """Its turn in `fit`'s step: `apply`'s descent, under `fit`'s options (its own
+        `remat` over `fit`'s), with the run's metrics (`context.metrics`) computed in its
+        forward pass.
         """
+        remat = chosen(self.remat, context.remat, context.recompute)
+        context = dataclasses.replace(context, remat=remat)
         objective = Objective(
             self.loss,
             context.metrics,
