@@ -27,7 +27,7 @@ measure the run's speed.
 
 Run: `python examples/gpt2.py [--size small|tiny] [--batch B] [--steps S] [--epochs E]
 [--attention auto|xla|cudnn|splash] [--precision bfloat16|float32] [--text PATH]
-[--peak-tflops T] [--remat none|nothing|dots|dots_no_batch] [--microbatches K|auto]
+[--peak-tflops T] [--remat none|nothing|dots|dots_no_batch|blocks] [--microbatches K|auto]
 [--progress] [--json PATH]`
 """
 
@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqfit
@@ -250,7 +251,9 @@ class GPT(eqx.Module):
         x = self.token_embedding[tokens].astype(jnp.float32)
         x = x + self.position_embedding[: tokens.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            # Named, so that `--remat blocks` keeps each block's output and computes the
+            # rest again in the backward pass (a name alone changes nothing).
+            x = checkpoint_name(block(x), "block")
         # The head tied to the embedding.
         embedding = self.token_embedding
         return self.final_norm(x).astype(embedding.dtype) @ embedding.T
@@ -336,9 +339,9 @@ def fit_options(args: argparse.Namespace) -> dict[str, Any]:
     from its default.
     """
     options: dict[str, Any] = {}
-    # `fit(..., remat=)` and `microbatches="auto"` come with the change that adds them to
-    # `fit`; without them asked for, this runs on an eqfit without it.
-    if args.remat != "none":
+    if args.remat == "blocks":  # each block's output kept, as the model names it
+        options["remat"] = jax.checkpoint_policies.save_only_these_names("block")
+    elif args.remat != "none":
         options["remat"] = args.remat
     if args.microbatches != 1:
         options["microbatches"] = args.microbatches
@@ -365,7 +368,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--text", type=Path, help="a file whose bytes to train on")
     parser.add_argument("--peak-tflops", type=float, help="one device's peak, for the MFU")
     parser.add_argument(
-        "--remat", choices=("none", "nothing", "dots", "dots_no_batch"), default="none"
+        "--remat",
+        choices=("none", "nothing", "dots", "dots_no_batch", "blocks"),
+        default="none",
     )
     parser.add_argument("--microbatches", type=count_or_auto, default=1, help="K or auto")
     parser.add_argument("--progress", action="store_true", help="fit's plan, lines, bar")
