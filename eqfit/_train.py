@@ -32,7 +32,7 @@ from ._host._observers import (
 )
 from ._host._open import first_rows, open_data, read_again, schedule_for
 from ._host._plan import Plan
-from ._host._planner import make_plan
+from ._host._planner import make_plan, memory_limit
 from ._host._profiling import Profiling
 from ._host._progress import Bar, early_stops, Lines, progress_kind
 from ._host._signals import Interrupt
@@ -47,7 +47,7 @@ from ._program._calls import program_for
 from ._program._compile import Starting
 from ._program._loop import Loop
 from ._program._options import Options
-from ._program._parallel import check_batch_split, OneDevice, split_count
+from ._program._parallel import check_batch_split, OneDevice, placement_devices, split_count
 from ._program._schedule import Schedule
 from ._program._start import start_program
 from ._program._state import Inputs, StartArgs, TrainState
@@ -112,18 +112,22 @@ def choose_microbatches(
     """`microbatches="auto"`: the run built with the fewest microbatches whose compiled
     program fits, and its plan, which says why.
     """
-    built = {1: (ready, plan_of(ready, model))}
+    built: dict[int, tuple[Ready, Plan]] = {}
 
-    def needs(count: int) -> Needs:
-        if count not in built:
-            again = build(count)
+    def needs(count: int) -> Needs | None:
+        again = ready if count == ready.options.step.microbatches else build(count)
+        try:
             built[count] = again, plan_of(again, model)
+        except jax.errors.JaxRuntimeError as error:
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            return None  # XLA would not compile it: it needs more than the device has
         memory = built[count][1].memory
         return Needs(memory.total, memory.temporary)
 
     loop = ready.loop
     rows = loop.schedule.batch_size // split_count(loop.placement)
-    count, why = auto.choose(rows, needs, built[1][1].memory_limit)
+    count, why = auto.choose(rows, needs, memory_limit(placement_devices(loop.placement)))
     chosen, plan = built[count]
     return chosen, dataclasses.replace(plan, microbatches_why=why)
 

@@ -73,14 +73,16 @@ class AutoMicrobatches(eqx.Module):
         return math.floor(memory * (1 - self.margin)), f"{_gib(memory)}, {whose}"
 
     def choose(
-        self, rows: int, needs: Callable[[int], Needs], device_limit: int | None
+        self, rows: int, needs: Callable[[int], Needs | None], device_limit: int | None
     ) -> tuple[int, str]:
         """The fewest microbatches that fit, and why, in words.
 
         **Arguments:**
 
         - `rows`: the rows of a batch each device computes; a count divides it.
-        - `needs`: what the run compiled with a count needs (it compiles it).
+        - `needs`: what the run compiled with a count needs (it compiles it); `None`
+            where the compilation itself ran out of the device's memory (XLA on a TPU
+            refuses a program whose temporaries exceed it).
         - `device_limit`: the bytes the device says it holds, if it says.
 
         **Returns:**
@@ -93,19 +95,23 @@ class AutoMicrobatches(eqx.Module):
         """
         budget, whose = self.budget(device_limit)
         room = f"{_gib(budget)} ({1 - self.margin:.0%} of {whose})"
-        first = needs(1)
-        if first.total <= budget:
-            return 1, f"1: the whole batch needs {_gib(first.total)} of {room}"
-        tried = {1: first}
-        fixed = first.total - first.temporary
-        for count in [k for k in range(2, rows + 1) if rows % k == 0]:
-            if fixed + first.temporary / count > budget:
-                continue  # would not fit even were the temporaries to shrink in full
-            tried[count] = needs(count)
-            if tried[count].total <= budget:
+        tried: dict[int, Needs | None] = {}
+        known, known_count = None, 1  # the last count that compiled, and what it needs
+        for count in [k for k in range(1, rows + 1) if rows % k == 0]:
+            if known is not None:
+                fixed = known.total - known.temporary
+                if fixed + known.temporary * known_count / count > budget:
+                    continue  # would not fit even were the temporaries to shrink in full
+            tried[count] = need = needs(count)
+            if need is None:  # its compilation ran out of the device's memory
+                continue
+            if need.total <= budget:
+                if count == 1:
+                    return 1, f"1: the whole batch needs {_gib(need.total)} of {room}"
                 return count, (
                     f"{count}: the fewest that fit {room}: {_tried(tried)}{_skipped(tried, rows)}"
                 )
+            known, known_count = need, count
         raise ValueError(
             f'`microbatches="auto"`: no number of microbatches fits the step in {room}: '
             f"{_tried(tried)}, the counts that divide the batch's {rows} rows per device "
@@ -127,13 +133,14 @@ def as_microbatches(value: Any) -> tuple[Any, AutoMicrobatches | None]:
     return value, None
 
 
-def _tried(tried: dict[int, Needs]) -> str:
+def _tried(tried: dict[int, Needs | None]) -> str:
+    over = "more than the device has (XLA would not compile it)"
     return "memory per device by count: " + ", ".join(
-        f"{k}: {_gib(n.total)}" for k, n in tried.items()
+        f"{k}: {over if n is None else _gib(n.total)}" for k, n in tried.items()
     )
 
 
-def _skipped(tried: dict[int, Needs], rows: int) -> str:
+def _skipped(tried: dict[int, Needs | None], rows: int) -> str:
     below = [k for k in range(2, max(tried)) if rows % k == 0 and k not in tried]
     if not below:
         return ""
