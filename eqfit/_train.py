@@ -47,7 +47,7 @@ from ._program._calls import program_for
 from ._program._compile import Starting
 from ._program._loop import Loop
 from ._program._options import Options
-from ._program._parallel import check_batch_split, OneDevice, placement_devices, split_count
+from ._program._parallel import OneDevice, placement_devices, split_count
 from ._program._schedule import Schedule
 from ._program._start import start_program
 from ._program._state import Inputs, StartArgs, TrainState
@@ -88,10 +88,11 @@ def open_and_build(
     schedule = schedule_for(source, options)
     rows = first_rows(source, SPLIT_ROWS) if tried(options.objects.metrics) else None
 
+    # `schedule_for` checked the count given; `"auto"` tries only counts that divide each
+    # device's rows.
     def build(microbatches: int) -> Ready:
         step = dataclasses.replace(options.step, microbatches=microbatches)
         chosen = dataclasses.replace(options, step=step)
-        check_batch_split(chosen.placement, schedule.batch_size, microbatches)
         loop, start = make_loop(model, schedule, chosen, source.like, state, opt_state, rows)
         return Ready(chosen, loop, start, source, val_data)
 

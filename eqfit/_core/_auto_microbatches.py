@@ -29,8 +29,8 @@ class AutoMicrobatches(eqx.Module):
 
     A count is only compiled where it might fit: the working memory (XLA's temporaries)
     shrinks at best as `1 / count`, so counts that would not fit even then are skipped.
-    The choice and why are `eqfit.plan(...).microbatches_why` and
-    `history.microbatches_why`; none that fits is a `ValueError` saying what each needs.
+    The count is `history.microbatches`, and why `eqfit.plan(...).microbatches_why` (and
+    the bar's summary); none that fits is a `ValueError` saying what each count needs.
 
     **Arguments:**
 

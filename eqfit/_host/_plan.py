@@ -237,6 +237,13 @@ class Plan:
             return None
         return self.memory.total <= self.memory_limit
 
+    @property
+    def _microbatches(self) -> str:
+        """The microbatches in words, and why with `"auto"`; empty for one asked for."""
+        if self.microbatches_why is not None:
+            return self.microbatches_why
+        return f"{self.microbatches} a batch" if self.microbatches > 1 else ""
+
     def summary(self) -> str:
         """One line: parameters, memory on the fullest device, FLOPs per step, and under
         `shard=` how many arrays are split.
@@ -249,10 +256,8 @@ class Plan:
         ]
         if self.sharded:
             parts.append(f"{self.split} of {len(self.arrays)} arrays split")
-        if self.microbatches_why is not None:
-            parts.append(f"microbatches {self.microbatches_why}")
-        elif self.microbatches > 1:
-            parts.append(f"{self.microbatches} microbatches")
+        if self._microbatches:
+            parts.append(f"microbatches {self._microbatches}")
         return "eqfit: " + ", ".join(parts)
 
     def __str__(self) -> str:
@@ -281,10 +286,8 @@ class Plan:
             f"steps run as: {self.execution.describe()} ({self.execution_why})",
             f"memory per device: {_memory(self.memory, self.arguments)}",
         ]
-        if self.microbatches_why is not None:
-            lines.insert(-1, f"microbatches: {self.microbatches_why}")
-        elif self.microbatches > 1:
-            lines.insert(-1, f"microbatches: {self.microbatches} a batch")
+        if self._microbatches:
+            lines.insert(-1, f"microbatches: {self._microbatches}")
         if self.bucket_shapes is not None:
             shown = " | ".join(
                 " ".join(str(list(s)) for s in shapes) for shapes in self.bucket_shapes

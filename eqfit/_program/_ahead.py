@@ -19,7 +19,7 @@ from .._core._data import take
 from ._loop import Loop
 from ._parallel import OneDevice, Placement, placement_devices
 from ._schedule import Schedule
-from ._state import Inputs, Stop, TrainState
+from ._state import Inputs, running, TrainState
 
 
 # The rows of the steps gathered at once: about this many bytes of them, of at most
@@ -109,9 +109,6 @@ def gathered_steps(
     batch_size, ahead = loop.batch_size, loop.ahead
     rows = ahead * batch_size
     last = order.shape[0] - rows  # the last start with `rows` rows from it (`ahead` fits)
-
-    def running(state: TrainState) -> Bool[Array, ""]:
-        return state.reason == Stop.RUNNING
 
     def stretch(state: TrainState) -> TrainState:
         start = jnp.minimum((state.step - first) * batch_size, last)

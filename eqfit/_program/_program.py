@@ -41,6 +41,7 @@ from ._state import (
     Consts,
     Inputs,
     Report,
+    running,
     Steps,
     Stop,
     strongly_typed,
@@ -215,7 +216,7 @@ class _Member:
             seed = shuffle_seed(self.key)
 
             def more(state: TrainState) -> Bool[Array, ""]:
-                return (state.step < stop) & (state.reason == Stop.RUNNING)
+                return (state.step < stop) & running(state)
 
             def one_pass(state: TrainState) -> TrainState:
                 index = schedule.pass_of(state.step)
@@ -279,7 +280,7 @@ class _Member:
             # Straight-line code, no loop and no `cond` around the step (XLA compiles a
             # convolution in either worse): a step past the end is computed and dropped,
             # on rows in range (`safe`'s).
-            active = (state.step < end) & _running(state)
+            active = (state.step < end) & running(state)
             if remainder:
                 active = active & (state.step == safe)
             t = jnp.where(active, state.step, safe)
@@ -348,7 +349,7 @@ class _Member:
             full_limit = limit if remainder_step is None else jnp.minimum(limit, remainder_step)
 
             def more_full(state: TrainState) -> Bool[Array, ""]:
-                return (state.step < full_limit) & _running(state)
+                return (state.step < full_limit) & running(state)
 
             passes = schedule.passes
             if loop.ahead > 1 and self.inputs.piece is None:  # shuffled, on one CPU
@@ -363,7 +364,7 @@ class _Member:
                 # A loop that runs once or not at all, not a `cond`: XLA compiles a step
                 # inside a conditional more slowly than inside a loop.
                 def remainder_due(state: TrainState) -> Bool[Array, ""]:
-                    return (state.step == remainder_step) & (state.step < limit) & _running(state)
+                    return (state.step == remainder_step) & (state.step < limit) & running(state)
 
                 remainder = passes.remainder
                 state = self.steps_while(
@@ -382,7 +383,7 @@ class _Member:
             return between_epoch_ends(state)
 
         def more(state: TrainState) -> Bool[Array, ""]:
-            return (state.step < end) & _running(state)
+            return (state.step < end) & running(state)
 
         return self.while_loop(more, between_epoch_ends, state)
 
@@ -524,7 +525,7 @@ class _Member:
             step = state.step
             due = reached & (jax.lax.rem(step, jnp.asarray(every, step.dtype)) == 0)
             state, stop = _when(
-                due & _running(state),
+                due & running(state),
                 lambda s: end.validated(s, sums or ()),
                 lambda s: (s, jnp.asarray(False)),
                 state,
@@ -538,7 +539,7 @@ class _Member:
         # With `validation_every`, the epoch's validation values are its last validation's.
         closing = () if every is not None else sums or ()
         state = _when(
-            closes & _running(state), lambda s: end.close(s, closing), lambda s: s, state, sums
+            closes & running(state), lambda s: end.close(s, closing), lambda s: s, state, sums
         )
         if stop is not None:  # an early stop at a validation, once its epoch is closed
             state = state._replace(reason=jnp.where(stop, Stop.EARLY_STOPPING, state.reason))
@@ -569,10 +570,6 @@ class _Member:
             logs=logs,
             validations=state.validations,
         )
-
-
-def _running(state: TrainState) -> Bool[Array, ""]:
-    return state.reason == Stop.RUNNING
 
 
 def _any_member(

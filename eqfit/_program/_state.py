@@ -113,6 +113,11 @@ class TrainState(NamedTuple):
     statistics: tuple[PyTree, ...] = ()
 
 
+def running(state: TrainState) -> Bool[Array, ""]:
+    """Whether the run (this member) has not stopped."""
+    return state.reason == Stop.RUNNING
+
+
 def strongly_typed(state: TrainState) -> TrainState:
     """`state` with each weakly typed array made strongly typed, its dtype kept: the types
     of the state `start` makes and each program returns. An update hands its arrays back
