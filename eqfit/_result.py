@@ -264,7 +264,6 @@ def _result(
         loop.placement,
         loop.schedule,
     )
-    # `np.asarray` on each, not `jax.device_get`, whose tree walk costs more.
     steps, codes, best = (
         np.asarray(x).reshape(-1)
         for x in placement.host((report.step, report.reason, report.best_epoch))

@@ -49,7 +49,7 @@ from ._program._loop import Loop
 from ._program._options import Options
 from ._program._parallel import OneDevice, placement_devices, split_count
 from ._program._schedule import Schedule
-from ._program._start import start_program
+from ._program._start import made_before, mark_made, start_program
 from ._program._state import Inputs, StartArgs, TrainState
 from ._program._uncompiled import without_compiling
 from ._replay import replay, replays
@@ -137,18 +137,21 @@ def begin_state(ready: Ready) -> tuple[TrainState | Starting, PyTree]:
     """The training state at the start, and the key of each member (or the key). On one
     device with one key, where `start` only copies and fills arrays, the state is made
     without compiling it (`without_compiling`); else, with no checkpoint to resume, it is
-    made in a thread while the run's program is traced (`Starting`); else now.
+    made in a thread while the run's program is traced (`Starting`); else now. Where an
+    earlier `fit` of the configuration compiled `start`, it is queued at once.
     """
     loop, options = ready.loop, ready.options
     inputs = loop.placement.start_inputs(ready.start, loop.trains)
     program = start_program(loop)
-    if isinstance(loop.placement, OneDevice) and options.members is None:
+    if isinstance(loop.placement, OneDevice) and options.members is None and not made_before(loop):
         made = without_compiling(program, inputs)
         if made is not None:
             return made
         if options.checkpoint is None:
-            return Starting(program, inputs), options.key
-    return program(*inputs)
+            return Starting(program, inputs, functools.partial(mark_made, loop)), options.key
+    made = program(*inputs)
+    mark_made(loop)
+    return made
 
 
 def train(

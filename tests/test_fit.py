@@ -208,7 +208,7 @@ def test_a_state_of_copies_and_fills_is_made_without_compiling(getkey, computes)
     model, data = linear(getkey), regression_data(getkey(), 64)
     params = eqx.filter(model, eqx.is_inexact_array)
     expected = jax.jit(init)(params)
-    results = []
+    results, optimizer, key = [], _kept_state(init), getkey()
 
     def fit():
         results.append(
@@ -216,8 +216,8 @@ def test_a_state_of_copies_and_fills_is_made_without_compiling(getkey, computes)
                 model,
                 data,
                 loss=eqfit.losses.mse,
-                optimizer=_kept_state(init),
-                key=getkey(),
+                optimizer=optimizer,
+                key=key,
                 epochs=1,
                 batch_size=16,
             )
@@ -228,6 +228,10 @@ def test_a_state_of_copies_and_fills_is_made_without_compiling(getkey, computes)
     assert programs_made(fit) == (2 if computes else 1)
     assert_trees_equal(results[0].opt_state, expected)
     assert not eqx.tree_equal(results[0].model, model)  # it trained
+    # A second fit compiles nothing: `start`, compiled by the first, is queued at once.
+    assert programs_made(fit) == 0
+    assert_trees_equal(results[1].opt_state, expected)
+    assert_trees_equal(results[1].model, results[0].model)
 
 
 def test_a_state_made_with_an_effect_is_compiled_and_the_effect_runs(getkey):

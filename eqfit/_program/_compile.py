@@ -135,18 +135,29 @@ class Starting:
     one compilation, not for both in turn. Its shapes are known at once.
     """
 
-    def __init__(self, program: Callable[..., tuple[TrainState, Any]], args: tuple[Any, ...]):
+    def __init__(
+        self,
+        program: Callable[..., tuple[TrainState, Any]],
+        args: tuple[Any, ...],
+        made: Callable[[], None] = lambda: None,
+    ):
         self.shapes: TrainState = jax.eval_shape(program, *args)[0]
         self.made: tuple[TrainState, Any] | None = None
         self.error: BaseException | None = None
         # Not a daemon: Python waits for it before it exits, so that no exit (a third
         # Ctrl-C while `fit` waits for it, say) leaves XLA compiling in the process.
-        self.thread = threading.Thread(target=self._make, args=(program, args))
+        self.thread = threading.Thread(target=self._make, args=(program, args, made))
         self.thread.start()
 
-    def _make(self, program: Callable[..., tuple[TrainState, Any]], args: tuple[Any, ...]):
+    def _make(
+        self,
+        program: Callable[..., tuple[TrainState, Any]],
+        args: tuple[Any, ...],
+        made: Callable[[], None],
+    ) -> None:
         try:
             self.made = program(*args)
+            made()
         except BaseException as e:  # raised in the training thread, by `ready`
             self.error = e
 

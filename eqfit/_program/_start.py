@@ -99,6 +99,19 @@ def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*me
     return PROGRAM_CACHE.get(("start", loop), lambda: jax.jit(fn, compiler_options=options))
 
 
+def made_before(loop: Loop) -> bool:
+    """Whether `start_program(loop)` has made a state (so it is compiled): a later `fit`
+    of the configuration then queues it at once, with nothing traced, lowered or put on
+    the device from the host (each of which an accelerator waits for).
+    """
+    return bool(PROGRAM_CACHE.fact(("start", loop), "made"))
+
+
+def mark_made(loop: Loop) -> None:
+    """Notes that `start_program(loop)` made a state (`made_before`)."""
+    PROGRAM_CACHE.set_fact(("start", loop), "made", True)
+
+
 START_OPTIONS = {"xla_backend_optimization_level": 0}
 
 # What the run's key (a member's) is folded with for the updates' `init`s: apart from the
