@@ -141,7 +141,8 @@ def log_rows(loop: Loop) -> int:
 
 def rows_every(loop: Loop, every: int) -> int:
     """The n-th steps this run reaches (its global step count a multiple of `every`), at
-    least one: the rows of a table with one for each (`log_every`'s, `validation_every`'s).
+    least one: the rows of a table with one for each (`log_every`'s; `validation_every`'s
+    are `EveryNSteps.rows`).
     """
     schedule = loop.schedule
     return max(schedule.total // every - schedule.begin // every, 1)

@@ -1,8 +1,8 @@
 """When a run validates by its steps: `validation_every=n` (`EveryNSteps`), a validation
 after every n-th step, each in its row of the run's table (`Validations`); or the null
 concern, `AtEpochEnds`, at the epochs' ends (`validation_freq`), or not at all. The run
-asks it what it does by the option (`StepValidation`'s methods), so no other module tests
-whether the option was given.
+asks it what it does by the option (`StepValidation`'s methods): no other module reads
+the option's number or tests it for `None`.
 """
 
 import abc
@@ -57,7 +57,7 @@ class StepValidation(eqx.Module):
     ends `validation_freq` says, or not at all). What the run does by it (where its
     stretches of steps stop, its table of validations, what early stopping and
     `Checkpoint(keep_best=)` count, the history's steps, the plan's passes, the
-    checkpoint's configuration) is asked of it, so nothing else tests for the option.
+    checkpoint's configuration) is asked of it. Hashable: `Validation` holds it.
     """
 
     # Validations after steps, inside epochs: a stretch of steps may stop there, each
@@ -146,6 +146,13 @@ class StepValidation(eqx.Module):
     def config(self) -> dict[str, Any]:
         """What a checkpoint's configuration says of it (`{}` where nothing)."""
 
+    @abc.abstractmethod
+    def length_checks(self) -> tuple[tuple[str, int, str, str, str], ...]:
+        """What the open phase refuses where the run's steps are not known, or are too few
+        to reach one validation (`_host/_open.py`'s `_check_every`): the option, its
+        number, and the words of the message (what is kept, what it does, what instead).
+        """
+
 
 @final
 class AtEpochEnds(StepValidation):
@@ -204,6 +211,9 @@ class AtEpochEnds(StepValidation):
     def config(self) -> dict[str, Any]:
         return {}
 
+    def length_checks(self) -> tuple[tuple[str, int, str, str, str], ...]:
+        return ()
+
 
 @final
 class EveryNSteps(StepValidation):
@@ -235,7 +245,7 @@ class EveryNSteps(StepValidation):
 
     def rows(self, schedule: ScheduleLike) -> int:
         """The n-th steps the run reaches, at least one: the rows of its table."""
-        return max(schedule.total // self.n - schedule.begin // self.n, 1)
+        return max(self.passes(schedule, 1), 1)
 
     def row(self, schedule: ScheduleLike, position: Any) -> Any:
         """The row of the table that the validation after `position` (an int, or traced;
@@ -299,3 +309,7 @@ class EveryNSteps(StepValidation):
 
     def config(self) -> dict[str, Any]:
         return {"validation_every": self.n}  # the state holds a row for each validation
+
+    def length_checks(self) -> tuple[tuple[str, int, str, str, str], ...]:
+        instead = ", or leave it out to validate at each epoch's end"
+        return (("validation_every", self.n, "each validation's values are", "validate", instead),)
