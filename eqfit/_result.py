@@ -22,6 +22,7 @@ from ._program._skeleton import unwrap
 from ._program._state import Consts, NON_FINITE_STOPS, Stop, Validations
 from ._step._labels import raise_found
 from ._step._statistics import ENTRY, grouped
+from ._step._validation_steps import EveryNSteps
 
 
 @functools.partial(
@@ -180,13 +181,13 @@ def _warn_of_nan_monitor(loop: Loop, history: History) -> None:
     epochs, where = history.epoch, "epoch(s) {} (counted from 1)"
     values = _entry(history.values, rule.monitor)
     looked = epochs > rule.start_from_epoch
-    validation = loop.validation
-    by_epoch = not (rule.monitor in loop.val_names and loop.val_every is not None)
+    validation, judging = loop.validation, loop.val_steps.judging(rule.monitor, loop.val_names)
+    by_epoch = not judging.by_steps
     if not by_epoch:
         # Each validation was judged (`validation_every`), numbered `step // every`.
         epochs, where = history.validation_steps, "the validation(s) after step(s) {}"
         values = _entry(history.validations, rule.monitor)
-        looked = epochs // loop.val_every > rule.start_from_epoch
+        looked = judging.number(loop.schedule, epochs) > rule.start_from_epoch
     elif rule.monitor in loop.val_names and validation is not None and validation.freq != 1:
         looked &= epochs % validation.freq == 0
     assert values is not None
@@ -238,18 +239,17 @@ def _validations(
     """The history's `validation_steps` and `validations` (`validation_every`): the
     validations any member made, NaN for a member that did not.
     """
-    every = loop.val_every
-    if every is None or table is None:
+    steps = loop.val_steps
+    if not isinstance(steps, EveryNSteps) or table is None:
         return np.zeros(0, np.int64), {}
     values, done = np.asarray(table.values), np.asarray(table.done)
     if loop.members is None:
         values, done = values[None], done[None]
     made = done.any(axis=0)
     values = np.where(done[..., None], values, np.nan)[:, made]
-    first = loop.schedule.begin // every + 1
-    steps = (first + np.flatnonzero(made)) * every
+    at = steps.steps_of(loop.schedule, np.flatnonzero(made))
     by_name = {name: squeeze(values[..., i]).copy() for i, name in enumerate(loop.val_names)}
-    return steps.astype(np.int64), grouped(by_name, loop.record.array_values(loop.val_sets))
+    return at.astype(np.int64), grouped(by_name, loop.record.array_values(loop.val_sets))
 
 
 def _result(
@@ -354,15 +354,14 @@ def _best(loop: Loop, best: np.ndarray) -> tuple[list[int | None], list[int | No
     """Each member's best epoch by early stopping (`None` without it, or with no best
     yet), and its best validation's step where early stopping counted validations.
     """
-    has_stopping = loop.early_stopping is not None
-    best_epochs = [b if has_stopping and b >= 0 else None for b in best.tolist()]
-    best_steps: list[int | None] = [None for _ in best_epochs]
-    every, rule = loop.val_every, loop.early_stopping
-    if every is not None and rule is not None and rule.monitor in loop.val_names:
-        # Early stopping counted validations: its best is one, `step // every`.
-        best_steps = [None if b is None else b * every for b in best_epochs]
-        best_epochs = [None if t is None else loop.schedule.epoch_of(t - 1) for t in best_steps]
-    return best_epochs, best_steps
+    rule = loop.early_stopping
+    best_epochs = [b if rule is not None and b >= 0 else None for b in best.tolist()]
+    if rule is None:
+        return best_epochs, [None for _ in best_epochs]
+    # Where early stopping counted validations (`validation_every`), its best is one.
+    judging = loop.val_steps.judging(rule.monitor, loop.val_names)
+    pairs = [judging.best(loop.schedule, b) for b in best_epochs]
+    return [e for e, _ in pairs], [t for _, t in pairs]
 
 
 def _throughput(

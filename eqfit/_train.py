@@ -54,7 +54,7 @@ from ._program._state import Inputs, StartArgs, TrainState
 from ._program._uncompiled import without_compiling
 from ._replay import replay, replays
 from ._result import finish, FitResult, model_from
-from ._step._validation import ValidationSets
+from ._step._validation import run_config, ValidationSets
 
 
 class Ready(NamedTuple):
@@ -324,11 +324,10 @@ def observers_for(
             return jax.device_get(state)
 
         policy = options.checkpoint
-        monitor, every, best = None, loop.val_every, policy.keep_best
-        if best is not None and every is not None and best in loop.val_names:
-            monitor = BestBy(loop.val_names.index(best), every, loop.validation_row)
-        elif policy.keep_best is not None:
-            monitor = BestBy(loop.log_names.index(policy.keep_best))
+        monitor, best = None, policy.keep_best
+        if best is not None:  # judged at epochs' ends, or validations (`validation_every`)
+            judging = loop.val_steps.judging(best, loop.val_names)
+            monitor = BestBy(judging.column(best, loop.log_names, loop.val_names), judging)
         take = placement.get
         observers.append(
             Checkpointing(
@@ -366,9 +365,7 @@ def train_config(options: Options, loop: Loop) -> dict[str, Any]:
         "metrics": list(loop.metric_names),
         "validation": validation is not None,
         "validation_split": options.validation_split,
-        "validation_sets": None if validation is None else list(validation.sets) or None,
-        "validation_freq": 1 if validation is None else validation.freq,
-        "validation_every": None if validation is None else validation.every,
+        **run_config(validation),
         "log_every": options.log_every,
         "early_stopping": None if options.early_stopping is None else repr(options.early_stopping),
         "precision": precision,

@@ -289,17 +289,19 @@ class _Reader:
         each with its step and values (an ensemble's: the mean of the members that made
         it, as an epoch's).
         """
-        every, table = self.loop.val_every, report.validations
-        if every is None or table is None or position // every <= begin // every:
+        table, steps = (
+            report.validations,
+            self.loop.val_steps.made(self.loop.schedule, begin, position),
+        )
+        if table is None or not steps:
             return ()
         values, done = (np.asarray(x) for x in self.loop.placement.host(table))
         values, done = values.reshape(-1, *values.shape[-2:]), done.reshape(-1, done.shape[-1])
         made = []
-        for k in range(begin // every + 1, position // every + 1):
-            row = self.loop.validation_row(k * every)
+        for step, row in steps:
             if done[:, row].any():
                 value = _mean_of_finished(np.where(done[:, row, None], values[:, row], np.nan))
-                made.append((k * every, dict(zip(self.loop.val_names, value.tolist()))))
+                made.append((step, dict(zip(self.loop.val_names, value.tolist()))))
         return tuple(made)
 
 

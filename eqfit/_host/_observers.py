@@ -28,6 +28,7 @@ from .._keep._writer import Writer
 from .._program._schedule import Schedule
 from .._program._state import stopped_at_non_finite, TrainState
 from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
+from .._step._validation_steps import AtEpochEnds, StepValidation
 from ._signals import Interrupt
 
 
@@ -282,37 +283,27 @@ class EpochModels(NamedTuple):
 
 class BestBy(NamedTuple):
     """What `Checkpoint(keep_best=)` judges a checkpoint by: a column of each epoch's
-    values (`TrainState.epoch_values`), or with `every` (`validation_every`, monitoring a
-    validation value) of each validation's (`TrainState.validations`, the validation
-    after step `t` at row `row_of(t)`: `Loop.validation_row`).
+    values (`TrainState.epoch_values`), or where `steps` judges validations after steps
+    (`validation_every`, monitoring a validation value) of each validation's
+    (`TrainState.validations`).
     """
 
     column: int
-    every: int | None = None
-    row_of: Callable[[int], int] | None = None
+    steps: StepValidation = AtEpochEnds()
 
     def next(self, schedule: Schedule, position: int) -> int:
         """The next position that may be the best: an epoch's end, or a validation's."""
-        if self.every is None:
-            return schedule.next_epoch_end(position)
-        return schedule.next_multiple(position, self.every)
+        return self.steps.next_judged(schedule, position)
 
     def row(self, schedule: Schedule, position: int) -> int | None:
         """The row of the value judged at `position`, if one is made there."""
-        if self.every is None:
-            return schedule.record_row(position - 1) if schedule.is_epoch_end(position) else None
-        assert self.row_of is not None
-        return self.row_of(position) if position % self.every == 0 else None
+        return self.steps.judged_row(schedule, position)
 
     def values(self, state: PyTree, row: int) -> np.ndarray:
         """The values judged at `row` of a state on the host, of each member (NaN where
         none was made).
         """
-        if self.every is None:
-            return _local(state.epoch_values)[..., row, self.column]
-        table = state.validations
-        done = _local(table.done)[..., row]
-        return np.where(done, _local(table.values)[..., row, self.column], np.nan)
+        return self.steps.judged_values(state, row, self.column, _local)
 
 
 class Checkpointing(Observer):

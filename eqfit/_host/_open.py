@@ -17,6 +17,7 @@ from .._program._parallel import check_batch_split, global_rows
 from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
+from .._step._validation_steps import AtEpochEnds
 from ._inference import Reread, StreamedSets
 from ._loader import Loader
 from ._sources import host_seed, InMemory, Memmaps, Source
@@ -148,16 +149,10 @@ def _check_every(options: Options, schedule: Schedule) -> None:
     for (a loader without `len`), or that no step of the run reaches: it would log or
     validate nothing, without a word.
     """
-    every = None if options.validation is None else options.validation.every
+    steps = AtEpochEnds() if options.validation is None else options.validation.steps
     for name, n, kept, does, instead in (
         ("log_every", options.log_every, "the values every n steps are", "log a value", ""),
-        (
-            "validation_every",
-            every,
-            "each validation's values are",
-            "validate",
-            ", or leave it out to validate at each epoch's end",
-        ),
+        *steps.length_checks(),
     ):
         if n is None:
             continue

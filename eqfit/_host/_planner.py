@@ -241,12 +241,7 @@ def validation_passes(loop: Loop) -> int:
     """
     if loop.validation is None:
         return 0
-    if loop.val_every is not None:
-        every, schedule = loop.val_every, loop.schedule
-        return schedule.total // every - schedule.begin // every
-    schedule, every = loop.schedule, loop.validation.freq
-    last = max(schedule.epochs, schedule.first_epoch)
-    return last // every - schedule.first_epoch // every
+    return loop.validation.steps.passes(loop.schedule, loop.validation.freq)
 
 
 def make_plan(

@@ -70,21 +70,8 @@ def _name(fn: Any) -> str | None:
 
 
 def _validation_config(loop: Loop) -> dict[str, Any]:
-    """Named sets, a `validation_freq` and a `validation_every`, where given: a run with
-    one unnamed set, validated every epoch, has the config it had before they were, so
-    that its checkpoints still resume.
-    """
-    config: dict[str, Any] = {}
-    validation = loop.validation
-    if validation is None:
-        return config
-    if validation.sets:  # their order is that of the record's columns
-        config["validation_sets"] = list(validation.sets)
-    if validation.freq != 1:
-        config["validation_freq"] = validation.freq
-    if validation.every is not None:  # the state holds a row for each validation
-        config["validation_every"] = validation.every
-    return config
+    """How the run validates (`Validation.checkpoint_config`); nothing where it does not."""
+    return {} if loop.validation is None else loop.validation.checkpoint_config()
 
 
 def learned_config(config: dict[str, Any], schedule: Schedule, state: PyTree) -> dict[str, Any]:

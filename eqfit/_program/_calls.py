@@ -173,10 +173,7 @@ class EpochCloses:
         loop_validation, schedule = self.loop.validation, self.loop.schedule
         if loop_validation is not None:
             # The validation's keys are folded from the epoch, or the step (`every`).
-            epoch = schedule.epoch_of(end - 1)
-            due = epoch % loop_validation.freq == 0
-            if loop_validation.every is not None:
-                epoch, due = end, self.loop.validates_at(end)
+            epoch, due = loop_validation.steps.when(schedule, end, loop_validation.freq)
             if loop_validation.streamed and validation is None:
                 due = False
             sets = loop_validation.sets or (None,)

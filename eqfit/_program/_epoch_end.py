@@ -14,6 +14,7 @@ from .._core._early_stopping import StoppingState
 from .._step._evaluate import add_batches, add_chunk, evaluate_batches, evaluation_needs_key
 from .._step._labels import LabelError
 from .._step._statistics import values as accumulated_values, zeros
+from .._step._validation_steps import EveryNSteps
 from ._loop import Loop, Rebuilt
 from ._records import epoch_values, put
 from ._state import Inputs, Stop, TrainState, ValAt, Validations, ValSums
@@ -47,7 +48,7 @@ class EpochEnd:
         validated = None  # every epoch, or not at all
         validation = loop.validation
         validate = self.summed(sums) if sums else self.validate
-        if validation is not None and validation.every is not None:
+        if validation is not None and validation.steps.by_steps:
             values = jnp.concatenate([values, self.last_validation(state)])
         elif validation is not None:
             if validation.freq == 1:  # no branch: the program it always was
@@ -70,7 +71,7 @@ class EpochEnd:
             return state
         assert state.stopping is not None
         stopping_rule = loop.early_stopping
-        if loop.val_every is not None and stopping_rule.monitor in loop.val_names:
+        if loop.val_steps.judging(stopping_rule.monitor, loop.val_names).by_steps:
             return state  # judged at each validation (`validated`)
         monitored = values[loop.log_names.index(stopping_rule.monitor)]
         trained = (state.params, state.average)
@@ -100,11 +101,11 @@ class EpochEnd:
         closed: `_Member.boundary`). Its keys are folded from the step, as an epoch's
         validation's are from the epoch.
         """
-        loop, step, every = self.loop, state.step, self.loop.val_every
-        assert every is not None and state.validations is not None
+        loop, step, every = self.loop, state.step, self.loop.val_steps
+        assert isinstance(every, EveryNSteps) and state.validations is not None
         validate = self.summed(sums) if sums else self.validate
         values, label_error = validate(state, step)
-        row, table = loop.validation_row(step), state.validations
+        row, table = every.row(loop.schedule, step), state.validations
         table = Validations(put(table.values, values, row), put(table.done, True, row))
         state = state._replace(validations=table, label_error=label_error)
         rule, stop = loop.early_stopping, jnp.asarray(False)
@@ -113,7 +114,7 @@ class EpochEnd:
         assert state.stopping is not None
         # Validations, not epochs, are what early stopping counts here (its patience, its
         # `start_from_epoch`, its best: the validation's number, `step // n`).
-        number = loop.schedule.multiples(step, every)
+        number = every.number(loop.schedule, step)
         monitored = values[loop.val_names.index(rule.monitor)]
         trained = (state.params, state.average)
         stopping, stop = rule.update(state.stopping, monitored, number, trained, state.model_state)
@@ -123,11 +124,9 @@ class EpochEnd:
         """The validation values of the epoch that ends at `state.step`, with
         `validation_every`: its last validation's, NaN where it had none.
         """
-        loop, step, every = self.loop, state.step, self.loop.val_every
-        assert every is not None and state.validations is not None
-        row = loop.validation_row(step)  # the last validation's, up to here
-        last = loop.schedule.multiples(step, every) * every
-        inside = (last > step - loop.schedule.steps_per_epoch) & (row >= 0)
+        every = self.loop.val_steps
+        assert isinstance(every, EveryNSteps) and state.validations is not None
+        row, inside = every.last(self.loop.schedule, state.step)
         safe = jnp.maximum(row, 0)
         table = state.validations
         values = jax.lax.dynamic_index_in_dim(table.values, safe, 0, False)

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -28,6 +27,7 @@ from .._step._statistics import flat_size, Like
 from .._step._step import as_run, by_name, select, Step
 from .._step._updates import AbstractUpdate, builtin, Update
 from .._step._validation import Validation
+from .._step._validation_steps import AtEpochEnds, StepValidation
 from ._options import StepOptions
 from ._parallel import CompilerOptions, microbatch_rows, OneDevice, param_specs, Placement
 from ._schedule import Schedule
@@ -85,33 +85,20 @@ class Loop:
         return None if self.validation is None else self.validation.sets
 
     @property
-    def val_every(self) -> int | None:
-        """`validation_every`: validate after every n-th step; `None`: at epochs' ends."""
-        return None if self.validation is None else self.validation.every
+    def val_steps(self) -> StepValidation:
+        """Whether it validates after steps (`validation_every`), or at epochs' ends."""
+        return AtEpochEnds() if self.validation is None else self.validation.steps
 
     def next_boundary(self, position: Any) -> Any:
         """Where the stretch of steps from `position` (an int, or traced) ends: the epoch's
         end, or the next n-th step's validation (`validation_every`) if sooner.
         """
-        end, every = self.schedule.next_epoch_end(position), self.val_every
-        if every is None:
-            return end
-        validation = self.schedule.next_multiple(position, every)
-        if isinstance(position, jax.Array):
-            return jnp.minimum(end, validation)
-        return min(end, validation)
-
-    def validation_row(self, position: Any) -> Any:
-        """The row of `TrainState.validations` that the validation after `position` (an
-        int, or traced; one that `validation_every` divides) fills.
-        """
-        every = self.val_every
-        assert every is not None
-        return self.schedule.multiples(position, every) - self.schedule.begin // every - 1
+        end = self.schedule.next_epoch_end(position)
+        return self.val_steps.next_boundary(self.schedule, position, end)
 
     def validates_at(self, position: int) -> bool:
         """Whether `validation_every` validates at `position` (never without it)."""
-        return self.val_every is not None and position % self.val_every == 0
+        return self.val_steps.validates_at(position)
 
     @property
     def log_names(self) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
 from .._step._statistics import add
+from .._step._validation_steps import EveryNSteps
 from ._ahead import gathered_steps
 from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
@@ -372,10 +373,10 @@ class _Member:
                 )
             if loop.validation is not None and loop.validation.streamed:
                 return state  # the host validates, then closes it (`close`)
-            at_end = True if loop.val_every is None else state.step == epoch_end
+            at_end = loop.val_steps.ends_epoch(lambda: state.step == epoch_end)
             return self.boundary(state, state.step == boundary, at_end)
 
-        if schedule.epochs_end_at_pass_ends and loop.val_every is None:
+        if schedule.epochs_end_at_pass_ends and not loop.val_steps.by_steps:
             # From a step inside a pass to `end`, at or before the pass's end (in memory
             # the caller's loop sees to that, and a memmap's pieces each lie in one pass),
             # no epoch ends but at `end`: one stretch, with no loop around it. A loop
@@ -500,10 +501,11 @@ class _Member:
         run to `self.stop`, its end, and the run is still running (with
         `validation_every`, also called at a validation's step: validated there if due).
         """
-        reached, epoch_end = state.step == self.stop, True
-        if self.loop.val_every is not None:  # the host also calls it at validations
-            spe = self.loop.schedule.steps_per_epoch
-            epoch_end = jax.lax.rem(state.step, jnp.asarray(spe, state.step.dtype)) == 0
+        reached, spe = state.step == self.stop, self.loop.schedule.steps_per_epoch
+        # The host also calls it at validations (`validation_every`).
+        epoch_end = self.loop.val_steps.ends_epoch(
+            lambda: jax.lax.rem(state.step, jnp.asarray(spe, state.step.dtype)) == 0
+        )
         return self.finish(self.boundary(state, reached, epoch_end, sums))
 
     def boundary(
@@ -519,11 +521,10 @@ class _Member:
         under a `cond` inside the run (`sums` `None`), or from `sums` that the host's
         programs added up, and selected (`closed`).
         """
-        end, every = self.epoch_end(), self.loop.val_every
+        end, every = self.epoch_end(), self.loop.val_steps
         stop = None
-        if every is not None:
-            step = state.step
-            due = reached & (jax.lax.rem(step, jnp.asarray(every, step.dtype)) == 0)
+        if isinstance(every, EveryNSteps):
+            due = reached & every.due(state.step)
             state, stop = _when(
                 due & running(state),
                 lambda s: end.validated(s, sums or ()),
@@ -537,7 +538,7 @@ class _Member:
             # values those of the steps it trained (as `log_every`'s are of theirs).
             closes = reached & (epoch_end | stop)
         # With `validation_every`, the epoch's validation values are its last validation's.
-        closing = () if every is not None else sums or ()
+        closing = () if every.by_steps else sums or ()
         state = _when(
             closes & running(state), lambda s: end.close(s, closing), lambda s: s, state, sums
         )

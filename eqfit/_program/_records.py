@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._step._step import StepResult
 from ._loop import Loop
-from ._state import Steps, TrainState, Validations
+from ._state import Steps, TrainState
 
 
 def running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
@@ -141,7 +141,8 @@ def log_rows(loop: Loop) -> int:
 
 def rows_every(loop: Loop, every: int) -> int:
     """The n-th steps this run reaches (its global step count a multiple of `every`), at
-    least one: the rows of a table with one for each (`log_every`'s, `validation_every`'s).
+    least one: the rows of a table with one for each (`log_every`'s; `validation_every`'s
+    are `EveryNSteps.rows`).
     """
     schedule = loop.schedule
     return max(schedule.total // every - schedule.begin // every, 1)
@@ -217,11 +218,3 @@ def any_member(more: Bool[Array, ""]) -> Bool[Array, ""]:
     whole carry after every turn).
     """
     return jax.lax.psum(more.astype(jnp.int32), MEMBERS) > 0
-
-
-def start_validations(loop: Loop) -> Validations:
-    """The table of a run's validations every n steps (`validation_every`), none made."""
-    assert loop.val_every is not None
-    rows = rows_every(loop, loop.val_every)
-    values = jnp.full((rows, len(loop.val_names)), jnp.float32(jnp.nan))
-    return Validations(values, jnp.zeros(rows, bool))

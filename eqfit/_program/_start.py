@@ -15,7 +15,6 @@ from .._step._labels import LabelError
 from .._step._statistics import zeros
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
-from ._records import start_validations
 from ._state import Consts, Stop, strongly_typed, TrainState
 
 
@@ -72,7 +71,7 @@ def start(
             batch_sizes=jnp.zeros((rows, steps), jnp.int32),
             epoch_values=jnp.full((rows, len(loop.log_names)), nan),
             running=jnp.zeros(2),
-            validations=None if loop.val_every is None else start_validations(loop),
+            validations=loop.val_steps.start_table(schedule, len(loop.val_names)),
             statistics=tuple(map(zeros, loop.statistics)),
         )
         # Its types fixed once, as every program returns them (`finish`): no weak type.

@@ -18,6 +18,7 @@ from .._core._early_stopping import StoppingState
 from .._core._metric import MetricLike
 from .._step._labels import LabelError
 from .._step._precision import LossScale
+from .._step._validation_steps import Validations
 
 
 class Stop(enum.IntEnum):
@@ -70,15 +71,6 @@ class StartArgs(NamedTuple):
     model_state: PyTree
     key: Key[Array, ""]
     consts: Consts
-
-
-class Validations(NamedTuple):
-    """With `validation_every=n`, the run's validations, a row each: row `r` is the one
-    after global step `(begin // n + r + 1) * n`, `begin` the run's first step.
-    """
-
-    values: Float[Array, "*members rows values"]  # `Loop.val_names`'; NaN where not made
-    done: Bool[Array, "*members rows"]  # whether it was made (the run reached it, running)
 
 
 class TrainState(NamedTuple):

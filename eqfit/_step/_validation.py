@@ -20,6 +20,7 @@ from .._core._checks import as_int, as_steps
 from .._core._data import data_kind
 from .._core._typing import Data
 from ._average import Average
+from ._validation_steps import AtEpochEnds, EveryNSteps, StepValidation
 
 
 # A set's name goes into the history's names, `val_<name>_loss`: a word, so that the name
@@ -242,9 +243,9 @@ class Validation:
     # The sets are read as training streams its data (memmaps, loaders), a pass a
     # validation, and their batches given to programs of their own at an epoch's end.
     streamed: bool = False
-    # `validation_every=`: validate after every n-th step (counted from the first ever),
-    # not at epochs' ends; `None`: at epochs' ends (`freq`).
-    every: int | None = None
+    # `validation_every=n` (`EveryNSteps`): validate after every n-th step, not at
+    # epochs' ends; by default at epochs' ends (`freq`).
+    steps: StepValidation = AtEpochEnds()
 
     @staticmethod
     def of(
@@ -294,7 +295,32 @@ class Validation:
             return None
         sets = tuple(data) if isinstance(data, ValidationSets) else ()
         streamed = validation_streams(data, freq, *epochs, every)
-        return Validation(sets, freq, ema, streamed, every)
+        steps = AtEpochEnds() if every is None else EveryNSteps(every)
+        return Validation(sets, freq, ema, streamed, steps)
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        """Named sets, a `validation_freq` and a `validation_every`, where given: a run
+        with one unnamed set, validated every epoch, has the config it had before they
+        were, so that its checkpoints still resume.
+        """
+        config: dict[str, Any] = {}
+        if self.sets:  # their order is that of the record's columns
+            config["validation_sets"] = list(self.sets)
+        if self.freq != 1:
+            config["validation_freq"] = self.freq
+        return config | self.steps.config()
+
+
+def run_config(validation: Validation | None) -> dict[str, Any]:
+    """How a run validates, as the callbacks' run config (`on_train_begin`) says it: each
+    option, `None` (or 1) where not given.
+    """
+    steps = AtEpochEnds() if validation is None else validation.steps
+    return {
+        "validation_sets": None if validation is None else list(validation.sets) or None,
+        "validation_freq": 1 if validation is None else validation.freq,
+        "validation_every": steps.config().get("validation_every"),
+    }
 
 
 def refuse_sets(data: Any, name: str, where: str) -> None:
