@@ -205,7 +205,7 @@ def _each_update(
             mine = jax.tree.map(lambda a, b: bool(a) and bool(b), spec, picks)
             found = _diagnose(_Call(loss, model_state, key), model, mine, batch, rows)
             if found is not None:
-                return (*found, info.name or None)
+                return (*found, info.named)
         if i + 1 == len(updates):
             break  # the last: no update after it needs the model it leaves
         out = update.apply(model, states[info.name], batch, model_state=model_state, key=key)

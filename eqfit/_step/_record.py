@@ -341,9 +341,14 @@ class UpdateInfo(NamedTuple):
         """Its key at a step of key `key`, as the `i`-th of the run's updates."""
         return jax.random.fold_in(key, i) if self.keyed else key
 
+    @property
+    def named(self) -> str | None:
+        """Its name, `None` for the unnamed update (`fit`'s one loss)."""
+        return self.name or None
+
     def said(self, message: str) -> str:
         """`message` about it, naming it where it is named."""
-        return f"Update {self.name!r}: {message}" if self.name else message
+        return message if self.named is None else f"Update {self.name!r}: {message}"
 
     @property
     def aux_names(self) -> tuple[str, ...]:
