@@ -4,7 +4,13 @@ its generator, a critic trained five steps to one, a target network moved by ave
 Each update is an object with an `init` and an update rule, as optimistix's solvers and
 diffrax's controllers are: `eqfit.Update` (a loss, an optimizer and the parts it trains)
 is one, and a subclass of `eqfit.AbstractUpdate` is a user's own. The step runs them in
-order on its batch, each on the model the one before it left.
+order on its batch, each on the model the one before it left. `fit`'s `loss=` and
+`optimizer=` are one `eqfit.Update`, unnamed, made where the options are.
+
+Every update takes its turn the same way, a call of its `apply` given `fit`'s options
+(`AbstractUpdate._take_turn`, final), which `Update.apply` reads (`given`); a hand loop's
+call gets the defaults. This module alone tells the built-in update from one's own, and
+`fit`'s one loss from several updates (`run_loss`, `info_of`, `identified`, ...).
 """
 
 import abc
