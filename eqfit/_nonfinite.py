@@ -35,8 +35,10 @@ from ._program._state import Consts
 from ._result import model_from
 from ._step._mean import Mean
 from ._step._objective import batch_args, split_output
+from ._step._record import UpdateInfo
 from ._step._signatures import takes_key
-from ._step._updates import trained_spec, validation_loss
+from ._step._step import by_name
+from ._step._updates import trained_spec
 
 
 def _folders(*files: str | None) -> tuple[str, ...]:
@@ -55,7 +57,6 @@ def find(
     loop: Loop,
     source: Source,
     options: Options,
-    loss: Callable[..., Any],
     consts: Consts,
     keys: PyTree,
     params: PyTree,
@@ -77,8 +78,6 @@ def find(
     - `loop`: the run's.
     - `source`: its training data.
     - `options`: its options (a loader is opened anew with them, to be read again).
-    - `loss`: its loss (`loss(model, *batch)`, with state `loss(model, state, *batch)`);
-        with several updates, each update's own is replayed instead (`options`').
     - `consts`: the run's frozen arrays.
     - `keys`: the run's key, or each member's.
     - `params`, `opt_state`, `model_state`: the run's final trained arrays, optimizer
@@ -120,12 +119,9 @@ def find(
         filled = unwrap(loop.model.fill(list(loop.trains)))
         spec = jax.tree.map(lambda x: x if isinstance(x, bool) else False, filled)
         broken = _non_finite(eqx.filter(model, spec))
-        if options.objects.updates:  # each in its turn, on the model the one before it left
-            turn = (options.objects.updates, opt_state, step, step_key, spec)
-            finding = _each_update(*turn, model, model_state, batch, rows)
-        else:
-            call = _Call(loss, model_state, step_key)
-            finding = _diagnose(call, model, spec, batch, rows)
+        # Each update in its turn, on the model the one before it left.
+        turn = (loop.updates, options.objects.updates, opt_state, step, step_key, spec)
+        finding = _each_update(*turn, model, model_state, batch, rows)
     except Exception as e:
         return unfound(f"the replay failed ({type(e).__name__}: {e})")
     if finding is None:
@@ -181,6 +177,7 @@ def _diagnose(
 
 
 def _each_update(
+    infos: tuple[UpdateInfo, ...],
     updates: tuple[Any, ...],
     opt_state: Any,
     step: int,
@@ -191,25 +188,28 @@ def _each_update(
     batch: PyTree,
     rows: np.ndarray,
 ) -> tuple[Any, ...] | None:
-    """A step of several updates replayed: each due in its turn, as the step runs them
+    """A step replayed: its updates, each due in its turn, as the step runs them
     (`Update.apply` is its turn, bit for bit, at `fit`'s default options), until the
     first whose loss (an `eqfit.Update`'s, or the `loss` method of an update of your
-    own) or its gradient is not finite: `_diagnose`'s fields, and its name.
+    own) or its gradient is not finite: `_diagnose`'s fields, and its name (none for
+    `fit`'s one loss, which is no named update).
     """
-    states = dict(opt_state)
-    for i, update in enumerate(updates):
-        if (step + 1) % update.every:
+    states = by_name(infos, opt_state)
+    for i, (info, update) in enumerate(zip(infos, updates)):
+        if (step + 1) % info.every:
             continue  # not due at this step
-        key = jax.random.key(0) if step_key is None else jax.random.fold_in(step_key, i)
-        loss = validation_loss(update)  # an `eqfit.Update`'s, or your own's `loss`
+        key = jax.random.key(0) if step_key is None else info.turn_key(step_key, i)
+        loss = update.validation_loss()  # an `eqfit.Update`'s, or your own's `loss`
         if loss is not None:
             picks = trained_spec(model, update.trains, f"update {update.name!r}'s `trains`")
             mine = jax.tree.map(lambda a, b: bool(a) and bool(b), spec, picks)
             found = _diagnose(_Call(loss, model_state, key), model, mine, batch, rows)
             if found is not None:
-                return (*found, update.name)
-        out = update.apply(model, states[update.name], batch, model_state=model_state, key=key)
-        model, model_state, states[update.name] = out.model, out.model_state, out.state
+                return (*found, info.named)
+        if i + 1 == len(updates):
+            break  # the last: no update after it needs the model it leaves
+        out = update.apply(model, states[info.name], batch, model_state=model_state, key=key)
+        model, model_state, states[info.name] = out.model, out.model_state, out.state
     return None
 
 

@@ -203,9 +203,7 @@ def train(
             )
         # Still deferred: a signal now, with training over, must not lose its result.
         interrupt.ended = True
-        found = functools.partial(
-            find, outcome.loop, ready.source, options, options.objects.loss, consts, keys
-        )
+        found = functools.partial(find, outcome.loop, ready.source, options, consts, keys)
         # Where the run applied a non-finite step: the state before it, replayed.
         again = functools.partial(read_again, ready.source, options)
         replayed = replay(outcome, ready.start, store, feeds_from, again, interrupt, stop_feeds)

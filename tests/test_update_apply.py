@@ -179,6 +179,50 @@ def test_an_update_of_ones_own_runs_its_apply():
     np.testing.assert_array_equal(result.history.step_values["still_calls"], calls)
 
 
+class Twice(eqfit.AbstractUpdate):
+    """An update of one's own whose `apply` runs a built-in update's `apply` inside it, and
+    records its loss, doubled too.
+    """
+
+    inner: eqfit.Update
+    name: str = "w"
+
+    def init(self, params):
+        return self.inner.init(params)
+
+    def apply(self, model, state, batch, *, model_state, key):
+        out = self.inner.apply(model, state, batch, model_state=model_state, key=key)
+        values = {"loss": out.values["loss"], "twice": 2 * out.values["loss"]}
+        return eqfit.Applied(out.model, out.state, out.model_state, values)
+
+
+def test_an_update_apply_inside_ones_own_runs_as_in_a_hand_loop():
+    # `fit` gives its options to the update whose turn it is: the built-in update that
+    # one's own calls is not it, so it runs as a hand loop's.
+    model, states, per_step = hand_loop(pair(), [eqfit.Update("u", mse, optax.adam(0.01))], (X, Y))
+    result = fit(pair(), (X, Y), updates=[Twice(eqfit.Update("u", mse, optax.adam(0.01)))])
+    assert_trees_equal(result.model, model)
+    assert_trees_equal(result.opt_state["w"], states["u"])
+    np.testing.assert_array_equal(result.history.step_values["w_loss"], per_step["u_loss"])
+    np.testing.assert_array_equal(result.history.step_values["w_twice"], 2 * per_step["u_loss"])
+
+
+def test_the_loss_validation_computes_is_a_method_of_every_update():
+    update = eqfit.Update("u", mse, optax.adam(0.01))
+    assert update.validation_loss() is mse
+    assert Twice(update).validation_loss() is None  # the default: none
+
+    class Own(Twice):
+        def loss(self, model, x, y):
+            return mse(model, x, y)
+
+    own = Own(update)
+    loss = own.validation_loss()
+    assert loss is not None
+    np.testing.assert_array_equal(loss(pair(), X, Y)[0], mse(pair(), X, Y)[0])
+    assert isinstance(update, eqfit.AbstractUpdate)
+
+
 def test_the_base_execution_is_abstract():
     with pytest.raises(TypeError, match=r"abstract class Execution"):
         eqfit.Execution()  # pyright: ignore[reportAbstractUsage]

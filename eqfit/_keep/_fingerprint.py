@@ -29,6 +29,7 @@ from jaxtyping import PyTree
 from .._core._policy import CHANGES
 from .._program._state import Callables
 from .._step._hyperparams import injected_arrays
+from .._step._updates import described
 
 
 # The key of a checkpoint's configuration that holds the fingerprints. A checkpoint of an
@@ -49,10 +50,7 @@ def fingerprints(
     optimizer's (or each update's) and the injected hyperparameters of the state it
     starts from (made by it, or given as `opt_state`).
     """
-    if objects.updates:
-        optimizer: Any = {"updates": [_described(u) for u in objects.updates]}
-    else:
-        optimizer = {"optimizer": _described(objects.optimizer)}
+    optimizer = described(objects.updates, _described)
     optimizer["hyperparams"] = {n: _plain(v) for n, v in injected_arrays(opt_state).items()}
     if objects.schedules:
         optimizer["schedules"] = {n: _described(s) for n, s in objects.schedules}

@@ -15,7 +15,7 @@ from .._program._loop import Loop
 from .._program._schedule import Schedule
 from .._program._state import Callables
 from .._step._record import Kind
-from .._step._updates import builtin
+from .._step._updates import identified
 from ._fingerprint import FINGERPRINTS, fingerprints, without_fingerprints
 
 
@@ -37,6 +37,7 @@ def checkpoint_config(
     allows it.
     """
     schedule = loop.schedule
+    named = identified(objects.updates, _name)  # `"loss"`, and several updates' `"updates"`
     config = {
         "state": describe(state),
         "data": data,
@@ -50,15 +51,11 @@ def checkpoint_config(
         "early_stopping": None if loop.early_stopping is None else repr(loop.early_stopping),
         # The metrics that accumulate after the others: a run without them reads as before.
         "metrics": [*loop.metric_names, *(name for name, _ in loop.record.accumulated)],
-        "loss": None if objects.updates else _name(objects.loss),
+        "loss": named.pop("loss"),
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "ensemble": loop.members is not None,
     } | _real_model_config(loop)
-    if objects.updates:
-        config["updates"] = [
-            [u.name, type(u).__name__, _name(getattr(builtin(u), "loss", None)), u.every]
-            for u in objects.updates
-        ]
+    config |= named
     config |= _validation_config(loop)
     config[FINGERPRINTS] = fingerprints(objects, state.opt_state, *prints)
     return config

@@ -20,10 +20,17 @@ from .._core._execution import choose
 from .._core._metric import adds
 from .._step._hyperparams import check_schedules, injected_names
 from .._step._objective import LossTrace, Objective
-from .._step._record import LOSS, Record, record_for, UpdateInfo
-from .._step._signatures import takes_key
+from .._step._record import Record, record_for, UpdateInfo
 from .._step._statistics import accumulated_shapes, check_split, split_statistics
-from .._step._updates import AbstractUpdate, builtin, trained_spec, validation_loss
+from .._step._step import by_name
+from .._step._updates import (
+    AbstractUpdate,
+    own_names,
+    run_loss,
+    run_traced,
+    trained_spec,
+    uses_key,
+)
 from ._ahead import steps_ahead
 from ._compile import PROGRAMS
 from ._jit import cached_jit
@@ -70,8 +77,7 @@ def make_loop(
     """
     objects, filter_spec = options.objects, options.filter_spec
     arrays, skeleton = split_arrays(model)
-    if objects.updates:
-        check_update_options(objects.updates, options)
+    check_update_options(objects.updates, options)
     specs, picked, trains = _what_trains(model, arrays, objects.updates, filter_spec)
     params = [a for a, t in zip(arrays, trains) if t]
     frozen = [a for a, t in zip(arrays, trains) if not t]
@@ -79,16 +85,12 @@ def make_loop(
     step = options.step
     # What the loss is traced on, to find its aux values and whether it convolves.
     traced = abstract_call(model, model_state, like, schedule.batch_size, options)
-    infos = tuple(
-        update_info(u, spec, [p for p, t in zip(picks, trains) if t], traced, options)
-        for u, spec, picks in zip(objects.updates, specs, picked)
-    )
-    use_key = _uses_key(objects)
+    use_key = uses_key(objects.updates)
+    loss = run_loss(objects.updates, options.stateful)
     objective = Objective(
-        objects.loss, objects.metrics, options.stateful, use_key, precision=step.precision
+        loss, objects.metrics, options.stateful, use_key, precision=step.precision
     )
-    # Several updates' losses are traced one by one (`update_info`).
-    outputs = LossTrace((), ()) if infos else loss_outputs(objective, traced, options)
+    infos, outputs = _traced_updates(objects, specs, picked, trains, traced, options, objective)
     statistics = objective.find_statistics(*traced) if objective.accumulating else ()
     if statistics and rows is not None:
         check_additive(objective, model, model_state, rows, options.members)
@@ -117,11 +119,10 @@ def make_loop(
         ahead=steps_ahead(options.placement, schedule, options.shuffle, options.members, like),
     )
     consts = Consts(frozen, object_arrays)
-    # The optimizer's `init` (the user's object's, so that its state's shapes are cached
-    # for the next `fit`); several updates' each made by its `init`, with a fixed key.
-    init = objects.optimizer.init if objects.optimizer is not None else _init(loop, consts)
     accumulated = accumulated_shapes(objective.accumulating, statistics)
-    loop = _with_record(loop, init, params, outputs, objective.metric_names, objects, accumulated)
+    loop = _with_record(
+        loop, params, object_arrays, outputs, objective.metric_names, objects, accumulated
+    )
     # Traced once, if asked at all (`choose` and `_guard` ask only where they decide).
     found = functools.cache(functools.partial(traced_outputs, objective, traced, options, outputs))
     loop = _with_execution(loop, options, found)
@@ -134,14 +135,34 @@ def make_loop(
     return loop, StartArgs(params, opt_state, model_state, options.key, consts)
 
 
-def _uses_key(objects: Callables) -> bool:
-    """Whether the step makes a key: for an update of the user's own, or a loss (each
-    update's, or `fit`'s one) that takes one.
+def _traced_updates(
+    objects: Callables,
+    specs: list[PyTree],
+    picked: list[tuple[bool, ...]],
+    trains: tuple[bool, ...],
+    traced: tuple[PyTree, PyTree, PyTree],
+    options: Options,
+    objective: Objective,
+) -> tuple[tuple[UpdateInfo, ...], LossTrace]:
+    """What the run keeps of each update (`update_info`), of the trained arrays it
+    picks, and what the run's loss and metrics (`objective`) return: traced once where
+    the run's loss is `fit`'s one loss, whose update's info is read off that trace;
+    several updates' losses are traced one by one (`run_traced`).
     """
-    if objects.updates:
-        # An update of the user's own gets a key; a loss's, where the loss takes one.
-        return any((b := builtin(u)) is None or takes_key(b.loss) for u in objects.updates)
-    return takes_key(objects.loss)
+    run = functools.cache(functools.partial(loss_outputs, objective, traced, options))
+    infos = tuple(
+        update_info(
+            u,
+            spec,
+            [p for p, t in zip(picks, trains) if t],
+            traced,
+            options,
+            run,
+            objective.metric_names,
+        )
+        for u, spec, picks in zip(objects.updates, specs, picked)
+    )
+    return infos, run_traced(objects.updates, run)
 
 
 def _with_execution(loop: Loop, options: Options, found: Callable[[], LossTrace]) -> Loop:
@@ -173,13 +194,15 @@ def _with_execution(loop: Loop, options: Options, found: Callable[[], LossTrace]
 def _what_trains(
     model: PyTree, arrays: list[Any], updates: tuple[AbstractUpdate, ...], filter_spec: Any
 ) -> tuple[list[PyTree], list[tuple[bool, ...]], tuple[bool, ...]]:
-    """What trains: with several updates each one's spec (`trained_spec`) and the arrays
-    it picks, and for each array of `model` whether any update (or `filter_spec`, with one
-    loss) trains it. Refuses a model of which nothing would train.
+    """What trains: each update's spec (`trained_spec`) and the arrays it picks, and for
+    each array of `model` whether an update trains it, of those `filter_spec` chooses
+    (`fit`'s `trains=` or `filter_spec=`, beside `loss=`; every floating-point array
+    beside `updates=`). Refuses a model of which nothing would train.
     """
     specs = [trained_spec(model, u.trains, f"update {u.name!r}'s `trains`") for u in updates]
     picked = [update_picks(model, arrays, spec) for spec in specs]
-    trains = tuple(map(any, zip(*picked))) if picked else _trains(model, arrays, filter_spec)
+    chosen = _trains(model, arrays, filter_spec)
+    trains = tuple(c and any(p) for c, *p in zip(chosen, *picked))
     if not any(trains):
         raise ValueError(
             "`model` has no floating-point arrays that `filter_spec` chooses to train, so "
@@ -198,55 +221,38 @@ def _init(loop: Loop, consts: Consts) -> Callable[[PyTree], PyTree]:
 
 def _with_record(
     loop: Loop,
-    init: Callable[[PyTree], PyTree],
     params: list[Array],
+    object_arrays: list[Array],
     outputs: LossTrace,
     metric_names: tuple[str, ...],
     objects: Callables,
     accumulated: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> Loop:
     """`loop` with its record declared (`record_for`, which checks the names), once the
-    optimizer's state (the run's, or its updates' by name, as `init` makes it) is known,
-    made on abstract arrays: the hyperparameters it injects, and `objects`' schedules,
-    each checked at its count (each update's, by name).
+    optimizer's state (its updates', each as its `init` makes it) is known, made on
+    abstract arrays: the hyperparameters it injects, and `objects`' schedules, each
+    checked at its count (each update's own).
     """
     shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
-    opt_shapes, hyperparams = _opt_state_shape(loop, init, shapes)
+    held = tuple((a.shape, np.dtype(a.dtype)) for a in object_arrays)
+    states = by_name(loop.updates, _opt_state_shape(loop, shapes, held))
     schedules = dict(objects.schedules)
-    infos = loop.updates
-    if infos:  # each update's hyperparameters, and its schedules where it has an optimizer
-        infos = tuple(
-            i._replace(
-                hyperparams=injected_names(opt_shapes[i.name]),
-                schedules=_update_schedules(i, schedules, opt_shapes[i.name]),
-            )
-            for i in infos
+    infos = tuple(  # each update's hyperparameters, and its schedules where it has an optimizer
+        i._replace(
+            hyperparams=injected_names(states[i.name]),
+            schedules=_update_schedules(i, schedules, states[i.name]),
         )
-    metric_means = tuple(n for n in outputs.means if n in metric_names)
-    # `fit`'s one loss: its update, unnamed, as the step runs it (`Loop.unnamed_update`).
-    values = (LOSS.name, *outputs.aux_names)
-    unnamed = UpdateInfo(
-        name="",
-        every=1,
-        picks=(),
-        loss=True,
-        values=values,
-        hyperparams=hyperparams,
-        means=tuple(n for n in outputs.means if n not in metric_means),
-        validated=values,
-        schedules=tuple(schedules),
+        for i in loop.updates
     )
     record = record_for(
-        updates=infos or (unnamed,),
+        updates=infos,
         metric_names=metric_names,
-        metric_means=metric_means,
+        metric_means=tuple(n for n in outputs.means if n in metric_names),
         norms=loop.step.norms,
         scales=loop.step.scales,
         val_sets=loop.val_sets,
         accumulated=accumulated,
     )
-    if schedules and not infos:
-        check_schedules(schedules, opt_shapes)
     return dataclasses.replace(loop, updates=infos, record=record)
 
 
@@ -255,19 +261,23 @@ def _with_record(
 @functools.lru_cache(maxsize=PROGRAMS)
 def _opt_state_shape(
     loop: Loop,
-    init: Callable[[PyTree], PyTree],
     params: tuple[tuple[tuple[int, ...], np.dtype], ...],
-) -> tuple[PyTree, tuple[str, ...]]:
-    """The shapes of the optimizer's state for parameters of shapes and dtypes `params`
-    (one member's in an ensemble), as the step sees it, and the names of the
-    hyperparameters it records (`injected_names`).
+    held: tuple[tuple[tuple[int, ...], np.dtype], ...],
+) -> PyTree:
+    """The shapes of the optimizer's state (each update's, as its `init` makes it, with a
+    fixed key) for parameters of shapes and dtypes `params` (one member's in an
+    ensemble), as the step sees it; `held`: those of the arrays the run's objects hold.
     """
     drop = 0 if loop.members is None else 1
     trained = loop.params_tree([jax.ShapeDtypeStruct(s[drop:], d) for s, d in params])
     if loop.step.precision is not None:  # the optimizer keeps the master copy's dtypes
         trained = jax.eval_shape(loop.step.precision.master, trained)
-    opt_state = jax.eval_shape(init, trained)
-    return opt_state, injected_names(opt_state)
+
+    def init(objects: list[Array], params: PyTree) -> PyTree:
+        return loop.parts(Consts([], objects)).init(params, jax.random.key(0))
+
+    objects = [jax.ShapeDtypeStruct(s, d) for s, d in held]
+    return jax.eval_shape(init, objects, trained)
 
 
 # A metric's statistics are tried on this many rows of the data, whole and halved.
@@ -329,8 +339,8 @@ def check_update_options(updates: tuple[AbstractUpdate, ...], options: Options) 
     """Refuses the options that several updates do not take, before anything is traced,
     saying why.
     """
-    custom = [u.name for u in updates if builtin(u) is None]
-    if options.validation is not None and not any(map(validation_loss, updates)):
+    custom = own_names(updates)
+    if options.validation is not None and not any(u.validation_loss() for u in updates):
         raise ValueError(
             f"Validation (`validation_data=` or `validation_split=`) with only updates of "
             f"your own ({', '.join(map(repr, custom))}), none of which has a loss: "
@@ -389,7 +399,7 @@ def _update_schedules(
     try:
         check_schedules(schedules, opt_state)
     except ValueError as e:
-        raise ValueError(f"Update {info.name!r}: {e}") from None
+        raise ValueError(info.said(str(e))) from None
     return tuple(schedules)
 
 

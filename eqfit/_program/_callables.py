@@ -1,5 +1,5 @@
-"""What the run calls and what it trains, checked from `fit`'s arguments: the loss and
-the optimizer, or the updates (`callables` → `Callables`), the schedules
+"""What the run calls and what it trains, checked from `fit`'s arguments: its updates,
+`loss=` and `optimizer=` made one, unnamed (`callables` → `Callables`), the schedules
 (`as_schedules`), the trained arrays' filter spec (`trained_filter`), and a run given
 no data, whose updates make their own (`check_no_data`, `no_data`).
 """
@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from .._step._update_checks import check_updates
-from .._step._updates import AbstractUpdate, builtin, Losses, trained_spec
+from .._step._updates import AbstractUpdate, refuse_without_data, trained_spec, Update
 from ._state import Callables
 
 
@@ -42,13 +42,7 @@ def check_no_data(
             "train with `updates=[...]` of your own that make their data (a rollout in a JAX "
             "environment), and `steps_per_epoch=`."
         )
-    for update in updates if isinstance(updates, Sequence) else ():
-        if builtin(update) is not None:
-            raise ValueError(
-                f"`data` is None, but update {update.name!r} is an `eqfit.Update`, whose loss "
-                "is computed on a batch of data: give `data`, or make it an update of your "
-                "own (`eqfit.AbstractUpdate`) that makes its data in its `apply`."
-            )
+    refuse_without_data(updates if isinstance(updates, Sequence) else ())
     if steps_per_epoch is None:
         raise ValueError(
             "`data` is None, so `fit` cannot count an epoch's steps from it: give "
@@ -78,10 +72,10 @@ def callables(
     updates: Any,
     metrics: Any,
     schedules: tuple[tuple[str, Callable[[Any], Any]], ...],
-    stateful: bool,
 ) -> Callables:
-    """What the run calls: `loss` and `optimizer` (one update each step), or `updates`
-    (several in turn, their losses as one for validation). Refuses both, or neither.
+    """What the run calls: its updates, `updates` (several in turn), or `loss` and
+    `optimizer` made one, `eqfit.Update("", loss, optimizer)`, unnamed. Refuses both, or
+    neither.
     """
     metrics = tuple((metrics or {}).items())
     if updates is None:
@@ -93,7 +87,7 @@ def callables(
                 f"`fit` needs `{missing}`: a loss and an optimizer (one update each step), "
                 "or `updates=[eqfit.Update(name, loss, optimizer), ...]` (several in turn)."
             )
-        return Callables(loss, metrics, plain_optimizer(optimizer), schedules)
+        return Callables(metrics, schedules, (Update("", loss, plain_optimizer(optimizer)),))
     given = [n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is not None]
     if given:
         raise ValueError(
@@ -102,7 +96,7 @@ def callables(
             "(each an `eqfit.Update(name, loss, optimizer)` with its own)."
         )
     checked: tuple[AbstractUpdate, ...] = check_updates(updates)
-    return Callables(Losses(checked, stateful), metrics, None, schedules, checked)
+    return Callables(metrics, schedules, checked)
 
 
 def trained_filter(model: Any, trains: Any, filter_spec: Any, updates: Any) -> Any:

@@ -21,11 +21,11 @@ from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution, WholeRun
 from .._step._objective import Objective
 from .._step._precision import LossScale
-from .._step._record import Kind, LOSS, Record, UpdateInfo
+from .._step._record import Kind, Record, UpdateInfo
 from .._step._signatures import takes_key
 from .._step._statistics import flat_size, Like
 from .._step._step import as_run, by_name, select, Step
-from .._step._updates import AbstractUpdate, builtin, Update
+from .._step._updates import AbstractUpdate, optimizer_of, run_loss
 from .._step._validation import Validation
 from .._step._validation_steps import AtEpochEnds, StepValidation
 from ._options import StepOptions
@@ -47,7 +47,7 @@ class Loop:
 
     model: Skeleton
     trains: tuple[bool, ...]  # for each array of the model, in order: does it train
-    objects: Skeleton  # (loss, metrics, optimizer, schedules)
+    objects: Skeleton  # (metrics, schedules, updates)
     record: Record  # what each step records
     schedule: Schedule
     batch_size: int  # of each step here (for streamed data: of this program's pieces)
@@ -65,7 +65,7 @@ class Loop:
     # How the steps run (`_execution`), and why, for `eqfit.plan`.
     execution: Execution = WholeRun()
     execution_why: str = ""
-    # With several updates (`fit(..., updates=)`): each one's static part, in order.
+    # Each update's static part, in order (`fit`'s `loss=` and `optimizer=` one, unnamed).
     updates: tuple[UpdateInfo, ...] = ()
     # The samples a step processes, where its updates say (`AbstractUpdate.samples`);
     # `None`: the batch's rows.
@@ -132,9 +132,9 @@ class Loop:
 
     def parts(self, consts: Consts) -> "Rebuilt":
         """The run's objects, rebuilt inside the program from the static skeletons."""
-        loss, metrics, optimizer, schedules, updates = unwrap(self.objects.fill(consts.objects))
+        metrics, schedules, updates = unwrap(self.objects.fill(consts.objects))
         objective = Objective(
-            loss,
+            run_loss(updates, self.stateful),
             metrics,
             self.stateful,
             self.use_key,
@@ -151,12 +151,8 @@ class Loop:
             arrays = [next(trained) if t else next(fixed) for t in self.trains]
             return unwrap(self.model.fill(arrays))
 
-        if self.updates:
-            init = functools.partial(init_updates, self.updates, updates)
-            steps = tuple(zip(self.updates, updates))
-        else:  # `loss=` and `optimizer=`: one update, unnamed
-            init = _init_of(optimizer)
-            steps = ((self.unnamed_update(), Update("", loss, optimizer)),)
+        init = functools.partial(init_updates, self.updates, updates)
+        steps = tuple(zip(self.updates, updates))
 
         def split(model: PyTree) -> PyTree:
             """The trained arrays of a whole model (the inverse of `combine`)."""
@@ -183,32 +179,16 @@ class Loop:
         )
         return Rebuilt(objective, combine, step, init, lay_out)
 
-    def unnamed_update(self) -> UpdateInfo:
-        """`fit`'s `loss=` and `optimizer=` as the step's one update: unnamed, training
-        every trained array each step, recording its loss and aux values (the record's
-        own names), its optimizer's hyperparameters and the schedules.
-        """
-        record = self.record
-        return UpdateInfo(
-            name="",
-            every=1,
-            picks=(True,) * sum(self.trains),
-            loss=True,
-            values=(LOSS.name, *self.aux_names),
-            hyperparams=record.names_of(Kind.HYPERPARAM),
-            means=record.means,
-            schedules=record.names_of(Kind.SCHEDULE),
-        )
-
     def start_loss_scale(self) -> LossScale | dict[str, LossScale] | None:
-        """The loss scale at the start (float16's): the run's one, or with several
-        updates each loss's update's own, by name; `None` where the loss is not scaled.
+        """The loss scale at the start (float16's): each loss's update's own, by name, as
+        the run holds them (`as_run`: `fit`'s one loss's alone); `None` where the loss is
+        not scaled.
         """
         precision = self.step.precision
         scale = None if precision is None else precision.init()
-        if scale is None or not self.updates:
-            return scale
-        return {u.name: scale for u in self.updates if u.loss}
+        if scale is None:
+            return None
+        return as_run(self.updates, {u.name: scale for u in self.updates if u.loss})
 
     def microbatch(self, rows: int | None = None) -> int | None:
         """With `microbatches=`, the rows of one microbatch of what the step sees of a
@@ -245,16 +225,16 @@ def init_updates(
     updates: tuple[AbstractUpdate, ...],
     params: PyTree,
     key: Key[Array, ""],
-) -> dict[str, PyTree]:
-    """Each update's state at the start, in a dict by name: `AbstractUpdate.init` on the
-    arrays it trains, given `jax.random.fold_in(key, i)` (the `i`-th update's) where it
-    takes a `key`.
+) -> PyTree:
+    """Each update's state at the start, as the run holds them (`as_run`: in a dict by
+    name, or `fit`'s one loss's alone): `AbstractUpdate.init` on the arrays it trains,
+    given `jax.random.fold_in(key, i)` (the `i`-th update's) where it takes a `key`.
     """
     states = {}
     for i, (info, update) in enumerate(zip(infos, updates)):
         kwargs = {"key": jax.random.fold_in(key, i)} if takes_key(update.init) else {}
         states[info.name] = update.init(select(params, info.picks)[0], **kwargs)
-    return states
+    return as_run(infos, states)
 
 
 class Rebuilt(NamedTuple):
@@ -271,13 +251,6 @@ class Rebuilt(NamedTuple):
     lay_out: "Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None"
 
 
-def _init_of(
-    optimizer: optax.GradientTransformation,
-) -> Callable[[PyTree, Key[Array, ""]], PyTree]:
-    """An optimizer's `init`, taking (and needing no) key."""
-    return lambda params, key: optimizer.init(params)
-
-
 def lay_out_run(
     loop: Loop,
     updates: tuple[tuple[UpdateInfo, AbstractUpdate], ...],
@@ -292,26 +265,18 @@ def lay_out_run(
     """
     if update is not None:
         info, u = updates[update]
-        return lay_out_state(loop, _optimizer_of(u), params, opt_state, info.picks)
+        return lay_out_state(loop, optimizer_of(u), params, opt_state, info.picks)
     params, _ = lay_out_state(loop, None, params, None)
     if opt_state is not None:
-        states = by_name(updates, opt_state)
+        infos = tuple(info for info, _ in updates)
+        states = by_name(infos, opt_state)
         for info, u in updates:
             mine = select(params, info.picks)[0]
             _, states[info.name] = lay_out_state(
-                loop, _optimizer_of(u), mine, states[info.name], info.picks
+                loop, optimizer_of(u), mine, states[info.name], info.picks
             )
-        opt_state = as_run(updates, states)
+        opt_state = as_run(infos, states)
     return params, opt_state
-
-
-def _optimizer_of(update: AbstractUpdate) -> optax.GradientTransformation | None:
-    """The optimizer whose state an update keeps (an `eqfit.Update`'s); `None` for an
-    update of the user's own, whose state is its own to lay out: XLA's partitioner
-    places it.
-    """
-    b = builtin(update)
-    return None if b is None else b.optimizer
 
 
 def lay_out_state(

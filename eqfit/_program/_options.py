@@ -25,8 +25,9 @@ from .._core._extras import require_orbax
 from .._core._policy import as_signals, Checkpoint, Profile
 from .._step._average import as_average, Average
 from .._step._precision import as_precision, Precision
-from .._step._record import LOSS, NORMS, record_for, SCALING, UpdateInfo
+from .._step._record import LOSS, NORMS, record_for, SCALING
 from .._step._remat import as_remat, Remat
+from .._step._updates import loss_info
 from .._step._validation import refuse_sets, Validation, ValidationSets
 from ._callables import as_schedules, callables, check_no_data, trained_filter
 from ._parallel import choose_placement, Device, Placement
@@ -101,7 +102,7 @@ class Options:
     callbacks: tuple[Any, ...]
     checkpoint: Checkpoint | None  # the policy, with its directory
     placement: Placement
-    # What the run calls: the loss, metrics and optimizer, or the updates.
+    # What the run calls: the metrics and the updates (`loss=` and `optimizer=` one).
     objects: Callables
     filter_spec: Any  # what trains (`trains=` made a filter spec)
     step: StepOptions = StepOptions()
@@ -287,7 +288,7 @@ def check_options(
         schedules=scheduled,
         profile=_profile(profile),
         execution=execution,
-        objects=callables(loss, optimizer, updates, metrics, scheduled, state is not None),
+        objects=callables(loss, optimizer, updates, metrics, scheduled),
         filter_spec=trained_filter(model, trains, filter_spec, updates),
         auto_microbatches=auto_microbatches,
     )
@@ -377,7 +378,7 @@ def _refuse_impossible_monitors(options: Options, metric_names: tuple[str, ...])
     val_sets = None if options.validation is None else options.validation.sets
     # The one loss's update, its aux values and hyperparameters not known yet.
     schedules = tuple(name for name, _ in options.schedules)
-    loss = UpdateInfo("", 1, (), True, (LOSS.name,), validated=(LOSS.name,), schedules=schedules)
+    loss = loss_info("", (), (LOSS.name,), schedules=schedules)
     known = record_for(
         updates=(loss,),
         metric_names=metric_names,

@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import batch_calls
@@ -42,16 +41,14 @@ def stopped_at_non_finite(reason: Any) -> bool:
 
 
 class Callables(NamedTuple):
-    """What the run calls: the loss, the metrics, the optimizer (a plain one) and the
-    schedules whose values it records; or, with several updates, the updates (and as the
-    loss, their losses as one, which validation computes: `_updates.Losses`).
+    """What the run calls: the metrics, the schedules whose values it records, and its
+    updates (`fit`'s `loss=` and `optimizer=` one, unnamed, with a plain optimizer),
+    whose losses validation computes (`_updates.run_loss`).
     """
 
-    loss: Callable[..., Any]
     metrics: tuple[tuple[str, MetricLike], ...]
-    optimizer: optax.GradientTransformation | None
-    schedules: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
-    updates: tuple[Any, ...] = ()  # `AbstractUpdate`s
+    schedules: tuple[tuple[str, Callable[[Any], Any]], ...]
+    updates: tuple[Any, ...]  # `AbstractUpdate`s
 
 
 class Consts(NamedTuple):

@@ -5,6 +5,7 @@ values and weighted means a loss returns, whether it convolves and its FLOPs
 a loss's aux names, or the values an update of the user's own records.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -17,7 +18,7 @@ from .._step._objective import abstract_key, find_outputs, LossTrace, Objective
 from .._step._record import LOSS, UpdateInfo
 from .._step._signatures import takes_key
 from .._step._update_checks import check_applied
-from .._step._updates import AbstractUpdate, builtin, validation_loss
+from .._step._updates import AbstractUpdate, info_of
 from ._options import Options
 
 
@@ -92,17 +93,37 @@ def update_info(
     picks: list[bool],
     traced: tuple[PyTree, PyTree, PyTree],
     options: Options,
+    run: Callable[[], LossTrace],
+    metric_names: tuple[str, ...],
 ) -> UpdateInfo:
-    """What a run keeps of an update, static: for a loss's update the aux names its loss
-    returns; for a user's own the names of the values its `apply` records (traced once,
-    on abstract arrays).
+    """What a run keeps of an update, static (`info_of`): for a loss's update the aux
+    names its loss returns (`fit`'s one loss: those of `run()`, the trace of the run's
+    loss and metrics); for a user's own the names of the values its `apply` records
+    (traced once, on abstract arrays).
+    """
+    return info_of(
+        update,
+        tuple(picks),
+        lambda objective: loss_outputs(objective, traced, options),
+        run,
+        lambda: _own_update_info(update, spec, picks, traced, options),
+        options.stateful,
+        options.step.precision,
+        metric_names,
+    )
+
+
+def _own_update_info(
+    update: AbstractUpdate,
+    spec: PyTree,
+    picks: list[bool],
+    traced: tuple[PyTree, PyTree, PyTree],
+    options: Options,
+) -> UpdateInfo:
+    """What a run keeps of an update of the user's own: the names of the values its
+    `apply` records, traced once on abstract arrays, and those validation computes.
     """
     member, state, batch = traced
-    loss_update = builtin(update)
-    if loss_update is not None:
-        objective = loss_update._objective(options.stateful, options.step.precision)
-        return loss_update._info(tuple(picks), loss_outputs(objective, traced, options))
-
     batch = batch if options.step.batch else None  # no data: the step hands `None`
     try:  # traced once for the same update on arrays of the same shapes
         cache_key = (update, *map(abstract_key, (spec, member, state, batch)))
@@ -147,7 +168,7 @@ def _validated(
     names: its `loss` method's value (`"loss"`) and aux values, found by tracing it as
     `fit`'s loss is; none without such a method.
     """
-    loss = validation_loss(update)
+    loss = update.validation_loss()
     if loss is None:
         return ()
     objective = Objective(loss, (), options.stateful, takes_key(loss))

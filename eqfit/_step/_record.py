@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Key
 
 from ._statistics import entry_names
 from ._validation import check_unique, validation_names
@@ -297,9 +297,13 @@ class Record:
 
 
 class UpdateInfo(NamedTuple):
-    """One of several updates (`fit(..., updates=)`) as the run knows it, static: its
-    name, how often it runs, which of the trained arrays it trains, and what it records,
-    by its own names (`"loss"`, `"acc"`); `column` gives each its history's name.
+    """One of the run's updates as the run knows it, static: its name, how often it runs,
+    which of the trained arrays it trains, and what it records, by its own names
+    (`"loss"`, `"acc"`); `column` gives each its history's name. `fit`'s `loss=` and
+    `optimizer=` are one, unnamed, whose differences are fields made once where its info
+    is (`_updates.loss_info`): its values keep their own names (`name` `""`), it gets the
+    step's key as it is (`keyed`), its state is the run's whole (`whole`), and its loss is
+    the step's (`step_loss`).
     """
 
     name: str
@@ -318,10 +322,33 @@ class UpdateInfo(NamedTuple):
     # The schedules (`fit(..., schedules=)`) it records at its optimizer's count: a
     # loss's update's, all of them; an update of the user's own holds no optimizer.
     schedules: tuple[str, ...] = ()
+    # It gets a key of its own each step (the step's folded with its place among the
+    # updates); `False`: the step's key as it is (`fit`'s one loss).
+    keyed: bool = True
+    # Its state (its optimizer's, its loss scale) is the run's whole, not an entry of a
+    # dict by its name (`fit`'s one loss: `result.opt_state` is its optimizer's).
+    whole: bool = False
+    # Its loss is the step's (`history.loss`), outside the record, and its other values
+    # are the run's own, checked as `fit`'s `loss`'s are (`check_names`); else its values
+    # are checked as an update's (`check_update_names`).
+    step_loss: bool = False
 
     def column(self, value: str) -> str:
         """The history's name of its value `value` (`d_loss`)."""
         return column_name(self.name, value)
+
+    def turn_key(self, key: Key[Array, ""], i: int) -> Key[Array, ""]:
+        """Its key at a step of key `key`, as the `i`-th of the run's updates."""
+        return jax.random.fold_in(key, i) if self.keyed else key
+
+    @property
+    def named(self) -> str | None:
+        """Its name, `None` for the unnamed update (`fit`'s one loss)."""
+        return self.name or None
+
+    def said(self, message: str) -> str:
+        """`message` about it, naming it where it is named."""
+        return message if self.named is None else f"Update {self.name!r}: {message}"
 
     @property
     def aux_names(self) -> tuple[str, ...]:
@@ -351,12 +378,10 @@ def record_for(
     """
     columns_of = metric_names  # the metrics that are functions of a batch: columns
     metric_names = (*metric_names, *(name for name, _ in accumulated))  # every metric
-    unnamed = [u for u in updates if not u.name]
-    if unnamed:  # `fit`'s one loss: its names checked as the loss's, schedules' and so on
-        u = unnamed[0]
+    check_names(metric_names=metric_names)
+    unnamed = [u for u in updates if u.step_loss]
+    for u in unnamed:  # `fit`'s one loss: its names checked as the loss's, schedules' and so on
         check_names(u.aux_names, metric_names, u.hyperparams, u.schedules)
-    else:
-        check_names(metric_names=metric_names)
     # Each update's columns with its name, by kind, in the order they are recorded.
     aux: list[tuple[Column, str]] = []
     own: list[tuple[Column, str]] = []
@@ -365,7 +390,7 @@ def record_for(
     for u in updates:
         sometimes = u.every > 1
         for n in u.values:  # validated values are the loss's, as a loss's aux values
-            if not u.name and n == LOSS.name:
+            if u.step_loss and n == LOSS.name:
                 continue  # the step's loss itself
             kind = Kind.AUX if n in u.validated else Kind.UPDATE
             column = Column(u.column(n), kind, Reduce.BATCH_MEAN, sometimes=sometimes)
@@ -398,8 +423,9 @@ def record_for(
             (Column(u.column(n), Kind.SCHEDULE, Reduce.LAST, sometimes=sometimes), u.name)
             for n in u.schedules
         ]
-    if not unnamed:
-        check_update_names([(c.name, u) for c, u in aux + own + norm + hyper], metric_names)
+    named = {u.name for u in updates if not u.step_loss}
+    columns = [(c.name, u) for c, u in aux + own + norm + hyper if u in named]
+    check_update_names(columns, metric_names)
     # A weighted mean's steps weigh by the weights it returns: a column of them each.
     means = {u.column(n) for u in updates for n in u.means} | set(metric_means)
 

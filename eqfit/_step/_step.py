@@ -69,26 +69,28 @@ def select(params: PyTree, picks: tuple[bool, ...]) -> tuple[PyTree, Callable[[P
     return mine, merge
 
 
-def by_name(updates: tuple[tuple[UpdateInfo, Any], ...], tree: Any) -> dict[str, Any]:
+def by_name(infos: tuple[UpdateInfo, ...], tree: Any) -> dict[str, Any]:
     """A run's state of its updates (the optimizer state, the loss scale) as a dict by
-    update name: several updates' is one already; `fit`'s one loss (unnamed) keeps the
-    whole as its own. `as_run` is its inverse.
+    update name: an update whose state is the run's whole (`UpdateInfo.whole`, `fit`'s one
+    loss) keeps it all; several updates' is such a dict already. `as_run` is its inverse.
     """
-    return {"": tree} if updates[0][0].name == "" else dict(tree)
+    whole = [info.name for info in infos if info.whole]
+    return {whole[0]: tree} if whole else dict(tree)
 
 
-def as_run(updates: tuple[tuple[UpdateInfo, Any], ...], states: dict[str, Any]) -> Any:
+def as_run(infos: tuple[UpdateInfo, ...], states: dict[str, Any]) -> Any:
     """`by_name`'s inverse: the run's state of its updates from each one's by name."""
-    return states[""] if updates[0][0].name == "" else states
+    whole = [states[info.name] for info in infos if info.whole]
+    return whole[0] if whole else states
 
 
 class Step(eqx.Module):
     """One optimisation step on a batch: its updates, each in its turn on the model the
     one before it left, on its own part of the parameters and its own state. `fit`'s
-    `loss=` and `optimizer=` are one `eqfit.Update`, unnamed (`UpdateInfo.name` `""`):
-    its values keep their own names (`loss`, `grad_norm`), it gets the step's key as it
-    is, and its state is the run's `opt_state` (and loss scale) itself; several updates
-    keep theirs in dicts by name.
+    `loss=` and `optimizer=` are one `eqfit.Update`, unnamed, whose `UpdateInfo` says what
+    it does differently: its values keep their own names (`loss`, `grad_norm`), it gets
+    the step's key as it is (`keyed`), and its state is the run's `opt_state` (and loss
+    scale) itself (`whole`); several updates keep theirs in dicts by name.
 
     An update whose loss is not finite is not applied: one `lax.cond` per update, as
     `optax.apply_if_finite` does, so the parameters are always the last finite ones and
@@ -147,8 +149,9 @@ class Step(eqx.Module):
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
         if not self.batch:  # a row of nothing stood for it: the updates make their data
             batch = None
-        states = by_name(self.updates, opt_state)
-        scales = None if loss_scale is None else by_name(self.updates, loss_scale)
+        infos = tuple(info for info, _ in self.updates)
+        states = by_name(infos, opt_state)
+        scales = None if loss_scale is None else by_name(infos, loss_scale)
         before = (params, model_state)
         reported: dict[str, Any] = {}
         metrics: dict[str, Any] | None = None
@@ -182,10 +185,10 @@ class Step(eqx.Module):
         reported = {name: value for name, value in reported.items() if name in self.record.names}
         return StepResult(
             params,
-            as_run(self.updates, states),
+            as_run(infos, states),
             model_state,
             self._averaged(average, params, applied),
-            None if scales is None else as_run(self.updates, scales),
+            None if scales is None else as_run(infos, scales),
             _step_loss(turns),
             self.record.pack(reported),
             finite,
@@ -205,12 +208,10 @@ class Step(eqx.Module):
         step: Int[Array, ""],
     ) -> Turn:
         """The `i`-th update's turn (`_turn`) on `operand` (the parameters, its state, the
-        model state, its loss scale), with its own key (a named update's); on the steps it
+        model state, its loss scale), with its key (`UpdateInfo.turn_key`); on the steps it
         is due at alone (`every`), else nothing done (`_not_due`).
         """
-        turn_key = key
-        if key is not None and info.name:
-            turn_key = jax.random.fold_in(key, i)
+        turn_key = None if key is None else info.turn_key(key, i)
         # The metrics ride in the first update's forward pass where it has one.
         measures = self.objective.metrics if i == 0 and info.every == 1 else ()
 

@@ -12,7 +12,8 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._core._data import dtype_of, summary
-from ._updates import AbstractUpdate, kind_of, NAME, recorded
+from ._turn import kind_of, NAME, recorded
+from ._updates import AbstractUpdate
 
 
 def check_applied(

@@ -4,72 +4,46 @@ its generator, a critic trained five steps to one, a target network moved by ave
 Each update is an object with an `init` and an update rule, as optimistix's solvers and
 diffrax's controllers are: `eqfit.Update` (a loss, an optimizer and the parts it trains)
 is one, and a subclass of `eqfit.AbstractUpdate` is a user's own. The step runs them in
-order on its batch, each on the model the one before it left.
+order on its batch, each on the model the one before it left. `fit`'s `loss=` and
+`optimizer=` are one `eqfit.Update`, unnamed, made where the options are.
+
+Every update takes its turn the same way, a call of its `apply` given `fit`'s options
+(`AbstractUpdate._take_turn`, final), which `Update.apply` reads (`given`); a hand loop's
+call gets the defaults. This module alone tells the built-in update from one's own, and
+`fit`'s one loss from several updates (`run_loss`, `info_of`, `identified`, ...).
 """
 
 import abc
 import dataclasses
-import re
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, cast, TYPE_CHECKING
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Key, PyTree
+from jaxtyping import Array, Key, PyTree
 
-from .._core._checks import as_int, real_dtype
+from .._core._checks import as_int
 from .._core._typing import ArrayTree
 from ._descent import hyperparams, UpdateContext
-from ._labels import LabelError
 from ._mean import Mean
 from ._objective import clone, find_outputs, LossTrace, Objective, split_output
-from ._precision import LossScale, Precision
+from ._precision import Precision
 from ._record import column_name, LOSS, UpdateInfo, weight_name
 from ._remat import as_remat, chosen, RematLike
 from ._signatures import takes_key
-
-
-# An update's name begins the history's names of its values (`d_loss`): a word.
-NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
-
-
-class Applied(NamedTuple):
-    """What an update gives back: the model after it, its own state, the model state
-    (`None` without `fit(..., state=)`), and the values it records, by name, each
-    recorded as `<update>_<name>` (one named `"loss"` adds to `history.loss`): a real
-    scalar, which the epoch averages over its steps, or an `eqfit.Mean`, which it reduces
-    as the sum of the totals over the sum of the weights (NaN for an epoch whose weights
-    sum to 0, and for a step's value of weight 0).
-    """
-
-    model: Any
-    state: ArrayTree
-    model_state: ArrayTree
-    values: Mapping[str, Array]
-
-
-class Turn(NamedTuple):
-    """An update's turn in `fit`'s step (`AbstractUpdate._take_turn`), by its own names."""
-
-    params: PyTree  # the arrays it trains, after it
-    opt_state: PyTree  # its state
-    model_state: PyTree
-    loss: Float[Array, ""]  # 0 for an update that records no loss
-    finite: Bool[Array, ""]  # its loss is finite
-    applies: Bool[Array, ""]  # it was applied
-    values: dict[str, Array]  # what it records (its hyperparameters aside)
-    weights: dict[str, Array]  # the weights of those values that are weighted means
-    labels: LabelError | None
-    # Its loss scale after it (float16's, `UpdateContext.loss_scale`); `None` unscaled.
-    loss_scale: LossScale | None = None
-    # The metrics it computed in its forward pass (`UpdateContext.metrics`), by the
-    # record's names, with the weights of those that are weighted means; `None`: none.
-    metrics: dict[str, Array] | None = None
-    # The batch's statistics of each metric that accumulates, from the same pass.
-    statistics: tuple[PyTree, ...] | None = None
+from ._turn import (
+    Applied,
+    check_every,
+    check_samples,
+    given,
+    giving,
+    NAME,
+    recorded,
+    trained_spec,
+    Turn,
+)
 
 
 class AbstractUpdate(eqx.Module):
@@ -88,13 +62,13 @@ class AbstractUpdate(eqx.Module):
     step (and in checkpoints), and records its values. `eqfit.Update` is the built-in
     one.
 
-    Validation (and `eqfit.evaluate`) computes each update's loss where it has one: an
-    `eqfit.Update`'s is its `loss`. An update of your own gives one by defining a method
-    `loss(self, model, *batch)` (with `fit(..., state=)`, `loss(self, model, state,
-    *batch)` returning `(value, new_state)`), called as `fit`'s `loss` is and returning
-    what its `apply` records of it: its value, recorded as `"loss"`, and any aux values,
-    each recorded under its name. Validation then gives `val_<name>_loss` and
-    `val_<name>_<aux>`.
+    Validation (and `eqfit.evaluate`) computes each update's loss where it has one
+    (`validation_loss`): an `eqfit.Update`'s is its `loss`. An update of your own gives
+    one by defining a method `loss(self, model, *batch)` (with `fit(..., state=)`,
+    `loss(self, model, state, *batch)` returning `(value, new_state)`), called as `fit`'s
+    `loss` is and returning what its `apply` records of it: its value, recorded as
+    `"loss"`, and any aux values, each recorded under its name. Validation then gives
+    `val_<name>_loss` and `val_<name>_<aux>`.
     """
 
     name: eqx.AbstractVar[str]
@@ -103,6 +77,8 @@ class AbstractUpdate(eqx.Module):
     trains: Callable[[Any], Any] | None = eqx.field(default=None, kw_only=True)
     every: int = eqx.field(default=1, kw_only=True, converter=as_int)
     samples: int | None = eqx.field(default=None, kw_only=True, converter=as_int)
+    if not TYPE_CHECKING:  # none by default: an `eqfit.Update`'s field, or a method of one's own
+        loss = None
 
     def __check_init__(self) -> None:
         # `""` is `fit`'s own `loss=`/`optimizer=` (whose values keep their own names);
@@ -171,6 +147,14 @@ class AbstractUpdate(eqx.Module):
         are kept), the update's new state, the model state, and the values to record.
         """
 
+    def validation_loss(self) -> Callable[..., Any] | None:
+        """The loss validation (and `eqfit.evaluate`) computes for it: an `eqfit.Update`'s
+        `loss`, or the `loss` method of an update of one's own that defines one; `None`
+        (the default) for none.
+        """
+        loss = self.loss  # pyright: ignore[reportAttributeAccessIssue]
+        return loss if callable(loss) else None
+
     def _take_turn(
         self,
         info: UpdateInfo,
@@ -181,91 +165,61 @@ class AbstractUpdate(eqx.Module):
         batch: ArrayTree,
         key: Key[Array, ""] | None,
     ) -> Turn:
-        """Its turn in `fit`'s step, on the arrays it trains (`params`): `apply` on the
-        whole model, whose trained arrays are kept, and its values checked against those
-        it recorded before the run (`info.values`).
+        """Its turn in `fit`'s step, on the arrays it trains (`params`), the same for every
+        update: `apply` on the whole model, given `fit`'s options (`context`) and what the
+        run knows of it (`info`), which an `apply` that takes its turn under them reads
+        (`given`: `eqfit.Update`'s descent). Otherwise the trained arrays of the model it
+        gives back are kept, and its values checked against those it recorded before the
+        run (`info.values`).
         """
-        assert key is not None and context.split is not None
-        out = self.apply(
-            context.combine(params), state, batch, model_state=clone(model_state), key=key
-        )
-        values, weights = recorded(self, out)
-        if set(values) != set(info.values):
-            raise ValueError(
-                f"Update {self.name!r} recorded {sorted(values)}, but before the run it "
-                f"recorded {sorted(info.values)}: an update must record the same names every "
-                "step."
+        with giving(self, context, info) as taken:
+            # `None` only for an `eqfit.Update` whose loss takes no key, which takes it.
+            out = self.apply(
+                context.combine(params),
+                state,
+                batch,
+                model_state=clone(model_state),
+                key=cast(Key[Array, ""], key),
             )
-        if LOSS.name in weights:  # a weighted mean's batch of weight 0 records NaN
-            found = out.values[LOSS.name]
-            assert isinstance(found, Mean)
-            finite = jnp.isfinite(found.total) & jnp.isfinite(found.weight)
-        else:
-            finite = jnp.isfinite(values.get(LOSS.name, jnp.zeros((), jnp.float32)))
-        loss = values.get(LOSS.name, jnp.zeros((), jnp.float32))
-        new = (context.split(out.model), out.state, out.model_state)
-        if LOSS.name in values:  # as a loss's update: not applied where it is not finite
-            old = (params, state, model_state)
-            new = jax.tree.map(lambda n, o: jax.lax.select(finite, n, o), new, old)
-        trained, own_state, model_state = new
-        return Turn(trained, own_state, model_state, loss, finite, finite, values, weights, None)
+        if taken:
+            return taken[0]
+        return _applied(self, info, context, out, params, state, model_state)
 
 
-def recorded(update: AbstractUpdate, out: Any) -> tuple[dict[str, Array], dict[str, Array]]:
-    """The values an update of one's own records (`apply`'s `Applied.values`), each a
-    float32 scalar (a weighted mean's quotient), and the weights of those that are
-    weighted means (`eqfit.Mean`). Refuses what is no `Applied`, a name that is no
-    string, and a value that is no real scalar, naming the update and the value.
+def _applied(
+    update: AbstractUpdate,
+    info: UpdateInfo,
+    context: UpdateContext,
+    out: Any,
+    params: PyTree,
+    state: ArrayTree,
+    model_state: ArrayTree,
+) -> Turn:
+    """The turn of an update whose `apply` gave `out` on the model `params` make: the
+    arrays it trains of the model it gives back, its state and values; as a loss's, not
+    applied where its loss (the value it records as `"loss"`) is not finite.
     """
-    what = f"Update {update.name!r}'s `apply`"
-    if not isinstance(out, Applied):
-        raise TypeError(
-            f"{what} returned {kind_of(out)}: it must return "
-            "`eqfit.Applied(model, state, model_state, values)`, the model after the update, "
-            "its state, the model state and a dict of the values to record (`{}` for none)."
+    assert context.split is not None
+    values, weights = recorded(update, out)
+    if set(values) != set(info.values):
+        raise ValueError(
+            f"Update {update.name!r} recorded {sorted(values)}, but before the run it "
+            f"recorded {sorted(info.values)}: an update must record the same names every "
+            "step."
         )
-    if not isinstance(out.values, Mapping):
-        raise TypeError(
-            f"{what} recorded {kind_of(out.values)} as `Applied.values`: it must be a dict of "
-            "scalars by name (`{'lag': lag}`; `{}` for none)."
-        )
-    values: dict[str, Array] = {}
-    weights: dict[str, Array] = {}
-    for name, value in out.values.items():
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise TypeError(
-                f"{what} recorded a value named {name!r}: a value's name ends its history "
-                f"name (`{update.name}_<name>`), so it must be a word such as 'lag'."
-            )
-        if isinstance(value, Mean):  # its steps weigh by its weight, as a loss's do
-            values[name] = (value.total / value.weight).astype(jnp.float32)
-            weights[name] = value.weight.astype(jnp.float32)
-            continue
-        dtype = getattr(value, "dtype", None)
-        wrong = None
-        if dtype is None and real_dtype(value) is None:
-            wrong = f"{kind_of(value)}, not an array"
-        elif real_dtype(value) is None:
-            wrong = f"an array of dtype {dtype}, not a real number"
-        elif (shape := np.shape(value)) != ():
-            wrong = (
-                f"an array of shape {shape}, not a scalar (shape ()): record its mean "
-                f"(`jnp.mean(...)`), or a weighted mean (`eqfit.Mean.of(values, weights)`)"
-            )
-        if wrong is not None:
-            raise TypeError(
-                f"{what} recorded {name!r} as {wrong}. Each value it records is a real "
-                "scalar (or an `eqfit.Mean`), recorded per step and averaged over the epoch."
-            )
-        values[name] = jnp.asarray(value).astype(jnp.float32)
-    return values, weights
-
-
-def kind_of(x: Any) -> str:
-    """What `x` is, in a few words, for a message."""
-    if isinstance(x, tuple):
-        return f"a tuple of {len(x)}"
-    return "None" if x is None else f"a {type(x).__name__}"
+    if LOSS.name in weights:  # a weighted mean's batch of weight 0 records NaN
+        found = out.values[LOSS.name]
+        assert isinstance(found, Mean)
+        finite = jnp.isfinite(found.total) & jnp.isfinite(found.weight)
+    else:
+        finite = jnp.isfinite(values.get(LOSS.name, jnp.zeros((), jnp.float32)))
+    loss = values.get(LOSS.name, jnp.zeros((), jnp.float32))
+    new = (context.split(out.model), out.state, out.model_state)
+    if LOSS.name in values:  # as a loss's update: not applied where it is not finite
+        old = (params, state, model_state)
+        new = jax.tree.map(lambda n, o: jax.lax.select(finite, n, o), new, old)
+    trained, own_state, model_state = new
+    return Turn(trained, own_state, model_state, loss, finite, finite, values, weights, None)
 
 
 class Update(AbstractUpdate):
@@ -307,8 +261,9 @@ class Update(AbstractUpdate):
     """
 
     name: str
-    loss: Callable[..., Any]
-    optimizer: optax.GradientTransformation
+    # A field of its own: the base's `loss` (none) is no default.
+    loss: Callable[..., Any] = eqx.field()
+    optimizer: optax.GradientTransformation = eqx.field()
     remat: RematLike = eqx.field(default=None, kw_only=True)
 
     def __check_init__(self) -> None:
@@ -353,27 +308,47 @@ class Update(AbstractUpdate):
         batch: ArrayTree,
         *,
         model_state: ArrayTree,
-        key: Key[Array, ""],
+        key: Key[Array, ""] | None,
     ) -> Applied:
-        """The step `fit` runs for this update, its very turn in the step (`fit`'s options
-        at their defaults: one device, no precision policy, no norms, no microbatches;
-        its own `remat`), for a hand-written loop: the same bits as `fit`'s parameters,
-        optimizer state and values (its loss, its aux values, its injected
-        hyperparameters). An update
-        whose loss is not finite is not applied; a weighted mean's batch of weight 0
-        trains on a zero gradient and records NaN; `grad_fn` reaches optimizers that take
-        it (SAM's opaque mode).
+        """The step `fit` runs for this update, its very turn in the step, for a
+        hand-written loop too (`fit`'s options at their defaults: one device, no
+        precision policy, no norms, no microbatches; its own `remat`): the same bits as
+        `fit`'s parameters, optimizer state and values (its loss, its aux values, its
+        injected hyperparameters). An update whose loss is not finite is not applied; a
+        weighted mean's batch of weight 0 trains on a zero gradient and records NaN;
+        `grad_fn` reaches optimizers that take it (SAM's opaque mode). In `fit`'s step it
+        runs under the options `fit` gives it (`given`).
+        """
+        turn = given(self)
+        if turn is None:  # a hand loop's call: `fit`'s options at their defaults
+            return self._by_hand(model, state, batch, model_state, key)
+        context = turn.context
+        assert context.split is not None
+        t = self._turn(turn.info, context, context.split(model), state, model_state, batch, key)
+        turn.taken.append(t)
+        return Applied(context.combine(t.params), t.opt_state, t.model_state, t.values)
+
+    def _by_hand(
+        self,
+        model: Any,
+        state: ArrayTree,
+        batch: ArrayTree,
+        model_state: ArrayTree,
+        key: Key[Array, ""] | None,
+    ) -> Applied:
+        """`apply` in a hand loop: on the arrays it `trains`, under the plain
+        `UpdateContext`, with its injected hyperparameters among its values.
         """
         spec = trained_spec(model, self.trains, f"`eqfit.Update({self.name!r})`'s `trains`")
         params, rest = eqx.partition(model, spec)
         objective = self._objective(model_state is not None, None)
         info = self._info((), find_outputs(objective, model, model_state, batch, True))
         context = UpdateContext(combine=lambda p: eqx.combine(p, rest))
-        t = self._take_turn(info, context, params, state, model_state, batch, key)
+        t = self._turn(info, context, params, state, model_state, batch, key)
         values = t.values | hyperparams(t.opt_state)
         return Applied(eqx.combine(t.params, rest), t.opt_state, t.model_state, values)
 
-    def _take_turn(
+    def _turn(
         self,
         info: UpdateInfo,
         context: UpdateContext,
@@ -383,9 +358,8 @@ class Update(AbstractUpdate):
         batch: ArrayTree,
         key: Key[Array, ""] | None,
     ) -> Turn:
-        """Its turn in `fit`'s step: `apply`'s descent, under `fit`'s options (its own
-        `remat` over `fit`'s), with the run's metrics (`context.metrics`) computed in its
-        forward pass.
+        """Its descent under `context` (its own `remat` over `fit`'s), with the run's
+        metrics (`context.metrics`) computed in its forward pass.
         """
         remat = chosen(self.remat, context.remat, context.recompute)
         context = dataclasses.replace(context, remat=remat)
@@ -426,86 +400,151 @@ class Update(AbstractUpdate):
         (`found`, its trace), of the trained arrays it `picks`.
         """
         values = (LOSS.name, *found.aux_names)
-        return UpdateInfo(
-            self.name, self.every, picks, True, values, means=found.means, validated=values
-        )
+        return loss_info(self.name, picks, values, found.means, self.every)
 
-    def _objective(
-        self,
-        stateful: bool,
-        precision: Precision | None,
-        aux_names: tuple[str, ...] = (),
-        means: tuple[str, ...] = (),
-    ) -> Objective:
-        """How its loss is called (`aux_names` and `means` as found before the run)."""
-        return Objective(self.loss, (), stateful, takes_key(self.loss), aux_names, precision, means)
+    def _objective(self, stateful: bool, precision: Precision | None) -> Objective:
+        """How its loss is called, before the run's trace found its aux values."""
+        return Objective(self.loss, (), stateful, takes_key(self.loss), (), precision, ())
 
 
-def validation_loss(update: AbstractUpdate) -> Callable[..., Any] | None:
-    """The loss validation computes for `update`: an `eqfit.Update`'s `loss`, or the
-    `loss` method of an update of the user's own that defines one; else `None`.
+def loss_info(
+    name: str,
+    picks: tuple[bool, ...],
+    values: tuple[str, ...],
+    means: tuple[str, ...] = (),
+    every: int = 1,
+    schedules: tuple[str, ...] = (),
+) -> UpdateInfo:
+    """What a run keeps of a loss's update (an `eqfit.Update`): its `values`, its loss
+    and aux values, all validated. Unnamed (`""`, `fit`'s `loss=` and `optimizer=`): its
+    values keep their own names, it gets the step's key as it is, its state is the run's
+    whole, and its loss is the step's.
     """
-    loss = getattr(update, "loss", None)
-    return loss if callable(loss) else None
+    unnamed = not name
+    return UpdateInfo(
+        name,
+        every,
+        picks,
+        True,
+        values,
+        means=means,
+        validated=values,
+        schedules=schedules,
+        keyed=not unnamed,
+        whole=unnamed,
+        step_loss=unnamed,
+    )
 
 
-def builtin(update: AbstractUpdate) -> Update | None:
-    """`update` where it is the built-in one (`eqfit.Update`: a loss, which validation
-    computes, and whose values are its loss and aux values); `None` for an update of the
-    user's own. How the update objects are told apart where the run is checked, traced
-    and built; inside the step, `_take_turn` is each kind's own, and what reads the run's
-    static description tells them apart by `UpdateInfo.loss`.
+# How the kinds of update are told apart, and `fit`'s one loss from several updates: here
+# alone, each a question the run asks of its updates.
+
+
+def _one_loss(updates: Sequence[AbstractUpdate]) -> bool:
+    """Whether `updates` are `fit`'s `loss=` and `optimizer=`: one unnamed update."""
+    return len(updates) == 1 and updates[0].name == ""
+
+
+def run_loss(updates: Sequence[AbstractUpdate], stateful: bool) -> Callable[..., Any]:
+    """The loss validation (and the run's metrics' objective) computes: `fit`'s one loss
+    as it is, or several updates' losses as one (`Losses`).
     """
-    return update if isinstance(update, Update) else None
+    if _one_loss(updates):
+        loss = updates[0].validation_loss()
+        assert loss is not None
+        return loss
+    return Losses(tuple(updates), stateful)
 
 
-def check_samples(name: Any, samples: Any) -> None:
-    if samples is None:
-        return
-    if isinstance(samples, bool) or not isinstance(samples, int | np.integer) or samples < 1:
-        raise ValueError(
-            f"Update {name!r}: `samples` must be an integer of 1 or more (the samples one "
-            f"of its steps processes, such as a rollout's environment steps), got {samples!r}."
-        )
-
-
-def check_every(name: Any, every: Any) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"Update {name!r}: `every` must be an integer of 1 or more (the update runs on "
-            f"every `every`-th step), got {every!r}."
-        )
-
-
-def trained_spec(model: Any, trains: Callable[[Any], Any] | None, what: str) -> PyTree:
-    """A filter spec for `eqx.partition`: `True` at the floating-point arrays inside the
-    parts `trains(model)` picks (all of them for `None`), `False` elsewhere. Refuses a
-    `trains` that fails on the model or picks no floating-point array, naming `what`.
+def run_traced(updates: Sequence[AbstractUpdate], run: Callable[[], LossTrace]) -> LossTrace:
+    """What the run's loss and metrics return, traced before the run (`run()`) where the
+    run's loss is `fit`'s one loss, whose `UpdateInfo` is read off that trace; nothing for
+    several updates, whose losses are traced one by one (`info_of`).
     """
-    if trains is None:
-        return jax.tree.map(eqx.is_inexact_array, model)
-    nothing = jax.tree.map(lambda _: False, model)
-    try:
-        spec = eqx.tree_at(
-            trains, nothing, replace_fn=lambda part: jax.tree.map(lambda _: True, part)
-        )
-    except Exception as e:
-        raise ValueError(
-            f"{what} must pick parts of the model, as `eqx.tree_at`'s `where` does "
-            f"(`lambda m: m.generator`), but calling it on the model failed: "
-            f"{type(e).__name__}: {e}"
-        ) from None
-    spec = jax.tree.map(lambda s, a: bool(s) and eqx.is_inexact_array(a), spec, model)
-    if not any(jax.tree.leaves(spec)):
-        raise ValueError(
-            f"{what} picks no floating-point array of the model, so the update would "
-            "change nothing: pick the parts that hold its weights (`lambda m: m.generator`)."
-        )
-    return spec
+    return run() if _one_loss(updates) else LossTrace((), ())
+
+
+def info_of(
+    update: AbstractUpdate,
+    picks: tuple[bool, ...],
+    trace: Callable[[Objective], LossTrace],
+    run: Callable[[], LossTrace],
+    own: Callable[[], UpdateInfo],
+    stateful: bool,
+    precision: Precision | None,
+    metric_names: tuple[str, ...],
+) -> UpdateInfo:
+    """What a run keeps of `update`, found before the run: an `eqfit.Update`'s loss's
+    values, from `trace` of its loss, or for `fit`'s one loss from `run()` (the run's
+    loss and metrics, traced once, whose metrics' means are the run's); an update of
+    one's own's from `own()` (what its `apply` records).
+    """
+    if not isinstance(update, Update):
+        return own()
+    if not _one_loss((update,)):
+        return update._info(picks, trace(update._objective(stateful, precision)))
+    found = run()
+    values = (LOSS.name, *found.aux_names)
+    return loss_info("", picks, values, tuple(n for n in found.means if n not in metric_names))
+
+
+def uses_key(updates: Sequence[AbstractUpdate]) -> bool:
+    """Whether the step makes a key: for an update of the user's own, or a loss (each
+    update's, or `fit`'s one) that takes one.
+    """
+    return any(not isinstance(u, Update) or takes_key(u.loss) for u in updates)
+
+
+def own_names(updates: Sequence[AbstractUpdate]) -> list[str]:
+    """The names of the updates of the user's own among `updates`: no loss's gradient
+    step, which `norms=`, `precision=` and `remat=` act on.
+    """
+    return [u.name for u in updates if not isinstance(u, Update)]
+
+
+def refuse_without_data(updates: Sequence[Any]) -> None:
+    """Refuses an `eqfit.Update` among `updates` of a run with no data (`data=None`)."""
+    for update in updates:
+        if isinstance(update, Update):
+            raise ValueError(
+                f"`data` is None, but update {update.name!r} is an `eqfit.Update`, whose loss "
+                "is computed on a batch of data: give `data`, or make it an update of your "
+                "own (`eqfit.AbstractUpdate`) that makes its data in its `apply`."
+            )
+
+
+def optimizer_of(update: AbstractUpdate) -> optax.GradientTransformation | None:
+    """The optimizer whose state an update keeps (an `eqfit.Update`'s); `None` for an
+    update of the user's own, whose state is its own to lay out.
+    """
+    return update.optimizer if isinstance(update, Update) else None
+
+
+def identified(
+    updates: Sequence[AbstractUpdate], name_of: Callable[[Any], str | None]
+) -> dict[str, Any]:
+    """The updates as a checkpoint's configuration identifies them: its `"loss"`, by its
+    name (`name_of`) for `fit`'s one loss, else `None` and `"updates"`, each by its name,
+    its class, its loss (an `eqfit.Update`'s) and how often it runs.
+    """
+    losses = [name_of(u.loss if isinstance(u, Update) else None) for u in updates]
+    if _one_loss(updates):
+        return {"loss": losses[0]}
+    entries = [[u.name, type(u).__name__, n, u.every] for u, n in zip(updates, losses)]
+    return {"loss": None, "updates": entries}
+
+
+def described(updates: Sequence[AbstractUpdate], describe: Callable[[Any], Any]) -> dict[str, Any]:
+    """The updates' part of a run's optimizer fingerprint: `fit`'s one loss's optimizer
+    (`"optimizer"`), or each update whole (`"updates"`), as `describe` gives them.
+    """
+    if _one_loss(updates):
+        return {"optimizer": describe(optimizer_of(updates[0]))}
+    return {"updates": [describe(u) for u in updates]}
 
 
 class Losses(eqx.Module):
-    """The updates' losses (`validation_loss`) as one function, on one model: what
+    """The updates' losses (`AbstractUpdate.validation_loss`) as one function, on one model: what
     validation and `eqfit.evaluate` compute. Its value is their sum; its aux values each
     update's loss and aux values, under the record's names (`d_loss`, `d_<aux>`). With
     state, each loss gets the state the one before it returned.
@@ -519,7 +558,7 @@ class Losses(eqx.Module):
         batch = args[1:] if self.stateful else args
         total = jnp.zeros((), jnp.float32)
         aux: dict[str, Any] = {}
-        losses = [(u.name, f) for u in self.updates if (f := validation_loss(u)) is not None]
+        losses = [(u.name, f) for u in self.updates if (f := u.validation_loss()) is not None]
         for i, (name, loss) in enumerate(losses):
             kwargs = {}
             if key is not None and takes_key(loss):
