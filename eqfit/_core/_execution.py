@@ -46,6 +46,10 @@ class Execution(eqx.Module):
     other updates. `guard=False` is refused where the run cannot be replayed bit for
     bit: under `devices=`, with a precision policy or an ensemble, on a one-shot
     iterator, with several processes; `None` keeps the guard there.
+
+    A way of one's own subclasses it: its words (`describe`), its longest program
+    (`steps_per_program`), and the programs made from the makers it is handed
+    (`program`, `batches`).
     """
 
     guard: bool | None = eqx.field(default=None, kw_only=True)
