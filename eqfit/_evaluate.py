@@ -4,6 +4,7 @@ the data in memory, or over each chunk of data streamed as training streams it
 """
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax
@@ -15,13 +16,13 @@ from ._core._execution import Execution
 from ._core._metric import tried
 from ._core._typing import ArrayTree, Data, Loss, Metrics, ModelState, PRNGKey
 from ._host._feeds import inference_chunks
-from ._host._inference import batches_per_program, EXECUTION_HINTS, inference_source
+from ._host._inference import EXECUTION_HINTS, inference_execution, inference_source
 from ._host._loader import Loader
 from ._host._open import first_rows
 from ._host._sources import Memmaps
 from ._program._build import check_additive, SPLIT_ROWS
 from ._program._jit import cached_jit
-from ._program._state import Releases
+from ._program._state import OnDevice, Releases
 from ._step._evaluate import add_batches, add_chunk, evaluate_batches
 from ._step._labels import LabelError, raise_found
 from ._step._objective import find_outputs, Objective
@@ -122,16 +123,15 @@ def evaluate(
                 return outputs.convolves
             return bool(find_outputs(objective, model, state, batch, always=True).convolves)
 
-        unroll = batches_per_program(execution, convolves)
+        chosen = inference_execution(execution, convolves)
         if source is not None:
             values_, labels = _evaluate_streamed(
-                (objective, model, state, source, batch_size, key_), unroll
+                (objective, model, state, source, batch_size, key_), chosen
             )
-        elif unroll is None:
-            values_, labels = _evaluate(objective, model, state, data_, batch_size, key_)
         else:
-            values_, labels = _evaluate_in_calls(
-                (objective, model, state, data_, batch_size, key_), unroll
+            args = (objective, model, state, data_, batch_size, key_)
+            values_, labels = chosen.batches(
+                functools.partial(_evaluate, *args), functools.partial(_evaluate_in_calls, args)
             )
         values = np.asarray(values_).tolist()
     if labels is not None:
@@ -149,6 +149,32 @@ _add_batches = cached_jit(add_batches)
 _add_chunk = cached_jit(add_chunk)
 
 
+def _chunk_scanned(args: tuple[Any, ...], chunk: OnDevice, totals: Any, labels: Any) -> Any:
+    """A streamed `chunk`'s batches added to `totals` and `labels` by one program."""
+    objective, model, state, _, _, key = args
+    valid = np.asarray(chunk.valid, np.int32)
+    return _add_chunk(
+        objective, model, state, chunk.data, chunk.batch_size, key, chunk.offset, valid,
+        totals, labels,
+    )  # fmt: skip
+
+
+def _chunk_in_calls(
+    args: tuple[Any, ...], chunk: OnDevice, totals: Any, labels: Any, unroll: int
+) -> Any:
+    """A streamed `chunk`'s batches added to `totals` and `labels` by programs of
+    `unroll` batches (`add_batches`), called one after another.
+    """
+    objective, model, state, _, _, key = args
+    size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
+    for b, count in chunk.calls(unroll):
+        totals, labels = _add_batches(
+            objective, model, state, chunk.data, size, key, np.asarray(b, np.int32), count,
+            False, totals, labels, chunk.offset, valid,
+        )  # fmt: skip
+    return totals, labels
+
+
 def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelError | None]:
     """`evaluate_batches`' values and label error, as programs of `unroll` full batches
     then one of the smaller last batch (`add_batches`), called one after another.
@@ -163,22 +189,21 @@ def _evaluate_in_calls(args: tuple[Any, ...], unroll: int) -> tuple[Any, LabelEr
     return objective.quotient(totals), labels
 
 
-def _evaluate_streamed(args: tuple[Any, ...], unroll: int | None) -> tuple[Any, LabelError]:
+def _evaluate_streamed(args: tuple[Any, ...], chosen: Execution) -> tuple[Any, LabelError]:
     """`evaluate_batches`' values and label error over streamed data: each chunk's
-    batches added to the totals as the chunk arrives, by one program of the chunk's
-    shape (`add_chunk`), or as `PerStep` runs them, programs of `unroll` batches.
+    batches added to the totals as the chunk arrives, as `chosen` runs them
+    (`Execution.batches`): by one program of the chunk's shape (`add_chunk`), or by
+    programs of a few batches (`add_batches`).
     """
-    objective, model, state, source, batch_size, key = args
+    objective, _, _, source, batch_size, _ = args
     totals, labels = _nothing_yet(objective)
     with inference_chunks(source, batch_size) as chunks:
         done = Releases()
         for chunk in chunks:
-            size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
-            for b, count in chunk.calls(unroll):
-                totals, labels = _add_chunk(
-                    objective, model, state, chunk.data, size, key, chunk.offset, valid,
-                    totals, labels, np.asarray(b, np.int32), count,
-                )  # fmt: skip
+            totals, labels = chosen.batches(
+                functools.partial(_chunk_scanned, args, chunk, totals, labels),
+                functools.partial(_chunk_in_calls, args, chunk, totals, labels),
+            )
             done.computed(chunk, totals)
         done.computed()
     return objective.quotient(totals), labels

@@ -3,6 +3,7 @@ memory, or over each chunk of data streamed as training streams it (memmaps, loa
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload, TypeVar
 
@@ -28,8 +29,8 @@ from ._core._execution import Execution
 from ._core._typing import ArrayTree, Data, ModelState, PRNGKey
 from ._host._feeds import inference_chunks
 from ._host._inference import (
-    batches_per_program,
     EXECUTION_HINTS,
+    inference_execution,
     inference_source,
 )
 from ._host._loader import Loader
@@ -161,12 +162,14 @@ def predict(
     with reported_as("predict", "x"):
         args = (eqx.nn.inference_mode(model), inputs, state, batch_size, ensemble, policy, key_)
         with _model_called(members, model, x, state):
-            unroll = batches_per_program(execution, lambda: _forward_convolves(*args))
+            chosen = inference_execution(execution, lambda: _forward_convolves(*args))
         if source is not None:
-            return _predict_streamed(args, source, first, unroll, out, members)
+            return _predict_streamed(args, source, first, chosen, out, members)
         writer = None if out is None else _Writer(out, ensemble)  # `out` checked first
         with _model_called(members, model, x, state):
-            outputs = _predict(*args) if unroll is None else _predict_in_calls(args, unroll)
+            outputs = chosen.batches(
+                functools.partial(_predict, *args), functools.partial(_predict_in_calls, args)
+            )
         if writer is None:
             return outputs
         writer.write(outputs).check_filled()
@@ -242,7 +245,7 @@ def _predict_streamed(
     args: tuple[Any, ...],
     source: Memmaps | Loader,
     first: bool,
-    unroll: int | None,
+    chosen: Execution,
     out: Any,
     members: int | None,
 ) -> Any:
@@ -263,7 +266,7 @@ def _predict_streamed(
         done = Releases()
         for chunk in chunks:
             with _model_called(members, model, None, state):
-                outputs = _predict_chunk(model, state, ensemble, policy, key, unroll, chunk, first)
+                outputs = _predict_chunk(model, state, ensemble, policy, key, chosen, chunk, first)
             if writer is None:
                 parts.append(outputs)
             else:
@@ -284,18 +287,20 @@ def _predict_chunk(
     ensemble: bool,
     policy: Precision | None,
     key: Any,
-    unroll: int | None,
+    chosen: Execution,
     chunk: OnDevice,
     first: bool,
 ) -> Any:
-    """The outputs of a streamed chunk's batches, its padding dropped."""
+    """The outputs of a streamed chunk's batches, as `chosen` runs them, its padding
+    dropped.
+    """
     x, size = _inputs(chunk.data, first), chunk.batch_size
     rows = chunk.valid * size
-    if unroll is None:
-        outputs = _predict(model, x, state, size, ensemble, policy, key, chunk.offset)
-    else:
-        args = (model, x, state, size, ensemble, policy, key)
-        outputs = _predict_in_calls(args, unroll, rows, chunk.offset)
+    args = (model, x, state, size, ensemble, policy, key)
+    outputs = chosen.batches(
+        functools.partial(_predict, *args, chunk.offset),
+        functools.partial(_predict_in_calls, args, rows=rows, offset=chunk.offset),
+    )
     if rows == num_samples(x):
         return outputs
     return jax.tree.map(lambda o: o[:, :rows] if ensemble else o[:rows], outputs)

@@ -514,6 +514,58 @@ def test_a_way_that_cannot_run_is_refused_before_compiling():
         train("fast")
 
 
+# What `StepsThenLoop` was asked to make, in order.
+ASKED = []
+
+
+class StepsThenLoop(eqfit.Execution):
+    """A way of one's own, made of the makers `fit`, `evaluate` and `predict` hand it:
+    `PerStep`'s programs of steps, with an inference's batches in one loop.
+    """
+
+    unroll: int = 2
+
+    def describe(self):
+        return f"programs of {self.unroll} steps, batches in one loop"
+
+    def steps_per_program(self):
+        return self.unroll
+
+    def program(self, whole_run, steps):
+        ASKED.append("program")
+        return steps(self.unroll)
+
+    def batches(self, scanned, in_calls):
+        ASKED.append("batches")
+        return scanned()
+
+
+def test_a_way_of_ones_own_runs_the_programs_it_makes_from_the_makers_it_is_handed(tmp_path):
+    own, per_step = train(StepsThenLoop()), train(eqfit.PerStep(2))
+    assert ASKED[0] == "program" and "batches" in ASKED  # the run's program, validation's
+    # The same programs of steps: the same training, bit for bit; validation's batches
+    # run a call each (its values to XLA's fusion).
+    assert_trees_equal(own.model, per_step.model)
+    np.testing.assert_array_equal(own.history.step_loss, per_step.history.step_loss)
+    np.testing.assert_allclose(own.history["val_loss"], per_step.history["val_loss"], rtol=1e-5)
+    x, y = arrays()
+    np.save(tmp_path / "x.npy", x)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    for data in (x, mapped):  # in memory, and streamed chunk by chunk
+        ASKED.clear()
+        got, want = (
+            eqfit.predict(own.model, data, batch_size=BATCH, execution=way)
+            for way in (StepsThenLoop(), eqfit.WholeRun())
+        )
+        np.testing.assert_array_equal(got, want)  # the one loop's program: the same bits
+        assert ASKED and set(ASKED) == {"batches"}
+        got, want = (
+            eqfit.evaluate(own.model, (data, y), loss=eqfit.losses.mse, execution=way)
+            for way in (StepsThenLoop(), eqfit.WholeRun())
+        )
+        assert got == want
+
+
 @pytest.mark.heavy
 def test_a_sigterm_in_the_per_step_way_stops_within_steps_with_its_checkpoint(tmp_path):
     """An epoch of a million steps, each a call: SIGTERM stops training a few steps on,

@@ -435,5 +435,11 @@ def test_a_way_of_running_of_ones_own_that_says_zero_steps_is_refused():
         def steps_per_program(self):
             return 0
 
+        def program(self, whole_run, steps):
+            return steps(0)
+
+        def batches(self, scanned, in_calls):
+            return in_calls(0)
+
     with pytest.raises(ValueError, match=r"says its programs run 0 steps each"):
         eqfit.fit(pair(), (X, Y), loss=mse, optimizer=optax.sgd(0.1), execution=Nothing(), **FIT)

@@ -1,7 +1,9 @@
 """How the steps run: inside one compiled loop (`WholeRun`), or as programs of a few
 steps written out, which Python calls one after another (`PerStep`); and which of the two
 a run gets (`choose`). Validation, `evaluate` and `predict` run their batches the same
-way.
+way. Each way is handed the makers of the programs and makes them (`Execution.program`,
+`Execution.batches`), as optimistix's adjoint is handed the loop it runs: the makers'
+modules ask the way, and this one imports none of them.
 
 Both run the same arithmetic, with the same shuffle, keys and record; only XLA's fusion
 of it differs. Why two: XLA compiles some operations worse inside a loop's body than in
@@ -15,11 +17,14 @@ host more than the step.
 
 import abc
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 import equinox as eqx
 
 from ._checks import as_int
+
+
+_T = TypeVar("_T")
 
 
 class Execution(eqx.Module):
@@ -41,6 +46,10 @@ class Execution(eqx.Module):
     other updates. `guard=False` is refused where the run cannot be replayed bit for
     bit: under `devices=`, with a precision policy or an ensemble, on a one-shot
     iterator, with several processes; `None` keeps the guard there.
+
+    A way of one's own subclasses it: its words (`describe`), its longest program
+    (`steps_per_program`), and the programs made from the makers it is handed
+    (`program`, `batches`).
     """
 
     guard: bool | None = eqx.field(default=None, kw_only=True)
@@ -52,7 +61,25 @@ class Execution(eqx.Module):
     @abc.abstractmethod
     def steps_per_program(self) -> int | None:
         """The steps each compiled program runs, written out one after the other; `None`
-        for a program that loops over the steps of the whole run.
+        for a program that loops over the steps of the whole run: what `check_steps` and
+        `plan`'s words read (the programs themselves are made by `program` and `batches`).
+        """
+
+    @abc.abstractmethod
+    def program(self, whole_run: Callable[[], _T], steps: Callable[[int], _T]) -> _T:
+        """The run's program, made by the maker of this way of running the steps, of the
+        two that `program_for` hands it: `whole_run()`, calls of `run` (each looping over
+        the steps to its stop); or `steps(k)`, calls of `unrolled` (programs of `k` steps
+        written out, called from Python, each epoch's end made by the host).
+        """
+
+    @abc.abstractmethod
+    def batches(self, scanned: Callable[[], _T], in_calls: Callable[[int], _T]) -> _T:
+        """What an inference gives (`evaluate`, `predict`, validation's sums where the host
+        makes an epoch's end), its batches run by the maker of this way, of the two it is
+        handed: `scanned()`, one program looping over all the batches (of the data, or of
+        a streamed chunk); or `in_calls(k)`, programs of `k` batches written out, called
+        from Python.
         """
 
     def describe_batches(self) -> str:
@@ -78,6 +105,12 @@ class WholeRun(Execution):
 
     def steps_per_program(self) -> None:
         return None
+
+    def program(self, whole_run: Callable[[], _T], steps: Callable[[int], _T]) -> _T:
+        return whole_run()
+
+    def batches(self, scanned: Callable[[], _T], in_calls: Callable[[int], _T]) -> _T:
+        return scanned()
 
 
 class PerStep(Execution):
@@ -113,6 +146,12 @@ class PerStep(Execution):
 
     def steps_per_program(self) -> int:
         return self.unroll
+
+    def program(self, whole_run: Callable[[], _T], steps: Callable[[int], _T]) -> _T:
+        return steps(self.unroll)
+
+    def batches(self, scanned: Callable[[], _T], in_calls: Callable[[int], _T]) -> _T:
+        return in_calls(self.unroll)
 
 
 class Choice(NamedTuple):

@@ -1,7 +1,7 @@
 """What an inference reads, and how it runs: the source of `evaluate`'s and `predict`'s
 data (memmaps read in place, a loader), its one pass in order (`one_pass`), a run's
 validation sets that stream (`Reread`, `StreamedSets`), a pass each validation; and the
-batches of each of its programs (`batches_per_program`).
+way it runs its batches (`inference_execution`).
 """
 
 from collections.abc import Callable, Iterator
@@ -122,13 +122,11 @@ def _loader_pass(source: Loader) -> Iterator[Chunk]:
 EXECUTION_HINTS = {"execution": "`'auto'`, `eqfit.WholeRun()` or `eqfit.PerStep(unroll)`"}
 
 
-def batches_per_program(
+def inference_execution(
     asked: Execution | Literal["auto"], convolves: Callable[[], bool]
-) -> int | None:
-    """The batches of each program of an inference (`predict`, `evaluate`) as `asked`
-    (`execution=`), or by default by `fit`'s rule (`choose`): `None` for one program
-    over all of them.
+) -> Execution:
+    """The way an inference (`predict`, `evaluate`) runs its batches (`Execution.batches`):
+    as `asked` (`execution=`), or by default by `fit`'s rule (`choose`).
     """
     platform = jax.devices()[0].platform
-    choice = choose(asked, platform=platform, steps_per_epoch=None, convolves=convolves)
-    return choice.execution.steps_per_program()
+    return choose(asked, platform=platform, steps_per_epoch=None, convolves=convolves).execution

@@ -21,6 +21,7 @@ from ._program import close, logs, run, unrolled, validation_batches, validation
 from ._state import (
     CallEnd,
     Inputs,
+    OnDevice,
     ReadSet,
     Releases,
     Report,
@@ -37,11 +38,12 @@ def program_key(loop: Loop) -> tuple[str, Loop]:
 
 
 def program_for(loop: Loop) -> "Program":
-    """The run's program for `loop`, as its `execution` runs the steps (cached)."""
-    unroll = loop.execution.steps_per_program()
+    """The run's program for `loop`, as its `execution` makes it (cached)."""
 
     def make() -> Program:
-        return WholeRunCalls(loop) if unroll is None else StepCalls(loop, unroll)
+        return loop.execution.program(
+            functools.partial(WholeRunCalls, loop), functools.partial(StepCalls, loop)
+        )
 
     return cast(Program, PROGRAM_CACHE.get(program_key(loop), make))
 
@@ -90,7 +92,7 @@ class WholeRunCalls(Program):
         validation = loop.validation
         self.closes = None
         if validation is not None and validation.streamed:
-            self.closes = EpochCloses(loop, None)
+            self.closes = EpochCloses(loop)
 
     def __call__(
         self,
@@ -123,14 +125,15 @@ class WholeRunCalls(Program):
 class EpochCloses:
     """An epoch's end as the host makes it, where the run's program leaves it to the host
     (`PerStep`'s, and every run whose validation streams): each set's validation sums,
-    added up by programs of its batches, then one call of `close`. A set in memory is
-    read by `validation_batches`, `unroll` batches a call; a streamed set by
-    `validation_chunk`, a chunk a call (all its batches in a scan where `unroll` is
-    `None`, else `unroll` batches a call), as the chunks arrive.
+    added up by programs of its batches as the run's execution runs them
+    (`Execution.batches`), then one call of `close`. A set in memory is read by
+    `validation_batches`, a few batches a call; a streamed set, as its chunks arrive, by
+    `validation_chunk` (a chunk's batches in one scan a call) or `validation_batches` (a
+    few of a chunk's batches a call).
     """
 
-    def __init__(self, loop: Loop, unroll: int | None):
-        self.loop, self.unroll = loop, unroll
+    def __init__(self, loop: Loop):
+        self.loop = loop
         self.close: Any = loop.placement.compile(functools.partial(close, loop), (0,))
         self.programs: dict[tuple[Any, ...], Any] = {}  # by kind, set, size, batches
         self.logs: Any = None
@@ -209,12 +212,19 @@ class EpochCloses:
             return self.validate_streamed(state, inputs, i, epoch, validation, sums)
         name = self.sets()[i]
         data = inputs.val_data if name is None else inputs.val_data[name]
-        rows = loop.placement.rows(data)
-        batch_size, unroll = loop.schedule.batch_size, self.unroll or 1
-        for b, count, remainder in batch_calls(rows, batch_size, unroll):
-            at = ValAt(np.int32(b), np.int32(epoch))
-            sums = self.program("batches", i, count, remainder)((state, sums), inputs, at)
-        return sums
+        rows, batch_size = loop.placement.rows(data), loop.schedule.batch_size
+
+        def in_calls(unroll: int) -> ValSums:
+            added = sums
+            for b, count, remainder in batch_calls(rows, batch_size, unroll):
+                at = ValAt(np.int32(b), np.int32(epoch))
+                program = self.program("batches", i, batch_size, count, remainder)
+                added = program((state, added), (inputs, None), at)
+            return added
+
+        # No program loops over a set in memory for the host: a batch a call there (the
+        # host closes the epochs of a run whose steps loop only where its sets stream).
+        return loop.execution.batches(functools.partial(in_calls, 1), in_calls)
 
     def validate_streamed(
         self,
@@ -229,13 +239,42 @@ class EpochCloses:
         with validation(i, self.loop.schedule.batch_size) as chunks:
             done = Releases()
             for chunk in chunks:
-                size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
-                for b, count in chunk.calls(self.unroll):
-                    at = ValAt(np.int32(b), np.int32(epoch), chunk.offset, valid)
-                    program = self.program("chunk", i, size, count)
-                    sums = program((state, sums), (inputs, chunk.data), at)
+                args = (state, inputs, i, epoch, chunk, sums)
+                sums = self.loop.execution.batches(
+                    functools.partial(self.chunk_scanned, *args),
+                    functools.partial(self.chunk_in_calls, *args),
+                )
                 done.computed(chunk, sums)
             done.computed()
+        return sums
+
+    def chunk_scanned(
+        self, state: TrainState, inputs: Inputs, i: int, epoch: int, chunk: OnDevice, sums: ValSums
+    ) -> ValSums:
+        """A streamed set `i`'s `chunk` added to its `sums` by one program."""
+        valid = np.asarray(chunk.valid, np.int32)
+        at = ValAt(np.int32(0), np.int32(epoch), chunk.offset, valid)
+        program = self.program("chunk", i, chunk.batch_size)
+        return program((state, sums), (inputs, chunk.data), at)
+
+    def chunk_in_calls(
+        self,
+        state: TrainState,
+        inputs: Inputs,
+        i: int,
+        epoch: int,
+        chunk: OnDevice,
+        sums: ValSums,
+        unroll: int,
+    ) -> ValSums:
+        """A streamed set `i`'s `chunk` added to its `sums` by programs of `unroll`
+        batches (`OnDevice.calls`).
+        """
+        size, valid = chunk.batch_size, np.asarray(chunk.valid, np.int32)
+        for b, count in chunk.calls(unroll):
+            at = ValAt(np.int32(b), np.int32(epoch), chunk.offset, valid)
+            program = self.program("batches", i, size, count, False)
+            sums = program((state, sums), (inputs, chunk.data), at)
         return sums
 
     def sets(self) -> tuple[Any, ...]:
@@ -244,9 +283,9 @@ class EpochCloses:
         return validation.sets or (None,)
 
     def program(self, kind: str, i: int, *sizes: Any) -> Any:
-        """The program of set `i`'s batches: `"batches"`, `validation_batches` (of
-        `count` batches, or the smaller last); `"chunk"`, `validation_chunk` (of a chunk
-        of batches of a size, `count` of them or all)."""
+        """The program of set `i`'s batches: `"batches"`, `validation_batches` (of a batch
+        size, of `count` batches or the smaller last); `"chunk"`, `validation_chunk` (of a
+        chunk of batches of a size, all of them)."""
         if (kind, i, *sizes) not in self.programs:
             make = validation_batches if kind == "batches" else validation_chunk
             fn = functools.partial(make, self.loop, i, *sizes)
@@ -273,7 +312,7 @@ class StepCalls(Program):
         compile = functools.partial(loop.placement.compile, options=loop.compiler_options)
         self.full: Any = compile(functools.partial(unrolled, loop, unroll, False), (0,))
         self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
-        self.closes = EpochCloses(loop, unroll)
+        self.closes = EpochCloses(loop)
 
     def __call__(
         self,

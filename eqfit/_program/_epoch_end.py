@@ -186,26 +186,31 @@ class EpochEnd:
         state: TrainState,
         sums: ValSums,
         set_index: int,
+        data: PyTree,
+        batch_size: int,
         count: int,
         remainder: bool,
         at: ValAt,
     ) -> ValSums:
         """`validation_batches`' (the program's) for one member: as `evaluate_batches`
-        computes each batch, added in the same order.
+        computes each batch of set `set_index`'s `data` (all of it, or a streamed chunk,
+        whose `at.offset` and `at.valid` say where it is), added in the same order.
         """
         model = self.model(state)
         totals, label_error = add_batches(
             self.parts.objective,
             model,
             state.model_state,
-            self.sets()[set_index],
-            self.loop.schedule.batch_size,
+            data,
+            batch_size,
             self.set_key(model, at.epoch, set_index),
             at.batch,
             count,
             remainder,
             jnp.asarray(sums.totals),
             sums.label_error,
+            at.offset,
+            at.valid,
         )
         return ValSums(totals, label_error)
 
@@ -216,20 +221,18 @@ class EpochEnd:
         set_index: int,
         chunk: PyTree,
         batch_size: int,
-        count: int | None,
         at: ValAt,
     ) -> ValSums:
         """`validation_chunk`'s (the program's) for one member: a streamed set's chunk
-        (`OnDevice`), its batches added to the sums as `validate` adds a set's in memory
-        (the same keys, by the batch's number in the set): by one scan (`count` `None`),
-        or `count` batches from the chunk's batch `at.batch` on, written out.
+        (`OnDevice`), its batches added to the sums in one scan as `validate` adds a set's
+        in memory (the same keys, by the batch's number in the set).
         """
         assert at.offset is not None and at.valid is not None
         model = self.model(state)
         totals, label_error = add_chunk(
             self.parts.objective, model, state.model_state, chunk, batch_size,
             self.set_key(model, at.epoch, set_index), at.offset, at.valid,
-            jnp.asarray(sums.totals), sums.label_error, at.batch, count,
+            jnp.asarray(sums.totals), sums.label_error,
         )  # fmt: skip
         return ValSums(totals, label_error)
 

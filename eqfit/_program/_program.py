@@ -89,23 +89,27 @@ def unrolled(
 def validation_batches(
     loop: Loop,
     set_index: int,
+    batch_size: int,
     count: int,
     remainder: bool,
     carry: tuple[TrainState, ValSums],
-    inputs: Inputs,
+    read: tuple[Inputs, PyTree | None],
     at: ValAt,
 ) -> ValSums:
     """`PerStep`'s validation, as its steps run: `count` batches of validation set
-    `set_index` from batch `at.batch` on (those past its full batches computed and
-    dropped), or with `remainder` its smaller last batch, written out with no loop
-    around them and added to the sums so far (`carry`'s). The same values as `run`'s
-    validation, in the same order (to XLA's fusion).
+    `set_index` (of its streamed chunk, `read`'s after the inputs, where it streams) from
+    batch `at.batch` on (those past its full batches computed and dropped), or with
+    `remainder` its smaller last batch, written out with no loop around them and added to
+    the sums so far (`carry`'s). The same values as `run`'s validation, in the same order
+    (to XLA's fusion).
     """
     state, sums = carry
+    inputs, chunk = read
 
     def one(parts: Rebuilt, state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
         end = EpochEnd(loop, parts, inputs, key)
-        return end.batches(state, sums, set_index, count, remainder, at)
+        data = end.sets()[set_index] if chunk is None else chunk  # in memory, or streamed
+        return end.batches(state, sums, set_index, data, batch_size, count, remainder, at)
 
     return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
 
@@ -114,21 +118,20 @@ def validation_chunk(
     loop: Loop,
     set_index: int,
     batch_size: int,
-    count: int | None,
     carry: tuple[TrainState, ValSums],
     read: tuple[Inputs, PyTree],
     at: ValAt,
 ) -> ValSums:
     """A streamed validation set's chunk (`read`'s, after the inputs) added to the sums so
     far (`carry`'s), at the epoch's end, by the host's calls (`EpochEnd.chunk`): all its
-    batches in one scan (`count` `None`), or `count` of them written out (`PerStep`).
+    batches in one scan (`PerStep`'s programs of a few: `validation_batches`).
     """
     state, sums = carry
     inputs, chunk = read
 
     def one(parts: Rebuilt, state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
         end = EpochEnd(loop, parts, inputs, key)
-        return end.chunk(state, sums, set_index, chunk, batch_size, count, at)
+        return end.chunk(state, sums, set_index, chunk, batch_size, at)
 
     return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
 

@@ -178,13 +178,10 @@ class OnDevice(NamedTuple):
     # its pages then.
     release: Callable[[], None]
 
-    def calls(self, unroll: int | None) -> list[tuple[int, int | None]]:
-        """The programs that add up its batches, as `(first, count)`: one over all of
-        them in a scan (`unroll` `None`: `(0, None)`), or `unroll` a call, written out, as
-        `PerStep` runs them (`batch_calls`).
+    def calls(self, unroll: int) -> list[tuple[int, int]]:
+        """The programs that add up its batches `unroll` a call, written out, as `PerStep`
+        runs them (`batch_calls`), as `(first, count)`.
         """
-        if unroll is None:
-            return [(0, None)]
         rows = self.valid * self.batch_size
         return [(b, count) for b, count, _ in batch_calls(rows, self.batch_size, unroll)]
 

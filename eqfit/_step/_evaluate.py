@@ -114,22 +114,14 @@ def add_chunk(
     valid: Int[ArrayLike, ""],
     totals: Float[Array, "2 values"],
     labels: LabelError,
-    first: Int[ArrayLike, ""] = 0,
-    count: int | None = None,
 ) -> tuple[Float[Array, "2 values"], LabelError]:
     """A streamed chunk's first `valid` batches (numbered from `offset` in the set)
-    added to the totals so far, and the first label out of range kept: all of them in
-    one scan (`count` `None`), or, as `PerStep` runs them, `count` of them from the
-    chunk's batch `first` on, written out (`add_batches`). One program per chunk's shape
-    (and `count`), called as chunks arrive (`OnDevice.calls`). After every chunk,
-    `totals[0] / totals[1]` is `evaluate_batches`' value over the whole set (to float
-    rounding: the sums are taken chunk by chunk).
+    added to the totals so far in one scan, and the first label out of range kept (as
+    `PerStep` runs them, programs of a few of its batches written out are `add_batches`',
+    given `offset` and `valid`). One program per chunk's shape, called as chunks arrive.
+    After every chunk, `totals[0] / totals[1]` is `evaluate_batches`' value over the
+    whole set (to float rounding: the sums are taken chunk by chunk).
     """
-    if count is not None:
-        return add_batches(
-            objective, model, model_state, chunk, batch_size, key, first, count, False,
-            totals, labels, offset, valid,
-        )  # fmt: skip
     chunk_totals, found = sum_batches(
         objective, model, model_state, chunk, batch_size, key, offset, valid
     )
