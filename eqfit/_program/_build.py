@@ -98,7 +98,6 @@ def make_loop(
         objects=objects_skeleton,
         record=Record(),  # known once the optimizer's state is: below
         schedule=schedule,
-        batch_size=schedule.batch_size,
         shuffle=options.shuffle,
         step=step,
         validation=options.validation,
