@@ -210,7 +210,9 @@ def train(
         )
         # Where the run applied a non-finite step: the state before it, replayed.
         again = functools.partial(read_again, ready.source, options)
-        replayed = replay(outcome, ready.start, kept, feeds_from, again, interrupt, stop_feeds)
+        replayed = replay(
+            outcome, ready.start, kept.resume, feeds_from, again, interrupt, stop_feeds
+        )
         if replayed is not None:
             outcome = replayed.outcome
             found = functools.partial(found, **replayed.reported())
