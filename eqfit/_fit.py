@@ -38,6 +38,7 @@ from ._host._observers import Callback
 from ._host._plan import Plan
 from ._host._planner import step_costs
 from ._host._signals import Interrupt
+from ._keep._keeping import Keeping
 from ._program._options import check_options
 from ._program._parallel import Device
 from ._program._sharding import Shard
@@ -451,8 +452,6 @@ def fit(
         mesh=mesh,
         shard=shard,
         ensemble=ensemble,
-        checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every,
         precision=precision,
         ema=ema,
         validate_ema=validate_ema,
@@ -470,8 +469,9 @@ def fit(
         trains=trains,
         filter_spec=filter_spec,
     )
+    keeping = Keeping.of(checkpoint, checkpoint_every, options)
     ready, build = open_and_build(
-        model, data, validation_data, state, opt_state, options, _PLANNING.get()
+        model, data, validation_data, state, opt_state, options, keeping, _PLANNING.get()
     )
     return _compile_and_drive(ready, build, model, began)
 
@@ -499,7 +499,7 @@ def _compile_and_drive(
             if interrupt.requested:  # answered once the compilation is done
                 raise KeyboardInterrupt(f"`eqfit.plan` stopped by {interrupt.signal}.")
             raise _Planned(plan)
-        options, loop, start, source, _ = ready
+        options, loop, start, source, _, _ = ready
         costs = step_costs(loop, model, source, start, options, plan)
         return train(ready, interrupt=interrupt, costs=costs, plan=plan, stack=stack, began=began)
 

@@ -24,14 +24,12 @@ from ._host._feeds import Feed
 from ._host._open import replayable
 from ._host._signals import Interrupt
 from ._host._sources import Source
-from ._keep._checkpoint import Checkpoints
-from ._keep._resume import resume
 from ._program._calls import program_for
 from ._program._options import Options
 from ._program._parallel import Pmap
 from ._program._schedule import Schedule
 from ._program._start import start_program
-from ._program._state import StartArgs
+from ._program._state import StartArgs, TrainState
 
 
 def replays(options: Options, source: Source) -> bool:
@@ -95,12 +93,13 @@ class Replayed(NamedTuple):
 
 
 Feeds = Callable[[Source, Schedule, int, int], tuple[Iterator[Feed], Callable[[], None]]]
+Resume = Callable[[TrainState, Schedule], tuple[TrainState, int]]
 
 
 def replay(
     outcome: Outcome,
     start: StartArgs,
-    store: Checkpoints | None,
+    resume: Resume,
     feeds_from: Feeds,
     source: Callable[[], Source | None],
     interrupt: Interrupt,
@@ -110,12 +109,13 @@ def replay(
     that step (`StepOptions.replays`) and was not cut short (a signal, a failure);
     `None` where there is nothing to replay.
 
-    It runs from the newest checkpoint in `store` (or from the start `start` makes), on
-    the data `source()` reads again (`feeds_from(source, schedule, begin, end)` gives
-    the feeds from `begin` to `end`, and what stops them), once the run's own feeds have
-    stopped (`stop_feeds`). A signal (`interrupt`) stops it at the end of the call in
-    flight, the model then the replay's at the step it reached. It never raises: where
-    it fails, `failed` says so, and the outcome is the run's own.
+    It runs from where `resume(state, schedule)` says, given the state `start` makes:
+    the newest checkpoint (`Kept.resume`), or that start; on the data `source()` reads
+    again (`feeds_from(source, schedule, begin, end)` gives the feeds from `begin` to
+    `end`, and what stops them), once the run's own feeds have stopped (`stop_feeds`).
+    A signal (`interrupt`) stops it at the end of the call in flight, the model then the
+    replay's at the step it reached. It never raises: where it fails, `failed` says so,
+    and the outcome is the run's own.
     """
     loop = outcome.loop
     step = int(np.asarray(loop.placement.host(outcome.report.nan_step)).max())
@@ -125,7 +125,7 @@ def replay(
     stop_feeds()  # the run's reading ahead ends before the data is read again
     interrupt.ended = False  # a signal stops the replay too
     try:
-        return _replayed(outcome, start, store, feeds_from, source, step, interrupt)
+        return _replayed(outcome, start, resume, feeds_from, source, step, interrupt)
     finally:
         interrupt.ended = True
 
@@ -133,7 +133,7 @@ def replay(
 def _replayed(
     outcome: Outcome,
     start: StartArgs,
-    store: Checkpoints | None,
+    resume: Resume,
     feeds_from: Feeds,
     source: Callable[[], Source | None],
     step: int,
@@ -146,10 +146,9 @@ def _replayed(
     begin = schedule.begin
     try:
         state, _ = start_program(loop)(*placement.start_inputs(start, loop.trains))
-        if store is not None:
-            resumed, position = resume(store, state, schedule)
-            if position <= step:  # else (never: none is written past it) from the start
-                state, begin = resumed, position
+        resumed, position = resume(state, schedule)
+        if position <= step:  # else (never: none is written past it) from the start
+            state, begin = resumed, position
         again = source()
         assert again is not None  # `replays` asks that it can be read again
         train_feeds, stop_feeds = feeds_from(again, schedule, begin, step)

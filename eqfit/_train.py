@@ -17,6 +17,7 @@ from ._core._auto_microbatches import AutoMicrobatches, Needs
 from ._core._checks import reported_as
 from ._core._data import fingerprint
 from ._core._metric import tried
+from ._core._policy import Checkpoint
 from ._core._typing import Data, ModelState, OptState
 from ._host._drive import drive, feeds
 from ._host._feeds import Feed, validation_reader
@@ -39,7 +40,7 @@ from ._host._signals import Interrupt
 from ._host._sources import Source
 from ._keep._checkpoint import Checkpoints
 from ._keep._identity import checkpoint_config
-from ._keep._resume import open_store, resume
+from ._keep._keeping import Keeping, Kept
 from ._nonfinite import find
 from ._program._build import make_loop, SPLIT_ROWS
 from ._program._callables import no_data
@@ -65,6 +66,7 @@ class Ready(NamedTuple):
     start: StartArgs
     source: Source
     val_data: PyTree | None
+    keeping: Keeping  # the checkpoints
 
 
 def open_and_build(
@@ -74,6 +76,7 @@ def open_and_build(
     state: ModelState | None,
     opt_state: OptState | None,
     options: Options,
+    keeping: Keeping,
     planning: bool,
 ) -> tuple[Ready, Callable[[int], Ready]]:
     """Opens the data, plans the run's shape from it, and builds its static description;
@@ -81,7 +84,9 @@ def open_and_build(
     """
     if data is None:  # the updates make their own: a row of nothing for each step
         data = no_data(options.steps_per_epoch or 1)
-    source, val_data = open_data(data, validation_data, options, planning=planning)
+    source, val_data = open_data(
+        data, validation_data, options, planning=planning, directory=keeping.directory
+    )
     # With `on_nan` "raise" or "stop", a non-finite step applied, then replayed (`_replay`).
     step = dataclasses.replace(options.step, replays=replays(options, source))
     options = dataclasses.replace(options, step=step)
@@ -94,7 +99,8 @@ def open_and_build(
         step = dataclasses.replace(options.step, microbatches=microbatches)
         chosen = dataclasses.replace(options, step=step)
         loop, start = make_loop(model, schedule, chosen, source.like, state, opt_state, rows)
-        return Ready(chosen, loop, start, source, val_data)
+        keeping.check_record(loop)
+        return Ready(chosen, loop, start, source, val_data, keeping)
 
     return build(options.step.microbatches), build
 
@@ -103,7 +109,7 @@ def plan_of(ready: Ready, model: PyTree) -> Plan:
     """Compiles the run's programs into eqfit's cache, where the drive finds them, and
     reads what they need.
     """
-    options, loop, start, source, val_data = ready
+    options, loop, start, source, val_data, _ = ready
     return make_plan(loop, model, source, val_data, start, options)
 
 
@@ -147,7 +153,7 @@ def begin_state(ready: Ready) -> tuple[TrainState | Starting, PyTree]:
         made = without_compiling(program, inputs)
         if made is not None:
             return made
-        if options.checkpoint is None:
+        if not ready.keeping.resumes:
             return Starting(program, inputs, functools.partial(mark_made, loop)), options.key
     made = program(*inputs)
     mark_made(loop)
@@ -172,11 +178,10 @@ def train(
     starting, keys = begin_state(ready)
     if isinstance(starting, Starting):
         stack.callback(starting.join)
-    store, begin = None, schedule.begin
-    if not isinstance(starting, Starting) and options.checkpoint is not None:
-        store = _open_store(ready, starting)
-        stack.callback(store.close)
-        starting, begin = resume(store, starting, schedule)
+    identity = functools.partial(_identity, ready)
+    kept = ready.keeping.open(starting, identity, options.placement, schedule)
+    stack.callback(kept.close)
+    starting, begin = kept.resume(starting, schedule)
     feeds_from = _feeds_from(ready, keys)
     train_feeds, stop_feeds = feeds_from(ready.source, schedule, begin, schedule.total)
     stack.callback(stop_feeds)
@@ -184,7 +189,7 @@ def train(
         options,
         loop,
         begin=begin,
-        store=store,
+        kept=kept,
         interrupt=interrupt,
         model_of=lambda params: model_from(loop, params, consts),
         summary=None if plan is None else plan.summary(),
@@ -206,7 +211,9 @@ def train(
         found = functools.partial(find, outcome.loop, ready.source, options, consts, keys)
         # Where the run applied a non-finite step: the state before it, replayed.
         again = functools.partial(read_again, ready.source, options)
-        replayed = replay(outcome, ready.start, store, feeds_from, again, interrupt, stop_feeds)
+        replayed = replay(
+            outcome, ready.start, kept.resume, feeds_from, again, interrupt, stop_feeds
+        )
         if replayed is not None:
             outcome = replayed.outcome
             found = functools.partial(found, **replayed.reported())
@@ -248,9 +255,9 @@ def _feeds_from(
     return feeds_from
 
 
-def _open_store(ready: Ready, starting: TrainState) -> Checkpoints:
-    """The run's checkpoint directory, opened for the run that `ready` and its starting
-    state describe (refused where its checkpoints are another run's).
+def _identity(ready: Ready, starting: TrainState) -> dict[str, Any]:
+    """What identifies the run that `ready` and its starting state describe, for its
+    checkpoints (`checkpoint_config`).
     """
     loop, options = ready.loop, ready.options
     val_data = ready.val_data
@@ -259,10 +266,9 @@ def _open_store(ready: Ready, starting: TrainState) -> Checkpoints:
         prints = (ready.source.fingerprint(), validation_fingerprint(val_data, loop.val_sets))
     if isinstance(val_data, StreamedSets):  # described by the sets themselves
         val_data = [opened.describe() for opened in val_data.sets]
-    config = checkpoint_config(
+    return checkpoint_config(
         loop, starting, ready.source.describe(), val_data, options.objects, options.key, prints
     )
-    return open_store(options, config, loop.schedule)
 
 
 def validation_fingerprint(val_data: Any, names: tuple[str, ...] | None) -> Any:
@@ -283,7 +289,7 @@ def observers_for(
     loop: Loop,
     *,
     begin: int,
-    store: Checkpoints | None,
+    kept: Kept,
     interrupt: Interrupt,
     model_of: Callable[[PyTree], Any],
     summary: str | None = None,
@@ -300,9 +306,8 @@ def observers_for(
     if kind == "bar":
         observers.append(Bar(schedule, begin, summary))
     elif kind == "lines":
-        newest = None if store is None else store.newest
         stops = early_stops(options)
-        observers.append(Lines(schedule, begin, summary, sys.stderr, newest, stops))
+        observers.append(Lines(schedule, begin, summary, sys.stderr, kept.newest, stops))
     if options.callbacks:
 
         def make(taken: PyTree) -> tuple[Any, Any]:
@@ -310,34 +315,32 @@ def observers_for(
             return model_of(params), None if average is None else model_of(average)
 
         take = lambda state: copy_taken(placement.get((state.params, state.average)))  # noqa: E731
-        config = train_config(options, loop)
+        config = train_config(options, loop, kept)
         models = EpochModels(take, make)
         observers.append(Callbacks(options.callbacks, schedule, config, models))
-    if store is not None:
-        assert options.checkpoint is not None
 
+    def checkpointing(store: Checkpoints, policy: Checkpoint) -> Observer:
         def host(state: PyTree) -> PyTree:
             if store.collective:  # every process writes its own shards
                 return state
             return jax.device_get(state)
 
-        policy = options.checkpoint
         monitor, best = None, policy.keep_best
         if best is not None:  # judged at epochs' ends, or validations (`validation_every`)
             judging = loop.val_steps.judging(best, loop.val_names)
             monitor = BestBy(judging.column(best, loop.log_names, loop.val_names), judging)
         take = placement.get
-        observers.append(
-            Checkpointing(
-                store, policy, schedule, interrupt, take, host, monitor, loop.step.replays
-            )
+        return Checkpointing(
+            store, policy, schedule, interrupt, take, host, monitor, loop.step.replays
         )
+
+    observers.extend(kept.observers(checkpointing))
     if options.profile is not None:
         observers.append(Profiling(options.profile, begin))
     return observers
 
 
-def train_config(options: Options, loop: Loop) -> dict[str, Any]:
+def train_config(options: Options, loop: Loop, kept: Kept) -> dict[str, Any]:
     """The run's arguments as plain JSON-able values, for the callbacks' `on_train_begin`
     (the loggers' run config): what `fit` was asked, not the model or the data.
     """
@@ -348,7 +351,7 @@ def train_config(options: Options, loop: Loop) -> dict[str, Any]:
         devices = int(mesh.devices.size)
     else:
         devices = len(getattr(placement, "devices", ())) or 1
-    checkpoint, precision, profile = options.checkpoint, None, options.profile
+    precision, profile = None, options.profile
     if policy is not None:  # by its dtypes' names
         compute, params = np.dtype(policy.compute_dtype), np.dtype(policy.params_dtype)
         precision = {"compute": compute.name, "params": params.name}
@@ -374,10 +377,7 @@ def train_config(options: Options, loop: Loop) -> dict[str, Any]:
         "remat": None if step.remat is None else step.remat.name,
         "ensemble_members": options.members,
         "devices": devices,
-        "checkpoint": None if checkpoint is None else str(checkpoint.directory),
-        "checkpoint_every": None if checkpoint is None else checkpoint.every_epochs,
-        "checkpoint_every_steps": None if checkpoint is None else checkpoint.every_steps,
-        "checkpoint_every_seconds": None if checkpoint is None else checkpoint.every_seconds,
+        **kept.config(),
         "signals": [s.name for s in options.signals],
         "schedules": [name for name, _ in options.schedules],
         "profile": None

@@ -166,6 +166,24 @@ def test_the_callbacks_config_names_the_profile(problem, tmp_path):
     json.dumps(callback.config)
 
 
+def test_the_callbacks_config_names_the_checkpoints(problem, tmp_path):
+    model, data, kwargs = problem
+    names = (
+        "checkpoint",
+        "checkpoint_every",
+        "checkpoint_every_steps",
+        "checkpoint_every_seconds",
+    )
+    none, kept = _Config(), _Config()
+    eqfit.fit(model, data, callbacks=[none], **kwargs)
+    assert [none.config[name] for name in names] == [None, None, None, None]
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=2, every_steps=5, every_seconds=30.0)
+    eqfit.fit(model, data, checkpoint=policy, callbacks=[kept], **kwargs)
+    assert [kept.config[name] for name in names] == [str(tmp_path), 2, 5, 30.0]
+    assert list(kept.config) == list(none.config)  # the same names, in the same order
+    json.dumps(kept.config)
+
+
 # -- Callbacks that see the model.
 
 

@@ -386,7 +386,7 @@ class Drive:
                 if self.report is not None:
                     return False
         if feed.batch_size not in self.programs:
-            piece_loop = dataclasses.replace(self.loop, batch_size=feed.batch_size)
+            piece_loop = dataclasses.replace(self.loop, last_batch=feed.batch_size)
             self.programs[feed.batch_size] = self.program(piece_loop)
         call = self.programs[feed.batch_size]
         if self.current is None:  # traced while `start` compiles

@@ -24,14 +24,17 @@ from ._sources import host_seed, InMemory, Memmaps, Source
 
 
 def open_data(
-    data: Any, validation_data: Any, options: Options, planning: bool = False
+    data: Any,
+    validation_data: Any,
+    options: Options,
+    planning: bool = False,
+    directory: Any = None,
 ) -> tuple[Source, PyTree | None]:
     """The training data's source, less the rows held out for validation (if asked), and
     the validation data (with named sets, `{name: set}`), each set checked to be like the
-    training data. `planning`: for `eqfit.plan`, which remembers a one-shot iterator it
-    reads from (`open_source`).
+    training data. `planning`, `directory`: `open_source`'s.
     """
-    source = open_source(data, options, planning=planning)
+    source = open_source(data, options, planning=planning, directory=directory)
     like = sample_shapes(source.like)
     buckets = bucketed(data)  # a sample's lengths are its bucket's: compared by axes alone
     if options.validation is not None and options.validation.streamed:
@@ -184,9 +187,13 @@ def first_rows(source: Any, n: int) -> PyTree:
     return jax.tree.map(lambda a: a[:n], data)
 
 
-def open_source(data: Any, options: Options, planning: bool = False) -> Source:
+def open_source(
+    data: Any, options: Options, planning: bool = False, directory: Any = None
+) -> Source:
     """The source of `data`: arrays in memory, memmaps, or a loader. `planning`: for
     `eqfit.plan`, which remembers a one-shot iterator it reads from, for `fit` to refuse.
+    `directory`: the run's checkpoints (`None`: none), whose newest may keep a loader's
+    epoch length.
     """
     arrays = (np.ndarray, jax.Array)
     if isinstance(data, list) and data and all(isinstance(a, arrays) for a in data):
@@ -199,7 +206,6 @@ def open_source(data: Any, options: Options, planning: bool = False) -> Source:
         return Memmaps(data, options.shuffle, host_seed(options.key))
     if kind == "loader":
         refuse_planned(data, "data")
-        directory = None if options.checkpoint is None else options.checkpoint.directory
         loader = Loader(
             data,
             epochs=options.epochs,
@@ -223,7 +229,7 @@ def read_again(source: Source, options: Options) -> Source | None:
         return source
     if not replayable(source):
         return None
-    return open_source(source.loader, options)
+    return open_source(source.loader, options, directory=source.directory)
 
 
 def replayable(source: Source) -> bool:

@@ -1,49 +1,15 @@
-"""The keep phase's start: the checkpoint directory a run writes to, and the state it
-resumes from (the newest good checkpoint's, if there is one).
-"""
+"""The state a run resumes from: the newest good checkpoint's, if there is one."""
 
 from typing import Any
 
 import jax
 
-from .._program._options import Options
-from .._program._parallel import param_specs
 from .._program._schedule import Schedule
 from .._program._state import TrainState
 from .._step._hyperparams import with_injected
 from ._checkpoint import Checkpoints, position
 from ._fingerprint import hyperparams_changed
 from ._identity import grafted, grows, shaped_as
-
-
-def open_store(options: Options, config: dict[str, Any], schedule: Schedule) -> Checkpoints:
-    """The checkpoint directory: under `shard=`, Orbax's format, which every process writes
-    its shards of; else one file, which process 0 writes and every process reads.
-    """
-    policy = options.checkpoint
-    assert policy is not None
-    best = None if policy.keep_best is None else (policy.keep_best, policy.mode)
-    if param_specs(options.placement) is not None:
-        from ._orbax import ShardedCheckpoints
-
-        return ShardedCheckpoints(
-            policy.directory,
-            config,
-            schedule.steps_per_epoch,
-            keep=policy.keep,
-            best=best,
-            allow=policy.allow_changes,
-        )
-    writer = jax.process_index() == 0
-    return Checkpoints(
-        policy.directory,
-        config,
-        schedule.steps_per_epoch,
-        writer=writer,
-        keep=policy.keep,
-        best=best,
-        allow=policy.allow_changes,
-    )
 
 
 def resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[TrainState, int]:

@@ -37,7 +37,6 @@ from ._jit import cached_jit
 from ._loop import Loop
 from ._options import (
     EARLY_STOPPING,
-    KEEP_BEST,
     monitor_hint,
     Options,
     refuse_array_monitor,
@@ -69,7 +68,7 @@ def make_loop(
     arrays the other objects hold, finds the aux values the loss returns (by tracing it
     on a batch shaped as `like`'s, a batch of one), and describes the run as a hashable
     `Loop`, whose record it declares (`record_for`, which checks the names) and checks
-    against early stopping's and the checkpoints' monitors. It finds the hyperparameters
+    against early stopping's monitor. It finds the hyperparameters
     to record in the optimizer's state, made on abstract arrays, and checks a given
     `opt_state` against that state; and a metric of one's own that accumulates, on a
     few `rows` of the data (`check_additive`). Returns the `Loop` and the starting
@@ -100,7 +99,6 @@ def make_loop(
         objects=objects_skeleton,
         record=Record(),  # known once the optimizer's state is: below
         schedule=schedule,
-        batch_size=schedule.batch_size,
         shuffle=options.shuffle,
         step=step,
         validation=options.validation,
@@ -128,8 +126,6 @@ def make_loop(
     loop = _with_execution(loop, options, found)
     if loop.early_stopping is not None:
         check_monitor(loop.early_stopping.monitor, loop)
-    if options.checkpoint is not None and options.checkpoint.keep_best is not None:
-        check_monitor(options.checkpoint.keep_best, loop, what=KEEP_BEST)
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
     return loop, StartArgs(params, opt_state, model_state, options.key, consts)

@@ -50,7 +50,6 @@ class Loop:
     objects: Skeleton  # (metrics, schedules, updates)
     record: Record  # what each step records
     schedule: Schedule
-    batch_size: int  # of each step here (for streamed data: of this program's pieces)
     shuffle: bool = True
     step: StepOptions = StepOptions()
     validation: Validation | None = None
@@ -78,6 +77,16 @@ class Loop:
     compiler_options: CompilerOptions = ()
     # The steps whose rows a shuffled pass gathers at once (`_ahead.steps_ahead`).
     ahead: int = 1
+    # A program of its own for a loader's smaller last batch: its rows (`None`: the
+    # schedule's batch, which the run's other programs step by).
+    last_batch: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The rows of each step of this program: the schedule's batch, or a smaller last
+        batch's (`last_batch`).
+        """
+        return self.schedule.batch_size if self.last_batch is None else self.last_batch
 
     @property
     def val_sets(self) -> tuple[str, ...] | None:

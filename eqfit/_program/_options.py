@@ -7,7 +7,6 @@ checked `Options`, which every later phase reads instead of the raw arguments.
 
 import dataclasses
 import math
-import os
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -21,8 +20,7 @@ from .._core._checks import as_int, as_real, as_steps
 from .._core._data import as_key, check_alive, ensemble_size
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution
-from .._core._extras import require_orbax
-from .._core._policy import as_signals, Checkpoint, Profile
+from .._core._policy import as_signals, Profile
 from .._step._average import as_average, Average
 from .._step._precision import as_precision, Precision
 from .._step._record import LOSS, NORMS, record_for, SCALING
@@ -83,7 +81,9 @@ class StepOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """`fit`'s checked arguments, but for the model and the data."""
+    """`fit`'s checked arguments, but for the model, the data and the checkpoints (a
+    concern of their own, `_keep/_keeping.py`'s `Keeping`, made from these).
+    """
 
     key: Key[Array, ""]
     epochs: int
@@ -100,7 +100,6 @@ class Options:
     validation: Validation | None
     early_stopping: EarlyStopping | None
     callbacks: tuple[Any, ...]
-    checkpoint: Checkpoint | None  # the policy, with its directory
     placement: Placement
     # What the run calls: the metrics and the updates (`loss=` and `optimizer=` one).
     objects: Callables
@@ -117,7 +116,6 @@ class Options:
 
 
 EARLY_STOPPING = "`early_stopping.monitor`"
-KEEP_BEST = "`checkpoint`'s `keep_best`"
 
 
 def monitor_hint(monitor: str, validation: Validation | None, step: StepOptions) -> str:
@@ -194,8 +192,6 @@ def check_options(
     mesh: Mesh | None,
     shard: Any,
     ensemble: bool,
-    checkpoint: Any,
-    checkpoint_every: Any,
     precision: Any,
     ema: Any,
     validate_ema: bool,
@@ -219,7 +215,7 @@ def check_options(
     filter_spec: Any,
 ) -> Options:
     """Checks every argument of `fit` that can be checked without its data, each concern
-    where it is made (`StepOptions`, `Validation.of`, `as_checkpoint`, ...). `fit` passes
+    where it is made (`StepOptions`, `Validation.of`, ...). `fit` passes
     each of its arguments by name: the defaults are its own, stated there only.
 
     **Returns:**
@@ -271,7 +267,6 @@ def check_options(
         validation=validation,
         early_stopping=early_stopping,
         callbacks=_callbacks(callbacks),
-        checkpoint=as_checkpoint(checkpoint, as_int(checkpoint_every), shard is not None),
         # The batch's split over the devices is checked once the batch size is known.
         placement=choose_placement(devices, mesh, None, _layout(model, mesh, shard, ensemble)),
         step=StepOptions(
@@ -370,28 +365,31 @@ def _profile(profile: Any) -> Profile | None:
 
 
 def _refuse_impossible_monitors(options: Options, metric_names: tuple[str, ...]) -> None:
-    """Refuses early stopping's and `keep_best`'s monitored values where no run with these
-    options computes them, from the names known before the loss is traced (its aux
-    values) and the optimizer's state made (its injected hyperparameters), checked as the
-    run's record will be.
+    """Refuses early stopping's monitored value where no run with these options computes
+    it (`known_values`); `keep_best`'s is refused so where its concern is made.
+    """
+    known = known_values(options, metric_names)
+    if options.early_stopping is not None:
+        monitor = options.early_stopping.monitor
+        _refuse_impossible_monitor(monitor, options, known, EARLY_STOPPING)
+
+
+def known_values(options: Options, metric_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The values a run with these options computes, as far as they are known before the
+    loss is traced (its aux values) and the optimizer's state made (its injected
+    hyperparameters), checked as the run's record will be.
     """
     val_sets = None if options.validation is None else options.validation.sets
     # The one loss's update, its aux values and hyperparameters not known yet.
     schedules = tuple(name for name, _ in options.schedules)
     loss = loss_info("", (), (LOSS.name,), schedules=schedules)
-    known = record_for(
+    return record_for(
         updates=(loss,),
         metric_names=metric_names,
         norms=options.step.norms,
         scales=options.step.scales,
         val_sets=val_sets,
     ).log_names(val_sets)
-    if options.early_stopping is not None:
-        monitor = options.early_stopping.monitor
-        _refuse_impossible_monitor(monitor, options, known, EARLY_STOPPING)
-    policy = options.checkpoint
-    if policy is not None and policy.keep_best is not None:
-        _refuse_impossible_monitor(policy.keep_best, options, known, KEEP_BEST)
 
 
 # Below this no device eqfit runs on computes: a smaller `peak_flops` is a unit slip
@@ -422,30 +420,6 @@ def _peak_flops(peak_flops: Any) -> float | None:
             f"{peak:g} TFLOP/s give `peak_flops={peak:g}e12`."
         )
     return peak
-
-
-def as_checkpoint(
-    checkpoint: Any, checkpoint_every: int, sharded: bool = False
-) -> Checkpoint | None:
-    """`fit`'s `checkpoint` as a policy: a directory is `Checkpoint(directory,
-    every_epochs=checkpoint_every)`. A `sharded` run's (`shard=`) needs orbax to write.
-    """
-    _whole("checkpoint_every", checkpoint_every, 1)
-    if sharded and checkpoint is not None:
-        require_orbax()
-    if checkpoint is None or isinstance(checkpoint, Checkpoint):
-        if isinstance(checkpoint, Checkpoint) and checkpoint_every != 1:
-            raise ValueError(
-                "`checkpoint_every` with a `Checkpoint`: its policy says when to write; give "
-                f"`Checkpoint(..., every_epochs={checkpoint_every})` instead."
-            )
-        return checkpoint
-    if not isinstance(checkpoint, str | os.PathLike):
-        raise TypeError(
-            "`checkpoint` must be a directory (a string or `pathlib.Path`) or an "
-            f"`eqfit.Checkpoint`, got {type(checkpoint).__name__}."
-        )
-    return Checkpoint(checkpoint, every_epochs=checkpoint_every)
 
 
 def _layout(model: Any, mesh: Mesh | None, shard: Any, ensemble: bool) -> tuple[Any, ...] | None:
