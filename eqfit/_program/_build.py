@@ -232,10 +232,11 @@ def _with_record(
     shapes = tuple((p.shape, np.dtype(p.dtype)) for p in params)
     held = tuple((a.shape, np.dtype(a.dtype)) for a in object_arrays)
     states = by_name(loop.updates, _opt_state_shape(loop, shapes, held))
+    hyperparams = _hyperparams(loop, shapes, held)
     schedules = dict(objects.schedules)
     infos = tuple(  # each update's hyperparameters, and its schedules where it has an optimizer
         i._replace(
-            hyperparams=injected_names(states[i.name]),
+            hyperparams=hyperparams[i.name],
             schedules=_update_schedules(i, schedules, states[i.name]),
         )
         for i in loop.updates
@@ -274,6 +275,19 @@ def _opt_state_shape(
 
     objects = [jax.ShapeDtypeStruct(s, d) for s, d in held]
     return jax.eval_shape(init, objects, trained)
+
+
+@functools.lru_cache(maxsize=PROGRAMS)
+def _hyperparams(
+    loop: Loop,
+    params: tuple[tuple[tuple[int, ...], np.dtype], ...],
+    held: tuple[tuple[tuple[int, ...], np.dtype], ...],
+) -> dict[str, tuple[str, ...]]:
+    """The hyperparameters each update's optimizer injects (by the update's name), read
+    from `_opt_state_shape`'s state, and cached with it: a warm `fit` walks no state.
+    """
+    states = by_name(loop.updates, _opt_state_shape(loop, params, held))
+    return {i.name: injected_names(states[i.name]) for i in loop.updates}
 
 
 # A metric's statistics are tried on this many rows of the data, whole and halved.

@@ -4,6 +4,7 @@
 no data, whose updates make their own (`check_no_data`, `no_data`).
 """
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import optax
 
 from .._step._update_checks import check_updates
 from .._step._updates import AbstractUpdate, refuse_without_data, trained_spec, Update
+from ._compile import PROGRAMS
 from ._state import Callables
 
 
@@ -87,7 +89,7 @@ def callables(
                 f"`fit` needs `{missing}`: a loss and an optimizer (one update each step), "
                 "or `updates=[eqfit.Update(name, loss, optimizer), ...]` (several in turn)."
             )
-        return Callables(metrics, schedules, (Update("", loss, plain_optimizer(optimizer)),))
+        return Callables(metrics, schedules, (_unnamed(loss, plain_optimizer(optimizer)),))
     given = [n for n, v in (("loss", loss), ("optimizer", optimizer)) if v is not None]
     if given:
         raise ValueError(
@@ -97,6 +99,22 @@ def callables(
         )
     checked: tuple[AbstractUpdate, ...] = check_updates(updates)
     return Callables(metrics, schedules, checked)
+
+
+def _unnamed(loss: Any, optimizer: Any) -> Update:
+    """`eqfit.Update("", loss, optimizer)`, the one made for these objects before where
+    they hash (the same object for a sweep's fits of one configuration, its checks run
+    once).
+    """
+    try:
+        return _cached_unnamed(loss, optimizer)
+    except TypeError:  # an object that does not hash: made anew
+        return Update("", loss, optimizer)
+
+
+@functools.lru_cache(maxsize=PROGRAMS)
+def _cached_unnamed(loss: Any, optimizer: Any) -> Update:
+    return Update("", loss, optimizer)
 
 
 def trained_filter(model: Any, trains: Any, filter_spec: Any, updates: Any) -> Any:

@@ -27,7 +27,7 @@ from .._step._statistics import flat_size, Like
 from .._step._step import as_run, by_name, select, Step
 from .._step._updates import AbstractUpdate, optimizer_of, run_loss
 from .._step._validation import Validation
-from .._step._validation_steps import AtEpochEnds, StepValidation
+from .._step._validation_steps import AT_EPOCH_ENDS, StepValidation
 from ._options import StepOptions
 from ._parallel import CompilerOptions, microbatch_rows, OneDevice, param_specs, Placement
 from ._schedule import Schedule
@@ -96,7 +96,7 @@ class Loop:
     @property
     def val_steps(self) -> StepValidation:
         """Whether it validates after steps (`validation_every`), or at epochs' ends."""
-        return AtEpochEnds() if self.validation is None else self.validation.steps
+        return AT_EPOCH_ENDS if self.validation is None else self.validation.steps
 
     def next_boundary(self, position: Any) -> Any:
         """Where the stretch of steps from `position` (an int, or traced) ends: the epoch's

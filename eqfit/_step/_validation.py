@@ -20,7 +20,7 @@ from .._core._checks import as_int, as_steps
 from .._core._data import data_kind
 from .._core._typing import Data
 from ._average import Average
-from ._validation_steps import AtEpochEnds, EveryNSteps, StepValidation
+from ._validation_steps import AT_EPOCH_ENDS, EveryNSteps, StepValidation
 
 
 # A set's name goes into the history's names, `val_<name>_loss`: a word, so that the name
@@ -245,7 +245,7 @@ class Validation:
     streamed: bool = False
     # `validation_every=n` (`EveryNSteps`): validate after every n-th step, not at
     # epochs' ends; by default at epochs' ends (`freq`).
-    steps: StepValidation = AtEpochEnds()
+    steps: StepValidation = AT_EPOCH_ENDS
 
     @staticmethod
     def of(
@@ -295,7 +295,7 @@ class Validation:
             return None
         sets = tuple(data) if isinstance(data, ValidationSets) else ()
         streamed = validation_streams(data, freq, *epochs, every)
-        steps = AtEpochEnds() if every is None else EveryNSteps(every)
+        steps = AT_EPOCH_ENDS if every is None else EveryNSteps(every)
         return Validation(sets, freq, ema, streamed, steps)
 
     def checkpoint_config(self) -> dict[str, Any]:
@@ -315,7 +315,7 @@ def run_config(validation: Validation | None) -> dict[str, Any]:
     """How a run validates, as the callbacks' run config (`on_train_begin`) says it: each
     option, `None` (or 1) where not given.
     """
-    steps = AtEpochEnds() if validation is None else validation.steps
+    steps = AT_EPOCH_ENDS if validation is None else validation.steps
     return {
         "validation_sets": None if validation is None else list(validation.sets) or None,
         "validation_freq": 1 if validation is None else validation.freq,

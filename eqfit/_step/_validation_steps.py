@@ -215,6 +215,10 @@ class AtEpochEnds(StepValidation):
         return ()
 
 
+# The null concern's one instance: made once, not at each question a run asks.
+AT_EPOCH_ENDS = AtEpochEnds()
+
+
 @final
 class EveryNSteps(StepValidation):
     """`validation_every=n`: a validation after every n-th step, counted from the first
