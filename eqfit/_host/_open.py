@@ -17,7 +17,7 @@ from .._program._parallel import check_batch_split, global_rows
 from .._program._schedule import check_profile, make_schedule, Schedule
 from .._step._average import warn_if_short
 from .._step._validation import naming_advice, ValidationSets
-from .._step._validation_steps import AtEpochEnds
+from .._step._validation_steps import AT_EPOCH_ENDS
 from ._inference import Reread, StreamedSets
 from ._loader import Loader
 from ._sources import host_seed, InMemory, Memmaps, Source
@@ -152,7 +152,7 @@ def _check_every(options: Options, schedule: Schedule) -> None:
     for (a loader without `len`), or that no step of the run reaches: it would log or
     validate nothing, without a word.
     """
-    steps = AtEpochEnds() if options.validation is None else options.validation.steps
+    steps = AT_EPOCH_ENDS if options.validation is None else options.validation.steps
     for name, n, kept, does, instead in (
         ("log_every", options.log_every, "the values every n steps are", "log a value", ""),
         *steps.length_checks(),

@@ -284,7 +284,7 @@ class EveryNSteps(StepValidation):
         return schedule.total // self.n - schedule.begin // self.n
 
     def judging(self, monitor: str, val_names: tuple[str, ...]) -> StepValidation:
-        return self if monitor in val_names else AtEpochEnds()
+        return self if monitor in val_names else AT_EPOCH_ENDS
 
     def column(self, monitor: str, log_names: tuple[str, ...], val_names: tuple[str, ...]) -> int:
         return val_names.index(monitor)
