@@ -289,11 +289,11 @@ class _Reader:
         each with its step and values (an ensemble's: the mean of the members that made
         it, as an epoch's).
         """
-        table, steps = (
-            report.validations,
-            self.loop.val_steps.made(self.loop.schedule, begin, position),
-        )
-        if table is None or not steps:
+        table = report.validations
+        if table is None:  # no validation after steps
+            return ()
+        steps = self.loop.val_steps.made(self.loop.schedule, begin, position)
+        if not steps:
             return ()
         values, done = (np.asarray(x) for x in self.loop.placement.host(table))
         values, done = values.reshape(-1, *values.shape[-2:]), done.reshape(-1, done.shape[-1])

@@ -196,7 +196,11 @@ def _what_trains(
     beside `updates=`). Refuses a model of which nothing would train.
     """
     specs = [trained_spec(model, u.trains, f"update {u.name!r}'s `trains`") for u in updates]
-    picked = [update_picks(model, arrays, spec) for spec in specs]
+    floating = tuple(is_dtype(a.dtype, np.inexact) for a in arrays)
+    picked = [  # an update that trains every floating-point array picks them all
+        floating if u.trains is None else update_picks(model, arrays, spec)
+        for u, spec in zip(updates, specs)
+    ]
     chosen = _trains(model, arrays, filter_spec)
     trains = tuple(c and any(p) for c, *p in zip(chosen, *picked))
     if not any(trains):
