@@ -128,6 +128,12 @@ def as_int(value: Any) -> Any:
     return value
 
 
+def check_whole(name: str, value: Any, least: int) -> None:
+    """Refuses an argument `name` whose `value` is not an integer of `least` or more."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"`{name}` must be an integer of {least} or more, got {value!r}.")
+
+
 MAX_STEPS = 2**31 - 1  # the most steps a run counts, in int32
 
 

@@ -16,13 +16,13 @@ from typing import Any, cast, final, TypeVar
 
 import jax
 
-from .._core._checks import as_int
+from .._core._checks import as_int, check_whole
 from .._core._extras import require_orbax
 from .._core._policy import Checkpoint
 from .._program._build import check_monitor
 from .._program._compile import Starting
 from .._program._loop import Loop
-from .._program._options import _refuse_impossible_monitor, _whole, known_values, Options
+from .._program._options import known_values, Options, refuse_impossible_monitor
 from .._program._parallel import param_specs, Placement
 from .._program._schedule import Schedule
 from .._program._state import TrainState
@@ -31,6 +31,13 @@ from ._resume import resume
 
 
 KEEP_BEST = "`checkpoint`'s `keep_best`"
+# What the callbacks' `on_train_begin` is told of the checkpoints (`Kept.config`), in order.
+CONFIG_KEYS = (
+    "checkpoint",
+    "checkpoint_every",
+    "checkpoint_every_steps",
+    "checkpoint_every_seconds",
+)
 
 _Observer = TypeVar("_Observer")
 _State = TypeVar("_State", bound=TrainState | Starting)
@@ -76,7 +83,7 @@ class Keeping(abc.ABC):
         `keep_best` is refused where no run with these `options` computes it.
         """
         checkpoint_every = as_int(checkpoint_every)
-        _whole("checkpoint_every", checkpoint_every, 1)
+        check_whole("checkpoint_every", checkpoint_every, 1)
         if param_specs(options.placement) is not None and checkpoint is not None:
             require_orbax()
         if checkpoint is None:
@@ -98,7 +105,7 @@ class Keeping(abc.ABC):
         if policy.keep_best is not None:
             metric_names = tuple(name for name, _ in options.objects.metrics)
             known = known_values(options, metric_names)
-            _refuse_impossible_monitor(policy.keep_best, options, known, KEEP_BEST)
+            refuse_impossible_monitor(policy.keep_best, options, known, KEEP_BEST)
         return KeepBy(policy)
 
     @property
@@ -158,9 +165,7 @@ class KeepNothing(Keeping, Kept):
         return self
 
     def config(self) -> dict[str, Any]:
-        return dict.fromkeys(
-            ("checkpoint", "checkpoint_every", "checkpoint_every_steps", "checkpoint_every_seconds")
-        )
+        return dict.fromkeys(CONFIG_KEYS)
 
     def resume(self, state: _State, schedule: Schedule) -> tuple[_State, int]:
         return state, schedule.begin
@@ -251,12 +256,13 @@ class Stored(Kept):
 
     def config(self) -> dict[str, Any]:
         policy = self.policy
-        return {
-            "checkpoint": str(policy.directory),
-            "checkpoint_every": policy.every_epochs,
-            "checkpoint_every_steps": policy.every_steps,
-            "checkpoint_every_seconds": policy.every_seconds,
-        }
+        values = (
+            str(policy.directory),
+            policy.every_epochs,
+            policy.every_steps,
+            policy.every_seconds,
+        )
+        return dict(zip(CONFIG_KEYS, values, strict=True))
 
     def close(self) -> None:
         self.store.close()

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Key
 
 from .._core._auto_microbatches import as_microbatches, AutoMicrobatches
-from .._core._checks import as_int, as_real, as_steps
+from .._core._checks import as_int, as_real, as_steps, check_whole
 from .._core._data import as_key, check_alive, ensemble_size
 from .._core._early_stopping import EarlyStopping
 from .._core._execution import Execution
@@ -38,11 +38,6 @@ DEFAULT_BATCH_SIZE = 32
 MAX_COUNT = 2**31 - 1
 
 OnNan = Literal["raise", "stop", "skip"]
-
-
-def _whole(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"`{name}` must be an integer of {least} or more, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +66,7 @@ class StepOptions:
     def __post_init__(self) -> None:
         if self.on_nan not in ("raise", "stop", "skip"):
             raise ValueError(f"`on_nan` must be 'raise', 'stop' or 'skip', got {self.on_nan!r}.")
-        _whole("microbatches", self.microbatches, 1)
+        check_whole("microbatches", self.microbatches, 1)
 
     @property
     def scales(self) -> bool:
@@ -152,7 +147,7 @@ def refuse_array_monitor(monitor: str, names: tuple[str, ...], what: str) -> Non
         )
 
 
-def _refuse_impossible_monitor(
+def refuse_impossible_monitor(
     monitor: str, options: "Options", names: tuple[str, ...], what: str
 ) -> None:
     """Refuses, before any data is read, a monitored value that no run with these
@@ -301,15 +296,15 @@ def _counts(
     epochs, initial_epoch, steps_per_epoch, batch_size = map(
         as_int, (epochs, initial_epoch, steps_per_epoch, batch_size)
     )
-    _whole("epochs", epochs, 0)
-    _whole("initial_epoch", initial_epoch, 0)
+    check_whole("epochs", epochs, 0)
+    check_whole("initial_epoch", initial_epoch, 0)
     if epochs < initial_epoch:
         raise ValueError(
             f"`epochs`={epochs} is the number of the last epoch, but `initial_epoch`="
             f"{initial_epoch} epochs are done already; give `epochs` >= {initial_epoch}."
         )
     if steps_per_epoch is not None:
-        _whole("steps_per_epoch", steps_per_epoch, 1)
+        check_whole("steps_per_epoch", steps_per_epoch, 1)
         if epochs * steps_per_epoch > MAX_COUNT:
             raise ValueError(
                 f"`epochs`={epochs} of `steps_per_epoch`={steps_per_epoch} steps each is "
@@ -371,7 +366,7 @@ def _refuse_impossible_monitors(options: Options, metric_names: tuple[str, ...])
     known = known_values(options, metric_names)
     if options.early_stopping is not None:
         monitor = options.early_stopping.monitor
-        _refuse_impossible_monitor(monitor, options, known, EARLY_STOPPING)
+        refuse_impossible_monitor(monitor, options, known, EARLY_STOPPING)
 
 
 def known_values(options: Options, metric_names: tuple[str, ...]) -> tuple[str, ...]:

@@ -144,8 +144,7 @@ def rows_every(loop: Loop, every: int) -> int:
     least one: the rows of a table with one for each (`log_every`'s; `validation_every`'s
     are `EveryNSteps.rows`).
     """
-    schedule = loop.schedule
-    return max(schedule.total // every - schedule.begin // every, 1)
+    return max(loop.schedule.multiples_run(every), 1)
 
 
 def logs_of(

@@ -145,6 +145,12 @@ class Schedule:
         """The positions up to `position` that `n` divides, but 0 (n-th steps reached)."""
         return _div(position, n)
 
+    def multiples_run(self, n: int) -> int:
+        """The n-th steps this run reaches, from its first step to its last (a table
+        with a row for each: `log_every`'s, `validation_every`'s).
+        """
+        return self.total // n - self.begin // n
+
     def next_multiple(self, position: _Int, n: int) -> _Int:
         """The first position after `position` that `n` divides (an n-th step's)."""
         return (_div(position, n) + 1) * n
