@@ -62,21 +62,14 @@ class Stepping(Protocol):
     @property
     def inputs(self) -> Inputs: ...
 
-    def step_at(
-        self,
-        state: TrainState,
-        index: UInt32[Array, " batch"],
-        full: bool,
-        step_key: Key[Array, ""] | None,
-        active: Bool[Array, ""] | None = None,
-        batch: PyTree = None,
-    ) -> TrainState: ...
-
     def steps_while(
         self,
         more: Callable[[TrainState], Bool[Array, ""]],
-        step: Callable[[TrainState, Bool[Array, ""] | None], TrainState],
+        rows: Callable[[TrainState], tuple[UInt32[Array, " batch"], PyTree]],
         state: TrainState,
+        full: bool,
+        step_key: Key[Array, ""] | None,
+        size: int,
     ) -> TrainState: ...
 
 
@@ -107,28 +100,27 @@ def gathered_steps(
     """
     loop = program.loop
     batch_size, ahead = loop.batch_size, loop.ahead
-    rows = ahead * batch_size
-    last = order.shape[0] - rows  # the last start with `rows` rows from it (`ahead` fits)
+    span = ahead * batch_size
+    last = order.shape[0] - span  # the last start with `span` rows from it (`ahead` fits)
 
     def stretch(state: TrainState) -> TrainState:
         start = jnp.minimum((state.step - first) * batch_size, last)
-        index = jax.lax.dynamic_slice(order, (start,), (rows,), allow_negative_indices=False)
+        index = jax.lax.dynamic_slice(order, (start,), (span,), allow_negative_indices=False)
         taken = take(program.inputs.data, index)
         end = jnp.minimum(limit, state.step + ahead)
 
         def more(state: TrainState) -> Bool[Array, ""]:
             return (state.step < end) & running(state)
 
-        def one(state: TrainState, active: Bool[Array, ""] | None) -> TrainState:
+        def rows(state: TrainState) -> tuple[UInt32[Array, " batch"], PyTree]:
             at = (state.step - first) * batch_size - start
 
             def sliced(a: Array) -> Array:
                 return jax.lax.dynamic_slice_in_dim(a, at, batch_size, allow_negative_indices=False)
 
-            batch = jax.tree.map(sliced, taken)
-            return program.step_at(state, sliced(index), True, step_key, active, batch)
+            return sliced(index), jax.tree.map(sliced, taken)
 
-        return program.steps_while(more, one, state)
+        return program.steps_while(more, rows, state, True, step_key, batch_size)
 
     def more(state: TrainState) -> Bool[Array, ""]:
         return (state.step < limit) & running(state)

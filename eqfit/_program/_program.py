@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
+from .._step._record import LOSS, weight_name
 from .._step._statistics import add
+from .._step._step import StepResult
 from .._step._validation_steps import EveryNSteps
 from ._ahead import gathered_steps
 from ._epoch_end import EpochEnd
@@ -50,6 +52,7 @@ from ._state import (
     ValAt,
     ValSums,
 )
+from ._stretch import StepEnd, steps_waiting, waits
 
 
 def run(
@@ -339,12 +342,13 @@ class _Member:
         """
         loop, schedule = self.loop, self.loop.schedule
 
-        def batch_step(
-            state: TrainState, size: int, full: bool, active: Bool[Array, ""] | None
-        ) -> TrainState:
-            start = (state.step - first) * loop.batch_size  # in range: in the piece
-            index = jax.lax.dynamic_slice(order, (start,), (size,), allow_negative_indices=False)
-            return self.step_at(state, index, full, step_key, active)
+        def batch_rows(size: int) -> Callable[[TrainState], tuple[UInt32[Array, " b"], None]]:
+            def rows(state: TrainState) -> tuple[UInt32[Array, " b"], None]:
+                start = (state.step - first) * loop.batch_size  # in range: in the piece
+                at = (start,)
+                return jax.lax.dynamic_slice(order, at, (size,), allow_negative_indices=False), None
+
+            return rows
 
         def between_epoch_ends(state: TrainState) -> TrainState:
             epoch_end = schedule.next_epoch_end(state.step)
@@ -359,9 +363,8 @@ class _Member:
             if loop.ahead > 1 and self.inputs.piece is None:  # shuffled, on one CPU
                 state = gathered_steps(self, state, order, first, full_limit, step_key)
             elif passes is None or passes.num_full:  # else all is the remainder
-                state = self.steps_while(
-                    more_full, lambda s, active: batch_step(s, loop.batch_size, full, active), state
-                )
+                rows, size = batch_rows(loop.batch_size), loop.batch_size
+                state = self.steps_while(more_full, rows, state, full, step_key, size)
             if remainder_step is not None:
                 assert passes is not None
 
@@ -370,10 +373,8 @@ class _Member:
                 def remainder_due(state: TrainState) -> Bool[Array, ""]:
                     return (state.step == remainder_step) & (state.step < limit) & running(state)
 
-                remainder = passes.remainder
-                state = self.steps_while(
-                    remainder_due, lambda s, active: batch_step(s, remainder, False, active), state
-                )
+                rows, size = batch_rows(passes.remainder), passes.remainder
+                state = self.steps_while(remainder_due, rows, state, False, step_key, size)
             if loop.validation is not None and loop.validation.streamed:
                 return state  # the host validates, then closes it (`close`)
             at_end = loop.val_steps.ends_epoch(lambda: state.step == epoch_end)
@@ -411,15 +412,33 @@ class _Member:
     def steps_while(
         self,
         more: Callable[[TrainState], Bool[Array, ""]],
-        step: Callable[[TrainState, Bool[Array, ""] | None], TrainState],
+        rows: Callable[[TrainState], tuple[UInt32[Array, " batch"], PyTree]],
         state: TrainState,
+        full: bool,
+        step_key: Key[Array, ""] | None,
+        size: int,
     ) -> TrainState:
-        """Steps (`step(state, active)`) while `more(state)`; in an ensemble, while any
+        """Steps while `more(state)`, each on the `size` rows `rows(state)` gives (and their batch,
+        if taken ahead; else `None`). One model's steps leave their bookkeeping to the
+        stretch's end where they can (`_stretch`); in an ensemble, the steps run while any
         member has more, each member's step masked by its own `more` (`while_loop`).
         """
-        if self.loop.members is None:
+
+        def step(state: TrainState, active: Bool[Array, ""] | None) -> TrainState:
+            index, batch = rows(state)
+            return self.step_at(state, index, full, step_key, active, batch)
+
+        if self.loop.members is not None:
+            return jax.lax.while_loop(_any_member(more), lambda s: step(s, more(s)), state)
+        if not waits(self.loop):
             return jax.lax.while_loop(more, lambda s: step(s, None), state)
-        return jax.lax.while_loop(_any_member(more), lambda s: step(s, more(s)), state)
+
+        def waiting(state: TrainState) -> tuple[TrainState, StepEnd]:
+            index, batch = rows(state)
+            return self.waiting_step(state, index, full, step_key, batch)
+
+        weighted = weight_name(LOSS.name) in self.loop.record.names
+        return steps_waiting(more, waiting, state, size, self.loop, weighted)
 
     def step_at(
         self,
@@ -435,7 +454,65 @@ class _Member:
         one (never split, as it need not divide evenly: no pmean). Where `active` is
         false, computed and dropped: the state comes back as it was (`masked`).
         """
-        before = state
+        before, t, size = state, state.step, index.shape[0]
+        state, out, cell = self.advanced(state, index, full, step_key, active, batch)
+        nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
+        label_error, why = self.labels_met(state, out, t)
+        reason = state.reason
+        if self.loop.step.on_nan != "skip":
+            reason = jnp.where(out.finite, reason, why)
+        state = state._replace(
+            reason=reason,
+            nan_step=nan_step,
+            label_error=label_error,
+            running=state.running + jnp.where(out.finite, running_pair(out, size), 0.0),
+            batch_sizes=put_cell(state.batch_sizes, size, cell, active),
+        )
+        return state if active is None else masked(active, state, before)
+
+    def waiting_step(
+        self,
+        state: TrainState,
+        index: UInt32[Array, " batch"],
+        full: bool,
+        step_key: Key[Array, ""] | None,
+        batch: PyTree = None,
+    ) -> tuple[TrainState, StepEnd]:
+        """`step_at`'s step, its bookkeeping left to its stretch's end (`_stretch`): but
+        a weighted mean's running sums, and the first label out of range.
+        """
+        t = state.step
+        state, out, _ = self.advanced(state, index, full, step_key, None, batch)
+        label_error, why = self.labels_met(state, out, t)
+        state = state._replace(label_error=label_error)
+        if out.weight is not None:
+            pair = running_pair(out, index.shape[0])
+            state = state._replace(running=state.running + jnp.where(out.finite, pair, 0.0))
+        return state, StepEnd(out.finite, jnp.asarray(why, jnp.int32))
+
+    def labels_met(self, state: TrainState, out: StepResult, t: Int[Array, ""]) -> tuple[Any, Any]:
+        """The run's first label out of range, with the step's; and the reason a step
+        that is not finite stops the run with (a label out of range, or its loss).
+        """
+        if out.labels is None:  # neither the loss nor the metrics check labels
+            return state.label_error, Stop.NON_FINITE_LOSS
+        found = out.labels._replace(step=jnp.asarray(t, jnp.int32))
+        why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
+        return state.label_error.or_else(found), why
+
+    def advanced(
+        self,
+        state: TrainState,
+        index: UInt32[Array, " batch"],
+        full: bool,
+        step_key: Key[Array, ""] | None,
+        active: Bool[Array, ""] | None,
+        batch: PyTree,
+    ) -> tuple[TrainState, StepResult, Int[Array, ""]]:
+        """The step's new parameters and states, at the next step, with its loss and
+        values in its cell of the record (returned); its other bookkeeping is the
+        caller's.
+        """
         loop, schedule = self.loop, self.loop.schedule
         t = state.step
         size = index.shape[0]
@@ -468,14 +545,6 @@ class _Member:
             # member not stepping writes its cell's own value back. A write at each
             # member's own cell would be a scatter in the `vmap`; this one is in place.
             cell = jax.lax.pmax(cell, MEMBERS)
-        nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
-        reason, label_error = state.reason, state.label_error
-        why: Any = Stop.NON_FINITE_LOSS
-        if out.labels is not None:  # the loss or the metrics check labels
-            label_error = label_error.or_else(out.labels._replace(step=jnp.asarray(t, jnp.int32)))
-            why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
-        if loop.step.on_nan != "skip":
-            reason = jnp.where(out.finite, reason, why)
         state = state._replace(
             params=out.params,
             opt_state=out.opt_state,
@@ -483,12 +552,7 @@ class _Member:
             average=out.average,
             loss_scale=out.loss_scale,
             step=t + 1,
-            reason=reason,
-            nan_step=nan_step,
-            label_error=label_error,
             step_loss=put_cell(state.step_loss, out.loss, cell, active),
-            running=state.running + jnp.where(out.finite, running_pair(out, size), 0.0),
-            batch_sizes=put_cell(state.batch_sizes, size, cell, active),
         )
         if loop.record.names:
             values = put_cell(state.step_values, out.values, cell, active)
@@ -497,7 +561,7 @@ class _Member:
             summed = add(state.statistics, out.statistics)
             kept = jax.tree.map(lambda a, b: jnp.where(out.finite, a, b), summed, state.statistics)
             state = state._replace(statistics=kept)
-        return state if active is None else masked(active, state, before)
+        return state, out, cell
 
     def closed(self, state: TrainState, sums: tuple[ValSums, ...]) -> tuple[TrainState, Report]:
         """`close`'s (the program's) for one member: the epoch closed if its steps have
