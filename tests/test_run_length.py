@@ -133,3 +133,138 @@ def test_members_stopped_apart_record_as_each_alone():
         assert (together.batch_sizes[ran:, :, i] == 0).all()
         runs.append(ran)
     assert runs[0] < runs[1]  # the near member stops first, the far one later
+
+
+def step_loop_bodies(hlo: str) -> list[list[str]]:
+    """The bodies of the compiled program's loops of steps: the while loops whose body
+    computes a matrix product (the step) and holds no loop of its own.
+    """
+    computations: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+        elif name is not None:
+            computations[name].append(line)
+
+    def calls(lines: list[str]) -> set[str]:
+        return set(re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", "".join(lines)))
+
+    def reaches(body: str, seen: set[str] | None = None) -> list[str]:
+        seen = set() if seen is None else seen
+        lines = list(computations.get(body, []))
+        for called in calls(lines) - seen:
+            seen.add(called)
+            lines += reaches(called, seen)
+        return lines
+
+    bodies = []
+    for lines in computations.values():
+        for line in lines:
+            found = re.search(r" while\(.*body=%?([\w.\-]+)", line)
+            if found:
+                body = found.group(1)
+                inside = computations.get(body, [])
+                whole = reaches(body)
+                if not any(" while(" in x for x in inside) and any("dot(" in x for x in whole):
+                    bodies.append(inside)
+    return bodies
+
+
+@pytest.mark.parametrize(
+    "case", ["loss", "aux", "metric", "norms", "schedules", "validation_every", "updates"]
+)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_step_writes_its_record_and_leaves_the_rest_to_its_stretchs_end(case, shuffle):
+    """One model's step, in a run that stops at a non-finite loss, writes its loss and
+    values and nothing else of the run's: the batch sizes, the running mean's sums, the
+    reason to stop and the step of a non-finite loss are written once, where its stretch
+    of steps ends (what a step of small kernels would otherwise pay a kernel for each).
+    """
+    kwargs = dict(CASES[case])
+    x, y = arrays()
+    if "updates" not in kwargs:
+        kwargs["optimizer"] = OPTIMIZER
+    if "validation_every" in kwargs:
+        kwargs["validation_data"] = arrays()
+    plan = eqfit.plan(
+        mlp(),
+        (x, y),
+        key=jax.random.key(1),
+        epochs=EPOCHS,
+        batch_size=BATCH,
+        shuffle=shuffle,
+        **kwargs,
+    )
+    bodies = step_loop_bodies(plan.compiled.as_text())
+    assert bodies, "no loop of steps where the test looks"
+    for body in bodies:
+        shapes = [line.split("=", 1)[1].strip().split(" ", 1)[0] for line in body if " = " in line]
+        assert "s32[37,12]{1,0}" not in shapes  # the batch sizes
+        assert "f32[2]{0}" not in shapes  # the running mean's sums
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"progress": True, "validation_every": 5},
+        {"batch_size": 7, "shuffle": True, "loss": bce_aux},
+        {"loss": "weighted"},
+    ],
+    ids=["plain", "bar and validation_every", "shuffled remainder", "weighted"],
+)
+def test_the_stretchs_bookkeeping_is_the_steps_bit_for_bit(extra):
+    """A run's history is the same, bit for bit, whether each step writes its batch size,
+    running sums and reason (`on_nan="skip"`, which goes on past a non-finite step) or its
+    stretch of steps writes them at its end (`"raise"`).
+    """
+    x, y = arrays()
+    w = (np.arange(N) % 3 != 0).astype(np.float32)
+
+    def weighted(model, x, y, w):
+        losses = optax.sigmoid_binary_cross_entropy(jax.vmap(model)(x), y)
+        return eqfit.Mean(jnp.sum(losses * w), jnp.sum(w))
+
+    kwargs = dict(optimizer=OPTIMIZER, key=jax.random.key(1), epochs=4, batch_size=BATCH)
+    kwargs |= {"loss": bce, "shuffle": False} | extra
+    data = (x, y)
+    if kwargs["loss"] == "weighted":
+        kwargs["loss"], data = weighted, (x, y, w)
+    if "validation_every" in kwargs:
+        kwargs["validation_data"] = arrays()
+    runs = [eqfit.fit(mlp(), data, on_nan=on_nan, **kwargs) for on_nan in ("skip", "raise")]
+    skip, stretch = (r.history for r in runs)
+    for name in ("step_loss", "batch_sizes"):
+        np.testing.assert_array_equal(getattr(skip, name), getattr(stretch, name))
+    assert skip.values.keys() == stretch.values.keys()
+    for name, values in skip.values.items():
+        np.testing.assert_array_equal(values, stretch.values[name], err_msg=name)
+
+
+def test_a_non_finite_step_inside_a_stretch_stops_the_run_there():
+    """The step whose loss is not finite is the last one run, recorded with its batch
+    size, and the run says why it stopped (`on_nan="stop"`).
+    """
+    x, y = arrays()
+    x[43] = np.nan  # in the sixth batch of 8
+
+    result = eqfit.fit(
+        mlp(),
+        (x, y),
+        loss=bce,
+        optimizer=OPTIMIZER,
+        key=jax.random.key(1),
+        epochs=3,
+        batch_size=BATCH,
+        shuffle=False,
+        on_nan="stop",
+    )
+    history = result.history
+    assert history.stop_reason == "non_finite_loss"
+    flat_loss, flat_sizes = history.step_loss.reshape(-1), history.batch_sizes.reshape(-1)
+    assert np.isnan(flat_loss[5]) and np.isfinite(flat_loss[:5]).all()
+    assert np.isnan(flat_loss[6:]).all()
+    assert (flat_sizes[:6] == BATCH).all() and (flat_sizes[6:] == 0).all()
