@@ -631,13 +631,15 @@ def conv_floors(
     params, static = eqx.partition(model, eqx.is_inexact_array)
     inner = scanned_steps(static, optimizer, classify_loss)
 
-    def train(params: Any) -> Any:
+    # The batches are the program's arguments, as eqfit's data are: closed over, they
+    # would be constants of the program, which XLA lays out as it likes when it compiles.
+    def train(params: Any, xs: Any, ys: Any) -> Any:
         def epoch(carry: Any, _: Any) -> Any:
             return inner(carry, (xs, ys))
 
         return jax.lax.scan(epoch, (params, optimizer.init(params)), None, shape.epochs)
 
-    hand = jax.jit(train).lower(params).compile()
+    hand = jax.jit(train).lower(params, xs, ys).compile()
 
     def run_usual() -> None:
         for _ in range(shape.epochs):
@@ -645,7 +647,7 @@ def conv_floors(
                 usual[:] = step(batch, *usual)[:2]
         ready(usual)
 
-    return {"usual": run_usual, "hand": lambda: ready(hand(params))}, flops
+    return {"usual": run_usual, "hand": lambda: ready(hand(params, xs, ys))}, flops
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ with it while it traces the run. Copies of the arguments and filled numpy arrays
 the device are the same arrays, bit for bit, and compile nothing.
 """
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,8 +20,6 @@ from jaxtyping import PyTree
 # Filled arrays are made in the host's memory, then copied to the device: beyond this many
 # bytes of them, a compiled program that writes them on the device is the cheaper.
 FILL_BYTES = 1 << 26
-
-_Make = Callable[[], jax.Array]
 
 
 def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
@@ -64,11 +62,31 @@ def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
             outs.append(made[var])
         else:
             return None
-    return jax.tree.unflatten(traced.out_tree, [make() for make in outs])
+    # Put on the device together, in one call: each its own call would pay JAX's dispatch.
+    put = jax.device_put([make.value for make in outs], may_alias=False)
+    return jax.tree.unflatten(traced.out_tree, [make.finish(x) for make, x in zip(outs, put)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Make:
+    """An output of the program: `value` put on the device (a copy, never an alias: the
+    run donates the state), then `finish`ed.
+    """
+
+    value: Any  # an argument, or an array filled in the host's memory
+    strong: bool = False  # its weak type dropped
+
+    def finish(self, x: jax.Array) -> jax.Array:
+        if not (self.strong and x.weak_type):
+            return x
+        # `device_put` keeps a weak type; an array put from numpy's memory has none. Where
+        # it lies as the copy does, committed or not (a committed one lowers the run anew).
+        where = x.sharding if x.committed else None
+        return jax.device_put(np.asarray(x), where, may_alias=False)
 
 
 def _copy(arg: Any) -> _Make:
-    return lambda: jax.device_put(arg, may_alias=False)
+    return _Make(arg)
 
 
 def _drops_weak_type(eqn: Any) -> bool:
@@ -79,21 +97,11 @@ def _drops_weak_type(eqn: Any) -> bool:
 
 
 def _strong(make: _Make) -> _Make:
-    # `device_put` keeps a weak type; an array put from numpy's memory has none. Where it
-    # lies as the copy does, committed or not (a committed one lowers the run anew).
-    def strong() -> jax.Array:
-        x = make()
-        if not x.weak_type:
-            return x
-        where = x.sharding if x.committed else None
-        return jax.device_put(np.asarray(x), where, may_alias=False)
-
-    return strong
+    return dataclasses.replace(make, strong=True)
 
 
 def _fill(value: Any, aval: Any) -> _Make:
-    # A copy, never an alias of numpy's memory: the run donates the state.
-    return lambda: jax.device_put(np.full(aval.shape, value, aval.dtype), may_alias=False)
+    return _Make(np.full(aval.shape, value, aval.dtype))
 
 
 def _used(jaxpr: Any) -> list[Any]:
