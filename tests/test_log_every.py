@@ -233,7 +233,8 @@ def test_a_callback_that_never_stops_training_does_not_cut_the_run_at_epoch_ends
     n-th step a call reached once the call is read, as the history is: the run is not cut
     into a call an epoch, each a dispatch and a report. The loss counts the steps the
     device ran (a host callback, which XLA's CPU client runs inside the call): epochs told
-    at one count were ended by one call.
+    at one count were ended by one call. Epochs of one step each, so that none is long
+    enough to get a call of its own (about 50 ms), however busy the machine.
     """
     ran = []
 
@@ -255,11 +256,12 @@ def test_a_callback_that_never_stops_training_does_not_cut_the_run_at_epoch_ends
 
     model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
     counts = Counts()
-    eqfit.fit(model, data, callbacks=[counts], **kwargs(loss=loss, epochs=20))
+    more = dict(loss=loss, epochs=40, batch_size=N, log_every=2)
+    eqfit.fit(model, data, callbacks=[counts], **kwargs(**more))
     epochs = [n for kind, n in counts.seen if kind == "epoch"]
     steps = [n for kind, n in counts.seen if kind == "step"]
-    assert len(epochs) == 20 and len(steps) == 20 * 7 // EVERY
-    # One call an epoch: each epoch told at its own count. In calls of many epochs, several
-    # epochs (and their n-th steps) are told at one.
+    assert len(epochs) == 40 and len(steps) == 20
+    # One call an epoch: each epoch told at its own count. In calls of several epochs,
+    # several epochs (and their n-th steps) are told at one.
     assert len(set(epochs)) < len(epochs), epochs
     assert len(set(steps)) < len(steps), steps
