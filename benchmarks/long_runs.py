@@ -16,7 +16,10 @@ cost is what is measured, not the shuffle's). Cases, each against its own floor:
 - `schedules`: `schedules={"lr": schedule}` for `optax.adam(schedule)`; the floor stacks the
   loss and the schedule at the optimizer's count.
 - `log_every`: `log_every=100` with a callback that keeps what it is told; the floor
-  stacks the loss.
+  stacks the loss. A second floor, `told`, is the same hand scan that also tells a
+  callback of the same kind (`Keeps.on_train_batch_end`) each 100th step and the mean loss
+  of the 100 steps before it, from inside the scan (an ordered `jax.debug.callback`): its
+  ratio is printed besides, the first floor's stays the table's.
 - `validation_every`: `validation_every=640` (every 5 epochs) on 512 held-out rows; the
   floor validates in a `lax.cond` every 640 steps, in batches of 32, and keeps each.
 - `ensemble`: 4 members (`ensemble=True`) with an aux value; the floor vmaps the run.
@@ -101,9 +104,13 @@ def counts(model: Any, x: Any, y: Any) -> Any:
 # -- The floor: a hand `jit(lax.scan)` over epochs of a `lax.scan` over steps.
 
 
-def hand_run(case: str, epochs: int, optimizer: Any, static: Any) -> Callable[..., Any]:
+def hand_run(
+    case: str, epochs: int, optimizer: Any, static: Any, told: Keeps | None = None
+) -> Callable[..., Any]:
     """The hand scan of `case`, jitted for `epochs`: `run(params, x, y, xv, yv)` returns
-    the trained parameters and every per-step value, stacked `(epochs, steps, k)`.
+    the trained parameters and every per-step value, stacked `(epochs, steps, k)`. With
+    `told`, it also tells `told.on_train_batch_end` each `LOG_EVERY`-th step's global
+    number and the mean loss of the steps since the last, as the scan reaches it.
     """
     aux = case not in ("loss", "log_every", "validation_every")
 
@@ -127,6 +134,21 @@ def hand_run(case: str, epochs: int, optimizer: Any, static: Any) -> Callable[..
         stats = counts(model, xb, yb) if case == "stateful" else None
         return optax.apply_updates(params, updates), opt_state, jnp.stack(recorded), stats
 
+    def tell(step: Any, mean: Any) -> None:
+        assert told is not None
+        told.on_train_batch_end(int(step), {"loss": float(mean)})
+
+    def telling(window: Any, t: Any, loss: Any) -> Any:
+        """The window's losses summed, told and restarted at each `LOG_EVERY`-th step."""
+        window = window + loss
+        due = t % LOG_EVERY == 0
+        jax.lax.cond(
+            due,
+            lambda: jax.debug.callback(tell, t, window / LOG_EVERY, ordered=True),
+            lambda: None,
+        )
+        return jnp.where(due, jnp.float32(0), window)
+
     def run(params: Any, x: Any, y: Any, xv: Any, yv: Any) -> Any:
         def validate(params: Any) -> Any:
             def batch(total: Any, i: Any) -> Any:
@@ -139,12 +161,14 @@ def hand_run(case: str, epochs: int, optimizer: Any, static: Any) -> Callable[..
 
         def epoch(carry: Any, e: Any) -> Any:
             def step(carry: Any, i: Any) -> Any:
-                params, opt_state, stats, validations = carry
+                params, opt_state, stats, validations, window = carry
                 xb = jax.lax.dynamic_slice_in_dim(x, i * BATCH, BATCH)
                 yb = jax.lax.dynamic_slice_in_dim(y, i * BATCH, BATCH)
                 params, opt_state, recorded, batch_stats = step_values(params, opt_state, xb, yb)
                 if batch_stats is not None:
                     stats = stats + batch_stats
+                if told is not None:
+                    window = telling(window, e * STEPS + i + 1, recorded[0])
                 if case == "validation_every":
                     t = e * STEPS + i + 1
                     due = t % VAL_EVERY == 0
@@ -155,19 +179,20 @@ def hand_run(case: str, epochs: int, optimizer: Any, static: Any) -> Callable[..
                         jnp.maximum(t // VAL_EVERY - 1, 0),
                         0,
                     )
-                return (params, opt_state, stats, validations), recorded
+                return (params, opt_state, stats, validations, window), recorded
 
-            params, opt_state, _, validations = carry
+            params, opt_state, _, validations, window = carry
             fresh = jnp.zeros((2, 2))
             carry, recorded = jax.lax.scan(
-                step, (params, opt_state, fresh, validations), jnp.arange(STEPS)
+                step, (params, opt_state, fresh, validations, window), jnp.arange(STEPS)
             )
-            params, opt_state, stats, validations = carry
+            params, opt_state, stats, validations, window = carry
             value = stats[1, 1] / jnp.maximum(stats[:, 1].sum(), 1)  # the epoch's precision
-            return (params, opt_state, None, validations), (recorded, value)
+            return (params, opt_state, None, validations, window), (recorded, value)
 
         validations = jnp.full(max(epochs * STEPS // VAL_EVERY, 1), jnp.nan)
-        carry = (params, optimizer.init(params), None, validations)
+        window = None if told is None else jnp.float32(0)  # the losses since the last told
+        carry = (params, optimizer.init(params), None, validations, window)
         carry, outs = jax.lax.scan(epoch, carry, jnp.arange(epochs))
         return carry[0], carry[3], outs
 
@@ -267,7 +292,18 @@ def variants(case: str, epochs: int) -> dict[str, Callable[[], Any]]:
     def hand() -> None:
         jax.block_until_ready(run(params, *arrays))
 
-    return {"eqfit": fit, "hand": hand}
+    runs = {"eqfit": fit, "hand": hand}
+    if case == "log_every":  # the second floor: the hand scan tells a callback too
+        told = Keeps()
+        run_told = hand_run(case, epochs, optimizer, static, told)
+
+        def hand_told() -> None:
+            jax.block_until_ready(run_told(params, *arrays))
+            jax.effects_barrier()  # every callback made
+            told.told.clear()
+
+        runs["told"] = hand_told
+    return runs
 
 
 def measure(cases: list[str], lengths: list[int], per_step: int, repeats: int) -> list[dict]:
@@ -287,9 +323,17 @@ def measure(cases: list[str], lengths: list[int], per_step: int, repeats: int) -
                 "hand_us": times["hand"] / steps * 1e6,
             }
             row["ratio"] = row["eqfit_us"] / row["hand_us"]
+            told = ""
+            if "told" in times:  # the second floor (`log_every`'s)
+                row["told_us"] = times["told"] / steps * 1e6
+                row["told_ratio"] = row["eqfit_us"] / row["told_us"]
+                told = (
+                    f"; hand telling a callback {row['told_us']:7.2f}, "
+                    f"ratio {row['told_ratio']:.3f}"
+                )
             print(
                 f"{case:>16} {epochs:>6} epochs: eqfit {row['eqfit_us']:7.2f} us a step, "
-                f"hand {row['hand_us']:7.2f}, ratio {row['ratio']:.3f}",
+                f"hand {row['hand_us']:7.2f}, ratio {row['ratio']:.3f}{told}",
                 flush=True,
             )
             results.append(row)
@@ -312,6 +356,18 @@ def growth(results: list[dict], lengths: list[int]) -> list[list[str]]:
         worst = max(r["ratio"] for r in mine)
         rows.append([case, *cells, f"{grown:.3f}", f"{worst:.3f}"])
     return rows
+
+
+def told_lines(results: list[dict]) -> list[str]:
+    """The second floor's ratios (`log_every` against the hand scan that tells a
+    callback each n-th step), a line per length.
+    """
+    return [
+        f"{r['case']} at {r['epochs']:,} epochs against the hand scan telling a callback: "
+        f"eqfit {r['eqfit_us']:.2f} / {r['told_us']:.2f} us a step ({r['told_ratio']:.3f})"
+        for r in results
+        if "told_us" in r
+    ]
 
 
 MEMORY_CHILD = """
@@ -373,6 +429,8 @@ def main() -> None:
     header = ["case", *(f"{e:,} epochs: eqfit / hand us (ratio)" for e in args.epochs)]
     print()
     print(table([*header, "longest / shortest", "worst ratio"], growth(results, args.epochs)))
+    for line in told_lines(results):
+        print(line)
     payload: dict[str, Any] = {"config": config(), "args": vars(args) | {"out": str(args.out)}}
     payload["results"] = results
     if args.memory:

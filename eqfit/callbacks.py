@@ -9,7 +9,9 @@ with `fit(..., validation_every=n)` after each validation with its step's global
 and its values (each logger here writes them too), and `on_train_end(logs)`, called once
 training ends (however it ends), with the last epoch's values. One whose
 class says `stops_training = False` (these do) never stops training, so the device need
-not wait for it: the next epoch is queued before it sees the last.
+not wait for it, nor is the run cut at each epoch's end for it: it sees the epochs each
+call of the program (about half a second of steps) reached once the call is done, the
+next already queued.
 """
 
 import csv

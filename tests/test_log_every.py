@@ -226,3 +226,42 @@ def test_the_host_made_epoch_ends_report_the_same_values(way, data):
         assert_logs(recorder.steps(), expected_logs(result.history))
         told.append(recorder.steps())
     assert [s for s, _ in told[0]] == [s for s, _ in told[1]] == [5, 10, 15, 20]
+
+
+def test_a_callback_that_never_stops_training_does_not_cut_the_run_at_epoch_ends(data):
+    """A callback that never stops training and takes no model is told of every epoch and
+    n-th step a call reached once the call is read, as the history is: the run is not cut
+    into a call an epoch, each a dispatch and a report. The loss counts the steps the
+    device ran (a host callback, which XLA's CPU client runs inside the call): epochs told
+    at one count were ended by one call. Epochs of one step each, so that none is long
+    enough to get a call of its own (about 50 ms), however busy the machine.
+    """
+    ran = []
+
+    def loss(model, x, y):
+        jax.debug.callback(lambda: ran.append(None))
+        return eqfit.losses.mse(model, x, y)
+
+    class Counts:
+        stops_training = False
+
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, step, logs):
+            self.seen.append(("step", len(ran)))
+
+        def on_epoch_end(self, epoch, logs):
+            self.seen.append(("epoch", len(ran)))
+
+    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
+    counts = Counts()
+    more = dict(loss=loss, epochs=40, batch_size=N, log_every=2)
+    eqfit.fit(model, data, callbacks=[counts], **kwargs(**more))
+    epochs = [n for kind, n in counts.seen if kind == "epoch"]
+    steps = [n for kind, n in counts.seen if kind == "step"]
+    assert len(epochs) == 40 and len(steps) == 20
+    # One call an epoch: each epoch told at its own count. In calls of several epochs,
+    # several epochs (and their n-th steps) are told at one.
+    assert len(set(epochs)) < len(epochs), epochs
+    assert len(set(steps)) < len(steps), steps

@@ -51,9 +51,12 @@ class Callback(Protocol):
     after that step's `on_train_batch_end`; `on_train_end(logs)`,
     called once when training ends (however it ends, `on_train_begin` called or not) with
     the last epoch's values; and a class attribute `stops_training = False` if it never
-    returns `True`: then the device is not held up for it, and it sees each epoch once the
-    next one is queued. One with `on_epoch_model(epoch, model, ema_model)` also sees the
-    model at each epoch's end ([`eqfit.ModelCallback`][]).
+    returns `True`: then the device is not held up for it, nor is the run cut into a call
+    an epoch for it: it sees the epochs (and n-th steps) each call of the program reached,
+    in order, once that call is done and the next is queued (calls of about half a
+    second, or an epoch each where epochs are longer than about 50 ms). One with
+    `on_epoch_model(epoch, model, ema_model)` also sees the model at each epoch's end
+    ([`eqfit.ModelCallback`][]).
     """
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
@@ -197,8 +200,14 @@ class Callbacks(Observer):
         # report is read; while the epoch's length is learned, the last call's.
         self.taken: dict[int, PyTree] = {}
 
-    def boundary(self, position: int) -> int:
-        return self.schedule.next_epoch_end(position)  # calls end at each epoch's end
+    def boundary(self, position: int) -> int | None:
+        # Calls end at each epoch's end only where a callback acts there: one that may
+        # stop training (the run stops at that end) or sees the model (taken there).
+        # Others are told of every epoch and n-th step a call reached once it is read, as
+        # the history is: a call an epoch would cost a dispatch and a report each.
+        if self.may_stop or self.models is not None:
+            return self.schedule.next_epoch_end(position)
+        return None
 
     def waits(self, position: int) -> bool:
         return self.may_stop and self.schedule.is_epoch_end(position)
@@ -225,17 +234,20 @@ class Callbacks(Observer):
     def on_progress(self, progress: Progress) -> bool:
         # By step, a step's training values before its validation's (as Lightning
         # validates after the batch's end).
-        logged = sorted(
-            [(step, 0, logs) for step, logs in progress.logged]
-            + [(step, 1, logs) for step, logs in progress.validated],
-            key=lambda event: event[:2],
+        # A deque: a call of many epochs tells each of its rows in turn, in O(1) each.
+        logged = collections.deque(
+            sorted(
+                [(step, 0, logs) for step, logs in progress.logged]
+                + [(step, 1, logs) for step, logs in progress.validated],
+                key=lambda event: event[:2],
+            )
         )
         for epoch, logs in progress.ended:
             # The n-th steps up to the epoch's end first (a step at its end too), as
             # Keras calls `on_train_batch_end` before `on_epoch_end`.
             end = epoch * self.schedule.steps_per_epoch
             while logged and logged[0][0] <= end:
-                self.tell(*logged.pop(0))
+                self.tell(*logged.popleft())
             self.last_logs = logs
             taken = self.taken.pop(epoch * self.schedule.steps_per_epoch, None)
             models = None
