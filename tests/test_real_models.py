@@ -565,7 +565,9 @@ def test_fsdp_lays_out_the_average_as_the_parameters(getkey):
     state = (result.model, result.opt_state, result.ema_model)
     total = sum(a.nbytes for a in jax.tree.leaves(state) if eqx.is_array(a))
     fullest = max(eqfit.sharding.bytes_per_device(state).values())
-    assert fullest <= total / 8 * 1.02
+    # Each device holds its share, however many the mesh has: the tests' 8 CPU devices, or
+    # one chip, whose share is all of it (the average's layout, below, still counts there).
+    assert fullest <= total / mesh.devices.size * 1.02
     assert result.ema_model.layers[1].weight.sharding == result.model.layers[1].weight.sharding
     assert np.isfinite(result.history["grad_norm"]).all()
 
