@@ -539,10 +539,17 @@ def test_a_loader_trains_with_all_four_as_in_memory(everything):
                 yield x[start : start + 16], y[start : start + 16]
 
     streamed = eqfit.fit(model, Batches(), key=jax.random.key(1), epochs=2, **kwargs)
+    # The loader's programs and the in-memory run's are two programs. XLA:CPU computes
+    # float16 alike in both (they agree to the bit). An accelerator's compiler fuses them
+    # differently, and its float16 arithmetic is not the CPU's, so the two round at other
+    # places: they agree to float16's resolution, its epsilon, not float32's. (On a TPU
+    # v5e the history's values differed by up to 6.6e-5 relative, the average's arrays by
+    # up to 3.5e-4.)
+    rtol = 1e-6 if jax.default_backend() == "cpu" else float(np.finfo(np.float16).eps)
     for name, value in in_memory.history.values.items():
-        np.testing.assert_allclose(value, streamed.history[name], rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(value, streamed.history[name], rtol=rtol, err_msg=name)
     for a, b in zip(jax.tree.leaves(in_memory.ema_model), jax.tree.leaves(streamed.ema_model)):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=rtol)
 
 
 def test_fsdp_lays_out_the_average_as_the_parameters(getkey):
@@ -565,7 +572,9 @@ def test_fsdp_lays_out_the_average_as_the_parameters(getkey):
     state = (result.model, result.opt_state, result.ema_model)
     total = sum(a.nbytes for a in jax.tree.leaves(state) if eqx.is_array(a))
     fullest = max(eqfit.sharding.bytes_per_device(state).values())
-    assert fullest <= total / 8 * 1.02
+    # Each device holds its share, however many the mesh has: the tests' 8 CPU devices, or
+    # one chip, whose share is all of it (the average's layout, below, still counts there).
+    assert fullest <= total / mesh.devices.size * 1.02
     assert result.ema_model.layers[1].weight.sharding == result.model.layers[1].weight.sharding
     assert np.isfinite(result.history["grad_norm"]).all()
 

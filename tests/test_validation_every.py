@@ -197,21 +197,29 @@ def test_the_callbacks_are_told_in_order(problem):
     ]
 
 
-def test_the_loggers_write_each_validation_at_its_step(problem, tmp_path):
+def logged_run(problem, logger):
+    """A streamed run that validates every few steps, told to `logger`: its history."""
     train, val, _ = problem
-    csv_logger = eqfit.callbacks.CSVLogger(tmp_path / "log.csv")
-    board = eqfit.callbacks.TensorBoard(tmp_path / "tb")
     result = eqfit.fit(
-        model_of(), Loader(train), validation_data=Loader(val), callbacks=[csv_logger, board],
+        model_of(), Loader(train), validation_data=Loader(val), callbacks=[logger],
         **kwargs(batch_size=None),
     )  # fmt: skip
-    history = result.history
+    return result.history
+
+
+def test_the_csv_logger_writes_each_validation_at_its_step(problem, tmp_path):
+    history = logged_run(problem, eqfit.callbacks.CSVLogger(tmp_path / "log.csv"))
     with open(tmp_path / "log.validations.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == history.validation_steps.tolist()
     np.testing.assert_allclose(
         [float(r["val_loss"]) for r in rows], history.validations["val_loss"], rtol=1e-6
     )
+
+
+def test_tensorboard_writes_each_validation_at_its_step(problem, tmp_path):
+    pytest.importorskip("tensorboardX")  # the extra `eqfit[tensorboard]`
+    history = logged_run(problem, eqfit.callbacks.TensorBoard(tmp_path / "tb"))
     scalars = read_tensorboard(tmp_path / "tb")
     assert [s for s, _ in scalars["step/val_mae"]] == history.validation_steps.tolist()
     np.testing.assert_allclose(
