@@ -371,8 +371,10 @@ def _throughput(
     (NaN for an epoch it did not time whole: cut short, or begun before a resume).
     """
     epochs = range(first_epoch + 1, first_epoch + rows + 1)
-    # FLOP/s and MFU only where the run knew its step's cost.
-    names = [*Throughput.TIMES, *(n for n in Throughput.COSTS if _any(figures, n))]
+    # FLOP/s and MFU only where the run knew its step's cost; a checkpoint's blocked
+    # seconds where it wrote them.
+    known = (*Throughput.COSTS, *Throughput.CHECKPOINTS)
+    names = [*Throughput.TIMES, *(n for n in known if _any(figures, n))]
     return {
         name: np.array([figures.get(e, {}).get(name, np.nan) for e in epochs]) for name in names
     }

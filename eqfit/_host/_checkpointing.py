@@ -3,6 +3,7 @@ where it is written (`in_background`), and what `keep_best` judges it by (`BestB
 """
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -19,9 +20,18 @@ from .._keep._identity import learned_config
 from .._keep._writer import Writer
 from .._program._schedule import Schedule
 from .._program._state import stopped_at_non_finite, TrainState
+from .._step._record import CHECKPOINT_BLOCKED
 from .._step._validation_steps import AtEpochEnds, StepValidation
-from ._observers import copy_taken, Observer
+from ._observers import Observer
 from ._signals import Interrupt
+
+
+_LOG = logging.getLogger("eqfit")
+_WAITS = (
+    "The checkpoint at step %d waits for the write of the one at step %s, which is still "
+    "going: training waits for it. Checkpoints that fall more often than %s takes to "
+    "write one hold the training up; give `Checkpoint` a longer period, or a faster disk."
+)
 
 
 class BestBy(NamedTuple):
@@ -55,16 +65,24 @@ class Checkpointing(Observer):
 
     At a checkpoint the state (`take`n off the placement: one replica of `devices=`) is
     written where the policy's `background` says (`in_background`). In the background,
-    it is copied on the device (new buffers, which the next call's donation leaves alone)
-    and a `Writer` takes it to the host (`host`) and writes it while training goes on;
-    the next checkpoint waits for it, and `end` for the last (under `shard=`, Orbax
-    writes the copy's shards from that thread). In the training thread, the state itself
-    is taken to the host (on a CPU, its own buffers) and written before the next call is
-    queued, so no copy is made; by default the `Writer` then commits it (waits for the
-    disk, renames it into place) while training goes on, and with `background=False` the
-    training thread does. Where several processes take part, the write is made in
-    the training thread, all processes together. A state that holds a non-finite step
-    (`replays`) is not written.
+    it is copied on the device (new buffers, which the next call's donation leaves alone,
+    queued behind the call: the training thread does not wait for it) and a `Writer`
+    takes the copy to the host (`host`), lets the device's go, and writes it while
+    training goes on (under `shard=`, Orbax writes the copy's shards from that thread).
+    In the training thread, the state itself is taken to the host (on a CPU, its own
+    buffers) and written before the next call is queued, so no copy is made; by default
+    the `Writer` then commits it (waits for the disk, renames it into place) while
+    training goes on, and with `background=False` the training thread does. Where
+    several processes take part, the write is made in the training thread, all
+    processes together. A state that holds a non-finite step (`replays`) is not
+    written.
+
+    A checkpoint that falls due while the write before it is still going waits for it
+    (one write at a time, one copy of the state at a time), and says so: the first time
+    a run waits, as a warning of the `eqfit` logger, then at its DEBUG level. The
+    seconds the training thread spends at each checkpoint (`blocked`: the copy queued,
+    or the state written, and any such wait) go to the figures of its epoch
+    (`epoch_figures`).
     """
 
     def __init__(
@@ -90,6 +108,11 @@ class Checkpointing(Observer):
         self.relearned = False  # the epoch's length learned, the store not yet told
         self.saved_at: int | None = None  # the position of the last checkpoint
         self.since = time.monotonic()  # when the last checkpoint fell
+        self.writing: int | None = None  # the position of the last write begun
+        self.waited = False  # whether a checkpoint waited for the write before it yet
+        # The seconds training waited at each checkpoint, by position, until its epoch's
+        # figures take them.
+        self.blocked: dict[int, float] = {}
 
     def open(self) -> None:
         self.since = time.monotonic()
@@ -142,7 +165,16 @@ class Checkpointing(Observer):
         with contextlib.suppress(BaseException):
             self.writer.wait()
 
+    def epoch_figures(self, begin: int, end: int) -> dict[str, float]:
+        """The seconds training waited at the checkpoints after step `begin` up to step
+        `end` (an epoch's).
+        """
+        seconds = sum((s for p, s in self.blocked.items() if begin < p <= end), 0.0)
+        self.blocked = {p: s for p, s in self.blocked.items() if p > end}
+        return {CHECKPOINT_BLOCKED: seconds}
+
     def _save(self, position: int, state: TrainState, due: bool) -> None:
+        began = time.perf_counter()
         if due:
             self.saved_at, self.since = position, time.monotonic()
         schedule = self.schedule
@@ -150,25 +182,40 @@ class Checkpointing(Observer):
         taken = self.take(state)
         if self.background is None:
             self.background = in_background(self.policy.background, taken)
+        self._wait_for_write(position)
         if self.background:
-            snapshot = copy_taken(taken)  # queued behind the call: the device copies it
-            self.writer.submit(lambda: self._write(snapshot, due, row)())
+            # Queued behind the call: the device copies it. Held in a list that the
+            # writer's thread empties, so that the device's copy is let go once it is on
+            # the host, not at the end of the write.
+            held = [jax.device_put(taken, may_alias=False)]
+            self.writer.submit(lambda: self._begin(self.host(held.pop()), due, row)())
         elif self.policy.background is None:
             # The state's file is written here, from its buffers, before the next call
             # donates them; the wait for the disk, the manifest and the rename go on in
             # the writer's thread, which needs no core to wait.
-            self.writer.wait()
-            self.writer.submit(self._write(taken, due, row))
+            self.writer.submit(self._begin(self.host(taken), due, row))
         else:  # committed at its step, as `background=False` promises
-            self.writer.wait()
-            self._write(taken, due, row)()
+            self._begin(self.host(taken), due, row)()
+        self.writing = position
+        blocked = time.perf_counter() - began
+        self.blocked[position] = self.blocked.get(position, 0.0) + blocked
 
-    def _write(self, state: PyTree, due: bool, row: int | None) -> Callable[[], Any]:
-        """Writes `state` (a snapshot, or the state) if `due`, or if its epoch (record
-        row `row`) is the best yet by `keep_best`'s value; returns the rest of the write
-        to run once (`Checkpoints.begin`'s commit; nothing where none is written).
+    def _wait_for_write(self, position: int) -> None:
+        """Waits for the write in flight, if any, saying so (`Checkpointing`'s)."""
+        if self.writer.busy():
+            # A log record, not a warning: whether a write outlasts the time between
+            # checkpoints depends on the disk and the machine's load, and a warning would
+            # fail a run that makes warnings errors by chance.
+            level = logging.DEBUG if self.waited else logging.WARNING
+            _LOG.log(level, _WAITS, position, self.writing, self.store.directory)
+            self.waited = True
+        self.writer.wait()
+
+    def _begin(self, host: PyTree, due: bool, row: int | None) -> Callable[[], Any]:
+        """Writes `host` (a state on the host) if `due`, or if its epoch (record row
+        `row`) is the best yet by `keep_best`'s value; returns the rest of the write to
+        run once (`Checkpoints.begin`'s commit; nothing where none is written).
         """
-        host = self.host(state)
         if self.replays and stopped_at_non_finite(host.reason):
             return lambda: None
         value = None
@@ -201,6 +248,15 @@ def in_background(asked: bool | None, state: PyTree) -> bool:
         return False
     if asked is not None:
         return asked
+    # Not by default on the CPU backend. There the device's arrays are the host's memory,
+    # and the next call donates them, so the background would need a real copy of the
+    # state (a pass over its bytes, and one more state of memory) before its write (another
+    # pass, with the CRC, into the kernel's page cache), on the cores XLA computes on:
+    # the training thread's write from the state's own buffers costs about that copy
+    # alone. The part that waits for the disk (fsync), slow where a copy is not, and the
+    # commit go on in the writer's thread by default (`Checkpointing._save`), which needs
+    # no core to wait. On a GPU or TPU the copy is the device's own (its memory's
+    # bandwidth, queued behind the call), and the host's cores are free to write.
     platforms = {
         device.platform
         for x in jax.tree.leaves(state)

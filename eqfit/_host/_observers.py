@@ -18,7 +18,7 @@ from jaxtyping import PyTree
 
 from .._program._schedule import Schedule
 from .._program._state import TrainState
-from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
+from .._step._record import CHECKPOINT_BLOCKED, THROUGHPUT_COSTS, THROUGHPUT_TIMES
 
 
 @runtime_checkable
@@ -115,6 +115,9 @@ class Observer:
     - `after_call(position, state)`: the call to `position` is queued; `state` is its
         (future) training state.
     - `on_progress(progress)`: reports were read; returns `True` to stop training.
+    - `epoch_figures(begin, end)`: what it adds to the throughput figures of the epoch of
+        the steps after `begin` up to `end`, once its reports are read (the checkpoints'
+        blocked seconds).
     - `end(position, state)`: the drive is over, not by an error, at `position` with
         `state`; what it raises (a `CheckpointError`) is the run's failure.
     - `finished()`: `fit` has made its result, or is raising its error: called inside
@@ -145,6 +148,9 @@ class Observer:
 
     def on_progress(self, progress: Progress) -> bool:
         return False
+
+    def epoch_figures(self, begin: int, end: int) -> dict[str, float]:
+        return {}
 
     def end(self, position: int, state: TrainState) -> None:
         pass
@@ -292,10 +298,12 @@ class Throughput:
     of the devices' peak (MFU).
     """
 
-    # Names of what it adds to each epoch's values: always, and with `Costs`.
+    # Names of what it adds to each epoch's values: always, and with `Costs`; and what
+    # the checkpoints' observer adds (`Observer.epoch_figures`).
     TIMES = THROUGHPUT_TIMES
     COSTS = THROUGHPUT_COSTS
     NAMES = TIMES + COSTS
+    CHECKPOINTS = (CHECKPOINT_BLOCKED,)
 
     def __init__(
         self, schedule: Schedule, costs: Costs | None = None, samples_per_step: int | None = None
