@@ -198,18 +198,20 @@ class ShardedCheckpoints(Checkpoints):
                 raise OSError(f"Orbax could not write it ({type(e).__name__}: {e})") from None
             errno = int(code[1])
             raise OSError(errno, os.strerror(errno), str(e)) from None  # `str(e)`: details
-        digest = ""
-        if self.writer:  # which alone writes the manifest
-            digest = _digest(folder / "state", sync=True)
         return {
-            "sha256": digest,
+            "sha256": "",  # taken by the commit (`_sync_state`), in the writer's thread
             "storage": self.storage,
             "orbax_checkpoint": ocp.__version__,
             "arrays": described,
         }
 
-    def _sync_state(self, folder: Path) -> None:
-        del folder  # fsynced as its digest was taken, in `_write_state`
+    def _sync_state(self, folder: Path) -> dict[str, Any]:
+        # Orbax's files fsynced as their digest is taken, by the writer alone, which
+        # writes the manifest: in the commit, which runs beside training where the
+        # checkpoint is written in the background or the training thread wrote its shards.
+        if not self.writer:
+            return {}
+        return {"sha256": _digest(folder / "state", sync=True)}
 
     def _size(self, payload: Any, head: dict[str, Any]) -> int:
         arrays, _ = payload
