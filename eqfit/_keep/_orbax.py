@@ -179,6 +179,11 @@ class ShardedCheckpoints(Checkpoints):
         import orbax.checkpoint as ocp
 
         arrays, described = payload
+        # Orbax's own async checkpointing (`AsyncCheckpointer`) is not needed: in one
+        # process, where the checkpoint is written in the background, this whole write runs
+        # in eqfit's writer thread from a copy made on the device, so the training waits
+        # for no part of it; with several processes it is made in the training thread, in
+        # step with the training's collectives (`in_background`).
         try:
             # Collective: Orbax's primary process (0) makes its temporary folder
             # `state.orbax-checkpoint-tmp`, every process writes its shards, and the primary
