@@ -173,8 +173,15 @@ class History:
         are known (after [`eqfit.plan`][], with `progress=True`, or where the MFU can be
         told: a GPU or TPU in eqfit's table, or `fit(..., peak_flops=)`), also
         `"flops_per_second"` (achieved, every device together) and, with a peak, `"mfu"`
-        (that over the devices' peak FLOP/s). Callbacks see them in each epoch's `logs`
-        too. They are not in `values`: they are not the same bits run to run.
+        (that over the devices' peak FLOP/s). With checkpoints,
+        `"checkpoint_blocked_seconds"`: the seconds the training waited at the epoch's
+        checkpoints (0 in an epoch without one): in the background (a GPU's or TPU's
+        default) the copy queued on the device, and a wait for the last write where it was
+        still going; in the training thread (the CPU's default) the state's file written
+        too; with `Checkpoint(background=False)` the whole write. (A checkpoint at an
+        epoch's end holds up the next call, so its cost shows in the next epoch's
+        `"epoch_seconds"`, if anywhere.) Callbacks see them in each epoch's `logs` too.
+        They are not in `values`: they are not the same bits run to run.
     - `step_values`: the values recorded at every step besides its loss, by name, each
         shaped as `step_loss`: the metrics and the loss's aux values on the step's batch
         (before its update), `"grad_norm"` and `"update_norm"` with `norms=True`, and with

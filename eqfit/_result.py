@@ -368,11 +368,14 @@ def _throughput(
     figures: dict[int, dict[str, float]], first_epoch: int, rows: int
 ) -> dict[str, np.ndarray]:
     """Each epoch's wall seconds, steps and samples per second, as the driver timed them
-    (NaN for an epoch it did not time whole: cut short, or begun before a resume).
+    (NaN for an epoch it did not time whole: cut short, or begun before a resume), and the
+    figures that go with them (FLOP/s, MFU, the checkpoints' blocked seconds).
     """
     epochs = range(first_epoch + 1, first_epoch + rows + 1)
-    # FLOP/s and MFU only where the run knew its step's cost.
-    names = [*Throughput.TIMES, *(n for n in Throughput.COSTS if _any(figures, n))]
+    # FLOP/s and MFU only where the run knew its step's cost; a checkpoint's blocked
+    # seconds where it wrote them.
+    known = (*Throughput.COSTS, *Throughput.CHECKPOINTS)
+    names = [*Throughput.TIMES, *(n for n in known if _any(figures, n))]
     return {
         name: np.array([figures.get(e, {}).get(name, np.nan) for e in epochs]) for name in names
     }

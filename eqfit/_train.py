@@ -19,18 +19,11 @@ from ._core._data import fingerprint
 from ._core._metric import tried
 from ._core._policy import Checkpoint
 from ._core._typing import Data, ModelState, OptState
+from ._host._checkpointing import BestBy, Checkpointing
 from ._host._drive import drive, feeds
 from ._host._feeds import Feed, validation_reader
 from ._host._inference import StreamedSets
-from ._host._observers import (
-    BestBy,
-    Callbacks,
-    Checkpointing,
-    copy_taken,
-    Costs,
-    EpochModels,
-    Observer,
-)
+from ._host._observers import Callbacks, copy_taken, Costs, EpochModels, Observer
 from ._host._open import first_rows, open_data, read_again, schedule_for
 from ._host._plan import Plan
 from ._host._planner import make_plan, memory_limit

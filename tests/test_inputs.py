@@ -181,6 +181,7 @@ RESERVED = [
     "samples_per_second",
     "flops_per_second",
     "mfu",
+    "checkpoint_blocked_seconds",
     "val_loss",
 ]
 
@@ -188,7 +189,10 @@ RESERVED = [
 @pytest.mark.parametrize("name", RESERVED)
 def test_reserved_names_are_refused_for_aux_values_metrics_and_schedules(setup, name):
     model, x, y, kwargs = setup
-    reserved = r"Reserved: 'loss', .*'epoch', .*'mfu' and every name beginning 'val_'"
+    reserved = (
+        r"Reserved: 'loss', .*'epoch', .*'mfu', 'checkpoint_blocked_seconds' and every name "
+        r"beginning 'val_'"
+    )
     kwargs = kwargs | dict(loss=with_aux(name))
     with pytest.raises(ValueError, match=rf"aux value '{name}', a name the run gives to .*"):
         eqfit.fit(model, (x, y), **kwargs)
@@ -206,7 +210,7 @@ def test_every_name_the_logs_hold_is_reserved():
     from eqfit._host._observers import Throughput
     from eqfit._step._record import BUILT_IN, RESERVED
 
-    assert {*BUILT_IN, *Throughput.NAMES, "epoch"} <= set(RESERVED)
+    assert {*BUILT_IN, *Throughput.NAMES, *Throughput.CHECKPOINTS, "epoch"} <= set(RESERVED)
 
 
 @pytest.mark.parametrize(

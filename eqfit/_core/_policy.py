@@ -46,10 +46,12 @@ class Checkpoint:
         is the best so far is written at its end, due or not.
     - `mode`: `"min"` or `"max"`: whether `keep_best`'s best is its lowest or highest.
     - `background`: where a checkpoint is written. `True`: in a background thread while
-        training goes on (the state is copied on the device first, which takes device
-        memory for one more training state); the device waits for a write only when
-        the next checkpoint comes before it ends. `False`: in the training thread, at
-        the checkpoint's step, while the device waits. `None` (the default) chooses by
+        training goes on: the state is copied on the device, queued behind the training
+        (which takes device memory for one more training state until the copy is on the
+        host), and the thread takes the copy to the host, writes it with its CRC32,
+        fsyncs it and renames it into place; the training waits for nothing but a write
+        still going when the next checkpoint falls due. `False`: in the training thread,
+        at the checkpoint's step, while the device waits. `None` (the default) chooses by
         where the state lives: in the background on a GPU or TPU, whose host's cores are
         free while it computes, and in the training thread on the CPU backend, where a
         writer thread would take its cores from XLA's computation: there the training
@@ -57,7 +59,11 @@ class Checkpoint:
         that needs no core waits for the disk (`fsync`) and renames it into place while
         training goes on. `False` commits each checkpoint at its step, before training
         goes past it (a callback of its epoch finds it). Either way a checkpoint is
-        fsynced and renamed into place whole, and a failed write raises
+        fsynced and renamed into place whole, one write at a time: a checkpoint that
+        falls due while the last is still being written waits for it, which the `eqfit`
+        logger says once a run (a warning; each later wait at its DEBUG level). Each
+        epoch's `history.throughput["checkpoint_blocked_seconds"]` says how long the
+        training waited at its checkpoints. A failed write raises
         [`eqfit.CheckpointError`][] with the training so far. With several processes
         (`jax.distributed`) it is written in the training thread whatever this says:
         every process takes part, in step with the training's collectives.

@@ -245,6 +245,10 @@ class _Reader:
             row = rows[:, epoch - 1 - schedule.first_epoch]
             logs = dict(zip(self.loop.log_names, _mean_of_finished(row).tolist()))
             figures = self.throughput.epoch(epoch)
+            start = (epoch - 1) * schedule.steps_per_epoch
+            for observer in self.observers:  # each epoch's, kept where it was timed whole
+                more = observer.epoch_figures(start, start + schedule.steps_per_epoch)
+                figures |= more if figures else {}
             self.epoch_figures[epoch] = figures
             ended.append((epoch, logs | figures))
         last = max(position - 1, schedule.begin)

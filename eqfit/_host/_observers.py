@@ -3,33 +3,22 @@
 The driver (`_drive.drive`) calls the compiled run piece by piece; each observer meets
 it through one small protocol, `Observer`: it may bound the next call, ask that reports be
 read before training goes past a position, see each call's (future) state, and read the
-reports. The bar or a log's lines (`_progress.py`), the user's callbacks, the checkpoints,
-the profile (`_profiling.py`) and Ctrl-C are observers, and so are the throughput figures
-each epoch's values carry.
+reports. The bar or a log's lines (`_progress.py`), the user's callbacks, the checkpoints
+(`_checkpointing.py`), the profile (`_profiling.py`) and Ctrl-C are observers, and so are
+the throughput figures each epoch's values carry.
 """
 
 import collections
-import contextlib
-import math
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast, NamedTuple, Protocol, runtime_checkable, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import PyTree
 
-from .._core._policy import Checkpoint
-from .._keep._checkpoint import Checkpoints
-from .._keep._identity import learned_config
-from .._keep._writer import Writer
 from .._program._schedule import Schedule
-from .._program._state import stopped_at_non_finite, TrainState
-from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
-from .._step._validation_steps import AtEpochEnds, StepValidation
-from ._signals import Interrupt
+from .._program._state import TrainState
+from .._step._record import CHECKPOINT_BLOCKED, THROUGHPUT_COSTS, THROUGHPUT_TIMES
 
 
 @runtime_checkable
@@ -129,6 +118,9 @@ class Observer:
     - `after_call(position, state)`: the call to `position` is queued; `state` is its
         (future) training state.
     - `on_progress(progress)`: reports were read; returns `True` to stop training.
+    - `epoch_figures(begin, end)`: what it adds to the throughput figures of the epoch of
+        the steps after `begin` up to `end`, once its reports are read (the checkpoints'
+        blocked seconds).
     - `end(position, state)`: the drive is over, not by an error, at `position` with
         `state`; what it raises (a `CheckpointError`) is the run's failure.
     - `finished()`: `fit` has made its result, or is raising its error: called inside
@@ -159,6 +151,9 @@ class Observer:
 
     def on_progress(self, progress: Progress) -> bool:
         return False
+
+    def epoch_figures(self, begin: int, end: int) -> dict[str, float]:
+        return {}
 
     def end(self, position: int, state: TrainState) -> None:
         pass
@@ -293,210 +288,6 @@ class EpochModels(NamedTuple):
     make: Callable[[PyTree], tuple[Any, Any]]
 
 
-class BestBy(NamedTuple):
-    """What `Checkpoint(keep_best=)` judges a checkpoint by: a column of each epoch's
-    values (`TrainState.epoch_values`), or where `steps` judges validations after steps
-    (`validation_every`, monitoring a validation value) of each validation's
-    (`TrainState.validations`).
-    """
-
-    column: int
-    steps: StepValidation = AtEpochEnds()
-
-    def next(self, schedule: Schedule, position: int) -> int:
-        """The next position that may be the best: an epoch's end, or a validation's."""
-        return self.steps.next_judged(schedule, position)
-
-    def row(self, schedule: Schedule, position: int) -> int | None:
-        """The row of the value judged at `position`, if one is made there."""
-        return self.steps.judged_row(schedule, position)
-
-    def values(self, state: PyTree, row: int) -> np.ndarray:
-        """The values judged at `row` of a state on the host, of each member (NaN where
-        none was made).
-        """
-        return self.steps.judged_values(state, row, self.column, _local)
-
-
-class Checkpointing(Observer):
-    """Writes checkpoints as its `Checkpoint` policy asks, at the run's end, and at the
-    step where a signal stopped the run.
-
-    At a checkpoint the state (`take`n off the placement: one replica of `devices=`) is
-    written where the policy's `background` says (`in_background`). In the background,
-    it is copied on the device (new buffers, which the next call's donation leaves alone)
-    and a `Writer` takes it to the host (`host`) and writes it while training goes on;
-    the next checkpoint waits for it, and `end` for the last (under `shard=`, Orbax
-    writes the copy's shards from that thread). In the training thread, the state itself
-    is taken to the host (on a CPU, its own buffers) and written before the next call is
-    queued, so no copy is made; by default the `Writer` then commits it (waits for the
-    disk, renames it into place) while training goes on, and with `background=False` the
-    training thread does. Where several processes take part, the write is made in
-    the training thread, all processes together. A state that holds a non-finite step
-    (`replays`) is not written.
-    """
-
-    def __init__(
-        self,
-        store: Checkpoints,
-        policy: Checkpoint,
-        schedule: Schedule,
-        interrupt: Interrupt,
-        take: Callable[[TrainState], PyTree],
-        host: Callable[[PyTree], PyTree],
-        monitor: BestBy | None,
-        replays: bool = False,
-    ):
-        self.store, self.policy, self.schedule = store, policy, schedule
-        # The run applies a non-finite step (`StepOptions.replays`): a state that stopped
-        # at one holds it, and is never written.
-        self.replays = replays
-        self.interrupt = interrupt
-        self.take, self.host = take, host
-        self.monitor = monitor  # `keep_best`'s value
-        self.background: bool | None = None  # decided at the first checkpoint
-        self.writer = Writer()
-        self.relearned = False  # the epoch's length learned, the store not yet told
-        self.saved_at: int | None = None  # the position of the last checkpoint
-        self.since = time.monotonic()  # when the last checkpoint fell
-
-    def open(self) -> None:
-        self.since = time.monotonic()
-
-    def learned(self, schedule: Schedule) -> None:
-        self.schedule, self.relearned = schedule, True
-
-    def boundary(self, position: int) -> int | None:
-        schedule = self.schedule
-        if schedule.learning:  # no checkpoint is written while the length is learned
-            return None
-        due = self.policy.next_due(position, schedule.steps_per_epoch)
-        if self.monitor is not None:  # every epoch's end (or validation): it may be the best
-            end = self.monitor.next(schedule, position)
-            due = end if due is None else min(due, end)
-        return due
-
-    def after_call(self, position: int, state: TrainState) -> None:
-        schedule = self.schedule
-        if self.relearned:  # before the first checkpoint: none is written while learning
-            config = learned_config(self.store.config, schedule, state)
-            self.store.learned(config, schedule.steps_per_epoch)
-            self.relearned = False
-        self.writer.check()  # a write that failed stops training at the next call's end
-        if schedule.learning:
-            return
-        seconds = self.policy.every_seconds
-        due = (
-            self.policy.is_due(position, schedule.steps_per_epoch)
-            or position >= schedule.total
-            or self.interrupt.stopping
-            or (seconds is not None and agreed(time.monotonic() - self.since >= seconds))
-        )
-        may_be_best = self.monitor is not None and self.monitor.row(schedule, position) is not None
-        if due or may_be_best:
-            self._save(position, state, due)
-
-    def end(self, position: int, state: TrainState) -> None:
-        """The drive is over: a checkpoint where a signal stopped it, if it has none yet,
-        and every write committed.
-        """
-        stopped = self.interrupt.stopping and not self.schedule.learning
-        if stopped and position != self.saved_at:
-            self._save(position, state, True)
-        self.writer.wait()
-
-    def close(self) -> None:
-        # On every way out the write in flight ends, so that it is committed (or not) before
-        # `fit` returns; an error of its is raised by `end`, not over another's.
-        with contextlib.suppress(BaseException):
-            self.writer.wait()
-
-    def _save(self, position: int, state: TrainState, due: bool) -> None:
-        if due:
-            self.saved_at, self.since = position, time.monotonic()
-        schedule = self.schedule
-        row = None if self.monitor is None else self.monitor.row(schedule, position)
-        taken = self.take(state)
-        if self.background is None:
-            self.background = in_background(self.policy.background, taken)
-        if self.background:
-            snapshot = copy_taken(taken)  # queued behind the call: the device copies it
-            self.writer.submit(lambda: self._write(snapshot, due, row)())
-        elif self.policy.background is None:
-            # The state's file is written here, from its buffers, before the next call
-            # donates them; the wait for the disk, the manifest and the rename go on in
-            # the writer's thread, which needs no core to wait.
-            self.writer.wait()
-            self.writer.submit(self._write(taken, due, row))
-        else:  # committed at its step, as `background=False` promises
-            self.writer.wait()
-            self._write(taken, due, row)()
-
-    def _write(self, state: PyTree, due: bool, row: int | None) -> Callable[[], Any]:
-        """Writes `state` (a snapshot, or the state) if `due`, or if its epoch (record
-        row `row`) is the best yet by `keep_best`'s value; returns the rest of the write
-        to run once (`Checkpoints.begin`'s commit; nothing where none is written).
-        """
-        host = self.host(state)
-        if self.replays and stopped_at_non_finite(host.reason):
-            return lambda: None
-        value = None
-        if self.monitor is not None and row is not None:
-            values = self.monitor.values(host, row)  # each member's
-            with warnings.catch_warnings():  # an ensemble whose members all stopped
-                warnings.simplefilter("ignore", RuntimeWarning)
-                value = float(np.nanmean(values))
-            if not math.isfinite(value):
-                value = None
-        if not due and (value is None or not self._better(value)):
-            return lambda: None
-        return self.store.begin(host, value)
-
-    def _better(self, value: float) -> bool:
-        best = self.store.best_value()
-        if best is None:
-            return True
-        return value < best if self.policy.mode == "min" else value > best
-
-
-def in_background(asked: bool | None, state: PyTree) -> bool:
-    """Whether checkpoints of `state` are written in a background thread: as `asked`
-    (`Checkpoint.background`), else unless it lives on the CPU backend, where the
-    writer would take cores from XLA's computation; never with several processes.
-    """
-    # With several processes every one takes part in a write (Orbax's shards, the
-    # barrier after it), which must be in step with the training's collectives.
-    if jax.process_count() > 1:
-        return False
-    if asked is not None:
-        return asked
-    platforms = {
-        device.platform
-        for x in jax.tree.leaves(state)
-        if isinstance(x, jax.Array)
-        for device in x.devices()
-    }
-    return bool(platforms - {"cpu"})
-
-
-def _local(x: Any) -> np.ndarray:
-    """`x` (replicated) as numpy, from this process's copy where it is global."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
-
-
-def agreed(flag: bool) -> bool:
-    """`flag` as process 0 has it, in every process of a `jax.distributed` run (a
-    decision by the clock, say, must be one decision); `flag` itself in one process.
-    """
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
-
-
 @jax.jit
 def copy_taken(tree: PyTree) -> PyTree:
     """New buffers holding `tree`'s arrays, laid out as they are."""
@@ -519,10 +310,12 @@ class Throughput:
     of the devices' peak (MFU).
     """
 
-    # Names of what it adds to each epoch's values: always, and with `Costs`.
+    # Names of what it adds to each epoch's values: always, and with `Costs`; and what
+    # the checkpoints' observer adds (`Observer.epoch_figures`).
     TIMES = THROUGHPUT_TIMES
     COSTS = THROUGHPUT_COSTS
     NAMES = TIMES + COSTS
+    CHECKPOINTS = (CHECKPOINT_BLOCKED,)
 
     def __init__(
         self, schedule: Schedule, costs: Costs | None = None, samples_per_step: int | None = None

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from .._program._options import Options
 from .._program._schedule import Schedule
 from .._program._state import TrainState
-from .._step._record import THROUGHPUT_COSTS, THROUGHPUT_TIMES
+from .._step._record import THROUGHPUT_FIGURES
 from .._step._statistics import ENTRY
 from ._observers import Observer, Progress
 
@@ -36,7 +36,7 @@ SHOWN_EPOCH_SECONDS = 1.0
 
 # The epoch's values that its line leaves out: the throughput figures, which are in
 # `history.throughput` (the bar and the lines show samples per second their own way).
-_FIGURES = THROUGHPUT_TIMES + THROUGHPUT_COSTS
+_FIGURES = THROUGHPUT_FIGURES
 
 
 def progress_kind(

@@ -80,8 +80,8 @@ class Checkpoints:
     (`jax.distributed`), process 0 alone writes and holds the lock; the others read.
 
     How the state itself is written, checked and read is up to a subclass: it overrides
-    `_encode`, `_write_state`, `_size`, `_check_state` and `_read_state`, and names its
-    kind in `storage`, which its manifests carry. `ShardedCheckpoints` keeps an Orbax
+    `_encode`, `_write_state`, `_sync_state`, `_size`, `_check_state` and `_read_state`,
+    and names its kind in `storage`, which its manifests carry. `ShardedCheckpoints` keeps an Orbax
     checkpoint this way, under the same directory rules.
 
     **Arguments:**
@@ -345,8 +345,8 @@ class Checkpoints:
         writer alone).
         """
         try:
-            self._sync_state(tmp)
-            manifest = {**head, **fields, "config": self.config, "versions": versions()}
+            synced = self._sync_state(tmp)
+            manifest = {**head, **fields, **synced, "config": self.config, "versions": versions()}
             if not self.writer:
                 return manifest
             write_file(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
@@ -423,10 +423,14 @@ class Checkpoints:
             crc = write_leaves(f, payload).crc
         return {"crc32": f"{crc:08x}"}
 
-    def _sync_state(self, folder: Path) -> None:
-        """Waits for the disk to hold what `_write_state` wrote into `folder`."""
+    def _sync_state(self, folder: Path) -> dict[str, Any]:
+        """Waits for the disk to hold what `_write_state` wrote into `folder` (in the
+        commit, which may run in another thread); returns the manifest's fields it found
+        (which replace `_write_state`'s).
+        """
         with open(folder / "state.eqx", "rb") as f:
             os.fsync(f.fileno())
+        return {}
 
     def _size(self, payload: Any, head: dict[str, Any]) -> int:
         """The bytes a checkpoint takes, for the message of a full disk."""

@@ -179,6 +179,11 @@ class ShardedCheckpoints(Checkpoints):
         import orbax.checkpoint as ocp
 
         arrays, described = payload
+        # Orbax's own async checkpointing (`AsyncCheckpointer`) is not needed: in one
+        # process, where the checkpoint is written in the background, this whole write runs
+        # in eqfit's writer thread from a copy made on the device, so the training waits
+        # for no part of it; with several processes it is made in the training thread, in
+        # step with the training's collectives (`in_background`).
         try:
             # Collective: Orbax's primary process (0) makes its temporary folder
             # `state.orbax-checkpoint-tmp`, every process writes its shards, and the primary
@@ -198,18 +203,20 @@ class ShardedCheckpoints(Checkpoints):
                 raise OSError(f"Orbax could not write it ({type(e).__name__}: {e})") from None
             errno = int(code[1])
             raise OSError(errno, os.strerror(errno), str(e)) from None  # `str(e)`: details
-        digest = ""
-        if self.writer:  # which alone writes the manifest
-            digest = _digest(folder / "state", sync=True)
         return {
-            "sha256": digest,
+            "sha256": "",  # taken by the commit (`_sync_state`), in the writer's thread
             "storage": self.storage,
             "orbax_checkpoint": ocp.__version__,
             "arrays": described,
         }
 
-    def _sync_state(self, folder: Path) -> None:
-        del folder  # fsynced as its digest was taken, in `_write_state`
+    def _sync_state(self, folder: Path) -> dict[str, Any]:
+        # Orbax's files fsynced as their digest is taken, by the writer alone, which
+        # writes the manifest: in the commit, which runs beside training where the
+        # checkpoint is written in the background or the training thread wrote its shards.
+        if not self.writer:
+            return {}
+        return {"sha256": _digest(folder / "state", sync=True)}
 
     def _size(self, payload: Any, head: dict[str, Any]) -> int:
         arrays, _ = payload

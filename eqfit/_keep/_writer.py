@@ -31,9 +31,13 @@ class Writer:
         except BaseException as e:  # raised in the training thread by `wait`
             self.error = e
 
+    def busy(self) -> bool:
+        """Whether a write is still going."""
+        return self.thread is not None and self.thread.is_alive()
+
     def check(self) -> None:
         """Raises the error of the write in flight if it has failed already."""
-        if self.thread is not None and not self.thread.is_alive():
+        if self.thread is not None and not self.busy():
             self.wait()
 
     def wait(self) -> None:

@@ -99,12 +99,15 @@ BUILT_IN = tuple(c.name for c in (LOSS, *NORMS, *SCALING))
 # keeps them (`Throughput.NAMES`): always, and where the step's FLOPs are known.
 THROUGHPUT_TIMES = ("epoch_seconds", "steps_per_second", "samples_per_second")
 THROUGHPUT_COSTS = ("flops_per_second", "mfu")
+# And where the run writes checkpoints: the seconds training waited at the epoch's.
+CHECKPOINT_BLOCKED = "checkpoint_blocked_seconds"
+THROUGHPUT_FIGURES = (*THROUGHPUT_TIMES, *THROUGHPUT_COSTS, CHECKPOINT_BLOCKED)
 
 # Names no aux value, metric or schedule may take: the history's own, the epoch's number
 # (the CSV's first column, `History.to_dict()`'s `"epoch"`) and the throughput figures,
 # which would overwrite it (or be overwritten) in the logs that callbacks and the
 # loggers see. And every name beginning `val_`, validation's.
-RESERVED = (*BUILT_IN, "epoch", *THROUGHPUT_TIMES, *THROUGHPUT_COSTS)
+RESERVED = (*BUILT_IN, "epoch", *THROUGHPUT_FIGURES)
 
 
 def reserved_for(name: str) -> str | None:
@@ -115,7 +118,7 @@ def reserved_for(name: str) -> str | None:
         return "validation's values (`val_loss`, `val_<metric>`, `val_<set>_loss`)"
     if name == "epoch":
         return "the epoch's number (the CSV's first column, `History.to_dict()`'s)"
-    if name in THROUGHPUT_TIMES + THROUGHPUT_COSTS:
+    if name in THROUGHPUT_FIGURES:
         return "a throughput figure (`History.throughput`, in each epoch's `logs`)"
     if name in BUILT_IN:
         return f"the history's built-in {name!r}"

@@ -1,0 +1,277 @@
+"""What a checkpoint holds the training up for: a write that a slow disk holds does not hold
+the training (in the background, as a GPU or TPU writes by default, nor its commit as the
+CPU's default writes); a checkpoint that falls due while the last is still being written
+waits for it and says so once; and each epoch's `checkpoint_blocked_seconds` says how long
+the training waited at its checkpoints. The disk is slowed through Python's audit hooks
+(`sys.addaudithook`), which see every file opened: nothing of eqfit's is patched.
+"""
+
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_equal, regression_data
+from jax.sharding import Mesh
+
+import eqfit
+
+
+BLOCKED = "checkpoint_blocked_seconds"
+
+
+class SlowDisk:
+    """Files under `directory` opened as a slow disk would let them be: every opening
+    recorded as `(path, mode, thread)` (the path inside `directory`), and the first `held`
+    openings of files named `name` to write each wait until `release()` lets one through.
+    """
+
+    def __init__(self, directory: Path, name: str, held: int):
+        self.directory, self.name, self.held = str(directory) + os.sep, name, held
+        self.opened: list[tuple[str, str, int]] = []
+        self.gate = threading.Semaphore(0)
+        self.stuck = False  # a held opening was never released
+
+    def release(self) -> None:
+        self.gate.release()
+
+    def saw(self, path: str, mode: str) -> None:
+        if not path.startswith(self.directory):
+            return
+        self.opened.append((path[len(self.directory) :], mode, threading.get_ident()))
+        if os.path.basename(path) == self.name and "w" in mode and self.held > 0:
+            self.held -= 1
+            # Released by the test; a bug that never releases it fails the test, not the suite.
+            self.stuck |= not self.gate.acquire(timeout=120)
+
+    def writes(self, name: str) -> set[int]:
+        """The threads that opened files named `name` to write."""
+        return {
+            thread
+            for path, mode, thread in self.opened
+            if os.path.basename(path) == name and "w" in mode
+        }
+
+    def __enter__(self) -> "SlowDisk":
+        _install()
+        _DISKS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _DISKS.remove(self)
+        for _ in range(8):  # nothing left waiting on the gate
+            self.gate.release()
+        assert not self.stuck, "an opening held by the slow disk was never released"
+
+
+_DISKS: list[SlowDisk] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _DISKS and isinstance(args[0], str) and isinstance(args[1], str):
+        for disk in list(_DISKS):
+            disk.saw(args[0], args[1])
+
+
+def _install() -> None:
+    """The audit hook, once a process (Python has no way to remove one): it does nothing
+    while no `SlowDisk` is open.
+    """
+    if not getattr(sys, "_eqfit_tests_slow_disk", False):
+        sys.addaudithook(_audit)
+        sys._eqfit_tests_slow_disk = True  # type: ignore[attr-defined]
+
+
+class WaitsReleased(logging.Handler):
+    """Each log record of the `eqfit` logger that says a checkpoint waits for the write
+    before it: its level kept, and the held write let through (else it would wait for ever).
+    """
+
+    def __init__(self, disk: SlowDisk):
+        super().__init__(logging.DEBUG)
+        self.disk = disk
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waits for the write" in record.getMessage():
+            self.records.append(record)
+            self.disk.release()
+
+    def __enter__(self) -> "WaitsReleased":
+        logger = logging.getLogger("eqfit")
+        self.level = logger.level
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("eqfit")
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+
+
+def small_run(getkey):
+    data = regression_data(getkey(), 100)
+    model = eqfit.models.MLP(4, "scalar", 8, 1, key=getkey())
+    kwargs = dict(
+        loss=eqfit.losses.mse, key=getkey(), epochs=4, batch_size=16, optimizer=optax.adam(1e-2)
+    )
+    return model, data, kwargs
+
+
+def checkpoints(directory):
+    return sorted(p.name for p in Path(directory).glob("ckpt-*"))
+
+
+def assert_resumes_from_the_one_before_the_newest(directory, policy, full, fit):
+    """The newest checkpoint removed, a run resumed from the one before it ends as the
+    uninterrupted one, bit for bit.
+    """
+    shutil.rmtree(Path(directory) / checkpoints(directory)[-1])
+    resumed = fit(checkpoint=policy)
+    assert_trees_equal(resumed.model, full.model)
+    assert_trees_equal(resumed.opt_state, full.opt_state)
+    np.testing.assert_array_equal(resumed.history.step_loss, full.history.step_loss)
+
+
+# In the background (`True`, a GPU's or TPU's default) the whole write is held, the state's
+# file first; as the CPU's default (`None`), whose training thread writes the state's file
+# from its own buffers, the commit (the manifest, after the fsync) is.
+WAYS = [pytest.param(True, "state.eqx", id="background"), pytest.param(None, "manifest.json")]
+
+
+@pytest.mark.parametrize("background, held", WAYS)
+def test_training_goes_on_while_a_slow_disk_holds_a_checkpoints_write(
+    getkey, tmp_path, background, held
+):
+    model, data, kwargs = small_run(getkey)
+    full = eqfit.fit(model, data, **kwargs)
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=2, background=background)
+    seen: dict[int, tuple[list[str], int]] = {}
+
+    with SlowDisk(tmp_path, held, held=1) as disk:
+
+        class Watch:
+            def on_epoch_end(self, epoch, logs):
+                seen[epoch] = (checkpoints(tmp_path), threading.get_ident())
+                if epoch == 3:  # the training went past the checkpoint of epoch 2
+                    disk.release()
+
+        result = eqfit.fit(model, data, checkpoint=policy, callbacks=[Watch()], **kwargs)
+
+    # Epochs 2 and 3 ended, and were told, while the checkpoint of epoch 2 was held unwritten.
+    assert seen[2][0] == [] and seen[3][0] == []
+    assert checkpoints(tmp_path) == ["ckpt-000002-000000", "ckpt-000004-000000"]
+    training = seen[1][1]
+    assert disk.writes("manifest.json") and training not in disk.writes("manifest.json")
+    state_written_by = disk.writes("state.eqx")
+    assert state_written_by and (training in state_written_by) == (background is None)
+    # The seconds the training waited, at the epochs with a checkpoint alone.
+    blocked = result.history.throughput[BLOCKED]
+    assert blocked.shape == (4,) and np.isfinite(blocked).all()
+    assert (blocked[[0, 2]] == 0).all() and (blocked[[1, 3]] > 0).all()
+    assert blocked.sum() < result.history.wall_time
+    assert_trees_equal(result.model, full.model)
+
+    def fit(**more):
+        return eqfit.fit(model, data, **more, **kwargs)
+
+    assert_resumes_from_the_one_before_the_newest(tmp_path, policy, full, fit)
+
+
+@pytest.mark.parametrize("background, held", WAYS)
+def test_a_checkpoint_due_while_the_last_is_written_waits_for_it_and_says_so_once(
+    getkey, tmp_path, background, held
+):
+    """Each of the first three writes is held until the next checkpoint says that it
+    waits for it: three waits, said as a warning once, then at the DEBUG level.
+    """
+    model, data, kwargs = small_run(getkey)
+    full = eqfit.fit(model, data, **kwargs)
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=1, background=background)
+    with SlowDisk(tmp_path, held, held=3) as disk, WaitsReleased(disk) as waits:
+        result = eqfit.fit(model, data, checkpoint=policy, **kwargs)
+
+    levels = [record.levelno for record in waits.records]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    steps = result.history.step_loss.shape[1]
+    first = waits.records[0].getMessage()
+    assert f"The checkpoint at step {2 * steps} waits for the write of the one at step " in first
+    assert f"{steps}, which is still going: training waits for it" in first
+    assert str(tmp_path) in first and "give `Checkpoint` a longer period" in first
+    blocked = result.history.throughput[BLOCKED]
+    assert blocked.shape == (4,) and np.isfinite(blocked).all() and (blocked > 0).all()
+    assert checkpoints(tmp_path) == ["ckpt-000003-000000", "ckpt-000004-000000"]
+    assert_trees_equal(result.model, full.model)
+
+    def fit(**more):
+        return eqfit.fit(model, data, **more, **kwargs)
+
+    assert_resumes_from_the_one_before_the_newest(tmp_path, policy, full, fit)
+
+
+def test_a_run_without_checkpoints_has_no_blocked_seconds(getkey):
+    model, data, kwargs = small_run(getkey)
+    throughput = eqfit.fit(model, data, **kwargs).history.throughput
+    assert "epoch_seconds" in throughput and BLOCKED not in throughput
+
+
+@pytest.mark.parametrize("background", [True, None], ids=["background", "default"])
+def test_orbax_checkpoints_are_digested_and_committed_beside_the_training(
+    getkey, tmp_path, background
+):
+    """Under `shard=`: the SHA-256 of Orbax's files (which fsyncs them) and the commit run
+    in the writer's thread, and the training goes on while a slow disk holds the commit.
+    """
+    pytest.importorskip("orbax.checkpoint")
+    data = regression_data(getkey(), 128, features=8)
+    model = eqfit.models.MLP(8, "scalar", 16, 1, key=getkey())
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        key=getkey(),
+        epochs=4,
+        batch_size=32,
+        optimizer=optax.sgd(0.05),
+        mesh=mesh,
+        shard=eqfit.sharding.fsdp("data", min_bytes=0),
+    )
+    full = eqfit.fit(model, data, **kwargs)
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=2, background=background)
+    seen: dict[int, tuple[list[str], int]] = {}
+
+    with SlowDisk(tmp_path, "manifest.json", held=1) as disk:
+
+        class Watch:
+            def on_epoch_end(self, epoch, logs):
+                seen[epoch] = (checkpoints(tmp_path), threading.get_ident())
+                if epoch == 3:
+                    disk.release()
+
+        result = eqfit.fit(model, data, checkpoint=policy, callbacks=[Watch()], **kwargs)
+
+    assert seen[2][0] == [] and seen[3][0] == []
+    training = seen[1][1]
+    # Each file of Orbax's was read (for its digest) by a thread that is not the training's.
+    state = tmp_path / "ckpt-000004-000000" / "state"
+    files = [p.relative_to(state).as_posix() for p in state.rglob("*") if p.is_file()]
+    assert files  # Orbax's
+    for file in files:
+        assert any(
+            path.endswith("/state/" + file) and mode == "r" and thread != training
+            for path, mode, thread in disk.opened
+        ), file
+    assert training not in disk.writes("manifest.json")
+    assert (result.history.throughput[BLOCKED][[1, 3]] > 0).all()
+    assert_trees_equal(result.model, full.model)
+
+    def fit(**more):
+        return eqfit.fit(model, data, **more, **kwargs)
+
+    assert_resumes_from_the_one_before_the_newest(tmp_path, policy, full, fit)
