@@ -28,8 +28,8 @@ from .._step._validation_steps import EveryNSteps
 from ._ahead import gathered_steps
 from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
+from ._members import some_member, steps_while
 from ._records import (
-    any_member,
     fresh_record,
     logs_of,
     masked,
@@ -371,9 +371,8 @@ class _Member:
                     return (state.step == remainder_step) & (state.step < limit) & running(state)
 
                 remainder = passes.remainder
-                state = self.steps_while(
-                    remainder_due, lambda s, active: batch_step(s, remainder, False, active), state
-                )
+                last = lambda s, active: batch_step(s, remainder, False, active)  # noqa: E731
+                state = self.steps_while(remainder_due, last, state, together=False)
             if loop.validation is not None and loop.validation.streamed:
                 return state  # the host validates, then closes it (`close`)
             at_end = loop.val_steps.ends_epoch(lambda: state.step == epoch_end)
@@ -405,7 +404,7 @@ class _Member:
         step and for the member to be running.
         """
         if self.loop.members is not None:
-            more = _any_member(more)
+            more = some_member(more)
         return jax.lax.while_loop(more, body, state)
 
     def steps_while(
@@ -413,13 +412,13 @@ class _Member:
         more: Callable[[TrainState], Bool[Array, ""]],
         step: Callable[[TrainState, Bool[Array, ""] | None], TrainState],
         state: TrainState,
+        together: bool = True,
     ) -> TrainState:
         """Steps (`step(state, active)`) while `more(state)`; in an ensemble, while any
-        member has more, each member's step masked by its own `more` (`while_loop`).
+        member has more, masked where a member has none (`_members.steps_while`, which
+        steps them `together` unmasked first).
         """
-        if self.loop.members is None:
-            return jax.lax.while_loop(more, lambda s: step(s, None), state)
-        return jax.lax.while_loop(_any_member(more), lambda s: step(s, more(s)), state)
+        return steps_while(self.loop.members, more, step, state, together)
 
     def step_at(
         self,
@@ -574,13 +573,6 @@ class _Member:
             logs=logs,
             validations=state.validations,
         )
-
-
-def _any_member(
-    more: Callable[[TrainState], Bool[Array, ""]],
-) -> Callable[[TrainState], Bool[Array, ""]]:
-    """`more` of any member of an ensemble, the same for all: no member's own."""
-    return lambda state: any_member(more(state))
 
 
 def _when(
