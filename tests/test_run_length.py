@@ -1,6 +1,7 @@
 """A step's cost does not grow with the run's length: the compiled programs never copy,
 select or scatter a whole record of the run's steps, whatever is recorded and however the
-steps run. Read from the compiled program's HLO (`eqfit.plan(...).compiled`), not timed.
+steps run; and an ensemble's members, while all of them run, step with no mask. Read
+from the compiled program's HLO (`eqfit.plan(...).compiled`), not timed.
 """
 
 import re
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close
 
 import eqfit
 
@@ -268,3 +270,111 @@ def test_a_non_finite_step_inside_a_stretch_stops_the_run_there():
     assert np.isnan(flat_loss[5]) and np.isfinite(flat_loss[:5]).all()
     assert np.isnan(flat_loss[6:]).all()
     assert (flat_sizes[:6] == BATCH).all() and (flat_sizes[6:] == 0).all()
+
+
+# -- An ensemble's members step unmasked while every one of them runs.
+
+
+def computations(hlo: str) -> dict[str, list[tuple[str, str, list[str]]]]:
+    """The compiled program's computations by name: each instruction's shape, operation
+    and operands' shapes, and (as an operand `calls=...`) the computation a fusion calls.
+    """
+    found: dict[str, list[tuple[str, str, list[str]]]] = {}
+    shapes: dict[str, str] = {}
+    lines = None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            lines = found[head.group(1)] = []
+            continue
+        made = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)(.*)", line)
+        if lines is None or made is None:
+            continue
+        name, shape, op, args, rest = made.groups()
+        shapes[name] = shape
+        operands = [shapes.get(a.strip().lstrip("%"), "") for a in args.split(",")]
+        calls = re.search(r"calls=%?([\w.\-]+)", rest)
+        lines.append((shape, op, operands + ([f"calls={calls.group(1)}"] if calls else [])))
+    return found
+
+
+def loop_bodies(hlo: str) -> list[list[tuple[str, str, list[str]]]]:
+    """The instructions of each while loop's body, those of the fusions it calls among
+    them.
+    """
+    found = computations(hlo)
+
+    def inside(name: str) -> list[tuple[str, str, list[str]]]:
+        out = []
+        for shape, op, operands in found[name]:
+            out.append((shape, op, operands))
+            out += [i for o in operands if o.startswith("calls=") for i in inside(o[6:])]
+        return out
+
+    return [inside(body) for body in re.findall(r" while\(.*?body=%?([\w.\-]+)", hlo)]
+
+
+def test_members_that_all_run_step_unmasked():
+    """While every member of an ensemble runs, its steps run in a loop of their own, with
+    no mask of each member's step: each weight matrix and its optimizer state selected
+    once (by the NaN guard, which keeps an update that is not finite out), not again by
+    the mask, and each record's cell written as one place, not read back first (as the
+    mask reads it, or a scatter's check that the place is in range).
+    """
+    make = lambda key: eqx.nn.MLP(3, 4, 5, 1, key=key)  # noqa: E731
+    members = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), 3))
+    x, y = arrays()
+
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x).sum(axis=1) - y) ** 2)
+
+    plan = eqfit.plan(
+        members,
+        (x, y),
+        key=jax.random.key(1),
+        epochs=EPOCHS,
+        batch_size=BATCH,
+        loss=loss,
+        optimizer=OPTIMIZER,
+        ensemble=True,
+    )
+    # The weight matrices' shapes, a member axis first: (3, 5, 3) and (3, 4, 5).
+    weights = [a.shape for a in jax.tree.leaves(eqx.filter(members, eqx.is_array)) if a.ndim == 3]
+    shapes = {"f32[" + ",".join(map(str, s)) + "]" for s in weights}
+    kept = 3 * len(weights)  # each matrix, and Adam's two moments of it
+
+    def selects(body):
+        return sum(op == "select" and shape.split("{")[0] in shapes for shape, op, _ in body)
+
+    def reads_record(body):
+        reads = ("dynamic-slice", "gather")
+        return any(op in reads and WHOLE.search(args[0]) for _, op, args in body if args)
+
+    bodies = loop_bodies(plan.compiled.as_text())
+    steps = [body for body in bodies if any(op == "dot" for _, op, _ in body)]
+    assert any(selects(body) == kept and not reads_record(body) for body in steps)
+
+
+def test_members_stopped_apart_by_a_nan_record_and_train_as_each_alone():
+    """A row that makes the loss NaN, which each member's own shuffle puts at its own
+    step: each member stops there, mid-epoch, having recorded and trained as it would
+    alone, while the others train on (unmasked until the first stops, then masked).
+    """
+    x, y = arrays()
+    x[41, 0] = np.nan
+    members = eqx.filter_vmap(mlp)(jax.random.split(jax.random.key(0), 3))
+    kwargs = dict(loss=bce, optimizer=OPTIMIZER, epochs=2, batch_size=BATCH, on_nan="stop")
+    key = jax.random.key(2)
+    together = eqfit.fit(members, (x, y), key=key, ensemble=True, **kwargs)
+    stops = []
+    for i, k in enumerate(jax.random.split(key, 3)):
+        member = jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, members)
+        alone = eqfit.fit(member, (x, y), key=k, **kwargs)
+        losses = alone.history.step_loss.reshape(-1)
+        stops.append(int(np.flatnonzero(np.isnan(losses))[0]))  # its NaN step
+        mine = together.history.step_loss[..., i].reshape(-1)
+        np.testing.assert_allclose(mine[: stops[-1]], losses[: stops[-1]], rtol=1e-5)
+        assert np.isnan(mine[stops[-1] :]).all()  # nothing after it
+        trained = jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, together.model)
+        assert_trees_close(trained, alone.model)  # the last finite step's
+    assert len(set(stops)) == 3  # apart: each at its own step

@@ -30,8 +30,8 @@ from .._step._validation_steps import EveryNSteps
 from ._ahead import gathered_steps
 from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
+from ._members import some_member, steps_while
 from ._records import (
-    any_member,
     fresh_record,
     logs_of,
     masked,
@@ -374,7 +374,9 @@ class _Member:
                     return (state.step == remainder_step) & (state.step < limit) & running(state)
 
                 rows, size = batch_rows(passes.remainder), passes.remainder
-                state = self.steps_while(remainder_due, rows, state, False, step_key, size)
+                state = self.steps_while(
+                    remainder_due, rows, state, False, step_key, size, together=False
+                )
             if loop.validation is not None and loop.validation.streamed:
                 return state  # the host validates, then closes it (`close`)
             at_end = loop.val_steps.ends_epoch(lambda: state.step == epoch_end)
@@ -406,7 +408,7 @@ class _Member:
         step and for the member to be running.
         """
         if self.loop.members is not None:
-            more = _any_member(more)
+            more = some_member(more)
         return jax.lax.while_loop(more, body, state)
 
     def steps_while(
@@ -417,21 +419,21 @@ class _Member:
         full: bool,
         step_key: Key[Array, ""] | None,
         size: int,
+        together: bool = True,
     ) -> TrainState:
-        """Steps while `more(state)`, each on the `size` rows `rows(state)` gives (and their batch,
-        if taken ahead; else `None`). One model's steps leave their bookkeeping to the
-        stretch's end where they can (`_stretch`); in an ensemble, the steps run while any
-        member has more, each member's step masked by its own `more` (`while_loop`).
+        """Steps while `more(state)`, each on the `size` rows `rows(state)` gives (and their
+        batch, if taken ahead; else `None`). One model's steps leave their bookkeeping to
+        the stretch's end where they can (`_stretch`); in an ensemble, the steps run while
+        any member has more, masked where a member has none (`_members.steps_while`,
+        which steps them `together` unmasked first).
         """
 
         def step(state: TrainState, active: Bool[Array, ""] | None) -> TrainState:
             index, batch = rows(state)
             return self.step_at(state, index, full, step_key, active, batch)
 
-        if self.loop.members is not None:
-            return jax.lax.while_loop(_any_member(more), lambda s: step(s, more(s)), state)
-        if not waits(self.loop):
-            return jax.lax.while_loop(more, lambda s: step(s, None), state)
+        if self.loop.members is not None or not waits(self.loop):
+            return steps_while(self.loop.members, more, step, state, together)
 
         def waiting(state: TrainState) -> tuple[TrainState, StepEnd]:
             index, batch = rows(state)
@@ -638,13 +640,6 @@ class _Member:
             logs=logs,
             validations=state.validations,
         )
-
-
-def _any_member(
-    more: Callable[[TrainState], Bool[Array, ""]],
-) -> Callable[[TrainState], Bool[Array, ""]]:
-    """`more` of any member of an ensemble, the same for all: no member's own."""
-    return lambda state: any_member(more(state))
 
 
 def _when(

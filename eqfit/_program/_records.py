@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._step._step import StepResult
+from ._in_place import update_slice
 from ._loop import Loop
 from ._state import Steps, TrainState
 
@@ -36,13 +37,12 @@ def fresh_record(state: TrainState) -> TrainState:
 
 def put(record: Array, value: Any, *index: Any) -> Array:
     """`record.at[index].set(value)` as a dynamic update slice, not a scatter: XLA
-    compiles it in less time. The indices are in range by construction, so neither
-    negative ones nor clamping need handling.
+    compiles it in less time (in an ensemble's `vmap` too, `update_slice`). The indices
+    are in range by construction, so neither negative ones nor clamping need handling.
     """
     value = jnp.asarray(value, record.dtype)
     update = value.reshape((1,) * len(index) + value.shape)
-    start = (*index, *(0,) * value.ndim)
-    return jax.lax.dynamic_update_slice(record, update, start, allow_negative_indices=False)
+    return update_slice(record, update, *index, *(0,) * value.ndim)
 
 
 def put_cell(record: Array, value: Any, cell: Any, active: Bool[Array, ""] | None = None) -> Array:
