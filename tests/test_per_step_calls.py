@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import assert_trees_equal
 
 import eqfit
 
@@ -81,3 +82,27 @@ def test_per_step_calls_move_nothing_from_the_host_at_each_step(capfd):
     add = jax.jit(lambda a, b: a + b)
     ones = jnp.ones(3)
     assert transfers(capfd, lambda: add(ones, np.float32(1)).block_until_ready()) == 1
+
+
+def test_time_never_splits_the_steps_of_one_program_and_the_bits_never_hang_on_it():
+    # A program of 3 steps, epochs of 12: every step is computed once, in the one call of
+    # its 3 (a call of fewer would compute the program's other steps and drop them). The
+    # first fit's calls grow from one step, time sizing them (its speed unknown); the
+    # second's are sized by the first's speed: the same steps per call, the same bits.
+    computed = []
+
+    def counted(model, x, y):
+        jax.debug.callback(lambda: computed.append(1))
+        return with_aux(model, x, y)
+
+    x, y = problem(96)
+    fits = []
+    for _ in range(2):
+        computed.clear()
+        fit = eqfit.fit(
+            model(), (x, y), epochs=2, **settings(loss=counted, execution=eqfit.PerStep(3))
+        )
+        assert len(computed) == fit.history.step_loss.size == 2 * 12
+        fits.append(fit)
+    assert_trees_equal(fits[0].model, fits[1].model)
+    np.testing.assert_array_equal(fits[0].history.step_loss, fits[1].history.step_loss)

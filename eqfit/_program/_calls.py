@@ -76,6 +76,12 @@ class Program(abc.ABC):
         they stream (`Validation.streamed`).
         """
 
+    def snap(self, position: int, stop: int) -> int:
+        """Where a call from `position` that time (the drive's `CallSizer`) would end at
+        `stop` ends instead: `stop`, but where a program's steps must not be split.
+        """
+        return stop
+
     @abc.abstractmethod
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
         """Its compiled programs lowered for a call to `stop`, the one that runs most
@@ -362,13 +368,15 @@ class StepCalls(Program):
         # training within a few steps, as the host sees it between calls.
         in_flight: collections.deque[Array] = collections.deque()
         while True:
-            last, end = self.stretch(position, stop, inputs.piece is not None)
+            last, end, idle = self.stretch(position, stop, inputs.piece is not None)
             program, steps = (self.last, 1) if last else (self.full, self.unroll)
             # Each call's steps stop at `end` on the device as on the host.
             until = self.loop.placement.constant(CallEnd(np.int32(end), np.bool_(fresh)))
             while True:  # a call at least: one with nothing to do still reports
                 state, step = program(state, inputs, until)
-                reached = max(min(position + steps, end), position)
+                # The first call may begin inside the stretch: its first slots idle.
+                reached = max(min(position + steps - idle, end), position)
+                idle = 0
                 if reached >= end:
                     break
                 if fresh:  # only the drive's call's first begins its record afresh
@@ -405,21 +413,37 @@ class StepCalls(Program):
         until = self.loop.placement.constant(CallEnd(np.int32(0), np.bool_(False)))
         return self.closes.logged(state, inputs, self.report(state, inputs, until))
 
-    def stretch(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
-        """Whether the calls from `position` are of the pass's smaller last batch, and
-        where they end: at `stop`, the epoch's end, a validation's step, or the pass's
-        full batches' end (the last batch's call, one step on). No step before that end
-        ends an epoch or validates: the host has nothing to do between its calls.
+    def stretch(self, position: int, stop: int, streamed: bool) -> tuple[bool, int, int]:
+        """Whether the calls from `position` are of the pass's smaller last batch, where
+        they end (at `stop`, the epoch's end, a validation's step, or the pass's full
+        batches' end; the last batch's call, one step on), and the slots the first leaves
+        idle (`Loop.idle_slots`). No step before that end ends an epoch or validates: the
+        host has nothing to do between its calls.
         """
-        schedule, passes = self.loop.schedule, self.loop.schedule.passes
-        end = min(stop, self.loop.next_boundary(position))
+        loop, schedule, passes = self.loop, self.loop.schedule, self.loop.schedule.passes
+        end = min(stop, loop.next_boundary(position))
+        idle = loop.idle_slots(position, self.unroll)
         if streamed or passes is None:  # a piece's batches are all alike
-            return False, max(end, position)
+            return False, max(end, position), idle
         first = schedule.pass_start(schedule.pass_of(position))
         remainder = schedule.remainder_step(schedule.pass_of(position))
         if (remainder is not None and position == remainder) or not passes.num_full:
-            return True, max(min(position + 1, end), position)
-        return False, max(min(end, first + passes.num_full), position)
+            return True, max(min(position + 1, end), position), 0
+        return False, max(min(end, first + passes.num_full), position), idle
+
+    def snap(self, position: int, stop: int) -> int:
+        """Where a call of the drive's from `position` that time would end at `stop` ends:
+        where a call of the program begins at or before `stop` (or, if none is past
+        `position`, where the first call from `position` ends). The steps of one call
+        are never split between two by time: their bits might differ by an ulp.
+        """
+        if self.unroll == 1:
+            return stop
+        back = stop - self.loop.idle_slots(stop, self.unroll)
+        if back > position:
+            return back
+        _, end, idle = self.stretch(position, stop + self.unroll, False)
+        return max(min(position + self.unroll - idle, end), position)
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
         until = CallEnd(np.int32(stop), np.bool_(True))
