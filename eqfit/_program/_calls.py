@@ -332,12 +332,12 @@ def reported(loop: Loop, state: TrainState, inputs: Inputs, until: CallEnd) -> R
 
 
 class StepCalls(Program):
-    """`PerStep`'s: calls of `unrolled`, each of `unroll` steps or of a pass's
-    smaller last batch, dispatched one after the other with no wait between them; the
-    host follows the run's position by the schedule (a run that stops makes the calls
-    after it no-ops, and its report says where it stopped). At an epoch's end,
-    `EpochCloses`: calls of `unroll` batches of each set (or of its smaller last batch),
-    then one of `close`: validation runs as the steps do, with no loop around its batches.
+    """`PerStep`'s: calls of `unrolled`, each of `unroll` steps or of a pass's smaller
+    last batch, dispatched one after the other with no wait between them; the host
+    follows the run's position by the schedule (a run that stops makes the calls after
+    it no-ops, and its report says where it stopped). At an epoch's end, `EpochCloses`:
+    calls of `unroll` batches of each set (or of its smaller last batch), then one of
+    `close`: validation runs as the steps do, with no loop around its batches.
 
     The host's work a call is the call: the calls of a stretch (`stretch`) share their
     arguments from the host, put on the device once, and the report of the drive's call
