@@ -26,8 +26,9 @@ cost is what is measured, not the shuffle's). Cases, each against its own floor:
 - `updates`: the aux loss as `updates=[eqfit.Update("m", ...)]`; the floor as `aux`.
 - `bar`: the aux loss with `progress=True` (to `os.devnull`); the floor as `aux`.
 - `per_step`: the aux loss with `execution=eqfit.PerStep()`: a program of one step called
-  again and again. Its floor (the hand scan) is not the way it runs, so only its cost per
-  step against the length (flat) is read; it stops at `--per-step-epochs` (1,000 by
+  again and again. The hand scan is not the way it runs: its own floor is the usual loop
+  (`usual_run`), a `jax.jit` step called from Python for each batch, keeping each step's
+  loss and aux; both ratios are printed. It stops at `--per-step-epochs` (1,000 by
   default: 10,000 would take ten minutes a run on a CPU).
 
 Each case prints µs per step at each length, the ratio to its floor, and the longest
@@ -41,6 +42,7 @@ its resident memory with `eqfit.plan`'s figure.
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -201,6 +203,48 @@ def hand_run(
     return jax.jit(run)
 
 
+def usual_run(epochs: int, optimizer: Any, static: Any) -> Callable[..., Any]:
+    """`PerStep`'s floor, the usual loop: a `jax.jit` step of the aux loss called from
+    Python for each batch, its carry donated, the same unshuffled batches sliced on the
+    device by a step counter that the carry holds (so that no call moves anything from
+    the host), each step's loss and aux written in place into buffers of the run's
+    `(epochs, steps)`. `run(params, x, y)` returns the trained parameters and the two
+    buffers.
+    """
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(carry: Any, x: Any, y: Any) -> Any:
+        params, opt_state, t, losses, accs = carry
+        i = t % STEPS
+        xb = jax.lax.dynamic_slice_in_dim(x, i * BATCH, BATCH)
+        yb = jax.lax.dynamic_slice_in_dim(y, i * BATCH, BATCH)
+
+        def value(p: Any) -> Any:
+            return bce_aux(eqx.combine(p, static), xb, yb)
+
+        (loss, extra), grads = jax.value_and_grad(value, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        e = t // STEPS
+        losses = losses.at[e, i].set(loss)
+        accs = accs.at[e, i].set(extra["acc"])
+        return optax.apply_updates(params, updates), opt_state, t + 1, losses, accs
+
+    @jax.jit
+    def start(params: Any) -> Any:
+        zeros = jnp.zeros((epochs, STEPS), jnp.float32)
+        # Copies: the steps donate the carry, and `params` is used again.
+        copied = jax.tree.map(jnp.copy, params)
+        return copied, optimizer.init(params), jnp.int32(0), zeros, zeros
+
+    def run(params: Any, x: Any, y: Any) -> Any:
+        carry = start(params)
+        for _ in range(epochs * STEPS):
+            carry = step(carry, x, y)
+        return carry[0], carry[3], carry[4]
+
+    return run
+
+
 # -- eqfit's side.
 
 
@@ -303,6 +347,13 @@ def variants(case: str, epochs: int) -> dict[str, Callable[[], Any]]:
             told.told.clear()
 
         runs["told"] = hand_told
+    if case == "per_step":  # its own floor: the usual loop
+        loop = usual_run(epochs, optimizer, static)
+
+        def usual() -> None:
+            jax.block_until_ready(loop(params, *arrays[:2]))
+
+        runs["usual"] = usual
     return runs
 
 
@@ -323,17 +374,21 @@ def measure(cases: list[str], lengths: list[int], per_step: int, repeats: int) -
                 "hand_us": times["hand"] / steps * 1e6,
             }
             row["ratio"] = row["eqfit_us"] / row["hand_us"]
-            told = ""
+            extra = ""
             if "told" in times:  # the second floor (`log_every`'s)
                 row["told_us"] = times["told"] / steps * 1e6
                 row["told_ratio"] = row["eqfit_us"] / row["told_us"]
-                told = (
+                extra = (
                     f"; hand telling a callback {row['told_us']:7.2f}, "
                     f"ratio {row['told_ratio']:.3f}"
                 )
+            if "usual" in times:  # `per_step`'s own floor
+                row["usual_us"] = times["usual"] / steps * 1e6
+                row["usual_ratio"] = row["eqfit_us"] / row["usual_us"]
+                extra = f"; usual loop {row['usual_us']:7.2f}, ratio {row['usual_ratio']:.3f}"
             print(
                 f"{case:>16} {epochs:>6} epochs: eqfit {row['eqfit_us']:7.2f} us a step, "
-                f"hand {row['hand_us']:7.2f}, ratio {row['ratio']:.3f}{told}",
+                f"hand {row['hand_us']:7.2f}, ratio {row['ratio']:.3f}{extra}",
                 flush=True,
             )
             results.append(row)
@@ -341,20 +396,26 @@ def measure(cases: list[str], lengths: list[int], per_step: int, repeats: int) -
 
 
 def growth(results: list[dict], lengths: list[int]) -> list[list[str]]:
-    """Each case's row of the table: µs per step at each length, and the growth."""
+    """Each case's row of the table: µs per step at each length, and the growth;
+    `per_step`'s also against the usual loop (its own floor), in a row of its own.
+    """
     rows = []
     for case in dict.fromkeys(r["case"] for r in results):
         mine = [r for r in results if r["case"] == case]
         at = {r["epochs"]: r for r in mine}
-        cells = [
-            f"{at[e]['eqfit_us']:.2f} / {at[e]['hand_us']:.2f} ({at[e]['ratio']:.3f})"
-            if e in at
-            else "-"
-            for e in lengths
-        ]
-        grown = mine[-1]["eqfit_us"] / mine[0]["eqfit_us"]
-        worst = max(r["ratio"] for r in mine)
-        rows.append([case, *cells, f"{grown:.3f}", f"{worst:.3f}"])
+        floors = [("hand", "ratio", case)]
+        if "usual_us" in mine[0]:
+            floors.append(("usual", "usual_ratio", f"{case} (vs usual loop)"))
+        for floor, ratio, name in floors:
+            cells = [
+                f"{at[e]['eqfit_us']:.2f} / {at[e][floor + '_us']:.2f} ({at[e][ratio]:.3f})"
+                if e in at
+                else "-"
+                for e in lengths
+            ]
+            grown = mine[-1]["eqfit_us"] / mine[0]["eqfit_us"]
+            worst = max(r[ratio] for r in mine)
+            rows.append([name, *cells, f"{grown:.3f}", f"{worst:.3f}"])
     return rows
 
 
@@ -426,7 +487,7 @@ def main() -> None:
         args.epochs, args.repeats, args.per_step_epochs = [10, 100], 1, 10
     started, load = time.perf_counter(), load_average()
     results = measure(args.cases, args.epochs, args.per_step_epochs, args.repeats)
-    header = ["case", *(f"{e:,} epochs: eqfit / hand us (ratio)" for e in args.epochs)]
+    header = ["case", *(f"{e:,} epochs: eqfit / floor us (ratio)" for e in args.epochs)]
     print()
     print(table([*header, "longest / shortest", "worst ratio"], growth(results, args.epochs)))
     for line in told_lines(results):

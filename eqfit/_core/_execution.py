@@ -127,6 +127,8 @@ class PerStep(Execution):
     - `unroll`: the steps of each program (at least 1). More steps cost fewer calls and a
         longer compilation (the step is compiled `unroll` times over); a call never goes
         past an epoch's end or a pass's smaller last batch, which has a program of its own.
+        Which steps a call runs together is fixed by the run, never by its speed: the
+        bits do not hang on how fast it ran.
     """
 
     unroll: int = eqx.field(default=1, converter=as_int)

@@ -85,9 +85,12 @@ class CallSizer:
         # Over a whole earlier run: its last call may have missed the epochs that cost more.
         self.known_mean = PROGRAM_CACHE.fact(program_key(loop), "mean_seconds_per_step")
 
-    def stop(self, position: int, end: int, mean: float | None) -> int:
+    def stop(
+        self, position: int, end: int, mean: float | None, snap: Callable[[int, int], int]
+    ) -> int:
         """Where the call from `position` stops, in a feed that ends at `end`; `mean`:
-        this run's mean seconds per step so far, if known.
+        this run's mean seconds per step so far, if known; `snap`: the program's
+        (`Program.snap`), where a stop that time chooses moves to.
         """
         schedule = self.loop.schedule
         stop = schedule.call_stop(position, self.steps, at_epoch_ends=True)
@@ -96,6 +99,7 @@ class CallSizer:
         speed = max(mean or 0.0, self.known_mean or 0.0)
         if schedule.steps_per_epoch * speed >= SECONDS_PER_TIMED_EPOCH:
             stop = min(stop, schedule.next_epoch_end(position))  # timed by itself
+        stop = snap(position, stop)
         for observer in self.observers:
             boundary = observer.boundary(position)
             if boundary is not None:
@@ -381,7 +385,11 @@ class Drive:
         returns whether training goes on in this feed.
         """
         interrupt, reader = self.interrupt, self.reader
-        stop = self.sizer.stop(self.position, feed.end, reader.clock.mean())
+        if feed.batch_size not in self.programs:
+            piece_loop = dataclasses.replace(self.loop, last_batch=feed.batch_size)
+            self.programs[feed.batch_size] = self.program(piece_loop)
+        call = self.programs[feed.batch_size]
+        stop = self.sizer.stop(self.position, feed.end, reader.clock.mean(), call.snap)
         if self.several:  # one call of every process, or none
             stop, name = _agree(stop, interrupt.signal)
             if name is not None:  # by what was gathered, not by a later signal
@@ -389,10 +397,6 @@ class Drive:
                 interrupt.stopping = True
                 if self.report is not None:
                     return False
-        if feed.batch_size not in self.programs:
-            piece_loop = dataclasses.replace(self.loop, last_batch=feed.batch_size)
-            self.programs[feed.batch_size] = self.program(piece_loop)
-        call = self.programs[feed.batch_size]
         if self.current is None:  # traced while `start` compiles
             assert self.starting is not None
             self.current = self.starting.ready(call, feed.inputs, stop)

@@ -31,7 +31,8 @@ class Memory(NamedTuple):
 
     - `argument`: the program's inputs (the training state, the data, the keys);
         [`eqfit.ArgumentBytes`][] (`Plan.arguments`) splits them by what they are.
-    - `output`: its outputs (the next training state and the report).
+    - `output`: its outputs (the next training state and the report; `PerStep`'s
+        program's, the state and the step it reached, its report made apart).
     - `alias`: outputs written in the place of donated inputs, counted in both above.
     - `temporary`: the working memory of the program (activations, gradients, ...).
     - `code`: the compiled code, where the device reports it.

@@ -11,13 +11,20 @@ from typing import Any, cast
 
 import jax
 import numpy as np
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, Int, PyTree
 
 from .._core._data import batch_calls
 from .._step._labels import LabelError
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
-from ._program import close, logs, run, unrolled, validation_batches, validation_chunk
+from ._program import (
+    close,
+    logs,
+    run,
+    unrolled as reporting_unrolled,
+    validation_batches,
+    validation_chunk,
+)
 from ._state import (
     CallEnd,
     Inputs,
@@ -69,6 +76,12 @@ class Program(abc.ABC):
         they stream (`Validation.streamed`).
         """
 
+    def snap(self, position: int, stop: int) -> int:
+        """Where a call from `position` that time (the drive's `CallSizer`) would end at
+        `stop` ends instead: `stop`, but where a program's steps must not be split.
+        """
+        return stop
+
     @abc.abstractmethod
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
         """Its compiled programs lowered for a call to `stop`, the one that runs most
@@ -111,7 +124,8 @@ class WholeRunCalls(Program):
             state, report = self.compiled(state, inputs, np.int32(reached))
             stopped = False
             if reached > position and self.closes.due(reached):
-                stopped = self.closes.stopped(report)  # the set is read only for a running run
+                # The set is read only for a running run.
+                stopped = self.closes.stopped(report.reason)
                 state, report = self.closes(state, inputs, reached, None if stopped else validation)
             signalled = stopping is not None and stopping()  # a signal: stop at an epoch end
             if reached >= stop or reached == position or stopped or signalled:
@@ -146,16 +160,16 @@ class EpochCloses:
         """
         return self.loop.schedule.is_epoch_end(position) or self.loop.validates_at(position)
 
-    def stopped(self, report: Report) -> bool:
-        """Whether the run (every member) stopped by the call that made `report`: read
-        where the validation sets stream, whose reading syncs with the device anyway,
-        so that a stopped run reads none of them.
+    def stopped(self, reason: Int[Array, "*members"]) -> bool:
+        """Whether the run (every member) has stopped, by its `reason` (a report's, or a
+        state's): read where the validation sets stream, whose reading syncs with the
+        device anyway, so that a stopped run reads none of them.
         """
         validation = self.loop.validation
         if validation is None or not validation.streamed:
             return False
-        reason = np.asarray(self.loop.placement.host(report.reason))
-        return bool((reason != Stop.RUNNING).all())
+        read = np.asarray(self.loop.placement.host(reason))
+        return bool((read != Stop.RUNNING).all())
 
     def logged(self, state: TrainState, inputs: Inputs, report: Report) -> Report:
         """`report` with the n-th steps' values (`log_every`), at a drive's call's end."""
@@ -298,6 +312,25 @@ class EpochCloses:
 AHEAD = 2
 
 
+def unrolled(
+    loop: Loop, unroll: int, remainder: bool, state: TrainState, inputs: Inputs, until: CallEnd
+) -> tuple[TrainState, Int[Array, "*members"]]:
+    """`_program.unrolled`'s state, and the position it reached (a copy, which the host
+    may wait on once the state is donated to the next call), with no report: a report
+    copies the run's table of epochs (and validations) at each call, where the host reads
+    one a call of the drive's (`reported`).
+    """
+    state, report = reporting_unrolled(loop, unroll, remainder, state, inputs, until)
+    return state, report.step
+
+
+def reported(loop: Loop, state: TrainState, inputs: Inputs, until: CallEnd) -> Report:
+    """The report of `state`, as the call of `_program.unrolled` that made it reports
+    (one of no step), for the host to read once later calls have the state.
+    """
+    return reporting_unrolled(loop, 0, False, state, inputs, until)[1]
+
+
 class StepCalls(Program):
     """`PerStep`'s: calls of `unrolled`, each of `unroll` steps or of a pass's smaller
     last batch, dispatched one after the other with no wait between them; the host
@@ -305,6 +338,10 @@ class StepCalls(Program):
     it no-ops, and its report says where it stopped). At an epoch's end, `EpochCloses`:
     calls of `unroll` batches of each set (or of its smaller last batch), then one of
     `close`: validation runs as the steps do, with no loop around its batches.
+
+    The host's work a call is the call: the calls of a stretch (`stretch`) share their
+    arguments from the host, put on the device once, and the report of the drive's call
+    is made once, at its end.
     """
 
     def __init__(self, loop: Loop, unroll: int):
@@ -312,6 +349,7 @@ class StepCalls(Program):
         compile = functools.partial(loop.placement.compile, options=loop.compiler_options)
         self.full: Any = compile(functools.partial(unrolled, loop, unroll, False), (0,))
         self.last: Any = compile(functools.partial(unrolled, loop, 1, True), (0,))
+        self.report: Any = loop.placement.compile(functools.partial(reported, loop))
         self.closes = EpochCloses(loop)
 
     def __call__(
@@ -330,37 +368,82 @@ class StepCalls(Program):
         # training within a few steps, as the host sees it between calls.
         in_flight: collections.deque[Array] = collections.deque()
         while True:
-            last, reached = self.next_call(position, stop, inputs.piece is not None)
-            until = CallEnd(np.int32(reached), np.bool_(fresh))
-            state, report = (self.last if last else self.full)(state, inputs, until)
-            fresh = False
+            last, end, idle = self.stretch(position, stop, inputs.piece is not None)
+            program, steps = (self.last, 1) if last else (self.full, self.unroll)
+            # Each call's steps stop at `end` on the device as on the host.
+            until = self.loop.placement.constant(CallEnd(np.int32(end), np.bool_(fresh)))
+            while True:  # a call at least: one with nothing to do still reports
+                state, step = program(state, inputs, until)
+                # The first call may begin inside the stretch: its first slots idle.
+                reached = max(min(position + steps - idle, end), position)
+                idle = 0
+                if reached >= end:
+                    break
+                if fresh:  # only the drive's call's first begins its record afresh
+                    until = self.loop.placement.constant(CallEnd(np.int32(end), np.bool_(False)))
+                    fresh = False
+                position = self.sent(in_flight, step, reached)
+                if stopping is not None and stopping():
+                    return state, self.reporting(state, inputs), position
+            fresh, report = False, None
             if reached > position and self.closes.due(reached):
-                read = None if self.closes.stopped(report) else validation
+                read = None if self.closes.stopped(state.reason) else validation
                 state, report = self.closes(state, inputs, reached, read)
             if reached >= stop or reached == position:
-                return state, self.closes.logged(state, inputs, report), reached
-            position = reached
-            in_flight.append(report.step)
-            if len(in_flight) > AHEAD:
-                in_flight.popleft().block_until_ready()
+                return state, self.reporting(state, inputs, report), reached
+            position = self.sent(in_flight, step if report is None else report.step, reached)
             if stopping is not None and stopping():
-                return state, self.closes.logged(state, inputs, report), position
+                return state, self.reporting(state, inputs, report), position
 
-    def next_call(self, position: int, stop: int, streamed: bool) -> tuple[bool, int]:
-        """Whether the call from `position` is the pass's smaller last batch's, and the
-        position it reaches: `unroll` steps on, or at `stop`, the epoch's end or the
-        pass's full batches' end if sooner.
+    def sent(self, in_flight: collections.deque[Array], step: Array, reached: int) -> int:
+        """Keeps at most `AHEAD` calls in flight, `step` the newest's (it waits only
+        where the device is behind the host); returns `reached`.
         """
-        schedule, passes = self.loop.schedule, self.loop.schedule.passes
-        end = min(stop, self.loop.next_boundary(position))
+        in_flight.append(step)
+        if len(in_flight) > AHEAD:
+            in_flight.popleft().block_until_ready()
+        return reached
+
+    def reporting(self, state: TrainState, inputs: Inputs, report: Report | None = None) -> Report:
+        """The report of the drive's call that ends at `state`: `close`'s, if the call
+        ended at one (`report`), or else made from `state`; with its n-th steps' values.
+        """
+        if report is not None:
+            return self.closes.logged(state, inputs, report)
+        until = self.loop.placement.constant(CallEnd(np.int32(0), np.bool_(False)))
+        return self.closes.logged(state, inputs, self.report(state, inputs, until))
+
+    def stretch(self, position: int, stop: int, streamed: bool) -> tuple[bool, int, int]:
+        """Whether the calls from `position` are of the pass's smaller last batch, where
+        they end (at `stop`, the epoch's end, a validation's step, or the pass's full
+        batches' end; the last batch's call, one step on), and the slots the first leaves
+        idle (`Loop.idle_slots`). No step before that end ends an epoch or validates: the
+        host has nothing to do between its calls.
+        """
+        loop, schedule, passes = self.loop, self.loop.schedule, self.loop.schedule.passes
+        end = min(stop, loop.next_boundary(position))
+        idle = loop.idle_slots(position, self.unroll)
         if streamed or passes is None:  # a piece's batches are all alike
-            return False, max(min(position + self.unroll, end), position)
+            return False, max(end, position), idle
         first = schedule.pass_start(schedule.pass_of(position))
         remainder = schedule.remainder_step(schedule.pass_of(position))
         if (remainder is not None and position == remainder) or not passes.num_full:
-            return True, max(min(position + 1, end), position)
-        end = min(end, first + passes.num_full)
-        return False, max(min(position + self.unroll, end), position)
+            return True, max(min(position + 1, end), position), 0
+        return False, max(min(end, first + passes.num_full), position), idle
+
+    def snap(self, position: int, stop: int) -> int:
+        """Where a call of the drive's from `position` that time would end at `stop` ends:
+        where a call of the program begins at or before `stop` (or, if none is past
+        `position`, where the first call from `position` ends). The steps of one call
+        are never split between two by time: their bits might differ by an ulp.
+        """
+        if self.unroll == 1:
+            return stop
+        back = stop - self.loop.idle_slots(stop, self.unroll)
+        if back > position:
+            return back
+        _, end, idle = self.stretch(position, stop + self.unroll, False)
+        return max(min(position + self.unroll - idle, end), position)
 
     def lower(self, state: PyTree, inputs: Inputs, stop: int) -> list[Any]:
         until = CallEnd(np.int32(stop), np.bool_(True))

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -104,6 +105,33 @@ class Loop:
         """
         end = self.schedule.next_epoch_end(position)
         return self.val_steps.next_boundary(self.schedule, position, end)
+
+    def idle_slots(self, position: Any, unroll: int) -> Any:
+        """How many of a `PerStep(unroll)` program's first slots a call from `position`
+        (an int, or traced) leaves idle, so that each step runs in the slot it has in
+        calls from where its stretch of steps began: its epoch's start, a validation's
+        step (`validation_every`), or its pass's start, whichever is latest. XLA may
+        compile the written-out steps apart, a few ulps from each other: where the host
+        begins a call (a checkpoint's step, a chunk's) then moves no other step's slot.
+        """
+        schedule = self.schedule
+        start = schedule.epochs_ended(position) * schedule.steps_per_epoch
+        start = self.val_steps.last_boundary(schedule, position, start)
+        traced = isinstance(position, jax.Array)
+        if schedule.passes is not None:
+            first = schedule.pass_start(schedule.pass_of(position))
+            start = jnp.maximum(start, first) if traced else max(start, first)
+        if traced:
+            return jax.lax.rem(position - start, jnp.asarray(unroll, position.dtype))
+        return (position - start) % unroll
+
+    def in_slot(self, active: Any, slot: int, position: Any, unroll: int) -> Any:
+        """`active`, where slot `slot` of a `PerStep(unroll)` program's call from
+        `position` (traced) is not left idle (`idle_slots`).
+        """
+        if unroll == 1:
+            return active
+        return active & (slot >= self.idle_slots(position, unroll))
 
     def validates_at(self, position: int) -> bool:
         """Whether `validation_every` validates at `position` (never without it)."""

@@ -75,6 +75,12 @@ class OneDevice:
     def get(self, tree: PyTree) -> PyTree:
         return tree
 
+    def constant(self, tree: PyTree) -> PyTree:
+        """`tree`'s values from the host (numpy scalars), placed once as an argument that
+        the programs do not map over, so that calls given it again move nothing.
+        """
+        return jax.device_put(tree)
+
     def start_inputs(self, tree: PyTree, trains: tuple[bool, ...]) -> PyTree:
         """The arguments of the program that makes the training state, placed for it:
         `(params, ...)`, `params` the model's arrays for which `trains` is true.
@@ -138,6 +144,9 @@ class Pmap:
     def get(self, tree: PyTree) -> PyTree:
         arrays, rest = eqx.partition(tree, eqx.is_array)
         return eqx.combine(_first_replica(arrays), rest)
+
+    def constant(self, tree: PyTree) -> PyTree:
+        return tree  # `pmap` sends an argument it does not map to every device at each call
 
     def start_inputs(self, tree: PyTree, trains: tuple[bool, ...]) -> PyTree:
         del trains
@@ -224,6 +233,9 @@ class Sharded:
 
     def get(self, tree: PyTree) -> PyTree:
         return tree
+
+    def constant(self, tree: PyTree) -> PyTree:
+        return self.put(tree)  # replicated
 
     def start_inputs(self, tree: PyTree, trains: tuple[bool, ...]) -> PyTree:
         # With `shard=`, the program that makes the state lays it out over the mesh, so

@@ -244,10 +244,10 @@ class _Member:
     def unrolled(
         self, state: TrainState, until: CallEnd, unroll: int, remainder: bool
     ) -> tuple[TrainState, Report]:
-        """`PerStep`'s program: `unroll` steps written out (each a no-op once the run
-        has reached `until.stop`, the epoch's end (or a validation's step), or the pass's
-        full batches' end, or has stopped). With `remainder`, one step: the pass's
-        smaller last batch, if the state is at it.
+        """`PerStep`'s program: `unroll` steps written out (each a no-op in a slot left
+        idle, or once the run has reached `until.stop`, the epoch's end (or a validation's
+        step), the pass's full batches' end, or has stopped). With `remainder`, one step:
+        the pass's smaller last batch, if the state is at it.
         """
         loop, schedule = self.loop, self.loop.schedule
         if schedule.learning:  # each call of the drive's steps are recorded afresh
@@ -283,11 +283,11 @@ class _Member:
                 positions = start + jnp.arange(size, dtype=jnp.uint32)
                 return order_at(seed, index, passes.num_samples, loop.shuffle, positions)
 
-        for _ in range(unroll):
+        for slot in range(unroll):
             # Straight-line code, no loop and no `cond` around the step (XLA compiles a
-            # convolution in either worse): a step past the end is computed and dropped,
-            # on rows in range (`safe`'s).
-            active = (state.step < end) & running(state)
+            # convolution in either worse): a step past the end or in an idle slot
+            # (`Loop.in_slot`) is computed and dropped, on rows in range (`safe`'s).
+            active = loop.in_slot((state.step < end) & running(state), slot, begin, unroll)
             if remainder:
                 active = active & (state.step == safe)
             t = jnp.where(active, state.step, safe)

@@ -76,6 +76,12 @@ class StepValidation(eqx.Module):
         """
 
     @abc.abstractmethod
+    def last_boundary(self, schedule: ScheduleLike, position: Any, start: Any) -> Any:
+        """Where the stretch of steps that `position` is in began: `start` (the epoch's),
+        or the last validation's step at or before `position` if later.
+        """
+
+    @abc.abstractmethod
     def ends_epoch(self, is_end: Callable[[], Any]) -> Any:
         """Whether a stretch's end is an epoch's: always (`True`, no test in the program)
         where none stops elsewhere; else `is_end()`.
@@ -167,6 +173,9 @@ class AtEpochEnds(StepValidation):
     def next_boundary(self, schedule: ScheduleLike, position: Any, end: Any) -> Any:
         return end
 
+    def last_boundary(self, schedule: ScheduleLike, position: Any, start: Any) -> Any:
+        return start
+
     def ends_epoch(self, is_end: Callable[[], Any]) -> Any:
         return True
 
@@ -237,6 +246,12 @@ class EveryNSteps(StepValidation):
         if isinstance(position, jax.Array):
             return jnp.minimum(end, validation)
         return min(end, validation)
+
+    def last_boundary(self, schedule: ScheduleLike, position: Any, start: Any) -> Any:
+        validation = schedule.multiples(position, self.n) * self.n
+        if isinstance(position, jax.Array):
+            return jnp.maximum(start, validation)
+        return max(start, validation)
 
     def ends_epoch(self, is_end: Callable[[], Any]) -> Any:
         return is_end()
