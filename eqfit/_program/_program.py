@@ -472,7 +472,7 @@ class _Member:
         reason, label_error = state.reason, state.label_error
         why: Any = Stop.NON_FINITE_LOSS
         if out.labels is not None:  # the loss or the metrics check labels
-            label_error = label_error.or_else(out.labels._replace(step=jnp.asarray(t, jnp.int32)))
+            label_error = label_error.or_else(out.labels.at_step(t))
             why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
         if loop.step.on_nan != "skip":
             reason = jnp.where(out.finite, reason, why)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int, Shaped
 
 
 # The ready functions that check labels, by number (the number is what the program
@@ -37,41 +37,68 @@ CHECKERS = (
     # metrax's metrics whose predictions are probabilities (`check_probabilities`).
     *(f"Metrax({name})" for name in ("AUCROC", "AUCPR", "Precision", "Recall", "FBetaScore")),
 )
-# `LabelError.classes` of a check of labels in [0, 1], and of predictions in [0, 1].
+# `LabelError`'s `classes` of a check of labels in [0, 1], and of predictions in [0, 1].
 _BINARY, _PROBABILITIES = -1, -2
 _DIMS = 4  # where in a batch the label was: up to this many indices
+# The entries of `LabelError.code`: whether a bad label was found; the checker's index in
+# `CHECKERS`; its classes (`_BINARY`, `_PROBABILITIES`); the label's float32 bits; where
+# it was (`_DIMS` entries: its index in the flattened batch, then the batch's shape, -1
+# past its rank); the global step (-1: evaluation; -2 - i: validation set i, `in_set`).
+_FOUND, _CHECKER, _CLASSES, _LABEL, _WHERE = range(5)
+_STEP = _WHERE + _DIMS
+_WIDTH = _STEP + 1
 
 
 class LabelError(NamedTuple):
-    """The first label out of range that a program met, as device values."""
+    """The first label out of range that a program met, as device values: one int32
+    array (its entries above), so that keeping the first found, in a loop's carry at each
+    step, is one select, where an array for each entry would be a select each.
+    """
 
-    found: Bool[Array, "*members"]
-    checker: Int[Array, "*members"]  # its index in `CHECKERS`
-    classes: Int[Array, "*members"]  # -1: binary labels, in [0, 1]; -2: probabilities
-    label: Float[Array, "*members"]
-    # The label's index in the flattened batch, then the batch's shape (-1 past its rank).
-    where: Int[Array, "*members 4"]
-    # The global step; -1: evaluation; -2 - i: validation set i (`in_set`).
-    step: Int[Array, "*members"]
+    code: Int[Array, "*members 9"]
+
+    @staticmethod
+    def of(
+        found: Bool[Array, ""],
+        checker: int,
+        classes: int,
+        label: Shaped[Array, ""],
+        where: Int[Array, "4"],
+        step: int,
+    ) -> "LabelError":
+        """The check of one batch, packed: `label` as its float32 bits."""
+        entries = (found.astype(jnp.int32), checker, classes)
+        first = jnp.stack([jnp.asarray(e, jnp.int32) for e in entries])
+        bits = jax.lax.bitcast_convert_type(label.astype(jnp.float32), jnp.int32)
+        step_ = jnp.asarray(step, jnp.int32)
+        return LabelError(jnp.concatenate([first, bits[None], where, step_[None]]))
 
     @staticmethod
     def none() -> "LabelError":
-        return LabelError(
-            jnp.asarray(False),
-            jnp.asarray(0, jnp.int32),
-            jnp.asarray(0, jnp.int32),
-            jnp.asarray(0.0, jnp.float32),
-            jnp.full((_DIMS,), -1, jnp.int32),
-            jnp.asarray(-1, jnp.int32),
-        )
+        where = jnp.full((_DIMS,), -1, jnp.int32)
+        return LabelError.of(jnp.asarray(False), 0, 0, jnp.asarray(0.0), where, -1)
+
+    @property
+    def found(self) -> Bool[Array, "*members"]:
+        return self.code[..., _FOUND] != 0
+
+    def at_step(self, step: Int[Array, "*members"] | int) -> "LabelError":
+        """This one, met at `step` (found or not)."""
+        step_ = jnp.broadcast_to(jnp.asarray(step, jnp.int32), self.code.shape[:-1])
+        return LabelError(jnp.concatenate([self.code[..., :_STEP], step_[..., None]], -1))
 
     def in_set(self, i: int) -> "LabelError":
         """This one, met in validation set `i` (found or not)."""
-        return self._replace(step=jnp.full_like(self.step, -2 - i))
+        return self.at_step(-2 - i)
+
+    def found_only_where(self, keep: Bool[Array, "*members"]) -> "LabelError":
+        """This one, found only where `keep` too."""
+        found = (self.found & keep).astype(jnp.int32)[..., None]
+        return LabelError(jnp.concatenate([found, self.code[..., _CHECKER:]], -1))
 
     def or_else(self, other: "LabelError") -> "LabelError":
         """This one if it found a bad label, else `other`: the first found is kept."""
-        return jax.tree.map(lambda a, b: jnp.where(self.found, a, b), self, other)
+        return LabelError(jnp.where(self.found[..., None], self.code, other.code))
 
 
 _COLLECTOR: contextvars.ContextVar[list[LabelError] | None] = contextvars.ContextVar(
@@ -149,16 +176,8 @@ def _checked(values: Array, y: Array, classes: int, name: str) -> Array:
     # batch from them, which keeps the program small.
     shape = list(y.shape[: _DIMS - 1]) + [-1] * (_DIMS - 1 - min(y.ndim, _DIMS - 1))
     where = jnp.concatenate([flat[None].astype(jnp.int32), jnp.asarray(shape, jnp.int32)])
-    found.append(
-        LabelError(
-            found=any_bad,
-            checker=jnp.asarray(CHECKERS.index(name), jnp.int32),
-            classes=jnp.asarray(classes, jnp.int32),
-            label=y.reshape(-1)[flat].astype(jnp.float32),
-            where=where,
-            step=jnp.asarray(-1, jnp.int32),
-        )
-    )
+    checker, label = CHECKERS.index(name), y.reshape(-1)[flat]
+    found.append(LabelError.of(any_bad, checker, classes, label, where, -1))
     # NaN values: the step's loss is not finite, so its update is not applied.
     return jnp.where(any_bad, jnp.nan, values)
 
@@ -188,15 +207,15 @@ def raise_found(error: Any, ensemble: bool = False, sets: tuple[str, ...] | None
     """Raises the `ValueError` for a `LabelError` read back to the host, if it found one
     (`sets`: the names of the validation sets, where they are named).
     """
-    found = np.asarray(error.found).reshape(-1)
+    codes = np.asarray(error.code, np.int32).reshape(-1, _WIDTH)
+    found = codes[:, _FOUND] != 0
     if not found.any():
         return
     i = int(np.argmax(found))
-    checker, classes, label, step = (
-        np.asarray(x).reshape(-1)[i]
-        for x in (error.checker, error.classes, error.label, error.step)
-    )
-    flat, *dims = np.asarray(error.where).reshape(-1, _DIMS)[i].tolist()
+    code = codes[i]
+    checker, classes, step = code[_CHECKER], code[_CLASSES], code[_STEP]
+    label = code[_LABEL : _LABEL + 1].view(np.float32)[0]
+    flat, *dims = code[_WHERE:_STEP].tolist()
     where = tuple(int(w) for w in np.unravel_index(flat, [d for d in dims if d >= 0]))
     # Class labels are integers; binary ones may be probabilities.
     value = int(label) if int(classes) > 0 else float(label)
