@@ -151,11 +151,37 @@ def check_probabilities(predictions: Array, name: str) -> Array:
     return _checked(predictions, predictions, _PROBABILITIES, name)
 
 
+def check_counted(values: Array, y: Array, classes: int | None, name: str) -> Bool[Array, ""]:
+    """Whether counts made of `values` (logits or outputs) and the labels `y` are spoilt:
+    a label out of range (checked and reported as `check_labels` does) or a NaN among
+    `values`, either making them NaN. In a program, one reduction over the batch finds
+    both, where `check_labels` and a NaN check after it take two, one waiting on the other.
+    """
+    code = _BINARY if classes is None else classes
+    found = _COLLECTOR.get()
+    if found is None or not isinstance(y, Tracer) or values.shape[: y.ndim] != y.shape:
+        return jnp.any(jnp.isnan(_checked(values, y, code, name)))
+    bad, size = _bad(y, code), max(y.size, 1)
+    # Per value: its label's flat index where that label is bad, else `size` where the
+    # value is NaN, else `size + 1`; the least of them tells all.
+    extra = (None,) * (values.ndim - y.ndim)  # a logit per class after the label's axes
+    index = jnp.arange(y.size, dtype=jnp.int32).reshape(y.shape)[(..., *extra)]
+    key = jnp.where(bad[(..., *extra)], index, jnp.where(jnp.isnan(values), size, size + 1))
+    least = jnp.min(key)
+    _report(found, least, y, code, name)
+    return least <= size
+
+
+def _bad(y: Array, classes: int) -> Array:
+    """Where `y` is outside `[0, classes)`, or `[0, 1]` for `_BINARY` and `_PROBABILITIES`."""
+    return (y < 0) | (y >= classes) if classes > 0 else (y < 0) | (y > 1)
+
+
 def _checked(values: Array, y: Array, classes: int, name: str) -> Array:
     """`check_labels`' and `check_probabilities`' check of `y`: `classes` the number of
     classes, or `_BINARY` or `_PROBABILITIES` for values in `[0, 1]`.
     """
-    bad = (y < 0) | (y >= classes) if classes > 0 else (y < 0) | (y > 1)
+    bad = _bad(y, classes)
     if not isinstance(y, Tracer):  # called directly, not in a program: raise now
         if bool(jnp.any(bad)):
             y_, bad_ = np.asarray(y), np.asarray(bad)
@@ -170,16 +196,27 @@ def _checked(values: Array, y: Array, classes: int, name: str) -> Array:
     # which XLA compiles faster than `argmax` and `any` together.
     size = max(bad.size, 1)
     flat = jnp.min(jnp.where(bad.reshape(-1), jnp.arange(bad.size, dtype=jnp.int32), size))
-    any_bad = flat < size
-    flat = jnp.minimum(flat, size - 1)
+    any_bad = _report(found, flat, y, classes, name)
+    # NaN values: the step's loss is not finite, so its update is not applied.
+    return jnp.where(any_bad, jnp.nan, values)
+
+
+def _report(
+    found: list[LabelError], least: Int[Array, ""], y: Array, classes: int, name: str
+) -> Bool[Array, ""]:
+    """Appends to `found` the check of `y` whose first bad label's flat index is `least`
+    (`y.size` or more where none is bad); returns whether one is.
+    """
+    size = max(y.size, 1)
+    any_bad = least < size
+    flat = jnp.minimum(least, size - 1)
     # The flat index and the batch's shape (constants): the host finds the index in the
     # batch from them, which keeps the program small.
     shape = list(y.shape[: _DIMS - 1]) + [-1] * (_DIMS - 1 - min(y.ndim, _DIMS - 1))
     where = jnp.concatenate([flat[None].astype(jnp.int32), jnp.asarray(shape, jnp.int32)])
     checker, label = CHECKERS.index(name), y.reshape(-1)[flat]
     found.append(LabelError.of(any_bad, checker, classes, label, where, -1))
-    # NaN values: the step's loss is not finite, so its update is not applied.
-    return jnp.where(any_bad, jnp.nan, values)
+    return any_bad
 
 
 def _why(classes: int, name: str) -> str:
