@@ -98,7 +98,10 @@ class LabelError(NamedTuple):
 
     def or_else(self, other: "LabelError") -> "LabelError":
         """This one if it found a bad label, else `other`: the first found is kept."""
-        return LabelError(jnp.where(self.found[..., None], self.code, other.code))
+        found = self.found | other.found
+        rest = jnp.where(self.found[..., None], self.code[..., 1:], other.code[..., 1:])
+        # Whether found, apart: XLA reads it back (the step's) without making the codes.
+        return LabelError(jnp.concatenate([found.astype(jnp.int32)[..., None], rest], -1))
 
 
 _COLLECTOR: contextvars.ContextVar[list[LabelError] | None] = contextvars.ContextVar(
