@@ -40,19 +40,23 @@ CHECKERS = (
 # `LabelError`'s `classes` of a check of labels in [0, 1], and of predictions in [0, 1].
 _BINARY, _PROBABILITIES = -1, -2
 _DIMS = 4  # where in a batch the label was: up to this many indices
-# The entries of `LabelError.code`: whether a bad label was found; the checker's index in
-# `CHECKERS`; its classes (`_BINARY`, `_PROBABILITIES`); the label's float32 bits; where
+# The entries of `LabelError.code`: whether a bad label was found (1); the checker's index
+# in `CHECKERS`; its classes (`_BINARY`, `_PROBABILITIES`); the label's float32 bits; where
 # it was (`_DIMS` entries: its index in the flattened batch, then the batch's shape, -1
 # past its rank); the global step (-1: evaluation; -2 - i: validation set i, `in_set`).
 _FOUND, _CHECKER, _CLASSES, _LABEL, _WHERE = range(5)
 _STEP = _WHERE + _DIMS
 _WIDTH = _STEP + 1
+# Every entry of a check that found nothing; none of one that found a label (its bits
+# would be -0.0's, which is in range).
+_NONE = int(np.iinfo(np.int32).min)
 
 
 class LabelError(NamedTuple):
     """The first label out of range that a program met, as device values: one int32
-    array (its entries above), so that keeping the first found, in a loop's carry at each
-    step, is one select, where an array for each entry would be a select each.
+    array (its entries above), all `_NONE` where none was found. Keeping the first found,
+    in a loop's carry at each step, is then a select of entry by entry, which XLA makes
+    in place, where an array for each entry was a select (a kernel) each.
     """
 
     code: Int[Array, "*members 9"]
@@ -67,41 +71,47 @@ class LabelError(NamedTuple):
         step: int,
     ) -> "LabelError":
         """The check of one batch, packed: `label` as its float32 bits."""
-        entries = (found.astype(jnp.int32), checker, classes)
-        first = jnp.stack([jnp.asarray(e, jnp.int32) for e in entries])
         bits = jax.lax.bitcast_convert_type(label.astype(jnp.float32), jnp.int32)
         step_ = jnp.asarray(step, jnp.int32)
-        return LabelError(jnp.concatenate([first, bits[None], where, step_[None]]))
+        kind = jnp.asarray([checker, classes], jnp.int32)
+        rest = jnp.concatenate([kind, bits[None], where, step_[None]])
+        # `found` first and apart: XLA reads it back (the step's) without making the rest.
+        first = jnp.where(found, 1, _NONE).astype(jnp.int32)[None]
+        return LabelError(jnp.concatenate([first, jnp.where(found, rest, _NONE)]))
 
     @staticmethod
     def none() -> "LabelError":
-        where = jnp.full((_DIMS,), -1, jnp.int32)
-        return LabelError.of(jnp.asarray(False), 0, 0, jnp.asarray(0.0), where, -1)
+        return LabelError(jnp.full((_WIDTH,), _NONE, jnp.int32))
 
     @property
     def found(self) -> Bool[Array, "*members"]:
-        return self.code[..., _FOUND] != 0
+        return self.code[..., _FOUND] != _NONE
 
     def at_step(self, step: Int[Array, "*members"] | int) -> "LabelError":
-        """This one, met at `step` (found or not)."""
-        step_ = jnp.broadcast_to(jnp.asarray(step, jnp.int32), self.code.shape[:-1])
+        """This one, met at `step` (if found)."""
+        step_ = jnp.where(self.found, jnp.asarray(step, jnp.int32), _NONE)
         return LabelError(jnp.concatenate([self.code[..., :_STEP], step_[..., None]], -1))
 
     def in_set(self, i: int) -> "LabelError":
-        """This one, met in validation set `i` (found or not)."""
+        """This one, met in validation set `i` (if found)."""
         return self.at_step(-2 - i)
 
     def found_only_where(self, keep: Bool[Array, "*members"]) -> "LabelError":
-        """This one, found only where `keep` too."""
-        found = (self.found & keep).astype(jnp.int32)[..., None]
-        return LabelError(jnp.concatenate([found, self.code[..., _CHECKER:]], -1))
+        """This one where `keep`, else one that found nothing."""
+        return LabelError(jnp.where(keep[..., None], self.code, _NONE))
 
     def or_else(self, other: "LabelError") -> "LabelError":
         """This one if it found a bad label, else `other`: the first found is kept."""
-        found = self.found | other.found
-        rest = jnp.where(self.found[..., None], self.code[..., 1:], other.code[..., 1:])
-        # Whether found, apart: XLA reads it back (the step's) without making the codes.
-        return LabelError(jnp.concatenate([found.astype(jnp.int32)[..., None], rest], -1))
+        # Entry by entry (each is `_NONE` where the others are): in place in a loop's carry.
+        return LabelError(jnp.where(self.code != _NONE, self.code, other.code))
+
+    def then(self, other: "LabelError") -> "LabelError":
+        """`or_else` of two checks of one step, whose `found` XLA then reads back (the
+        step's) from theirs, without making their codes: it stands apart.
+        """
+        first = jnp.where(self.found | other.found, 1, _NONE).astype(jnp.int32)[..., None]
+        a, b = self.code[..., 1:], other.code[..., 1:]
+        return LabelError(jnp.concatenate([first, jnp.where(a != _NONE, a, b)], -1))
 
 
 _COLLECTOR: contextvars.ContextVar[list[LabelError] | None] = contextvars.ContextVar(
@@ -128,7 +138,7 @@ def first_of(found: list[LabelError]) -> LabelError | None:
         return None
     error = found[-1]
     for check in reversed(found[:-1]):
-        error = check.or_else(error)
+        error = check.then(error)
     return error
 
 
@@ -136,7 +146,7 @@ def either(first: LabelError | None, then: LabelError | None) -> LabelError | No
     """`first` if it found a bad label, else `then`; either may be `None` (no checks)."""
     if first is None or then is None:
         return then if first is None else first
-    return first.or_else(then)
+    return first.then(then)
 
 
 def check_labels(values: Array, y: Array, classes: int | None, name: str) -> Array:
@@ -248,7 +258,7 @@ def raise_found(error: Any, ensemble: bool = False, sets: tuple[str, ...] | None
     (`sets`: the names of the validation sets, where they are named).
     """
     codes = np.asarray(error.code, np.int32).reshape(-1, _WIDTH)
-    found = codes[:, _FOUND] != 0
+    found = codes[:, _FOUND] != _NONE
     if not found.any():
         return
     i = int(np.argmax(found))
