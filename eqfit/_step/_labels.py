@@ -47,8 +47,8 @@ _DIMS = 4  # where in a batch the label was: up to this many indices
 _FOUND, _CHECKER, _CLASSES, _LABEL, _WHERE = range(5)
 _STEP = _WHERE + _DIMS
 _WIDTH = _STEP + 1
-# Every entry of a check that found nothing; none of one that found a label (its bits
-# would be -0.0's, which is in range).
+# Every entry of a check that found nothing, and no entry of one that found a label (as
+# its label's bits, it would be -0.0, which is in range).
 _NONE = int(np.iinfo(np.int32).min)
 
 
@@ -106,8 +106,8 @@ class LabelError(NamedTuple):
         return LabelError(jnp.where(self.code != _NONE, self.code, other.code))
 
     def then(self, other: "LabelError") -> "LabelError":
-        """`or_else` of two checks of one step, whose `found` XLA then reads back (the
-        step's) from theirs, without making their codes: it stands apart.
+        """`or_else` for two checks of one step: its `found` entry stands apart, so that
+        XLA reads the step's `found` back from theirs without making their codes.
         """
         first = jnp.where(self.found | other.found, 1, _NONE).astype(jnp.int32)[..., None]
         a, b = self.code[..., 1:], other.code[..., 1:]
