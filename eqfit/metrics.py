@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int, jaxtyped, PyTree, Shaped
 
 from ._core._checks import as_int
 from ._core._metric import AbstractMetric as AbstractMetric, is_metrax
-from ._step._labels import check_labels, check_probabilities, CHECKERS, same_shape
+from ._step._labels import check_counted, check_labels, check_probabilities, CHECKERS, same_shape
 from ._step._mean import Mean
 from .losses import check_weights, Model, outputs, reduce, split_state, State
 
@@ -150,10 +150,9 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
                 f"{classes}: give a logit per class, or `classes=2`."
             )
         logit = logits.reshape(y.shape)
-        logit = check_labels(logit, y, None, name)
+        spoilt = check_counted(logit, y, None, name)
         predicted = (logit > 0).astype(jnp.int32)
         labels = (y > 0.5).astype(jnp.int32)
-        logit_values = logit
     else:
         if logits.shape[-1] != classes:
             raise ValueError(
@@ -161,18 +160,17 @@ def _confusion(name: str, classes: int, model: Model, args: tuple[Any, ...]) -> 
                 f"{tuple(logits.shape)}), but `classes` is {classes}."
             )
         _class_labels(y, name, classes)
-        logits = check_labels(logits, y, classes, name)
+        spoilt = check_counted(logits, y, classes, name)
         predicted = jnp.argmax(logits, axis=-1)
         labels = y.astype(jnp.int32)
-        logit_values = logits
     w = _each_label(weights, labels.shape, name).reshape(-1)
     # A product of one-hot matrices, not a scatter: a matmul on every accelerator.
     true = jax.nn.one_hot(labels.reshape(-1), classes, dtype=jnp.float32)
     pred = jax.nn.one_hot(predicted.reshape(-1), classes, dtype=jnp.float32)
     counts = jnp.einsum("n,ni,nj->ij", w, true, pred, precision=jax.lax.Precision.HIGHEST)
-    # NaN outputs (a label out of range makes them so, `check_labels`) count as NaN, not
-    # as the class `argmax` happens to give them.
-    return jnp.where(jnp.any(jnp.isnan(logit_values)), jnp.nan, counts)
+    # NaN outputs, or a label out of range, count as NaN, not as the class `argmax`
+    # happens to give them.
+    return jnp.where(spoilt, jnp.nan, counts)
 
 
 def _class_labels(y: Array, name: str, classes: int) -> None:

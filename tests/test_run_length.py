@@ -1,7 +1,8 @@
 """A step's cost does not grow with the run's length: the compiled programs never copy,
 select or scatter a whole record of the run's steps, whatever is recorded and however the
-steps run; and an ensemble's members, while all of them run, step with no mask. Read
-from the compiled program's HLO (`eqfit.plan(...).compiled`), not timed.
+steps run; an ensemble's members, while all of them run, step with no mask; and a check
+of labels costs a step a few kernels. Read from the compiled program's HLO
+(`eqfit.plan(...).compiled`), not timed.
 """
 
 import re
@@ -378,3 +379,61 @@ def test_members_stopped_apart_by_a_nan_record_and_train_as_each_alone():
         trained = jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, together.model)
         assert_trees_close(trained, alone.model)  # the last finite step's
     assert len(set(stops)) == 3  # apart: each at its own step
+
+
+# The instructions of a loop body that run no kernel.
+FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+
+
+def step_kernels(hlo: str) -> int:
+    """How many kernels (fusions, dots, copies, ...) the compiled run's step runs: the
+    instructions of its innermost loop's body, less those that run none.
+    """
+    computations: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            computations[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            computations[name].append(line)
+    bodies = {
+        b
+        for lines in computations.values()
+        for b in re.findall(r"body=%([\w.\-]+)", "".join(lines))
+    }
+    inner = [b for b in bodies if not any(" while(" in line for line in computations[b])]
+    body = computations[max(inner, key=lambda b: len(computations[b]))]
+    ops = [re.search(r"= (?:\([^=]*\)|\S+) ([\w\-]+)\(", line) for line in body]
+    return sum(1 for op in ops if op and op.group(1) not in FREE)
+
+
+def kernels(model, data, **kwargs):
+    kwargs.update(optimizer=OPTIMIZER, key=jax.random.key(1), epochs=3, batch_size=BATCH)
+    plan = eqfit.plan(model, data, shuffle=False, **kwargs)
+    return step_kernels(plan.compiled.as_text())
+
+
+def test_a_label_check_costs_a_step_a_reduction_and_a_select():
+    """Labels checked in a step (a stateful metric's, a ready loss's) cost it a reduction
+    over the batch and the select that keeps the first bad label, carried as one array
+    and made in place (before: a select, and a kernel, for each of its six arrays), and
+    for a metric's confusion counts, the one-hot matrices, their product and its sum.
+    """
+    x, y = arrays()
+    counts = kernels(mlp(), (x, y), loss=bce, metrics={"p": eqfit.metrics.Precision()})
+    # Two one-hots, their product, its sum; the check's reduction (the NaN outputs' too)
+    # and the select of the first bad label. Before: 13.
+    assert counts - kernels(mlp(), (x, y), loss=bce) <= 6
+    classes = (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0)
+    model = eqx.nn.MLP(3, 3, 8, 1, key=jax.random.key(0))
+
+    def unchecked(model, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(x), y).mean()
+
+    checked = kernels(model, (x, classes), loss=eqfit.losses.softmax_cross_entropy)
+    # The reduction, the NaN logits where a label is bad, and the select. Before: 9.
+    assert checked - kernels(model, (x, classes), loss=unchecked) <= 3

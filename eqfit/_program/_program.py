@@ -498,9 +498,8 @@ class _Member:
         """
         if out.labels is None:  # neither the loss nor the metrics check labels
             return state.label_error, Stop.NON_FINITE_LOSS
-        found = out.labels._replace(step=jnp.asarray(t, jnp.int32))
         why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
-        return state.label_error.or_else(found), why
+        return state.label_error.or_else(out.labels.at_step(t)), why
 
     def advanced(
         self,

@@ -190,7 +190,7 @@ def _drop_padding(
         return values, found
     counts = b < valid
     if found is not None:
-        found = found._replace(found=found.found & counts)
+        found = found.found_only_where(counts)
     return jnp.where(counts, values, 0.0), found
 
 
