@@ -15,16 +15,10 @@ from jaxtyping import Array, Int, PyTree
 
 from .._core._data import batch_calls
 from .._step._labels import LabelError
+from ._beside import logs, validation_batches, validation_chunk
 from ._compile import PROGRAM_CACHE
 from ._loop import Loop
-from ._program import (
-    close,
-    logs,
-    run,
-    unrolled as reporting_unrolled,
-    validation_batches,
-    validation_chunk,
-)
+from ._program import close, run, unrolled as reporting_unrolled
 from ._state import (
     CallEnd,
     Inputs,

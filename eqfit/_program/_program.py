@@ -4,9 +4,8 @@ stop position: `WholeRun` calls it once, from the start to the end, and the bar,
 checkpoints, resume and streamed data call it in pieces; since the positions are traced,
 every piece runs the same compiled program, and the pieces agree with one whole run bit
 for bit. `PerStep` calls `unrolled` (its few steps written out) instead, and the host
-then ends each epoch with `close`, computing validation with `validation_batches` (a set
-in memory) or `validation_chunk` (a streamed set's chunk); each takes the same
-`TrainState` and writes the same record.
+then ends each epoch with `close`, computing validation with `_beside.py`'s programs;
+each takes the same `TrainState` and writes the same record.
 
 `run` reads as its loops: passes over the data, the stretches between epoch ends, the
 batches; `EpochEnd.close` (`_epoch_end.py`) ends an epoch (its values, validation, early
@@ -14,13 +13,12 @@ stopping).
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, Key, PyTree, UInt32
+from jaxtyping import Array, Bool, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
 from .._step._record import LOSS, weight_name
@@ -49,7 +47,6 @@ from ._state import (
     Stop,
     strongly_typed,
     TrainState,
-    ValAt,
     ValSums,
 )
 from ._stretch import StepEnd, steps_waiting, waits
@@ -89,56 +86,6 @@ def unrolled(
     return each_member_with(loop, inputs.consts, one, state, inputs.key)
 
 
-def validation_batches(
-    loop: Loop,
-    set_index: int,
-    batch_size: int,
-    count: int,
-    remainder: bool,
-    carry: tuple[TrainState, ValSums],
-    read: tuple[Inputs, PyTree | None],
-    at: ValAt,
-) -> ValSums:
-    """`PerStep`'s validation, as its steps run: `count` batches of validation set
-    `set_index` (of its streamed chunk, `read`'s after the inputs, where it streams) from
-    batch `at.batch` on (those past its full batches computed and dropped), or with
-    `remainder` its smaller last batch, written out with no loop around them and added to
-    the sums so far (`carry`'s). The same values as `run`'s validation, in the same order
-    (to XLA's fusion).
-    """
-    state, sums = carry
-    inputs, chunk = read
-
-    def one(parts: Rebuilt, state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
-        end = EpochEnd(loop, parts, inputs, key)
-        data = end.sets()[set_index] if chunk is None else chunk  # in memory, or streamed
-        return end.batches(state, sums, set_index, data, batch_size, count, remainder, at)
-
-    return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
-
-
-def validation_chunk(
-    loop: Loop,
-    set_index: int,
-    batch_size: int,
-    carry: tuple[TrainState, ValSums],
-    read: tuple[Inputs, PyTree],
-    at: ValAt,
-) -> ValSums:
-    """A streamed validation set's chunk (`read`'s, after the inputs) added to the sums so
-    far (`carry`'s), at the epoch's end, by the host's calls (`EpochEnd.chunk`): all its
-    batches in one scan (`PerStep`'s programs of a few: `validation_batches`).
-    """
-    state, sums = carry
-    inputs, chunk = read
-
-    def one(parts: Rebuilt, state: TrainState, sums: ValSums, key: Key[Array, ""]) -> ValSums:
-        end = EpochEnd(loop, parts, inputs, key)
-        return end.chunk(state, sums, set_index, chunk, batch_size, at)
-
-    return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
-
-
 def close(
     loop: Loop,
     state: TrainState,
@@ -158,17 +105,6 @@ def close(
         return member.closed(state, sums)
 
     return each_member_with(loop, inputs.consts, one, state, sums, inputs.key)
-
-
-def logs(
-    loop: Loop, state: TrainState, inputs: Inputs, until: CallEnd
-) -> Float[Array, "*members rows values"] | None:
-    """The n-th steps' values (`log_every`) as the state's record holds them, for a drive's
-    call made of several programs (`PerStep`'s, or where the host closes epochs): called
-    once after them, so they pay nothing for it.
-    """
-    del inputs, until  # the placement's programs take three arguments
-    return each_member(loop, functools.partial(logs_of, loop), state)
 
 
 def each_member(loop: Loop, one: Callable[..., Any], *args: Any) -> Any:
@@ -485,12 +421,13 @@ class _Member:
         """
         t = state.step
         state, out, _ = self.advanced(state, index, full, step_key, None, batch)
-        label_error, why = self.labels_met(state, out, t)
+        label_error, _ = self.labels_met(state, out, t)
         state = state._replace(label_error=label_error)
+        bad_label = None if out.labels is None else out.labels.found
         if out.weight is not None:
             pair = running_pair(out, index.shape[0])
             state = state._replace(running=state.running + jnp.where(out.finite, pair, 0.0))
-        return state, StepEnd(out.finite, jnp.asarray(why, jnp.int32))
+        return state, StepEnd.of(out.finite, bad_label)
 
     def labels_met(self, state: TrainState, out: StepResult, t: Int[Array, ""]) -> tuple[Any, Any]:
         """The run's first label out of range, with the step's; and the reason a step

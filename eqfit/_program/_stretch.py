@@ -31,16 +31,27 @@ CHUNK = 128
 
 
 class StepEnd(NamedTuple):
-    """What a step leaves for its stretch's end (`settle`): whether it was finite, and
-    the reason the run stops with if not (a label out of range, or the loss).
+    """What a step leaves for its stretch's end (`settle`): the reason it stops the run
+    with, `Stop.RUNNING` where its loss was finite. One value, made with the step's
+    finiteness in one kernel, where a flag and the reason apart were a kernel each.
     """
 
-    finite: Bool[Array, ""]
-    why: Int[Array, ""]
+    reason: Int[Array, ""]
 
     @staticmethod
     def start() -> "StepEnd":
-        return StepEnd(jnp.asarray(True), jnp.asarray(Stop.NON_FINITE_LOSS, jnp.int32))
+        return StepEnd(jnp.asarray(Stop.RUNNING, jnp.int32))
+
+    @staticmethod
+    def of(finite: Bool[Array, ""], bad_label: Bool[Array, ""] | None) -> "StepEnd":
+        why = Stop.NON_FINITE_LOSS
+        if bad_label is not None:
+            why = jnp.where(bad_label, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
+        return StepEnd(jnp.where(finite, Stop.RUNNING, why).astype(jnp.int32))
+
+    @property
+    def finite(self) -> Bool[Array, ""]:
+        return self.reason == Stop.RUNNING
 
 
 def waits(loop: Loop) -> bool:
@@ -91,7 +102,7 @@ def settle(
     last = state.step - 1
     stopped = ~end.finite
     state = state._replace(
-        reason=jnp.where(stopped, end.why, state.reason),
+        reason=jnp.where(stopped, end.reason, state.reason),
         nan_step=jnp.where(stopped & (state.nan_step < 0), last, state.nan_step),
     )
     row = schedule.record_row(begin)
