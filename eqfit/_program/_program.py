@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
-from .._step._record import LOSS, weight_name
 from .._step._statistics import add
 from .._step._step import StepResult
 from .._step._validation_steps import EveryNSteps
@@ -375,8 +374,7 @@ class _Member:
             index, batch = rows(state)
             return self.waiting_step(state, index, full, step_key, batch)
 
-        weighted = weight_name(LOSS.name) in self.loop.record.names
-        return steps_waiting(more, waiting, state, size, self.loop, weighted)
+        return steps_waiting(more, waiting, state, size, self.loop)
 
     def step_at(
         self,
@@ -417,16 +415,15 @@ class _Member:
         batch: PyTree = None,
     ) -> tuple[TrainState, StepEnd]:
         """`step_at`'s step, its bookkeeping left to its stretch's end (`_stretch`): but
-        a weighted mean's running sums, and the first label out of range.
+        the running mean's sums, and the first label out of range.
         """
         t = state.step
         state, out, _ = self.advanced(state, index, full, step_key, None, batch)
         label_error, _ = self.labels_met(state, out, t)
         state = state._replace(label_error=label_error)
         bad_label = None if out.labels is None else out.labels.found
-        if out.weight is not None:
-            pair = running_pair(out, index.shape[0])
-            state = state._replace(running=state.running + jnp.where(out.finite, pair, 0.0))
+        pair = running_pair(out, index.shape[0])
+        state = state._replace(running=state.running + jnp.where(out.finite, pair, 0.0))
         return state, StepEnd.of(out.finite, bad_label)
 
     def labels_met(self, state: TrainState, out: StepResult, t: Int[Array, ""]) -> tuple[Any, Any]:
