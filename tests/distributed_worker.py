@@ -38,7 +38,8 @@ import eqfit  # noqa: E402
 
 
 class Announce:
-    stops_training = False
+    # May stop training (the default): told at each epoch's end as it ends, so that the
+    # kill lands mid-run (one that never stops is told once a call is read).
 
     def on_epoch_end(self, epoch, logs):
         print(f"epoch {epoch}", flush=True)
