@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Key, PyTree, UInt32
 
 from .._core._data import epoch_order, order_at, shuffle_seed
+from .._step._labels import LabelError
 from .._step._statistics import add
 from .._step._step import StepResult
 from .._step._validation_steps import EveryNSteps
@@ -29,12 +30,12 @@ from ._epoch_end import EpochEnd
 from ._loop import Loop, Rebuilt
 from ._members import some_member, steps_while
 from ._records import (
+    add_running,
     fresh_record,
     logs_of,
     masked,
     MEMBERS,
     put_cell,
-    running_pair,
 )
 from ._state import (
     CallEnd,
@@ -393,15 +394,15 @@ class _Member:
         before, t, size = state, state.step, index.shape[0]
         state, out, cell = self.advanced(state, index, full, step_key, active, batch)
         nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
-        label_error, why = self.labels_met(state, out, t)
+        label_error, end = self.labels_met(state, out, t)
         reason = state.reason
         if self.loop.step.on_nan != "skip":
-            reason = jnp.where(out.finite, reason, why)
+            reason = jnp.where(out.finite, reason, end.reason)
         state = state._replace(
             reason=reason,
             nan_step=nan_step,
             label_error=label_error,
-            running=state.running + jnp.where(out.finite, running_pair(out, size), 0.0),
+            running=add_running(state.running, out, size),
             batch_sizes=put_cell(state.batch_sizes, size, cell, active),
         )
         return state if active is None else masked(active, state, before)
@@ -419,21 +420,21 @@ class _Member:
         """
         t = state.step
         state, out, _ = self.advanced(state, index, full, step_key, None, batch)
-        label_error, _ = self.labels_met(state, out, t)
-        state = state._replace(label_error=label_error)
-        bad_label = None if out.labels is None else out.labels.found
-        pair = running_pair(out, index.shape[0])
-        state = state._replace(running=state.running + jnp.where(out.finite, pair, 0.0))
-        return state, StepEnd.of(out.finite, bad_label)
+        label_error, end = self.labels_met(state, out, t)
+        running = add_running(state.running, out, index.shape[0])
+        return state._replace(label_error=label_error, running=running), end
 
-    def labels_met(self, state: TrainState, out: StepResult, t: Int[Array, ""]) -> tuple[Any, Any]:
-        """The run's first label out of range, with the step's; and the reason a step
-        that is not finite stops the run with (a label out of range, or its loss).
+    def labels_met(
+        self, state: TrainState, out: StepResult, t: Int[Array, ""]
+    ) -> tuple[LabelError, StepEnd]:
+        """The run's first label out of range, with the step's; and the step's end: the
+        reason it stops the run with where it is not finite (a label out of range, or
+        its loss).
         """
         if out.labels is None:  # neither the loss nor the metrics check labels
-            return state.label_error, Stop.NON_FINITE_LOSS
-        why = jnp.where(out.labels.found, Stop.BAD_LABEL, Stop.NON_FINITE_LOSS)
-        return state.label_error.or_else(out.labels.at_step(t)), why
+            return state.label_error, StepEnd.of(out.finite, None)
+        end = StepEnd.of(out.finite, out.labels.found)
+        return state.label_error.or_else(out.labels.at_step(t)), end
 
     def advanced(
         self,

@@ -17,13 +17,16 @@ from ._loop import Loop
 from ._state import Steps, TrainState
 
 
-def running_pair(out: StepResult, size: int) -> Float[Array, "2"]:
-    """What the step adds to the bar's running mean: its loss times its weight (the
-    batch size, or a weighted mean's weight), and the weight.
+def add_running(running: Float[Array, "2"], out: StepResult, size: int) -> Float[Array, "2"]:
+    """`running`, the bar's running mean's sums, with the step's: its loss times its
+    weight (the batch size, or a weighted mean's weight), and the weight; nothing for a
+    step whose loss is not finite.
     """
     if out.weight is None:
-        return jnp.stack([out.loss * size, size])
-    return jnp.stack([jnp.where(out.weight != 0, out.loss * out.weight, 0.0), out.weight])
+        pair = jnp.stack([out.loss * size, size])
+    else:
+        pair = jnp.stack([jnp.where(out.weight != 0, out.loss * out.weight, 0.0), out.weight])
+    return running + jnp.where(out.finite, pair, 0.0)
 
 
 def fresh_record(state: TrainState) -> TrainState:
