@@ -256,48 +256,29 @@ def test_early_stopping_checks_its_fields(kwargs, match):
         eqfit.EarlyStopping(**kwargs)
 
 
-def test_csv_logger_writes_each_epoch(problem, tmp_path):
+def logged(problem, callback):
+    """The three epochs of `problem` with `callback` (each the same program)."""
     model, data, val, kwargs = problem
-    result = eqfit.fit(
-        model,
-        data,
-        validation_data=val,
-        batch_size=16,
-        epochs=3,
-        callbacks=[eqfit.callbacks.CSVLogger(tmp_path / "log.csv")],
-        **kwargs,
+    return eqfit.fit(
+        model, data, validation_data=val, batch_size=16, epochs=3, callbacks=[callback], **kwargs
     )
+
+
+def test_csv_logger_writes_each_epoch(problem, tmp_path):
+    result = logged(problem, eqfit.callbacks.CSVLogger(tmp_path / "log.csv"))
     with open(tmp_path / "log.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
     np.testing.assert_allclose([float(r["val_loss"]) for r in rows], result.history.val_loss)
     # append=True continues a file. (The same run again: the same program.)
-    eqfit.fit(
-        model,
-        data,
-        validation_data=val,
-        batch_size=16,
-        epochs=3,
-        callbacks=[eqfit.callbacks.CSVLogger(tmp_path / "log.csv", append=True)],
-        **kwargs,
-    )
+    logged(problem, eqfit.callbacks.CSVLogger(tmp_path / "log.csv", append=True))
     with open(tmp_path / "log.csv") as f:
         assert len(list(csv.DictReader(f))) == 6
 
 
 def test_tensorboard_writes_each_epoch(problem, tmp_path):
     pytest.importorskip("tensorboardX")  # the extra `eqfit[tensorboard]`
-    model, data, val, kwargs = problem
-    # The CSV logger's run: its program.
-    result = eqfit.fit(
-        model,
-        data,
-        validation_data=val,
-        batch_size=16,
-        epochs=3,
-        callbacks=[eqfit.callbacks.TensorBoard(tmp_path / "tb")],
-        **kwargs,
-    )
+    result = logged(problem, eqfit.callbacks.TensorBoard(tmp_path / "tb"))
     scalars = read_tensorboard(tmp_path / "tb")
     assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
     np.testing.assert_allclose([v for _, v in scalars["val_loss"]], result.history.val_loss)
