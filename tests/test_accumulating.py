@@ -86,6 +86,7 @@ def epoch(history, i):
     return {name: np.asarray(v)[i] for name, v in history.values.items()}
 
 
+@pytest.mark.slow
 def test_an_epochs_values_are_the_metric_of_all_its_outputs_not_a_mean_of_batches(digits, trained):
     x, y = digits
     model = trained
@@ -113,6 +114,7 @@ def test_an_epochs_values_are_the_metric_of_all_its_outputs_not_a_mean_of_batche
     assert set(history.values) == {"loss", *metrics(), "batch_f1"}
 
 
+@pytest.mark.slow
 def test_validation_and_evaluate_score_the_whole_set(digits):
     x, y = digits
     train, val = (x[:1200], y[:1200]), (x[1200:], y[1200:])
@@ -148,6 +150,7 @@ def fixed_run(digits, model, **options):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [
@@ -222,6 +225,7 @@ def binary(digits):
     return x, (y >= 5).astype(np.int32)
 
 
+@pytest.mark.slow
 def test_metrax_metrics_are_taken_as_they_are(binary):
     x, y = binary
     model = eqx.nn.MLP(64, "scalar", 32, 1, key=jax.random.key(7))
@@ -260,6 +264,7 @@ def test_metrax_metrics_are_taken_as_they_are(binary):
     np.testing.assert_allclose(found["auc"], roc_auc_score(val[1], p), atol=1e-2)
 
 
+@pytest.mark.slow
 def test_early_stopping_monitors_a_scalar_one_and_refuses_an_array(digits):
     x, y = digits
     kwargs = dict(

@@ -28,6 +28,7 @@ def _run() -> tuple[eqfit.models.MLP, tuple[np.ndarray, np.ndarray], dict]:
     return model, (x, x[:, :1]), common
 
 
+@pytest.mark.slow
 def test_auto_chooses_the_fewest_microbatches_the_plan_says_fit():
     model, data, common = _run()
     totals = {

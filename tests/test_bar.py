@@ -142,6 +142,7 @@ def _screen(text: str, columns: int) -> list[str]:
     return ["".join(line).rstrip() for line in lines]
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_the_bar_and_a_file_or_pipe_one_line_per_epoch():
     """Every run in one worker: one process to start, one run to compile. Each writes to
     its stdout and stderr, one place for both (`> run.log 2>&1`).

@@ -58,6 +58,7 @@ def buckets(sequences, lengths=LENGTHS, **more):
     return eqfit.Buckets(sequences, lengths=lengths, batch_size=8, **more)
 
 
+@pytest.mark.slow
 def test_buckets_train_as_a_hand_loop_one_program_each(sequences):
     model, optimizer = GRU(jax.random.key(1)), optax.adam(1e-2)
     kwargs = dict(loss=masked_loss, optimizer=optimizer, key=jax.random.key(0), epochs=2)
@@ -128,6 +129,7 @@ def test_evaluating_buckets_is_the_unpadded_token_mean(sequences):
     np.testing.assert_allclose(result.history.val_loss[0], again["loss"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_resume_mid_epoch_equals_the_run_never_stopped(sequences, tmp_path):
     import shutil
 
@@ -149,6 +151,7 @@ def test_a_resume_mid_epoch_equals_the_run_never_stopped(sequences, tmp_path):
     np.testing.assert_array_equal(whole.history.step_loss, resumed.history.step_loss)
 
 
+@pytest.mark.slow
 def test_a_loader_of_many_shapes_warns_once():
     rng = np.random.default_rng(1)
 
@@ -218,6 +221,7 @@ WAYS = {
 HEAVY = ("bar", "devices", "mesh", "microbatches")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "way", [pytest.param(w, marks=pytest.mark.heavy) if w in HEAVY else w for w in WAYS]
 )
@@ -252,6 +256,7 @@ def test_an_ensemble_trains_each_member_on_the_buckets(sequences):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_packed_rows_have_the_loss_of_the_sequences_unpacked():
     import importlib.util
     from pathlib import Path
@@ -346,6 +351,7 @@ def real_outputs(model, data):
     return np.concatenate(logits), np.concatenate(labels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "validated", [False, pytest.param(True, marks=pytest.mark.heavy)], ids=["train", "validation"]
 )
@@ -411,6 +417,7 @@ def test_a_metrax_metric_without_weights_over_buckets_is_refused_naming_it(revie
             )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_classifier_over_buckets_trains_per_step_bit_for_bit_as_a_hand_loop(reviews):
     train, _ = reviews
     model, optimizer = Pooled(jax.random.key(8)), optax.adam(3e-2)

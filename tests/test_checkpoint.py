@@ -201,6 +201,7 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "newest, older",
     [  # each corruption of the newest in the quick suite; with an older one broken too, whole
@@ -233,6 +234,7 @@ def test_no_corruption_loses_a_good_checkpoint(getkey, tmp_path, newest, older):
     assert_trees_equal(again.model, full.model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("background", [None, True, False])
 def test_a_state_of_arrays_larger_than_the_writes_pieces_is_written_whole(
     getkey, tmp_path, background
@@ -388,6 +390,7 @@ def test_load_refuses_what_it_cannot_read(getkey, tmp_path):
         eqfit.load(tmp_path / "other.eqx", like=model)
 
 
+@pytest.mark.slow
 def test_ensemble_with_a_stopped_member_checkpoints_to_the_end(getkey, tmp_path):
     """A member that stops early must not hold the others' checkpoints back."""
     import jax

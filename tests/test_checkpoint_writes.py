@@ -146,6 +146,7 @@ def assert_resumes_from_the_one_before_the_newest(directory, policy, full, fit):
 WAYS = [pytest.param(True, "state.eqx", id="background"), pytest.param(None, "manifest.json")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("background, held", WAYS)
 def test_training_goes_on_while_a_slow_disk_holds_a_checkpoints_write(
     getkey, tmp_path, background, held
@@ -222,6 +223,7 @@ def test_a_run_without_checkpoints_has_no_blocked_seconds(getkey):
     assert "epoch_seconds" in throughput and BLOCKED not in throughput
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("background", [True, None], ids=["background", "default"])
 def test_orbax_checkpoints_are_digested_and_committed_beside_the_training(
     getkey, tmp_path, background

@@ -58,6 +58,7 @@ def test_each_member_trains_as_it_would_alone(ensemble, progress):
     assert not np.allclose(result.history.loss[:, 0], result.history.loss[:, 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [pytest.param("devices", marks=pytest.mark.heavy), "mesh"])
 def test_ensemble_over_devices(ensemble, parallel):
     models, data, key, kwargs, alone = ensemble
@@ -67,6 +68,7 @@ def test_ensemble_over_devices(ensemble, parallel):
         assert_trees_close(member(many.model, i), one.model)
 
 
+@pytest.mark.slow
 def test_members_have_their_own_dropout_keys(getkey):
     data = regression_data(getkey(), 64)
     # Identical members: only the keys can tell them apart.
@@ -98,6 +100,7 @@ class Scaled(eqx.Module):
         return x @ self.w * self.scale + self.shift
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("execution", ["auto", eqfit.PerStep(2)])
 def test_members_keep_their_own_arrays_that_do_not_train(getkey, execution):
     """An ensemble's frozen and integer arrays are stacked too: each member trains with its
@@ -159,6 +162,7 @@ def test_ensemble_with_state_and_early_stopping(getkey):
         assert np.isnan(result.history.val_loss[ran:, i]).all()
 
 
+@pytest.mark.slow
 def test_learning_rate_sweep_through_inject_hyperparams(getkey):
     """Each member its own learning rate, in one program: stack the optimizer states."""
     data = regression_data(getkey(), 64)

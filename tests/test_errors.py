@@ -148,6 +148,7 @@ def classes(getkey):
     return model, x, kwargs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 @pytest.mark.parametrize("label", [-1, 7])
 def test_labels_out_of_range_are_named(classes, progress, label):
@@ -181,6 +182,7 @@ def test_labels_checked_by_every_ready_function(classes, getkey):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bad, reported",
     [

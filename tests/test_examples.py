@@ -59,6 +59,7 @@ def load_example(name):
     return module
 
 
+@pytest.mark.slow
 def test_gpt2_tiny_trains_and_reports(tmp_path):
     """`examples/gpt2.py --size tiny` on the CPU: it trains on a text's bytes (whose loss
     falls, as random tokens' does not) and prints and writes its figures. It imports no
@@ -89,6 +90,7 @@ def test_gpt2_tiny_trains_and_reports(tmp_path):
     assert f"MFU {written['mfu']:.1%}" in line
 
 
+@pytest.mark.slow
 def test_gpt2_splash_attention_matches_xla():
     """The example's splash attention (its causal mask per head, block sizes, layout and
     scale), run in Pallas's interpreter on the CPU, against XLA's causal attention: the

@@ -99,6 +99,7 @@ CONFIGURATIONS = {
 HEAVY = ("epochs-inside-passes", "early-stopping", "no-shuffle", "loader", "ema-and-norms")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in CONFIGURATIONS],
@@ -172,6 +173,7 @@ class Slope(eqx.Module):
         return self.prelu(self.linear(x))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "execution",
     [eqfit.PerStep(), eqfit.WholeRun(), eqfit.PerStep(guard=True)],
@@ -214,6 +216,7 @@ def test_a_weakly_typed_array_compiles_the_step_once_and_trains_strongly_typed(e
     assert_trees_equal(from_strong.opt_state, result.opt_state)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_a_nan_stops_at_its_step_in_every_way():
     x, y = arrays()
     y[7] = np.nan  # in some batch of the first pass, wherever the shuffle puts it
@@ -238,6 +241,7 @@ def test_a_run_stopped_by_a_nan_stops_at_its_step_in_every_way():
     assert_trees_close(per_step.result.model, whole.result.model)  # type: ignore
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, then", [("per-step", "whole"), ("whole", "per-step")])
 def test_a_checkpoint_written_in_one_way_resumes_in_the_other(tmp_path, first, then):
     ways = {"per-step": eqfit.PerStep(), "whole": eqfit.WholeRun()}
@@ -284,6 +288,7 @@ def conv_problem():
     return model, (images, labels), settings
 
 
+@pytest.mark.slow
 def test_fit_chooses_per_step_for_a_convolution_on_the_cpu_and_the_loop_for_an_mlp():
     model, data, settings = conv_problem()
     planned = eqfit.plan(model, data, **settings)
@@ -328,6 +333,7 @@ class Recurrent(eqx.Module):
         return self.head(h)
 
 
+@pytest.mark.slow
 def test_a_small_step_without_the_guard_is_ordered_for_memory_on_the_cpu_with_the_same_bits():
     length, batch = 10, 16
     rng = np.random.default_rng(0)
@@ -407,6 +413,7 @@ def noisy_loss(model, x, y, *, key):
     return eqfit.losses.softmax_cross_entropy(model, x + noise, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "execution", ["auto", pytest.param(eqfit.PerStep(3), marks=pytest.mark.heavy)]
 )
@@ -540,6 +547,7 @@ class StepsThenLoop(eqfit.Execution):
         return scanned()
 
 
+@pytest.mark.slow
 def test_a_way_of_ones_own_runs_the_programs_it_makes_from_the_makers_it_is_handed(tmp_path):
     own, per_step = train(StepsThenLoop()), train(eqfit.PerStep(2))
     assert ASKED[0] == "program" and "batches" in ASKED  # the run's program, validation's
@@ -603,6 +611,7 @@ def test_per_step_takes_numpy_integers_and_refuses_what_is_no_integer():
         eqfit.PerStep(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "batches, unroll, words",
     [

@@ -298,6 +298,7 @@ def batchnorm_loss(model, state, x, y):
     return jnp.mean((pred - y) ** 2), state
 
 
+@pytest.mark.slow
 def test_stateful_model(getkey, problem):
     _, data, val = problem
     model, state = eqx.nn.make_with_state(BatchNormNet)(getkey())
@@ -453,6 +454,7 @@ def test_optax_reduce_on_plateau_reads_the_loss(getkey):
     assert float(result.opt_state[1].scale) < 1.0
 
 
+@pytest.mark.slow
 def test_sam_in_opaque_mode_equals_a_hand_loop_that_calls_it_so(getkey, problem):
     """SAM's opaque mode asks for a `grad_fn`, the gradient at other parameters on the
     step's batch, and refuses the `value` that eqfit gives optimizers that read the loss:
@@ -495,6 +497,7 @@ def test_sam_in_opaque_mode_equals_a_hand_loop_that_calls_it_so(getkey, problem)
     )
 
 
+@pytest.mark.slow
 def test_history_exports(getkey, problem, tmp_path):
     model, data, val = problem
     result = eqfit.fit(

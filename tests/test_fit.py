@@ -454,6 +454,7 @@ class Stack(eqx.Module):
 CASES = ["frozen_by_callable", "frozen_by_tree", "loss_module", "list_loss", "list_model"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_frozen_arrays_losses_with_arrays_and_unhashable_fields(getkey, case, tmp_path):
     """Arrays that do not train (frozen by `filter_spec`, or held by the loss) are inputs

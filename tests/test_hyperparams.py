@@ -88,6 +88,7 @@ def test_inside_chain_multi_transform_and_multi_steps(problem):
     np.testing.assert_array_equal(history.step_values["learning_rate"], by_epoch(used))
 
 
+@pytest.mark.slow
 def test_schedules_are_evaluated_at_the_optimizers_count(problem):
     history = train(problem, optax.adam(SCHEDULE), schedules={"learning_rate": SCHEDULE}).history
     n = EPOCHS * STEPS

@@ -86,6 +86,7 @@ def test_a_deleted_model_state_is_named(getkey):
 # The moving average.
 
 
+@pytest.mark.slow
 def test_an_average_that_keeps_most_of_the_initial_weights_is_warned_of(setup):
     model, x, y, kwargs = setup
     # 4 epochs of 2 steps: 0.999**8 of the average is the initial weights.
@@ -108,6 +109,7 @@ def test_an_average_that_keeps_most_of_the_initial_weights_is_warned_of(setup):
 # Numbers of every kind.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "given, plain",
     [

@@ -112,6 +112,7 @@ def _same_run(a, b):
     assert a.history.stop_reason == b.history.stop_reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_a_loader_without_len_learns_its_epoch_from_the_first(model, progress):
     """No counting pass: the first pass trains as it is read, over several calls of the
@@ -129,6 +130,7 @@ def test_a_loader_without_len_learns_its_epoch_from_the_first(model, progress):
     assert np.all(np.isfinite(result.history["val_mae"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_a_generator_with_one_epoch_trains_to_its_end(model, progress):
     """As Keras does: an iterator of unknown length, `epochs=1`, is one epoch to its end,
@@ -192,6 +194,7 @@ def learned_whole(model):
     return eqfit.fit(model, Many(x, y, with_len=False), epochs=4, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_a_loader_without_len_resumes_from_its_checkpoint_bit_for_bit(
     model, learned_whole, progress, tmp_path
@@ -226,6 +229,7 @@ def test_a_resumed_loader_whose_first_pass_differs_is_refused(model, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == written  # nothing trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_initial_epoch_with_a_loader_without_len_reads_the_passes_before(
     model, learned_whole, progress, tmp_path
@@ -328,6 +332,7 @@ def test_every_batch_is_checked(arrays, model):
             eqfit.fit(model, loader(batches), **KWARGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_pytree_batches_are_passed_whole(arrays, model, progress):
     x, y = arrays
@@ -412,6 +417,7 @@ class BatchNormNet(eqx.Module):
         return self.head(h), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_stateful_models_with_the_ready_loss_and_metrics(arrays, progress):
     x, y = arrays
@@ -467,6 +473,7 @@ class _NeedsKey(eqx.Module):
         return self.linear(x)[0]
 
 
+@pytest.mark.slow
 def test_validation_passes_a_key_only_where_one_is_required(arrays):
     x, y = arrays
     validation = (x[:40], y[:40])
@@ -503,6 +510,7 @@ def _inference(model):
     )
 
 
+@pytest.mark.slow
 def test_ready_losses_give_dropout_models_a_key(arrays):
     dropout = eqfit.models.MLP(4, "scalar", 8, 1, dropout=0.5, key=jax.random.key(5))
     kwargs = dict(optimizer=ADAM, epochs=2, batch_size=BATCH)

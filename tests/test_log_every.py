@@ -81,6 +81,7 @@ WAYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "way",
     [pytest.param(w, marks=pytest.mark.heavy) if w in ("devices", "mesh") else w for w in WAYS],
@@ -118,6 +119,7 @@ def test_the_values_are_the_same_however_the_run_is_cut(data, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_an_ensemble_logs_its_members_mean(data):
     keys = jax.random.split(jax.random.key(1), 3)
     stack = eqx.filter_vmap(lambda k: eqfit.models.MLP(3, "scalar", 8, 1, key=k))(keys)
@@ -203,6 +205,7 @@ def test_log_every_is_checked(data):
         eqfit.fit(model, Unsized(), **kwargs())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("way", ["per step on devices", "streamed validation"])
 def test_the_host_made_epoch_ends_report_the_same_values(way, data):
     model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))

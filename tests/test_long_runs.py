@@ -121,6 +121,7 @@ def resume_from(tmp_path, name, **kwargs):
     return train(**kwargs, checkpoint=eqfit.Checkpoint(alone, every_steps=5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, progress, background",
     [
@@ -156,6 +157,7 @@ def test_a_checkpoint_inside_an_epoch_resumes_bit_for_bit(tmp_path, kind, progre
         assert_same_run(resumed, whole)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind",
     [
@@ -232,6 +234,7 @@ def test_a_checkpoint_inside_an_epoch_resumes_under_shard(tmp_path):
     assert_same_run(resumed, whole)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [pytest.param("shard", marks=pytest.mark.heavy), "ensemble"])
 def test_a_sharded_or_ensembled_run_grows_as_the_longer_run(tmp_path, how):
     # Orbax's checkpoints read straight into the layout of the state, and an ensemble's

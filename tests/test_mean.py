@@ -92,6 +92,7 @@ WAYS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("way", WAYS)
 def test_a_masked_loss_records_the_token_weighted_mean(way):
     """With the model held still (a learning rate of 0), the epoch's loss, its aux value
@@ -145,6 +146,7 @@ def gradient_step(model, data, lr):
     return jax.tree.map(lambda p, g: p - lr * g, model, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "way",
     ["devices=8", *(pytest.param(w, marks=pytest.mark.heavy) for w in ("one device", "mesh"))],
@@ -171,6 +173,7 @@ def test_the_gradient_is_of_the_sum_over_the_sum_across_devices(way):
     assert not np.allclose(jax.tree.leaves(other)[0], jax.tree.leaves(expected)[0], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_eqfit_losses_and_metrics_take_weights_and_masks():
     """`(x, y, weights)`: a mask over sequence positions, class weights as
     `class_weights[y]`, per-example weights; the value is the weighted mean, an
@@ -286,6 +289,7 @@ def masked_ce_of(part):
     return loss
 
 
+@pytest.mark.slow
 def test_several_updates_take_weighted_means():
     """Two updates whose losses are token means: each update's loss and aux value, in
     training and validation, is the mean over every token, computed by hand (the model

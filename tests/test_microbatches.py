@@ -38,6 +38,7 @@ WAYS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("way", WAYS)
 def test_four_microbatches_step_as_one_batch_four_times_their_size(way):
     """Batches of 64 (the last of 22) in 4 microbatches: every step is the SGD step on
@@ -92,6 +93,7 @@ def test_four_microbatches_step_as_one_batch_four_times_their_size(way):
     assert largest_gap(multi.model, split.model) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_model_state_passes_from_each_microbatch_to_the_next():
     """A BatchNorm model (batch statistics in training) in 2 microbatches: each
     microbatch normalises by its own statistics, the step takes the mean of their
@@ -135,6 +137,7 @@ def test_the_model_state_passes_from_each_microbatch_to_the_next():
     assert largest_gap(result.state, first) > 1e-4
 
 
+@pytest.mark.slow
 def test_several_updates_and_sam_accumulate_as_one_batch():
     """Each loss's update of `updates=` is computed in microbatches as `loss=` is, and
     SAM's opaque mode gets a `grad_fn` that accumulates too: both train as without

@@ -65,6 +65,7 @@ def norm_loss(model, x, y):
 FIT = dict(batch_size=BATCH, epochs=2, key=jax.random.key(3))
 
 
+@pytest.mark.slow
 def test_a_planted_nan_names_its_step_line_parameters_and_row():
     x, y = data()
     model = Three(jax.random.key(0))
@@ -205,6 +206,7 @@ def test_a_nan_in_the_data_names_its_row_and_eqfits_loss_line():
     assert __file__ not in found.source
 
 
+@pytest.mark.slow
 def test_an_ensemble_replays_the_member_that_met_the_nan():
     x, y = data()
     keys = jax.random.split(jax.random.key(0), 2)
@@ -334,6 +336,7 @@ UNGUARDED = eqfit.WholeRun(guard=False)
 GUARDED = eqfit.WholeRun(guard=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, options",
     [
@@ -393,6 +396,7 @@ def test_the_replay_starts_from_the_newest_checkpoint_and_none_holds_the_nan(tmp
     )
 
 
+@pytest.mark.slow
 def test_no_guard_by_default_where_a_replay_can_give_the_bits_else_the_guard():
     x, y = data()
     kwargs = dict(loss=weighted_loss, optimizer=optax.sgd(1e-2), on_nan="stop", **FIT)
@@ -458,6 +462,7 @@ def test_with_no_guard_the_result_is_the_guarded_runs_with_norms_ema_and_restore
     assert replayed.history.step_values["update_norm"].reshape(-1)[T] == 0.0
 
 
+@pytest.mark.slow
 def test_several_updates_with_no_guard_return_the_state_before_the_whole_step():
     from helpers import pair
 
@@ -496,6 +501,7 @@ class Breaking(Rows):
         return super().__iter__()
 
 
+@pytest.mark.slow
 def test_a_replay_that_fails_keeps_the_runs_result_and_says_so():
     x, y = data()
     kwargs = dict(loss=weighted_loss, optimizer=optax.sgd(1e-2), on_nan="stop", **FIT)

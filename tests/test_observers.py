@@ -45,6 +45,7 @@ def _trace_events(directory: Path) -> list[str]:
 # -- Profiles.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_a_profile_traces_its_steps_and_changes_no_bit(problem, progress, tmp_path):
     model, data, kwargs = problem
@@ -211,6 +212,7 @@ class Plain:
         self.seen.append(epoch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 @pytest.mark.parametrize("ema", [None, 0.9])
 def test_a_callback_sees_the_model_at_each_epochs_end(problem, progress, ema):

@@ -68,6 +68,7 @@ def test_same_answer_as_one_device(getkey, parallel, progress, n):
     assert type(many.model) is type(model)
 
 
+@pytest.mark.slow
 def test_pmap_over_a_list_of_devices(getkey):
     data = regression_data(getkey(), 64)
     model = eqfit.models.LinearRegression(4, key=getkey())
@@ -107,6 +108,7 @@ def test_pmap_progress_equals_pmap_compiled(getkey):
     assert_trees_close(bar.model, compiled.model, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_mesh_with_data_not_divisible_by_devices(getkey):
     # 203 rows cannot be split over 8 devices: the data is replicated, batches still split.
     data = regression_data(getkey(), 203)
@@ -117,6 +119,7 @@ def test_mesh_with_data_not_divisible_by_devices(getkey):
     assert_trees_close(many.model, one.model)
 
 
+@pytest.mark.slow
 def test_per_device_keys_are_distinct_and_deterministic(getkey):
     model, data, kwargs = dropout_run(getkey)
     a = eqfit.fit(model, data, **kwargs)

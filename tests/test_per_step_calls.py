@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import assert_trees_equal
 
 import eqfit
@@ -66,6 +67,7 @@ def transfers(capfd, call):
     return capfd.readouterr().err.count("host-to-device transfer")
 
 
+@pytest.mark.slow
 def test_per_step_calls_move_nothing_from_the_host_at_each_step(capfd):
     # An epoch of 4 steps or of 12, 2 epochs: the same transfers (those of each epoch's
     # end, none of each step's).
@@ -84,6 +86,7 @@ def test_per_step_calls_move_nothing_from_the_host_at_each_step(capfd):
     assert transfers(capfd, lambda: add(ones, np.float32(1)).block_until_ready()) == 1
 
 
+@pytest.mark.slow
 def test_time_never_splits_the_steps_of_one_program_and_the_bits_never_hang_on_it():
     # A program of 3 steps, epochs of 12: every step is computed once, in the one call of
     # its 3 (a call of fewer would compute the program's other steps and drop them). The

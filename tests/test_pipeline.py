@@ -111,6 +111,7 @@ EARLY_ENDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, progress", EARLY_ENDS)
 def test_early_ends_finish(kind, progress, tmp_path):
     x, y = _arrays()
@@ -179,6 +180,7 @@ def test_a_checkpoint_error_finishes(kind, tmp_path):
         _in_thread(lambda: _fit(_source(kind, x, y, tmp_path), checkpoint=directory))
 
 
+@pytest.mark.slow
 def test_threads_do_not_share_label_errors():
     x, y = _arrays()
     bad = y.copy()

@@ -187,6 +187,7 @@ def test_throughput_has_flops_and_mfu_from_the_plan(getkey):
     np.testing.assert_allclose(figures["mfu"], figures["flops_per_second"] / 1e12)
 
 
+@pytest.mark.slow
 def test_counting_the_flops_compiles_nothing(getkey):
     # The step is lowered for the CPU's cost analysis, on a chip as here: a first fit that
     # counts its FLOPs (a known peak) compiles its run's program and nothing more.
@@ -424,6 +425,7 @@ def test_plan_arguments_under_fsdp_are_each_devices_share(getkey):
     assert parts.total == plan.memory.argument
 
 
+@pytest.mark.slow
 def test_plan_says_its_precision_policy(getkey):
     x, y = regression_data(getkey(), n=64)
     model = eqfit.models.LinearRegression(4, key=getkey())
@@ -588,6 +590,7 @@ def _looped_plan(how, getkey):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["scan", "fori"])
 def test_plan_counts_a_loops_body_as_often_as_it_runs(how, getkey):
     unrolled = _looped_plan("unrolled", getkey)

@@ -74,6 +74,7 @@ def problem():
     return mlp(jax.random.key(3)), x, y
 
 
+@pytest.mark.slow
 def test_aux_ema_and_norms_equal_a_hand_written_loop(problem):
     model, x, y = problem
     epochs, batch_size, momentum = 3, 16, 0.9
@@ -116,6 +117,7 @@ def test_aux_ema_and_norms_equal_a_hand_written_loop(problem):
     assert not np.allclose(jax.tree.leaves(result.ema_model)[0], jax.tree.leaves(weights)[0])
 
 
+@pytest.mark.slow
 def test_the_model_runs_once_per_step_with_aux(problem):
     model, x, y = problem
     calls = []
@@ -148,6 +150,7 @@ def test_the_model_runs_once_per_step_with_aux(problem):
     assert with_metric > plain_calls
 
 
+@pytest.mark.slow
 def test_aux_values_are_validated_and_monitored(problem):
     model, x, y = problem
     val = (x[:20], y[:20])

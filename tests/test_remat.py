@@ -82,6 +82,7 @@ def assert_same_run(a, b, exact):
         np.testing.assert_allclose(a.history[name], value, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize(("remat", "exact"), POLICIES)
 def test_each_policy_trains_as_the_run_without_it(remat, exact, microbatches):
@@ -105,6 +106,7 @@ def recording(seen):
     return policy
 
 
+@pytest.mark.slow
 def test_the_policy_is_asked_about_the_forward_pass_of_each_way_a_loss_is_trained():
     """The policy of `fit`'s `remat=` sees the loss's matrix products: with one loss, in
     microbatches and for each `eqfit.Update`; an update's own `remat=` is used over it.
@@ -124,6 +126,7 @@ def test_the_policy_is_asked_about_the_forward_pass_of_each_way_a_loss_is_traine
     assert "dot_general" in own and fits == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("remat", "exact"), POLICIES[:2])
 def test_updates_with_remat_train_as_without(remat, exact):
     """Two updates, each on its own layer: one checkpointed by its own `remat=`, then
@@ -184,6 +187,7 @@ def test_a_stateful_loss_in_microbatches_trains_as_without():
     assert_trees_equal(result.state, without.state)
 
 
+@pytest.mark.slow
 def test_the_plan_counts_the_models_flops_and_compiles_the_checkpointed_run():
     """The FLOPs per step (and so the MFU) are the model's with and without `remat=`: the
     forward pass computed again is not counted. The plan compiles the checkpointed run,

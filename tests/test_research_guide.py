@@ -216,6 +216,7 @@ def setup_of(block: str) -> str:
     return found[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block",
     [

@@ -41,6 +41,7 @@ def refused(directory, *what):
     return rf"written by a run that differs from this one.*{'.*'.join(said)}.*allow_changes"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "before, after, named",
     [
@@ -72,6 +73,7 @@ def test_another_metric_configuration_is_refused(tmp_path, before, after, named)
     np.testing.assert_allclose(result.history["val_m"][2], alone["m"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_another_learning_rate_is_refused(tmp_path):
     model, data, kwargs = problem()
     first = eqfit.fit(model, data, epochs=2, checkpoint=tmp_path, **kwargs)
@@ -95,6 +97,7 @@ def test_another_learning_rate_is_refused(tmp_path):
     np.testing.assert_array_equal(result.history.loss[2:], by_hand.history.loss)
 
 
+@pytest.mark.slow
 def test_another_injected_learning_rate_is_refused_and_allowed_takes_effect(tmp_path):
     """`inject_hyperparams` keeps the rate in the optimizer's state, which the checkpoint
     holds: an allowed change must take the new one, not go on with the checkpoint's.
@@ -131,6 +134,7 @@ def test_another_rate_given_in_opt_state_is_refused(tmp_path):
         eqfit.fit(model, data, opt_state=state(0.05), epochs=3, checkpoint=tmp_path, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["arrays", "memmaps"])
 def test_other_training_data_of_the_same_shapes_is_refused(tmp_path, kind):
     model, (x, y), kwargs = problem()
@@ -150,6 +154,7 @@ def test_other_training_data_of_the_same_shapes_is_refused(tmp_path, kind):
     np.testing.assert_array_equal(result.history.epoch, [1, 2, 3])
 
 
+@pytest.mark.slow
 def test_other_validation_data_is_refused(tmp_path):
     model, data, kwargs = problem()
     val, other = regression_data(jax.random.key(3), 8, 3), regression_data(jax.random.key(4), 8, 3)
@@ -219,6 +224,7 @@ def test_several_changes_are_named_together(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_fingerprints_resumes_unchecked(tmp_path):
     """An earlier eqfit's checkpoints keep no fingerprints: they resume as before."""
     model, data, kwargs = problem()
@@ -315,6 +321,7 @@ def test_load_refuses_another_architecture(tmp_path):
         eqfit.load(tmp_path / "pair.eqx", like=Pair(zeros, jax.numpy.zeros((3, 2))))
 
 
+@pytest.mark.slow
 def test_load_names_another_activation(tmp_path):
     """The difference is named, not hidden behind the first leaves of both sides."""
     x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)

@@ -83,6 +83,7 @@ def whole_record_instructions(hlo: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_no_step_passes_over_the_whole_record(case):
     kwargs = dict(CASES[case])
@@ -176,6 +177,7 @@ def step_loop_bodies(hlo: str) -> list[list[str]]:
     return bodies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case", ["loss", "aux", "metric", "norms", "schedules", "validation_every", "updates"]
 )
@@ -212,6 +214,7 @@ def test_a_step_writes_its_record_and_leaves_the_rest_to_its_stretchs_end(case, 
         assert len(counts) <= 2, counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [
@@ -250,6 +253,7 @@ def test_the_stretchs_bookkeeping_is_the_steps_bit_for_bit(extra):
         np.testing.assert_array_equal(values, stretch.values[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_inside_a_stretch_stops_the_run_there():
     """The step whose loss is not finite is the last one run, recorded with its batch
     size, and the run says why it stopped (`on_nan="stop"`).
@@ -318,6 +322,7 @@ def loop_bodies(hlo: str) -> list[list[tuple[str, str, list[str]]]]:
     return [inside(body) for body in re.findall(r" while\(.*?body=%?([\w.\-]+)", hlo)]
 
 
+@pytest.mark.slow
 def test_members_that_all_run_step_unmasked():
     """While every member of an ensemble runs, its steps run in a loop of their own, with
     no mask of each member's step: each weight matrix and its optimizer state selected
@@ -359,6 +364,7 @@ def test_members_that_all_run_step_unmasked():
     assert any(selects(body) == kept and not reads_record(body) for body in steps)
 
 
+@pytest.mark.slow
 def test_members_stopped_apart_by_a_nan_record_and_train_as_each_alone():
     """A row that makes the loss NaN, which each member's own shuffle puts at its own
     step: each member stops there, mid-epoch, having recorded and trained as it would
@@ -420,6 +426,7 @@ def kernels(model, data, **kwargs):
     return step_kernels(plan.compiled.as_text())
 
 
+@pytest.mark.slow
 def test_a_label_check_costs_a_step_a_reduction_and_a_select():
     """Labels checked in a step (a stateful metric's, a ready loss's) cost it a reduction
     over the batch and the select that keeps the first bad label, carried as one array

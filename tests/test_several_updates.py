@@ -344,6 +344,7 @@ class Seeded(eqfit.AbstractUpdate):
         return eqfit.Applied(model, state, model_state, {"first": state[0]})
 
 
+@pytest.mark.slow
 def test_an_updates_init_gets_a_key_of_its_own_per_member(getkey):
     members = 3
     key = jax.random.key(5)
@@ -385,6 +386,7 @@ def test_numpy_integers_are_integers_for_every_and_samples():
     assert np.isfinite(result.history["b_loss"]).all()
 
 
+@pytest.mark.slow
 def test_an_update_with_no_optimizer_is_refused_where_it_is_built():
     # In a plain process: the tests' jaxtyping hook checks a Module's fields by their
     # annotations first, which a user's `import eqfit` does not.

@@ -75,6 +75,7 @@ def specs(model):
     return [a.sharding.spec for a in arrays(model)]
 
 
+@pytest.mark.slow
 def test_fsdp_holds_an_eighth_per_device(problem):
     model, data, kw = problem
     result = eqfit.fit(

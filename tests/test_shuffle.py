@@ -160,6 +160,7 @@ def test_consecutive_epochs_are_uncorrelated(shuffle, n):
     assert abs(_z_chi_square(statistic, len(rho))) < Z_MAX
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("validation_every", [None, 37])
 def test_a_shuffled_pass_trains_on_the_rows_one_step_at_a_time_would(validation_every):
     # A shuffled pass over arrays in memory on the CPU gathers the rows of many steps at

@@ -422,6 +422,7 @@ def test_metrax_shapes_that_broadcast_are_refused(xy):
     np.testing.assert_allclose(got["mse"], by_hand, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_metrax_metrics_of_probabilities_refuse_logits(binary, model):
     x, y = binary
     # Before: `metrax.AUCROC` given logits gave 0.247 for 0.281, without a word.

@@ -43,6 +43,7 @@ def visits(n, **fit_kwargs):
     return -np.asarray(result.model), result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", PROGRESS)
 def test_steps_per_epoch_draws_from_continuing_passes(progress):
     # 10 samples in batches of 4: a pass is 4, 4 and a remainder of 2. Epochs of 3 steps
@@ -58,6 +59,7 @@ def test_steps_per_epoch_draws_from_continuing_passes(progress):
     assert counts.sum() == 4 * 10 + 4 and set(counts.tolist()) == {4.0, 5.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", PROGRESS)
 def test_an_epoch_of_whole_passes_is_those_passes(progress):
     # 10 samples in batches of 4: a pass is 4, 4 and a remainder of 2. Epochs of two whole
@@ -162,6 +164,7 @@ def test_epochs_are_counted_from_one_everywhere(problem, tmp_path, capsys):
     assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", PROGRESS)
 def test_early_stopping_infers_the_direction_from_the_name(problem, progress):
     """Accuracy-like names are maximised, as Keras infers: minimised, an accuracy that
@@ -218,6 +221,7 @@ def early_stopping_run(stopping, values):
     ).history
 
 
+@pytest.mark.slow
 def test_early_stopping_patience_baseline_and_start_from_epoch():
     # The metric sees the model before the epoch's step, so epoch e sees values[e - 1].
     # patience=0: stop at the first epoch that does not improve.

@@ -91,6 +91,7 @@ def data_of(kind, arrays, memmaps, batch):
     return Batches(arrays, batch, with_len=kind == "loader")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, way",
     [
@@ -129,6 +130,7 @@ def _keyless(model, x, labels, mask):
     return eqfit.Mean.of(ce, mask)
 
 
+@pytest.mark.slow
 def test_a_memmap_streams_in_chunks_of_many_batches(arrays, tmp_path, model):
     # A set larger than one chunk (32 MiB) of a wide sample: several chunks, the last one
     # padded, then the smaller last batch; the values still those of arrays in memory.
@@ -353,6 +355,7 @@ class Normed(eqx.Module):
         return self.norm(self.linear(x), state)
 
 
+@pytest.mark.slow
 def test_a_stateful_model_and_a_precision_stream_as_in_memory(arrays, memmaps):
     model, state = eqx.nn.make_with_state(Normed)(jax.random.key(2))
     # Running statistics that are not the initial ones: a few training steps' worth.

@@ -91,6 +91,7 @@ def assert_same_run(got, expected, exact_values=False):
     assert_trees_close(got.model, expected.model, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["memmaps", "loader", "loader without len"])
 def test_validation_streams_every_kind_of_data_as_arrays_in_memory(kind, problem):
     train, val, _ = problem
@@ -138,6 +139,7 @@ WAYS = {
 HEAVY = ("devices", "mesh", "early stopping", "ema")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "way", [pytest.param(w, marks=pytest.mark.heavy) if w in HEAVY else w for w in WAYS]
 )
@@ -151,6 +153,7 @@ def test_streamed_validation_on_every_way_of_running(way, problem, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_streamed_validation_of_an_ensemble_validates_each_member(problem):
     train, val, memmaps = problem
     keys = jax.random.split(jax.random.key(4), 3)
@@ -164,6 +167,7 @@ def test_streamed_validation_of_an_ensemble_validates_each_member(problem):
     np.testing.assert_allclose(got.history["val_loss"][-1, 1], alone["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_named_sets_stream_each_its_own_way(problem):
     train, val, memmaps = problem
     half = tuple(a[:40] for a in val)
@@ -256,6 +260,7 @@ def test_a_validation_iterator_that_plan_read_is_refused_by_fit(problem):
     assert_same_run(got, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("way", ["whole run", "per step"])
 def test_a_stopped_run_reads_its_validation_sets_no_more(way, problem):
     # Early stopping ends the run at epoch 2 of 6 (the loss falls, "max" mode wants it to

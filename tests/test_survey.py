@@ -502,6 +502,7 @@ def without_the_hook(name):
         jaxtyping.config.update("jaxtyping_disable", was)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, call, answer", CASES, ids=[c[0] for c in CASES])
 def test_survey(name, call, answer, tmp_path):
     with without_the_hook(name):

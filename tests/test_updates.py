@@ -242,6 +242,7 @@ def assert_changed(after: Any, before: Any) -> None:
     assert all(not np.array_equal(a, b) for a, b in zip(after_leaves, before_leaves))
 
 
+@pytest.mark.slow
 def test_a_dcgan_trains_as_the_notebooks_loop_of_two_steps():
     gan, state, latents, images = problem()
     result = fit_gan(gan, state, latents, images)
@@ -274,6 +275,7 @@ def test_a_dcgan_trains_as_the_notebooks_loop_of_two_steps():
     np.testing.assert_allclose(history["loss"], [total], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_update_every_five_steps_runs_on_steps_five_and_ten_only():
     gan, state, latents, images = problem()
     result = fit_gan(gan, state, latents, images, g_every=5)

@@ -73,6 +73,7 @@ def kwargs(**more):
     )
 
 
+@pytest.mark.slow
 def test_each_validation_equals_evaluate_of_that_steps_model(problem):
     train, val, _ = problem
     result = eqfit.fit(model_of(), train, validation_data=val, **kwargs())
@@ -125,6 +126,7 @@ WAYS = {
 HEAVY = ("devices", "per step on devices", "mesh", "loader per step")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "way", [pytest.param(w, marks=pytest.mark.heavy) if w in HEAVY else w for w in WAYS]
 )
@@ -271,6 +273,7 @@ def test_keep_best_keeps_the_best_validation(problem, tmp_path):
     assert manifest["monitor"] == {"name": "val_loss", "value": expected}
 
 
+@pytest.mark.slow
 def test_a_resumed_run_validates_as_one_never_stopped(problem, tmp_path):
     train, val, _ = problem
     whole = eqfit.fit(model_of(), train, validation_data=val, **kwargs())
@@ -346,6 +349,7 @@ def test_a_log_shows_each_validation_before_its_epoch(problem, capsys):
     assert any(line.startswith(f"step 5: val_loss={first:.4g} ") for line in lines)
 
 
+@pytest.mark.slow
 def test_mlflow_logs_each_validation_at_its_step(problem, tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -49,6 +49,7 @@ def mse_and_half(model, x, y):
     return value, {"half": value / 2}
 
 
+@pytest.mark.slow
 def test_each_named_set_is_evaluated_and_recorded_by_its_name(getkey, problem):
     model, data, sets = problem
     result = both_paths(
@@ -192,6 +193,7 @@ def test_early_stopping_waits_for_validated_epochs(getkey, problem):
     assert seen[1] == seen[3] == result.history.val_loss[1]
 
 
+@pytest.mark.slow
 def test_named_sets_in_an_ensemble(getkey, problem):
     model, data, sets = problem
     members = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]) if eqx.is_array(a) else a, model)
