@@ -2,6 +2,8 @@
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from helpers import assert_trees_equal, programs_made, regression_data
 
@@ -53,3 +55,43 @@ def test_a_configuration_reads_how_to_make_its_state_once(getkey):
         assert_trees_equal(result.model, results[0].model)
         assert_trees_equal(result.opt_state, results[0].opt_state)
         assert_trees_equal(result.history.step_loss, results[0].history.step_loss)
+
+
+class _Bias(eqx.Module):
+    """A model whose array's shape is not in its structure: of any size, one configuration."""
+
+    b: jax.Array
+
+    def __call__(self, x):
+        return x.sum() + self.b.sum()
+
+
+def _bias_loss(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def test_a_configuration_given_arrays_of_other_shapes_makes_their_state(getkey):
+    # One configuration, fitted with a bias of three, then five, then three entries: each
+    # fit's state is made for its own arrays, not as an earlier fit's was.
+    x, y = regression_data(getkey(), 32)
+    optimizer, key, results = optax.adam(1e-2), getkey(), []
+    for size in (3, 5, 3):
+        model = _Bias(jnp.arange(size, dtype=jnp.float32))
+        results.append(
+            eqfit.fit(
+                model,
+                (x, y),
+                loss=_bias_loss,
+                optimizer=optimizer,
+                key=key,
+                epochs=1,
+                batch_size=16,
+                progress=False,
+            )
+        )
+    for result, size in zip(results, (3, 5, 3)):
+        adam, _ = result.opt_state
+        assert result.model.b.shape == adam.mu.b.shape == adam.nu.b.shape == (size,)
+        assert np.all(np.isfinite(result.history.loss))
+    assert_trees_equal(results[2].model, results[0].model)
+    assert_trees_equal(results[2].opt_state, results[0].opt_state)

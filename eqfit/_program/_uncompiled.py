@@ -164,12 +164,12 @@ class _Fills:
 
 def _signature(treedef: Any, leaves: list[Any]) -> Hashable | None:
     """What a trace of the program on arguments `leaves` (of tree `treedef`) depends on, as
-    `jax.jit`'s own cache of traces keys it; `None` for a leaf that is no array (its trace
-    then says what is wrong).
+    `jax.jit`'s own cache of traces keys it; `None` for a leaf that is no array, or out of
+    its type's range (its trace then says what is wrong, as `jax.jit` does).
     """
     try:
         avals = tuple(map(jax.typeof, leaves))
-    except TypeError:
+    except (TypeError, OverflowError):
         return None
     return treedef, avals, jax.config.read("jax_enable_x64")
 
