@@ -118,7 +118,7 @@ def replay(
     and the outcome is the run's own.
     """
     loop = outcome.loop
-    step = int(np.asarray(loop.placement.host(outcome.report.nan_step)).max())
+    step = int(np.asarray(outcome.read.nan_step).max())
     cut = outcome.interrupted or outcome.failure is not None
     if not loop.step.replays or step < 0 or cut:
         return None
@@ -162,7 +162,7 @@ def _replayed(
         why = f"it failed ({type(e).__name__}: {e}), so the model returned is the one after it"
         return Replayed(outcome, begin, time.perf_counter() - began, why)
     r = replayed.state
-    reached = int(np.asarray(placement.host(r.step)).max())
+    reached = int(np.asarray(replayed.read.step).max())
     failed = None
     if replayed.failure is not None or reached != step:
         cause = replayed.failure or ("a signal" if interrupt.requested else "the data's end")
@@ -170,7 +170,7 @@ def _replayed(
             f"{cause} stopped it at step {reached}, so the model returned is the one after "
             f"step {reached} (counted from 1)"
         )
-    elif not _same_losses(placement.host(r.step_loss), placement.host(outcome.state.step_loss)):
+    elif not _same_losses(replayed.read.step_loss, outcome.read.step_loss):
         warnings.warn(
             "The replay of the run up to its non-finite step computed other losses than the "
             "run did: the loader gave other batches the second time (an unseeded shuffle), "

@@ -127,7 +127,7 @@ def finish(
         raise TrainingInterrupted(result, outcome.signal or "SIGINT")
     try:
         sets = None if loop.validation is None else loop.validation.sets
-        raise_found(outcome.report.label_error, loop.members is not None, sets)
+        raise_found(outcome.read.label_error, loop.members is not None, sets)
     except ValueError as e:
         e.result = result  # type: ignore[attr-defined]
         raise
@@ -141,7 +141,7 @@ def finish(
             stacklevel=3,
         )
     _warn_of_nan_monitor(loop, result.history)
-    nan_steps = np.asarray(loop.placement.host(outcome.report.nan_step)).reshape(-1).tolist()
+    nan_steps = np.asarray(outcome.read.nan_step).reshape(-1).tolist()
     if loop.step.on_nan == "skip" or max(nan_steps) < 0:
         return result
     i = next(i for i, t in enumerate(nan_steps) if t >= 0)
@@ -229,7 +229,7 @@ def _entry(values: dict[str, np.ndarray], name: str) -> np.ndarray | None:
 
 def outcome_epochs(loop: Loop, outcome: Outcome) -> list[int]:
     """Epochs of this run that each member had a step in (a cut-short one counts)."""
-    steps = np.asarray(loop.placement.host(outcome.report.step)).reshape(-1)
+    steps = np.asarray(outcome.read.step).reshape(-1)
     return [loop.schedule.run_epochs(int(t)) for t in steps.tolist()]
 
 
@@ -258,18 +258,12 @@ def _result(
     """The result of a run, from its final state and the last call's report, and why
     each member stopped.
     """
-    report, state, placement, schedule = (
-        outcome.report,
-        outcome.state,
-        loop.placement,
-        loop.schedule,
-    )
+    report, state, read, schedule = outcome.report, outcome.state, outcome.read, loop.schedule
     steps, codes, best = (
-        np.asarray(x).reshape(-1)
-        for x in placement.host((report.step, report.reason, report.best_epoch))
+        np.asarray(x).reshape(-1) for x in (read.step, read.reason, read.best_epoch)
     )
-    table, step_loss, step_values, sizes = placement.host(
-        (report.epoch_values, state.step_loss, state.step_values, state.batch_sizes)
+    table, step_loss, step_values, sizes = map(
+        np.asarray, (read.epoch_values, read.step_loss, read.step_values, read.batch_sizes)
     )
     wall_time = time.perf_counter() - began  # `began`: when `fit` began
     ensemble = loop.members is not None
@@ -306,7 +300,7 @@ def _result(
             if name in loop.record.shown  # a weighted mean's weights are not shown
         },
         _throughput(outcome.epoch_figures, schedule.first_epoch, rows),
-        *_validations(loop, placement.host(state.validations), squeeze),
+        *_validations(loop, read.validations, squeeze),
         tuple(best_steps) if ensemble else best_steps[0],
         microbatches=loop.step.microbatches,
     )
@@ -314,7 +308,7 @@ def _result(
         params, model_state, average = report.trained
     else:
         params, model_state, average = state.params, state.model_state, state.average
-    params, model_state, opt_state, average = placement.get(
+    params, model_state, opt_state, average = loop.placement.get(
         (params, model_state, state.opt_state, average)
     )
     ema_model = None if average is None else model_from(loop, average, consts)

@@ -43,7 +43,7 @@ from ._program._loop import Loop
 from ._program._options import Options
 from ._program._parallel import OneDevice, placement_devices, split_count
 from ._program._schedule import Schedule
-from ._program._start import made_before, mark_made, start_program
+from ._program._start import made_before, mark_made, start_key, start_program
 from ._program._state import Inputs, StartArgs, TrainState
 from ._program._uncompiled import without_compiling
 from ._replay import replay, replays
@@ -143,7 +143,7 @@ def begin_state(ready: Ready) -> tuple[TrainState | Starting, PyTree]:
     inputs = loop.placement.start_inputs(ready.start, loop.trains)
     program = start_program(loop)
     if isinstance(loop.placement, OneDevice) and options.members is None and not made_before(loop):
-        made = without_compiling(program, inputs)
+        made = without_compiling(program, inputs, start_key(loop))
         if made is not None:
             return made
         if not ready.keeping.resumes:

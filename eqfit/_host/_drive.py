@@ -21,8 +21,9 @@ from .._keep._checkpoint import CheckpointError
 from .._program._calls import Program, program_key
 from .._program._compile import PROGRAM_CACHE, Starting
 from .._program._loop import Loop
+from .._program._parallel import copying
 from .._program._records import learned_state
-from .._program._state import Report, Steps, Stop, TrainState
+from .._program._state import Ending, Report, Steps, Stop, Taken, TrainState
 from ._feeds import DataError, Feed, feeds as feeds, from_data
 from ._observers import Costs, Observer, Progress, Throughput
 from ._signals import Interrupt
@@ -59,6 +60,7 @@ class Outcome(NamedTuple):
     # What ended the drive early, to raise with the result: a checkpoint that could not
     # be written, or an error of the data's (a loader that raised).
     failure: BaseException | None
+    read: Ending  # what the result reads of `report` and `state`, on the host
     # Each epoch's wall seconds, steps and samples per second (`Throughput.epoch`).
     epoch_figures: dict[int, dict[str, float]] = {}
 
@@ -205,6 +207,8 @@ class _Reader:
         device meanwhile, writing a checkpoint, reads a call long done).
         """
         steps, seconds = 0, 0.0
+        # Every copy begun before any read waits: the reads wait one transfer in all.
+        copying([Taken.of(r) for r, *_ in self.in_flight[: max(len(self.in_flight) - keep, 0)]])
         while len(self.in_flight) > keep:
             calls = [self.in_flight.pop(0)]
             calls[0][3].wait()
@@ -236,8 +240,8 @@ class _Reader:
         if report.steps is not None:  # the first epoch, while it teaches its length
             columns = np.arange(call_begin, call_stop) % schedule.columns
             self.first_epoch.add(placement.host(report.steps), columns)
-        host = placement.host((report.step, report.reason, report.epoch_loss, report.epoch_values))
-        step, reason, epoch_loss, table = (np.asarray(x) for x in host)
+        taken = placement.host(Taken.of(report)._replace(steps=None))  # its steps: above
+        step, reason, table = map(np.asarray, (taken.step, taken.reason, taken.epoch_values))
         stopped = bool((reason != Stop.RUNNING).all())
         position = max(int(step.max()), self.done)  # members stopped early are behind
         begin, self.done = self.done, position
@@ -259,7 +263,7 @@ class _Reader:
         if ended and ended[-1][0] == schedule.epoch_of(last):
             loss = ended[-1][1]["loss"]  # at the epoch's end: its own value, as recorded
         else:  # inside an epoch: its running mean (of the members still training)
-            losses = epoch_loss.reshape(-1)
+            losses = np.asarray(taken.epoch_loss).reshape(-1)
             finite = losses[np.isfinite(losses)]
             loss = float(finite.mean()) if finite.size else float("nan")
         progress = Progress(
@@ -461,6 +465,9 @@ class Drive:
 
     def end(self) -> None:
         """The last reports read, and the observers told the run's end."""
+        if self.report is not None and not self.loop.schedule.learning:
+            # What `outcome` reads, copied with the last reports (`learn` remakes the state's).
+            copying(Ending.of(self.report, self.state()))
         self.read_all()
         mean = self.reader.clock.mean()
         if mean is not None:  # the whole run's, for the next run's calls
@@ -517,6 +524,7 @@ class Drive:
             interrupted=self.second_ctrl_c or interrupt.requested,
             signal=interrupt.signal or ("SIGINT" if self.second_ctrl_c else None),
             failure=self.failure,
+            read=self.loop.placement.host(Ending.of(self.report, self.state())),
             epoch_figures=self.reader.epoch_figures,
         )
 

@@ -95,7 +95,12 @@ def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*me
     """
     fn = functools.partial(start, loop)
     options = None if any(not u.loss for u in loop.updates) else START_OPTIONS
-    return PROGRAM_CACHE.get(("start", loop), lambda: jax.jit(fn, compiler_options=options))
+    return PROGRAM_CACHE.get(start_key(loop), lambda: jax.jit(fn, compiler_options=options))
+
+
+def start_key(loop: Loop) -> tuple[str, Loop]:
+    """Where `start_program(loop)` is cached (with what is known of it)."""
+    return ("start", loop)
 
 
 def made_before(loop: Loop) -> bool:
@@ -103,12 +108,12 @@ def made_before(loop: Loop) -> bool:
     of the configuration then queues it at once, with nothing traced, lowered or put on
     the device from the host (each of which an accelerator waits for).
     """
-    return bool(PROGRAM_CACHE.fact(("start", loop), "made"))
+    return bool(PROGRAM_CACHE.fact(start_key(loop), "made"))
 
 
 def mark_made(loop: Loop) -> None:
     """Notes that `start_program(loop)` made a state (`made_before`)."""
-    PROGRAM_CACHE.set_fact(("start", loop), "made", True)
+    PROGRAM_CACHE.set_fact(start_key(loop), "made", True)
 
 
 START_OPTIONS = {"xla_backend_optimization_level": 0}

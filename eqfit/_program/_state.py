@@ -248,3 +248,54 @@ class Report(NamedTuple):
     # step), NaN for one not reached.
     logs: Float[Array, "*members rows values"] | None = None
     validations: Validations | None = None  # with `validation_every=`: the state's
+
+
+class Taken(NamedTuple):
+    """What the host reads of each call's report as it takes it (`_drive._Reader`), beside
+    what it reads only when due (the n-th steps' values, the validations).
+    """
+
+    step: Int[ArrayLike, "*members"]
+    reason: Int[ArrayLike, "*members"]
+    epoch_loss: Float[ArrayLike, "*members"]
+    epoch_values: Float[ArrayLike, "*members epochs logs"]
+    steps: Steps | None  # while the epoch's length is learned
+
+    @staticmethod
+    def of(report: Report) -> "Taken":
+        return Taken(
+            report.step, report.reason, report.epoch_loss, report.epoch_values, report.steps
+        )
+
+
+class Ending(NamedTuple):
+    """What the host reads of a run at its end, in one go (`_drive.Drive.outcome`): the
+    last report's, and the final state's record, for the result (`_result.py`), its
+    errors and a replay.
+    """
+
+    step: Int[ArrayLike, "*members"]
+    reason: Int[ArrayLike, "*members"]
+    nan_step: Int[ArrayLike, "*members"]
+    label_error: LabelError
+    best_epoch: Int[ArrayLike, "*members"]
+    epoch_values: Float[ArrayLike, "*members epochs logs"]
+    step_loss: Float[ArrayLike, "*members rows steps"]
+    step_values: Float[ArrayLike, "*members rows steps values"]
+    batch_sizes: Int[ArrayLike, "*members rows steps"]
+    validations: Validations | None
+
+    @staticmethod
+    def of(report: Report, state: TrainState) -> "Ending":
+        return Ending(
+            report.step,
+            report.reason,
+            report.nan_step,
+            report.label_error,
+            report.best_epoch,
+            report.epoch_values,
+            state.step_loss,
+            state.step_values,
+            state.batch_sizes,
+            state.validations,
+        )

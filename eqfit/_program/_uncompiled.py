@@ -6,9 +6,15 @@ XLA:CPU takes tens of milliseconds to compile even such a program, and it compil
 every core there is: a first `fit` on a small machine waits for that, or shares the host
 with it while it traces the run. Copies of the arguments and filled numpy arrays put on
 the device are the same arrays, bit for bit, and compile nothing.
+
+How the outputs are made is read off the program's jaxpr once per configuration and kept
+with its compiled programs (`Recipe`, a fact of `PROGRAM_CACHE`): a later `fit` of it
+traces nothing, and puts its arrays on the device in one call.
 """
 
 import dataclasses
+import math
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -16,64 +22,51 @@ import numpy as np
 from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
+from ._compile import PROGRAM_CACHE
+
 
 # Filled arrays are made in the host's memory, then copied to the device: beyond this many
 # bytes of them, a compiled program that writes them on the device is the cheaper.
 FILL_BYTES = 1 << 26
+# A configuration's filled arrays are kept in the host's memory (for its later fits) up to
+# this many bytes of them; beyond, each `fit` fills them anew.
+KEPT_FILL_BYTES = 1 << 24
 
 
-def without_compiling(program: Any, args: tuple[Any, ...]) -> PyTree | None:
-    """What `program(*args)` returns (`program` a `jax.jit` function), made without
-    compiling it where its jaxpr only copies its arguments (or drops their weak types:
-    `strongly_typed`) and broadcasts constants (at most `FILL_BYTES` of them, and of the
-    weakly typed arguments), with no effects (a `jax.debug.callback` in an `init` runs, as
-    compiled): each output a copy of its argument (wherever that lies) or a filled array
-    on JAX's default device. `None` where it does anything else: then compile it.
+def without_compiling(program: Any, args: tuple[Any, ...], key: Hashable) -> PyTree | None:
+    """What `program(*args)` returns (`program` a `jax.jit` function, cached in
+    `PROGRAM_CACHE` under `key`), made without compiling it where its jaxpr only copies
+    its arguments (or drops their weak types: `strongly_typed`) and broadcasts constants
+    (at most `FILL_BYTES` of them, and of the weakly typed arguments), with no effects (a
+    `jax.debug.callback` in an `init` runs, as compiled): each output a copy of its
+    argument (wherever that lies) or a filled array on JAX's default device, never an
+    alias of either. `None` where it does anything else: then compile it.
     """
-    traced = program.trace(*args)
-    jaxpr = traced.jaxpr.jaxpr
-    if jaxpr.constvars or jaxpr.effects:
+    leaves, treedef = jax.tree.flatten(args)
+    signature = _signature(treedef, leaves)
+    recipe = PROGRAM_CACHE.fact(key, "recipe")
+    if recipe is None or signature is None or recipe.signature != signature:
+        recipe = Recipe.of(program.trace(*args), signature)
+        if signature is not None:  # the newest only: one a program
+            PROGRAM_CACHE.set_fact(key, "recipe", recipe)
+    if recipe.outs is None:
         return None
-    made: dict[Any, _Make] = {
-        var: _copy(arg) for var, arg in zip(jaxpr.invars, jax.tree.leaves(args), strict=True)
-    }
-    filled = 0
-    for eqn in _used(jaxpr):
-        if len(eqn.outvars) != 1:
-            return None
-        (out,), (operand, *_) = eqn.outvars, eqn.invars
-        if eqn.primitive.name == "copy" and operand in made:
-            made[out] = made[operand]
-        elif _drops_weak_type(eqn) and operand in made:
-            filled += out.aval.size * out.aval.dtype.itemsize
-            made[out] = _strong(made[operand])
-        elif eqn.primitive.name == "broadcast_in_dim" and isinstance(operand, jex_core.Literal):
-            filled += out.aval.size * out.aval.dtype.itemsize
-            made[out] = _fill(operand.val, out.aval)
-        else:
-            return None
-    if filled > FILL_BYTES:
-        return None
-    outs = []
-    for var in jaxpr.outvars:
-        if isinstance(var, jex_core.Literal):
-            outs.append(_fill(var.val, var.aval))
-        elif var in made:
-            outs.append(made[var])
-        else:
-            return None
+    fills = recipe.fills()
+    values = [(fills if out.filled else leaves)[out.index] for out in recipe.outs]
     # Put on the device together, in one call: each its own call would pay JAX's dispatch.
-    put = jax.device_put([make.value for make in outs], may_alias=False)
-    return jax.tree.unflatten(traced.out_tree, [make.finish(x) for make, x in zip(outs, put)])
+    put = jax.device_put(values, may_alias=False)
+    return jax.tree.unflatten(recipe.out_tree, [o.finish(x) for o, x in zip(recipe.outs, put)])
 
 
 @dataclasses.dataclass(frozen=True)
-class _Make:
-    """An output of the program: `value` put on the device (a copy, never an alias: the
-    run donates the state), then `finish`ed.
+class _Out:
+    """An output of the program: an argument (`index` among the arguments' leaves) or,
+    `filled`, a filled array (`index` among `Recipe.fills()`), put on the device (a copy,
+    never an alias: the run donates the state), then `finish`ed.
     """
 
-    value: Any  # an argument, or an array filled in the host's memory
+    index: int
+    filled: bool = False
     strong: bool = False  # its weak type dropped
 
     def finish(self, x: jax.Array) -> jax.Array:
@@ -85,8 +78,100 @@ class _Make:
         return jax.device_put(np.asarray(x), where, may_alias=False)
 
 
-def _copy(arg: Any) -> _Make:
-    return _Make(arg)
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How the program's outputs are made from arguments of `signature`, read off its
+    jaxpr: each a copy of an argument or a filled array (`outs`, in the order of the
+    output's leaves, whose tree is `out_tree`); `outs` `None` where the program does
+    anything else. It holds none of the arguments.
+    """
+
+    signature: Hashable
+    outs: tuple[_Out, ...] | None
+    out_tree: Any = None
+    filled: tuple[tuple[Any, tuple[int, ...], np.dtype], ...] = ()  # value, shape, dtype
+    kept: tuple[np.ndarray, ...] | None = None  # the filled arrays, if kept
+
+    def fills(self) -> tuple[np.ndarray, ...]:
+        """The filled arrays, in the host's memory: kept, or made anew."""
+        if self.kept is not None:
+            return self.kept
+        return tuple(np.full(shape, value, dtype) for value, shape, dtype in self.filled)
+
+    @staticmethod
+    def of(traced: Any, signature: Hashable) -> "Recipe":
+        """The recipe of a program traced (`jax.jit(...).trace`) on arguments of
+        `signature`.
+        """
+        jaxpr = traced.jaxpr.jaxpr
+        none = Recipe(signature, None)
+        if jaxpr.constvars or jaxpr.effects:
+            return none
+        fills = _Fills()
+        made: dict[Any, _Out] = {var: _Out(i) for i, var in enumerate(jaxpr.invars)}
+        filled = 0
+        for eqn in _used(jaxpr):
+            if len(eqn.outvars) != 1:
+                return none
+            (out,), (operand, *_) = eqn.outvars, eqn.invars
+            if eqn.primitive.name == "copy" and operand in made:
+                made[out] = made[operand]
+            elif _drops_weak_type(eqn) and operand in made:
+                filled += out.aval.size * out.aval.dtype.itemsize
+                made[out] = dataclasses.replace(made[operand], strong=True)
+            elif eqn.primitive.name == "broadcast_in_dim" and isinstance(operand, jex_core.Literal):
+                filled += out.aval.size * out.aval.dtype.itemsize
+                made[out] = fills.out(operand.val, out.aval)
+            else:
+                return none
+        if filled > FILL_BYTES:
+            return none
+        outs = []
+        for var in jaxpr.outvars:
+            if isinstance(var, jex_core.Literal):
+                outs.append(fills.out(var.val, var.aval))
+            elif var in made:
+                outs.append(made[var])
+            else:
+                return none
+        recipe = Recipe(signature, tuple(outs), traced.out_tree, tuple(fills.filled))
+        if sum(math.prod(s) * d.itemsize for _, s, d in recipe.filled) > KEPT_FILL_BYTES:
+            return recipe
+        kept = recipe.fills()
+        for array in kept:  # put on the device at each fit, never written
+            array.setflags(write=False)
+        return dataclasses.replace(recipe, kept=kept)
+
+
+class _Fills:
+    """The distinct filled arrays a recipe puts (Adam's two states of a parameter share
+    their zeros in the host's memory; each is its own array on the device).
+    """
+
+    def __init__(self) -> None:
+        self.filled: list[tuple[Any, tuple[int, ...], np.dtype]] = []
+        self.index: dict[tuple[bytes, tuple[int, ...], np.dtype], int] = {}
+
+    def out(self, value: Any, aval: Any) -> _Out:
+        shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+        # By the value's bits: NaN is one value here, and 0.0 and -0.0 two.
+        key = (np.asarray(value, dtype).tobytes(), shape, dtype)
+        if key not in self.index:
+            self.index[key] = len(self.filled)
+            self.filled.append((np.asarray(value, dtype), shape, dtype))
+        return _Out(self.index[key], filled=True)
+
+
+def _signature(treedef: Any, leaves: list[Any]) -> Hashable | None:
+    """What a trace of the program on arguments `leaves` (of tree `treedef`) depends on, as
+    `jax.jit`'s own cache of traces keys it; `None` for a leaf that is no array, or out of
+    its type's range (its trace then says what is wrong, as `jax.jit` does).
+    """
+    try:
+        avals = tuple(map(jax.typeof, leaves))
+    except (TypeError, OverflowError):
+        return None
+    return treedef, avals, jax.config.read("jax_enable_x64")
 
 
 def _drops_weak_type(eqn: Any) -> bool:
@@ -94,14 +179,6 @@ def _drops_weak_type(eqn: Any) -> bool:
     if eqn.primitive.name != "convert_element_type":
         return False
     return eqn.params["new_dtype"] == eqn.invars[0].aval.dtype and not eqn.params["weak_type"]
-
-
-def _strong(make: _Make) -> _Make:
-    return dataclasses.replace(make, strong=True)
-
-
-def _fill(value: Any, aval: Any) -> _Make:
-    return _Make(np.full(aval.shape, value, aval.dtype))
 
 
 def _used(jaxpr: Any) -> list[Any]:
