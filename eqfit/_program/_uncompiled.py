@@ -96,7 +96,7 @@ class Recipe:
         """The filled arrays, in the host's memory: kept, or made anew."""
         if self.kept is not None:
             return self.kept
-        return tuple(np.full(shape, value, dtype) for value, shape, dtype in self.filled)
+        return tuple(_filled(value, shape, dtype) for value, shape, dtype in self.filled)
 
     @staticmethod
     def of(traced: Any, signature: Hashable) -> "Recipe":
@@ -160,6 +160,15 @@ class _Fills:
             self.index[key] = len(self.filled)
             self.filled.append((np.asarray(value, dtype), shape, dtype))
         return _Out(self.index[key], filled=True)
+
+
+def _filled(value: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array of `shape` filled with `value`: zeros by `np.zeros`, whose pages the host
+    maps (the zero page) only as they are read, where `np.full` writes every byte.
+    """
+    if not value.reshape(1).view(np.uint8).any():  # all bits 0 (not -0.0)
+        return np.zeros(shape, dtype)
+    return np.full(shape, value, dtype)
 
 
 def _signature(treedef: Any, leaves: list[Any]) -> Hashable | None:
