@@ -62,7 +62,10 @@ def as_data(data: Any, name: str = "data") -> PyTree:
     The same PyTree of JAX arrays. JAX arrays are not copied.
     """
     check_data(data, name)
-    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), data)
+    # `jax.device_put`, not `jnp.asarray`: JAX's `asarray` of a numpy array compiles a
+    # program for its shape (an identity, `stage`) and calls it, where `device_put`
+    # copies the array over, to the same array, with nothing compiled.
+    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jax.device_put(a), data)
 
 
 def data_kind(data: Any) -> Literal["arrays", "memmaps", "loader"]:

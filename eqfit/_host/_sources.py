@@ -232,8 +232,8 @@ class Memmaps(Streamed):
 
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Memmaps", PyTree]:
         train, held = held_out_rows(self.num_samples, fraction, key)
-        val = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a[held])), self.data)
-        return Memmaps(self.data, self.shuffle, self.seed, train), val
+        val = jax.tree.map(lambda a: np.asarray(a[held]), self.data)
+        return Memmaps(self.data, self.shuffle, self.seed, train), as_data(val)
 
     def read(self, start: int, stop: int) -> PyTree:
         """Training rows `start` to `stop` (of `self.rows` if set)."""
