@@ -220,14 +220,16 @@ def rows_of(data: PyTree, *rows: np.ndarray) -> tuple[PyTree, ...]:
     Taken on the host, with no program compiled, where `data` costs little to read:
     numpy arrays and memmaps (whose rows alone are read), arrays on the CPU (whose
     buffers are the host's), or arrays on an accelerator of at most `READ_WHOLE_BYTES`
-    in all, read whole; numpy arrays then. Larger arrays on an accelerator are gathered
-    where they are, by one program for all of `rows` (`_gathered`), which JAX compiles
-    once for their shapes and keeps: JAX arrays then.
+    in all, read whole; numpy arrays then. Larger arrays on an accelerator (and arrays
+    over several processes) are gathered where they are, by one program for all of
+    `rows` (`_gathered`), which JAX compiles once for their shapes and keeps: JAX arrays
+    then.
     """
     arrays = [a for a in jax.tree.leaves(data) if isinstance(a, jax.Array)]
     on_cpu = all(device.platform == "cpu" for a in arrays for device in a.devices())
-    if not on_cpu and sum(a.nbytes for a in arrays) > READ_WHOLE_BYTES:
-        return _gathered(data, rows)
+    small = sum(a.nbytes for a in arrays) <= READ_WHOLE_BYTES
+    if not (on_cpu or small) or not all(a.is_fully_addressable for a in arrays):
+        return _gathered(data, rows)  # (an array over several processes: all take part)
     # Each array read once (a memmap not even that; one on the CPU not copied), all its
     # rows taken from that one copy.
     host = jax.tree.map(np.asarray, data)
