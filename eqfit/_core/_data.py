@@ -62,7 +62,10 @@ def as_data(data: Any, name: str = "data") -> PyTree:
     The same PyTree of JAX arrays. JAX arrays are not copied.
     """
     check_data(data, name)
-    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), data)
+    # `jax.device_put`, not `jnp.asarray`: JAX's `asarray` of a numpy array compiles a
+    # program for its shape (an identity, `stage`) and calls it, where `device_put`
+    # copies the array over, to the same array, with nothing compiled.
+    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jax.device_put(a), data)
 
 
 def data_kind(data: Any) -> Literal["arrays", "memmaps", "loader"]:
@@ -185,30 +188,57 @@ FINGERPRINT_ROWS = 64
 def fingerprint(data: PyTree) -> str | None:
     """A cheap fingerprint of data with a row per sample (arrays in memory, memmaps): a
     hash of `FINGERPRINT_ROWS` rows spread evenly over its samples, of every array, with
-    their paths, shapes and dtypes. A memmap reads those rows alone; an array on an
-    accelerator gathers them there. `None` where an array is not all in this process (a
-    mesh over several): each process's rows differ.
+    their paths, shapes and dtypes. The rows are taken as `rows_of` takes them: a
+    memmap's read alone, compiling nothing where the data is cheap to read whole. `None`
+    where an array is not all in this process (a mesh over several): each process's
+    rows differ.
     """
     leaves = jax.tree_util.tree_leaves_with_path(data)
     if not leaves:
         return None
-    n = leaves[0][1].shape[0]
+    if any(isinstance(a, jax.Array) and not a.is_fully_addressable for _, a in leaves):
+        return None
+    arrays = [jax.random.key_data(a) if _is_key(a) else a for _, a in leaves]
+    n = arrays[0].shape[0]
     rows = np.unique(np.linspace(0, max(n - 1, 0), min(n, FINGERPRINT_ROWS)).astype(np.intp))
+    (samples,) = rows_of(arrays, rows)
     digest = hashlib.blake2b(digest_size=8)
-    for path, a in leaves:
-        if isinstance(a, jax.Array):
-            if not a.is_fully_addressable:
-                return None
-            if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-                a = jax.random.key_data(a)
-            on_cpu = all(d.platform == "cpu" for d in a.devices())
-            # On the CPU the array's own buffer, not copied; elsewhere its rows alone.
-            sample = np.asarray(a)[rows] if on_cpu else np.asarray(a[rows])
-        else:
-            sample = np.asarray(a[rows])
+    for (path, _), a, sample in zip(leaves, arrays, samples):
         digest.update(f"{jax.tree_util.keystr(path)} {a.shape} {a.dtype};".encode())
-        digest.update(np.ascontiguousarray(sample).tobytes())
+        digest.update(np.ascontiguousarray(np.asarray(sample)).tobytes())
     return digest.hexdigest()
+
+
+# JAX arrays on an accelerator of at most this many bytes in all are read to the host
+# whole where some of their rows are wanted (`rows_of`): a copy this small compiles
+# nothing, where taking the rows there compiles programs of their own.
+READ_WHOLE_BYTES = 4 * 2**20
+
+
+def rows_of(data: PyTree, *rows: np.ndarray) -> tuple[PyTree, ...]:
+    """`data`'s rows `rows[i]` (indices of its samples), a tree of arrays for each `i`.
+    Taken on the host, with no program compiled, where `data` costs little to read:
+    numpy arrays and memmaps (whose rows alone are read), arrays on the CPU (whose
+    buffers are the host's), or arrays on an accelerator of at most `READ_WHOLE_BYTES`
+    in all, read whole; numpy arrays then. Larger arrays on an accelerator (and arrays
+    over several processes) are gathered where they are, by one program for all of
+    `rows` (`_gathered`), which JAX compiles once for their shapes and keeps: JAX arrays
+    then.
+    """
+    arrays = [a for a in jax.tree.leaves(data) if isinstance(a, jax.Array)]
+    on_cpu = all(device.platform == "cpu" for a in arrays for device in a.devices())
+    small = sum(a.nbytes for a in arrays) <= READ_WHOLE_BYTES
+    if not (on_cpu or small) or not all(a.is_fully_addressable for a in arrays):
+        return _gathered(data, rows)  # (an array over several processes: all take part)
+    # Each array read once (a memmap not even that; one on the CPU not copied), all its
+    # rows taken from that one copy.
+    host = jax.tree.map(np.asarray, data)
+    return tuple(jax.tree.map(lambda a: a[r], host) for r in rows)
+
+
+@jax.jit
+def _gathered(data: PyTree, rows: tuple[Any, ...]) -> tuple[PyTree, ...]:
+    return tuple(jax.tree.map(lambda a: a[r], data) for r in rows)
 
 
 def sample_shapes(data: PyTree) -> list[list[Any]]:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast, NamedTuple, Protocol, runtime_checkable, TypeVar
 
 import jax
-import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._program._schedule import Schedule
@@ -288,10 +287,11 @@ class EpochModels(NamedTuple):
     make: Callable[[PyTree], tuple[Any, Any]]
 
 
-@jax.jit
 def copy_taken(tree: PyTree) -> PyTree:
-    """New buffers holding `tree`'s arrays, laid out as they are."""
-    return jax.tree.map(jnp.copy, tree)
+    """New buffers holding `tree`'s arrays, laid out as they are: the devices' copies,
+    queued behind the call that made them, with no program compiled.
+    """
+    return jax.device_put(tree, may_alias=False)
 
 
 class Costs(NamedTuple):

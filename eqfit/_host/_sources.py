@@ -26,6 +26,7 @@ from .._core._data import (
     check_data,
     fingerprint,
     num_samples,
+    rows_of,
     sample_shapes,
 )
 from .._program._schedule import (
@@ -132,8 +133,8 @@ class InMemory:
 
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["InMemory", PyTree]:
         train, held = held_out_rows(num_samples(self.data), fraction, key)
-        val = jax.tree.map(lambda a: a[held], self.data)
-        return InMemory(jax.tree.map(lambda a: a[train], self.data), train), val
+        kept, val = rows_of(self.data, train, held)  # on the device again in `as_data`
+        return InMemory(kept, train), as_data(val)
 
     def chunks(self, schedule: Schedule, begin: int, end: int) -> Iterator[Chunk]:
         yield Chunk(self.data, None, begin, end, schedule.batch_size)
@@ -232,8 +233,8 @@ class Memmaps(Streamed):
 
     def hold_out(self, fraction: float, key: Key[Array, ""]) -> tuple["Memmaps", PyTree]:
         train, held = held_out_rows(self.num_samples, fraction, key)
-        val = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a[held])), self.data)
-        return Memmaps(self.data, self.shuffle, self.seed, train), val
+        val = jax.tree.map(lambda a: np.asarray(a[held]), self.data)
+        return Memmaps(self.data, self.shuffle, self.seed, train), as_data(val)
 
     def read(self, start: int, stop: int) -> PyTree:
         """Training rows `start` to `stop` (of `self.rows` if set)."""

@@ -105,14 +105,39 @@ def write_leaves(file: io.BufferedIOBase | None, tree: PyTree) -> _Stream:
 
 def read_leaves(file: io.BufferedIOBase, like: PyTree) -> PyTree:
     """What `write_leaves` wrote, read into the shape of `like` (as
-    `eqx.tree_deserialise_leaves` reads it, PRNG keys as keys again).
+    `eqx.tree_deserialise_leaves` reads it, PRNG keys as keys again), each array checked
+    to be of `like`'s type, shape and dtype. Not by `eqx.tree_deserialise_leaves` itself,
+    which makes a JAX array (`jnp.array(0)`) to check against, compiling a program for it.
     """
-    read = eqx.tree_deserialise_leaves(file, keys_as_data(like))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(keys_as_data(like))
+    read = []
+    for path, x in leaves:  # in the order `eqx.tree_serialise_leaves` writes them
+        y = eqx.default_deserialise_filter_spec(file, x)
+        _check_read(path, y, x)
+        read.append(y)
+    read = jax.tree_util.tree_unflatten(treedef, read)
     return jax.tree.map(
         lambda x, k: jax.random.wrap_key_data(x, impl=jax.random.key_impl(k)) if _is_key(k) else x,
         read,
         like,
     )
+
+
+def _check_read(path: Any, read: Any, like: Any) -> None:
+    """Refuses a leaf `read` from a file that is not of the type of `like`'s (a JAX array
+    for a `jax.ShapeDtypeStruct`), or an array not of its shape and dtype.
+    """
+    where = jax.tree_util.keystr(path)
+    if isinstance(like, jax.ShapeDtypeStruct):
+        same_type = isinstance(read, jax.Array)
+    else:
+        same_type = type(read) is type(like)
+    if not same_type:
+        raise RuntimeError(f"The leaf at `{where}` read as {type(read)}, `like`'s is {type(like)}.")
+    if isinstance(read, np.ndarray | jax.Array):
+        got, want = f"{read.dtype}{list(read.shape)}", f"{like.dtype}{list(like.shape)}"
+        if got != want:
+            raise RuntimeError(f"The leaf at `{where}` read as {got}, `like`'s is {want}.")
 
 
 def _is_key(x: Any) -> bool:
