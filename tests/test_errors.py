@@ -161,6 +161,7 @@ def test_labels_out_of_range_are_named(classes, progress, label):
     np.testing.assert_array_equal(info.value.result.model.layers[0].weight, model.layers[0].weight)
 
 
+@pytest.mark.slow
 def test_labels_checked_by_every_ready_function(classes, getkey):
     model, x, kwargs = classes
     good = jnp.zeros(12, jnp.int32)

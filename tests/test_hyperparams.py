@@ -40,6 +40,7 @@ def train(problem, optimizer, **kwargs):
     return eqfit.fit(model, data, loss=eqfit.losses.mse, optimizer=optimizer, **kwargs)
 
 
+@pytest.mark.slow
 def test_an_injected_schedule_is_recorded_at_every_step(problem):
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE)
     history = train(problem, optimizer).history

@@ -231,6 +231,7 @@ def test_the_host_made_epoch_ends_report_the_same_values(way, data):
     assert [s for s, _ in told[0]] == [s for s, _ in told[1]] == [5, 10, 15, 20]
 
 
+@pytest.mark.slow
 def test_a_callback_that_never_stops_training_does_not_cut_the_run_at_epoch_ends(data):
     """A callback that never stops training and takes no model is told of every epoch and
     n-th step a call reached once the call is read, as the history is: the run is not cut

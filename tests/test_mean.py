@@ -358,6 +358,7 @@ def test_negative_weights_are_divided_as_they_are():
         assert np.isfinite(result.history.step_loss).all()
 
 
+@pytest.mark.slow
 def test_weights_that_cancel_train_on_a_zero_gradient():
     """A batch whose weights sum to 0 while its total does not records NaN and trains on
     a zero gradient (what its docs promise for a batch of weight 0), whole and in

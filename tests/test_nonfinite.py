@@ -105,6 +105,7 @@ def test_a_planted_nan_names_its_step_line_parameters_and_row():
     assert_trees_equal(e.result.model, hand)
 
 
+@pytest.mark.slow
 def test_the_row_is_found_where_the_shuffle_put_it_and_stop_keeps_it_in_the_history(tmp_path):
     x, y = data()
     model = Three(jax.random.key(0))
@@ -243,6 +244,7 @@ class Batches:
         return N // BATCH
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["loader", "devices"])
 def test_a_loaders_row_and_a_run_on_devices_are_replayed(where):
     x, y = data()
@@ -429,6 +431,7 @@ def test_no_guard_by_default_where_a_replay_can_give_the_bits_else_the_guard():
         eqfit.fit(Three(jax.random.key(0)), batches(), execution=UNGUARDED, **once)
 
 
+@pytest.mark.slow
 def test_with_no_guard_the_result_is_the_guarded_runs_with_norms_ema_and_restore_best():
     # Everything `fit` returns, the history's per-step values (the update's norm of the
     # non-finite step: 0, as the guard's skipped update records it) and `restore_best`'s

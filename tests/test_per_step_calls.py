@@ -44,6 +44,7 @@ def model():
     return eqfit.models.MLP(FEATURES, 1, 4, 1, key=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_a_per_step_program_writes_nothing_of_the_runs_length_beside_its_state():
     # The state's record (donated, written in place) grows with the run; what the program
     # writes besides it must not: 2 epochs or 40, the same bytes.

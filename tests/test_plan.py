@@ -374,6 +374,7 @@ def test_plan_arguments_are_parameters_optimizer_state_average_data_and_the_rest
     )
 
 
+@pytest.mark.slow
 def test_plan_arguments_hold_the_model_state_and_the_best_epochs_copy(getkey):
     from test_features import batchnorm_loss, BatchNormNet
 

@@ -531,6 +531,7 @@ def test_a_stateful_model_returns_aux_beside_its_state(getkey):
     assert not all(np.array_equal(a, b) for a, b in zip(new, old))
 
 
+@pytest.mark.slow
 def test_a_loader_trains_with_all_four_as_in_memory(everything):
     model, (x, y), kwargs = everything
     kwargs = {k: v for k, v in kwargs.items() if k not in ("validation_data", "validate_ema")}
@@ -555,6 +556,7 @@ def test_a_loader_trains_with_all_four_as_in_memory(everything):
         np.testing.assert_allclose(a, b, rtol=rtol)
 
 
+@pytest.mark.slow
 def test_fsdp_lays_out_the_average_as_the_parameters(getkey):
     model = eqfit.models.MLP(64, "scalar", 256, 2, key=getkey())
     x, y = regression_data(getkey(), 64, features=64)

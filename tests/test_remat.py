@@ -163,6 +163,7 @@ def test_updates_with_remat_train_as_without(remat, exact):
         assert_trees_close(checkpointed, plain, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_stateful_loss_in_microbatches_trains_as_without():
     """BatchNorm's state passes through the checkpointed forward pass of each microbatch."""
     net, state = eqx.nn.make_with_state(

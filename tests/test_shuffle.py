@@ -100,6 +100,7 @@ def _z_chi_square(statistic: float, dof: float) -> float:
 
 
 # A square, a prime (walking), 8 x 12, and the lopsided 5 x 10.
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [64, 61, 96, 50])
 @pytest.mark.parametrize("shuffle", SHUFFLES)
 def test_where_each_sample_lands_is_uniform(shuffle, n):

@@ -80,6 +80,7 @@ def test_a_loader_whose_len_is_wrong_is_refused_by_evaluate_and_predict(xy, mode
         eqfit.predict(model, Said(xy, length))
 
 
+@pytest.mark.slow
 def test_a_validation_loader_whose_len_is_wrong_is_refused_naming_the_set(xy, model):
     kwargs = dict(loss=eqfit.losses.mse, optimizer=SGD, key=jax.random.key(1), progress=False)
     with pytest.raises(ValueError, match=r"`len\(validation_data\)` is 10, but .* yielded 3"):
@@ -133,6 +134,7 @@ def mae(model, x, y):
     return jnp.mean(jnp.abs(jax.vmap(model)(x) - y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["in memory", "streamed"])
 def test_an_epoch_that_early_stopping_ends_inside_has_its_trained_steps_values(xy, model, where):
     x, y = xy

@@ -76,6 +76,7 @@ def test_an_epoch_of_whole_passes_is_those_passes(progress):
     np.testing.assert_array_equal(two.history.val_loss, one.history.val_loss[1::2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", PROGRESS)
 def test_every_epoch_happens_every_steps_per_epoch(problem, progress):
     """Validation, metrics, the history, callbacks and checkpoints go by the step budget."""

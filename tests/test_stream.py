@@ -173,6 +173,7 @@ def test_a_memmap_larger_than_the_memory_allowed(tmp_path):
     assert int(numbers["steps"]) == 192
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["mesh", pytest.param("devices", marks=pytest.mark.heavy)])
 def test_streaming_over_eight_devices_equals_in_memory(getkey, small_chunks, on_disk, parallel):
     import jax

@@ -198,6 +198,7 @@ def test_a_loader_that_fails_in_validation_hands_back_the_training(problem):
         eqfit.fit(model_of(), train, validation_data=Failing(val), **kwargs())
 
 
+@pytest.mark.slow
 def test_plan_counts_a_streamed_validation_pass(problem):
     train, val, memmaps = problem
     in_memory = eqfit.plan(model_of(), train, validation_data=val, **kwargs())
@@ -223,6 +224,7 @@ def test_a_loader_without_len_trains_and_a_loader_validates(problem):
     assert_same_run(got, expected)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_and_resumed_validates_as_one_never_stopped(problem, tmp_path):
     train, val, memmaps = problem
 
@@ -247,6 +249,7 @@ def test_a_run_stopped_and_resumed_validates_as_one_never_stopped(problem, tmp_p
     assert_same_run(resumed, once)
 
 
+@pytest.mark.slow
 def test_a_validation_iterator_that_plan_read_is_refused_by_fit(problem):
     train, val, _ = problem
     once = kwargs(epochs=1)

@@ -67,6 +67,7 @@ def test_epoch_seconds_add_up_to_the_training_and_mfu_stays_below_one(getkey):
     assert ((0 < mfu) & (mfu < 1)).all()
 
 
+@pytest.mark.slow
 def test_an_ensemble_is_timed_by_its_calls(getkey):
     """No clock inside a vmapped program: each call's seconds are shared among its
     steps, as the history's documentation says.

@@ -94,6 +94,7 @@ def fit(model, data, **kwargs):
     )
 
 
+@pytest.mark.slow
 def test_one_loss_fit_equals_a_hand_loop_of_update_apply():
     update = eqfit.Update("u", mse, optax.adam(0.01))
     model, states, per_step = hand_loop(pair(), [update], (X, Y))

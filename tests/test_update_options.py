@@ -223,6 +223,7 @@ def loss_b(m, x, y):
     return jnp.mean((jax.vmap(m.b)(x) - y) ** 2)
 
 
+@pytest.mark.slow
 def test_float16_scales_each_updates_loss_with_its_own_scale():
     """Two updates under float16's dynamic loss scaling, `b` every second step: each
     scale grows after 3 of its own finite steps, so `a`'s equals a run of `a` alone and

@@ -241,6 +241,7 @@ def test_named_sets_on_several_devices(getkey, problem, where):
         np.testing.assert_allclose(several.history[name], one.history[name], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_plan_counts_every_set(getkey, problem):
     model, data, sets = problem
     big = regression_data(getkey(), 4000)  # 80 kB, far above the program's own changes
@@ -353,6 +354,7 @@ def noisy_mse(model, x, y, *, key):
     return eqfit.losses.mse(model, x, y) + 0.1 * jax.random.normal(key)
 
 
+@pytest.mark.slow
 def test_validation_noise_is_fresh_and_reproducible(getkey, problem):
     model, data, sets = problem
     key = getkey()
@@ -374,6 +376,7 @@ def test_validation_noise_is_fresh_and_reproducible(getkey, problem):
         np.testing.assert_allclose(val[epoch - 1], got["loss"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_validation_leaves_the_training_keys_alone(getkey, problem):
     model, data, sets = problem
     kwargs = dict(loss=noisy_mse, optimizer=ADAM, key=getkey(), epochs=2, batch_size=8)
