@@ -30,7 +30,14 @@ from .._step._updates import AbstractUpdate, optimizer_of, run_loss
 from .._step._validation import Validation
 from .._step._validation_steps import AT_EPOCH_ENDS, StepValidation
 from ._options import StepOptions
-from ._parallel import CompilerOptions, microbatch_rows, OneDevice, param_specs, Placement
+from ._parallel import (
+    CompilerOptions,
+    microbatch_rows,
+    OneDevice,
+    param_specs,
+    Placement,
+    placement_devices,
+)
 from ._schedule import Schedule
 from ._skeleton import Skeleton, split_arrays, unwrap
 from ._state import Consts
@@ -212,6 +219,7 @@ class Loop:
             microbatch=self.microbatch(),
             batch=self.step.batch,
             guard=not self.step.replays,
+            guard_where=placement_devices(self.placement)[0].platform != "cpu",
             remat=self.step.remat,
         )
         return Rebuilt(objective, combine, step, init, lay_out)

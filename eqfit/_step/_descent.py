@@ -104,6 +104,8 @@ class UpdateContext(eqx.Module):
     # `False`: a non-finite update is applied too, with no `cond` around it (`fit`'s
     # `on_nan="raise"` and `"stop"`, which stop there and replay the last finite state).
     guard: bool = True
+    # The guard as a `where` over the state's leaves, not a `cond` (`Step.guard_where`).
+    guard_where: bool = False
     remat: Remat | None = None
     recompute: bool = True
 
@@ -250,18 +252,23 @@ class UpdateContext(eqx.Module):
 
         if norms:
             carry += (jnp.zeros((), jnp.float32),)
-        if self.guard or loss_scale is not None:
+        guarded = self.guard or loss_scale is not None
+        if guarded and not self.guard_where:
             # A `cond`, not a `where` over every leaf, which would compute and select the
             # whole update even for finite losses.
             applied = lambda carry: apply(carry, grads, extra, new_state)  # noqa: E731
             return jax.lax.cond(applies, applied, skip, carry)
-        # Applied whatever the loss (the run stops after a non-finite step, and its last
-        # finite state is replayed). Between barriers, which keep XLA from fusing the
-        # update with what surrounds it, as the `cond`'s branch did: the same arithmetic,
-        # so the same bits as a guarded run's.
+        # Between barriers, which keep XLA from fusing the update with what surrounds it,
+        # as the `cond`'s branch did: the same arithmetic, so the same bits as a guarded
+        # run's.
         arrays, static = eqx.partition((carry, grads, extra, new_state), eqx.is_array)
         out = apply(*eqx.combine(jax.lax.optimization_barrier(arrays), static))
         out = jax.lax.optimization_barrier(out)
+        if guarded:  # applied where `applies`, else the state as it was
+            keep = lambda n, o: jnp.where(applies, n, o) if eqx.is_array(n) else n  # noqa: E731
+            return jax.tree.map(keep, out, skip(carry))
+        # Else applied whatever the loss (the run stops after a non-finite step, and its
+        # last finite state is replayed).
         if norms:  # recorded as the guard's skipped update records it: 0
             out = (*out[:-1], jnp.where(applies, out[-1], 0.0))
         return out

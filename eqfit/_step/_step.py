@@ -93,8 +93,9 @@ class Step(eqx.Module):
     scale) itself (`whole`); several updates keep theirs in dicts by name.
 
     An update whose loss is not finite is not applied: one `lax.cond` per update, as
-    `optax.apply_if_finite` does, so the parameters are always the last finite ones and
-    every `on_nan` policy runs the same arithmetic. The caller decides whether to stop.
+    `optax.apply_if_finite` does (on an accelerator, `guard_where`: a `where` over the
+    state after it), so the parameters are always the last finite ones and every `on_nan`
+    policy runs the same arithmetic. The caller decides whether to stop.
     Without `guard`, each is applied whatever its loss (between barriers, with the same
     arithmetic): the caller stops there and replays the state before it.
     With a loss scale, an update whose gradient is not finite is skipped too, and its
@@ -124,6 +125,11 @@ class Step(eqx.Module):
     batch: bool = True
     # `False`: a non-finite update is applied too (`UpdateContext.guard`).
     guard: bool = True
+    # The guard as a `where` over the state's leaves after the update, computed between
+    # barriers as an unguarded one is, not as a `cond`: on an accelerator, whose scalar
+    # core waits for a `cond`'s predicate at every step and whose branch copies the state
+    # in and out (`benchmarks/accelerator.py --only guard`); the CPU keeps the `cond`.
+    guard_where: bool = False
     # With `remat=`: the policy each `eqfit.Update`'s forward pass is checkpointed by
     # (its own over it); `recompute` false: none is, whatever the policies, where the
     # step is traced to count its FLOPs (the model's).
@@ -301,6 +307,7 @@ class Step(eqx.Module):
             metrics=measures,
             metric_means=tuple(n for n in self.objective.means if n in self.objective.metric_names),
             guard=self.guard,
+            guard_where=self.guard_where,
             remat=self.remat,
             recompute=self.recompute,
         )
