@@ -128,7 +128,7 @@ class Step(eqx.Module):
     # The guard as a `where` over the state's leaves after the update, computed between
     # barriers as an unguarded one is, not as a `cond`: on an accelerator, whose scalar
     # core waits for a `cond`'s predicate at every step and whose branch copies the state
-    # in and out (`benchmarks/accelerator.py --only guard`); the CPU keeps the `cond`.
+    # in and out (`benchmarks/guards.py`); the CPU keeps the `cond`.
     guard_where: bool = False
     # With `remat=`: the policy each `eqfit.Update`'s forward pass is checkpointed by
     # (its own over it); `recompute` false: none is, whatever the policies, where the
