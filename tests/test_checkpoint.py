@@ -12,11 +12,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zlib
 from pathlib import Path
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -368,6 +370,32 @@ def test_save_and_load(getkey, tmp_path):
     skeleton, _ = eqx.filter_eval_shape(eqx.nn.make_with_state(BatchNormNet), getkey())
     assert not any(eqx.is_array(x) for x in jax.tree.leaves(skeleton))
     assert_trees_equal(eqfit.load(tmp_path / "run.eqx", like=skeleton), result.model)
+
+
+def test_a_model_of_bfloat16_arrays_resumes_and_loads_as_it_trained(getkey, tmp_path):
+    # numpy writes a dtype it does not know by name (bfloat16) as raw bytes, which it
+    # reads back as `|V2`: such a checkpoint was skipped as unreadable, and the run
+    # trained again from its start.
+    model = eqx.nn.MLP(4, "scalar", 8, 1, key=getkey())
+    model = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model)
+    x, y = regression_data(getkey(), 64)
+
+    def loss(m, x, y):
+        out = jax.vmap(m)(x.astype(jnp.bfloat16)).astype(jnp.float32)
+        return jnp.mean((out - y) ** 2)
+
+    kwargs = dict(loss=loss, optimizer=ADAM, batch_size=16, key=getkey())
+    whole = eqfit.fit(model, (x, y), epochs=3, **kwargs)
+    eqfit.fit(model, (x, y), epochs=2, checkpoint=tmp_path / "ckpt", **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no checkpoint skipped
+        resumed = eqfit.fit(model, (x, y), epochs=3, checkpoint=tmp_path / "ckpt", **kwargs)
+    assert_trees_equal(resumed.model, whole.model)
+    np.testing.assert_array_equal(resumed.history.loss, whole.history.loss)
+    eqfit.save(tmp_path / "run.eqx", whole)
+    loaded = eqfit.load(tmp_path / "run.eqx", like=model)
+    assert jax.tree.leaves(loaded)[0].dtype == jnp.bfloat16
+    assert_trees_equal(loaded, whole.model)
 
 
 def test_load_refuses_what_it_cannot_read(getkey, tmp_path):

@@ -112,7 +112,7 @@ def read_leaves(file: io.BufferedIOBase, like: PyTree) -> PyTree:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(keys_as_data(like))
     read = []
     for path, x in leaves:  # in the order `eqx.tree_serialise_leaves` writes them
-        y = eqx.default_deserialise_filter_spec(file, x)
+        y = _as_written(eqx.default_deserialise_filter_spec(file, x), x)
         _check_read(path, y, x)
         read.append(y)
     read = jax.tree_util.tree_unflatten(treedef, read)
@@ -121,6 +121,24 @@ def read_leaves(file: io.BufferedIOBase, like: PyTree) -> PyTree:
         read,
         like,
     )
+
+
+def _as_written(read: Any, like: Any) -> Any:
+    """`read` in `like`'s dtype where `np.save` wrote it as raw bytes: a dtype numpy does
+    not know by name (bfloat16, float8: `ml_dtypes`'), which `np.load` gives back as
+    `|V2`. The same bytes, viewed; anything else as it is.
+    """
+    dtype = getattr(like, "dtype", None)
+    if (
+        isinstance(read, np.ndarray)
+        and read.dtype.kind == "V"
+        and read.dtype.names is None  # raw bytes, not a structured array
+        and dtype is not None
+        and np.dtype(dtype) != read.dtype
+        and np.dtype(dtype).itemsize == read.dtype.itemsize
+    ):
+        return read.view(dtype)
+    return read
 
 
 def _check_read(path: Any, read: Any, like: Any) -> None:

@@ -46,7 +46,7 @@ def without_compiling(program: Any, args: tuple[Any, ...], key: Hashable) -> PyT
     signature = _signature(treedef, leaves)
     recipe = PROGRAM_CACHE.fact(key, "recipe")
     if recipe is None or signature is None or recipe.signature != signature:
-        recipe = Recipe.of(program.trace(*args), signature)
+        recipe = Recipe.of(program.trace(*args), signature, len(leaves))
         if signature is not None:  # the newest only: one a program
             PROGRAM_CACHE.set_fact(key, "recipe", recipe)
     if recipe.outs is None:
@@ -99,14 +99,14 @@ class Recipe:
         return tuple(_filled(value, shape, dtype) for value, shape, dtype in self.filled)
 
     @staticmethod
-    def of(traced: Any, signature: Hashable) -> "Recipe":
+    def of(traced: Any, signature: Hashable, arguments: int) -> "Recipe":
         """The recipe of a program traced (`jax.jit(...).trace`) on arguments of
-        `signature`.
+        `signature`, `arguments` leaves in all.
         """
         jaxpr = traced.jaxpr.jaxpr
         none = Recipe(signature, None)
-        if jaxpr.constvars or jaxpr.effects:
-            return none
+        if jaxpr.constvars or jaxpr.effects or len(jaxpr.invars) != arguments:
+            return none  # each argument's leaf one input: what the outputs' indices name
         fills = _Fills()
         made: dict[Any, _Out] = {var: _Out(i) for i, var in enumerate(jaxpr.invars)}
         filled = 0
