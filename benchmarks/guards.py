@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.epochs <= 2:
+        parser.error("--epochs must be more than 2: a step's time is the slope from 2 epochs")
     shape = accelerator.SIZES[args.size]["mlp"]
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(shape.rows, accelerator.MLP_IN)).astype(np.float32))
