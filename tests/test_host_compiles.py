@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 from helpers import assert_trees_equal, programs_compiled
+from test_observers import Sees
 
 import eqfit
 
@@ -34,21 +35,6 @@ def others(names):
     return [name for name in names if name not in RUN]
 
 
-class Models:
-    """A callback that keeps the model it is shown at each epoch's end."""
-
-    stops_training = False
-
-    def __init__(self):
-        self.seen = {}
-
-    def on_epoch_end(self, epoch, logs):
-        pass
-
-    def on_epoch_model(self, epoch, model, ema_model):
-        self.seen[epoch] = model
-
-
 def settings(rows, **more):
     model = eqfit.models.MLP(5, "scalar", 8, 1, key=jax.random.key(rows))
     kwargs = dict(
@@ -67,17 +53,23 @@ def test_a_checkpointed_fit_of_device_arrays_compiles_its_run_alone(tmp_path):
     # (its data's fingerprint): each once made a program of its own.
     model, kwargs = settings(37, validation_split=0.25, checkpoint_every=1)
     train = data(37, on_device=True)
-    seen = Models()
+    seen = Sees(stops_training=False)
     with programs_compiled() as first:
         result = eqfit.fit(model, train, callbacks=[seen], checkpoint=tmp_path / "a", **kwargs)
     assert "jit(run)" in first and others(first) == []
     # The model each epoch ended with, copied from the state before the next call took it.
-    assert sorted(seen.seen) == [1, 2, 3]
-    assert_trees_equal(seen.seen[3], result.model)
+    assert sorted(seen.models) == [1, 2, 3]
+    assert_trees_equal(seen.models[3][0], result.model)
     assert np.isfinite(result.history["val_loss"]).all()
     # The same run again, checkpointed elsewhere: its programs were all compiled.
     with programs_compiled() as again:
-        twice = eqfit.fit(model, train, callbacks=[Models()], checkpoint=tmp_path / "b", **kwargs)
+        twice = eqfit.fit(
+            model,
+            train,
+            callbacks=[Sees(stops_training=False)],
+            checkpoint=tmp_path / "b",
+            **kwargs,
+        )
     assert again == []
     assert_trees_equal(twice.model, result.model)
 

@@ -22,7 +22,7 @@ from .._program._schedule import Schedule
 from .._program._state import stopped_at_non_finite, TrainState
 from .._step._record import CHECKPOINT_BLOCKED
 from .._step._validation_steps import AtEpochEnds, StepValidation
-from ._observers import Observer
+from ._observers import copy_taken, Observer
 from ._signals import Interrupt
 
 
@@ -187,7 +187,7 @@ class Checkpointing(Observer):
             # Queued behind the call: the device copies it. Held in a list that the
             # writer's thread empties, so that the device's copy is let go once it is on
             # the host, not at the end of the write.
-            held = [jax.device_put(taken, may_alias=False)]
+            held = [copy_taken(taken)]
             self.writer.submit(lambda: self._begin(self.host(held.pop()), due, row)())
         elif self.policy.background is None:
             # The state's file is written here, from its buffers, before the next call

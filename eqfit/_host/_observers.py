@@ -289,7 +289,8 @@ class EpochModels(NamedTuple):
 
 def copy_taken(tree: PyTree) -> PyTree:
     """New buffers holding `tree`'s arrays, laid out as they are: the devices' copies,
-    queued behind the call that made them, with no program compiled.
+    queued behind the call that made them, with no program compiled (the models a
+    callback sees, a checkpoint's state written beside the training).
     """
     return jax.device_put(tree, may_alias=False)
 
