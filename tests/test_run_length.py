@@ -447,3 +447,69 @@ def test_a_label_check_costs_a_step_a_reduction_and_a_select():
     checked = kernels(model, (x, classes), loss=eqfit.losses.softmax_cross_entropy)
     # The reduction, the NaN logits where a label is bad, and the select. Before: 9.
     assert checked - kernels(model, (x, classes), loss=unchecked) <= 3
+
+
+def test_members_write_an_epochs_and_a_validations_values_in_place():
+    """An ensemble's epoch end writes its values into the epochs' table (and a validation
+    after an n-th step into the validations' table) at one row for all members, in
+    place: no loop of the program copies, selects or scatters a whole table, whose length
+    is the run's (a pass over it each epoch would grow a step's cost with the run).
+    """
+    x, y = arrays()
+    members = eqx.filter_vmap(mlp)(jax.random.split(jax.random.key(0), 3))
+    plan = eqfit.plan(
+        members,
+        (x, y),
+        loss=bce_aux,
+        optimizer=OPTIMIZER,
+        ensemble=True,
+        validation_data=arrays(),
+        validation_every=7,
+        key=jax.random.key(1),
+        epochs=EPOCHS,
+        batch_size=BATCH,
+        shuffle=False,
+    )
+    # (3 members, 37 epochs, 4 values) and (3 members, 63 validations, 2 values).
+    tables = re.compile(r"\[3,(37,4|63,2)\]")
+    hlo = plan.compiled.as_text()
+    assert tables.search(hlo), "the tables are not where the test looks"
+    passes = [
+        (shape, op)
+        for body in loop_bodies(hlo)
+        for shape, op, _ in body
+        if tables.search(shape) and op in ("copy", "select", "scatter", "concatenate")
+    ]
+    assert passes == []
+    result = eqfit.fit(
+        members,
+        (x, y),
+        loss=bce_aux,
+        optimizer=OPTIMIZER,
+        ensemble=True,
+        validation_data=arrays(),
+        validation_every=7,
+        key=jax.random.key(1),
+        epochs=3,
+        batch_size=BATCH,
+        shuffle=False,
+    )
+    alone = eqfit.fit(
+        mlp(jax.random.split(jax.random.key(0), 3)[1]),
+        (x, y),
+        loss=bce_aux,
+        optimizer=OPTIMIZER,
+        validation_data=arrays(),
+        validation_every=7,
+        key=jax.random.key(1),
+        epochs=3,
+        batch_size=BATCH,
+        shuffle=False,
+    )
+    # Each member's rows as it alone writes them (the same values, up to the vmap's
+    # arithmetic), where a write at another member's row would show.
+    together, one = result.history, alone.history
+    np.testing.assert_allclose(together.loss[:, 1], one.loss, rtol=1e-5)
+    np.testing.assert_allclose(together.values["acc"][:, 1], one.values["acc"], rtol=1e-5)
+    for name in ("val_loss", "val_acc"):
+        np.testing.assert_allclose(together.validations[name][:, 1], one.validations[name], 1e-5)

@@ -5,6 +5,7 @@ early stopping; and with `validation_every=n`, the validation after an n-th step
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from .._step._labels import LabelError
 from .._step._statistics import values as accumulated_values, zeros
 from .._step._validation_steps import EveryNSteps
 from ._loop import Loop, Rebuilt
+from ._members import put_row
 from ._records import epoch_values, put
 from ._state import Inputs, Stop, TrainState, ValAt, Validations, ValSums
 
@@ -35,6 +37,39 @@ class EpochEnd:
         """The end of the epoch just finished: its values, validation, early stopping.
         Validation's values are computed here (`validate`), or made from each set's
         `sums` where `PerStep`'s programs added them up (`validation_batches`).
+        """
+        state, row, values = self.closing(state, sums)
+        return state._replace(epoch_values=put(state.epoch_values, values, row))
+
+    def close_where(
+        self,
+        due: Bool[Array, ""],
+        state: TrainState,
+        closing: tuple[ValSums, ...],
+        sums: tuple[ValSums, ...] | None,
+    ) -> TrainState:
+        """The epoch closed where `due` (`when`): an ensemble member's values written
+        at the row of the members that close (`put_row`), outside the `cond`.
+        """
+        if self.loop.members is None:
+            return when(due, lambda s: self.close(s, closing), lambda s: s, state, sums)
+
+        def not_due(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
+            row = self.loop.schedule.record_row(state.step - 1)
+            return state, row, jnp.full(state.epoch_values.shape[-1:], jnp.nan)
+
+        def closed(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
+            state, row, values = self.closing(state, closing)
+            return state, row, values.astype(state.epoch_values.dtype)
+
+        state, row, values = when(due, closed, not_due, state, sums)
+        return state._replace(epoch_values=put_row(due, state.epoch_values, row, values))
+
+    def closing(
+        self, state: TrainState, sums: tuple[ValSums, ...] = ()
+    ) -> tuple[TrainState, Int[Array, ""], Array]:
+        """`close`, but the epoch's values: returned with their row of the epochs' table,
+        not yet written there (an ensemble's members write theirs at one row, `Program`).
         """
         loop, schedule = self.loop, self.loop.schedule
         row = schedule.record_row(state.step - 1)
@@ -64,15 +99,13 @@ class EpochEnd:
                 )
             values = jnp.concatenate([values, val])
             state = state._replace(label_error=label_error)
-        state = state._replace(
-            epoch_values=put(state.epoch_values, values, row), running=jnp.zeros(2)
-        )
+        state = state._replace(running=jnp.zeros(2))
         if loop.early_stopping is None:
-            return state
+            return state, row, values
         assert state.stopping is not None
         stopping_rule = loop.early_stopping
         if loop.val_steps.judging(stopping_rule.monitor, loop.val_names).by_steps:
-            return state  # judged at each validation (`validated`)
+            return state, row, values  # judged at each validation (`validated`)
         monitored = values[loop.log_names.index(stopping_rule.monitor)]
         trained = (state.params, state.average)
 
@@ -89,7 +122,7 @@ class EpochEnd:
         else:
             stopping, stop = update(state.stopping)
         reason = jnp.where(stop, Stop.EARLY_STOPPING, state.reason)
-        return state._replace(stopping=stopping, reason=reason)
+        return state._replace(stopping=stopping, reason=reason), row, values
 
     def validated(
         self, state: TrainState, sums: tuple[ValSums, ...] = ()
@@ -101,16 +134,60 @@ class EpochEnd:
         closed: `_Member.boundary`). Its keys are folded from the step, as an epoch's
         validation's are from the epoch.
         """
+        state, stop, row, values = self.validating(state, sums)
+        table = state.validations
+        assert table is not None
+        table = Validations(put(table.values, values, row), put(table.done, True, row))
+        return state._replace(validations=table), stop
+
+    def validated_where(
+        self, due: Bool[Array, ""], state: TrainState, sums: tuple[ValSums, ...] | None
+    ) -> tuple[TrainState, Bool[Array, ""]]:
+        """The validation after an n-th step made where `due` (`when`), as `validated`:
+        an ensemble member's values written at the row of the members that validate
+        (`put_row`), outside the `cond`.
+        """
+        if self.loop.members is None:
+
+            def none(state: TrainState) -> tuple[TrainState, Bool[Array, ""]]:
+                return state, jnp.asarray(False)
+
+            return when(due, lambda s: self.validated(s, sums or ()), none, state, sums)
+        every = self.loop.val_steps
+        assert isinstance(every, EveryNSteps)
+
+        def not_due(state: TrainState) -> tuple[TrainState, Bool[Array, ""], Any, Array]:
+            assert state.validations is not None
+            row = every.row(self.loop.schedule, state.step)
+            values = jnp.full(state.validations.values.shape[-1:], jnp.nan)
+            return state, jnp.asarray(False), row, values.astype(state.validations.values.dtype)
+
+        def made(state: TrainState) -> tuple[TrainState, Bool[Array, ""], Any, Array]:
+            assert state.validations is not None
+            state, stop, row, values = self.validating(state, sums or ())
+            return state, stop, row, values.astype(state.validations.values.dtype)
+
+        state, stop, row, values = when(due, made, not_due, state, sums)
+        table = state.validations
+        assert table is not None
+        written = put_row(due, table.values, row, values), put_row(due, table.done, row, True)
+        return state._replace(validations=Validations(*written)), stop
+
+    def validating(
+        self, state: TrainState, sums: tuple[ValSums, ...] = ()
+    ) -> tuple[TrainState, Bool[Array, ""], Int[Array, ""], Array]:
+        """`validated`, but the values: returned with their row of the validations'
+        table, not yet written there (an ensemble's members write theirs at one row).
+        """
         loop, step, every = self.loop, state.step, self.loop.val_steps
         assert isinstance(every, EveryNSteps) and state.validations is not None
         validate = self.summed(sums) if sums else self.validate
         values, label_error = validate(state, step)
-        row, table = every.row(loop.schedule, step), state.validations
-        table = Validations(put(table.values, values, row), put(table.done, True, row))
-        state = state._replace(validations=table, label_error=label_error)
+        row = every.row(loop.schedule, step)
+        state = state._replace(label_error=label_error)
         rule, stop = loop.early_stopping, jnp.asarray(False)
         if rule is None or rule.monitor not in loop.val_names:
-            return state, stop
+            return state, stop, row, values
         assert state.stopping is not None
         # Validations, not epochs, are what early stopping counts here (its patience, its
         # `start_from_epoch`, its best: the validation's number, `step // n`).
@@ -118,7 +195,7 @@ class EpochEnd:
         monitored = values[loop.val_names.index(rule.monitor)]
         trained = (state.params, state.average)
         stopping, stop = rule.update(state.stopping, monitored, number, trained, state.model_state)
-        return state._replace(stopping=stopping), stop
+        return state._replace(stopping=stopping), stop, row, values
 
     def last_validation(self, state: TrainState) -> Array:
         """The validation values of the epoch that ends at `state.step`, with
@@ -253,3 +330,19 @@ class EpochEnd:
             return jnp.concatenate(values), label_error
 
         return validate
+
+
+def when(
+    due: Bool[Array, ""],
+    fn: Callable[[Any], Any],
+    otherwise: Callable[[Any], Any],
+    state: TrainState,
+    sums: tuple[ValSums, ...] | None,
+) -> Any:
+    """`fn(state)` where `due`, else `otherwise(state)`: under a `cond` inside the run
+    (a validation not due is not computed), or both computed and selected where the host
+    added up the sums (`sums` given: `fn` only divides them).
+    """
+    if sums is None:
+        return jax.lax.cond(due, fn, otherwise, state)
+    return jax.tree.map(lambda a, b: jnp.where(due, a, b), fn(state), otherwise(state))

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool
+from jaxtyping import Array, ArrayLike, Bool, Int
 
-from ._records import any_member, MEMBERS
+from ._records import any_member, MEMBERS, put
 from ._state import TrainState
 
 
@@ -72,3 +72,18 @@ def one_step(state: TrainState) -> TrainState:
     then one place, written in place, where each member's own would be a scatter.
     """
     return state._replace(step=jax.lax.pmax(state.step, MEMBERS))
+
+
+def put_row(due: Bool[Array, ""], table: Array, row: Int[Array, ""], values: ArrayLike) -> Array:
+    """A member's `values` written where `due` into row `row` of `table` (an epoch's
+    values into the epochs' table, a validation's into the validations'), at the row of
+    the members that write, one for all (they are at one step): the row's own values put
+    back where a member does not write.
+
+    Written at each member's own row inside the `cond` that makes the values, the write
+    is a scatter in the `vmap`, and the `cond` a select between the whole tables written
+    and not: each epoch, a pass over a table as long as the run.
+    """
+    row = jax.lax.pmax(jnp.where(due, row, 0), MEMBERS)
+    old = jax.lax.dynamic_index_in_dim(table, row, 0, False, allow_negative_indices=False)
+    return put(table, jnp.where(due, values, old), row)

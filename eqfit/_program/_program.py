@@ -527,14 +527,8 @@ class _Member:
         end, every = self.epoch_end(), self.loop.val_steps
         stop = None
         if isinstance(every, EveryNSteps):
-            due = reached & every.due(state.step)
-            state, stop = _when(
-                due & running(state),
-                lambda s: end.validated(s, sums or ()),
-                lambda s: (s, jnp.asarray(False)),
-                state,
-                sums,
-            )
+            due = reached & every.due(state.step) & running(state)
+            state, stop = end.validated_where(due, state, sums)
         closes = reached if epoch_end is True else reached & epoch_end
         if stop is not None:
             # Stopped early inside an epoch: the epoch closes where its steps ended, its
@@ -542,9 +536,7 @@ class _Member:
             closes = reached & (epoch_end | stop)
         # With `validation_every`, the epoch's validation values are its last validation's.
         closing = () if every.by_steps else sums or ()
-        state = _when(
-            closes & running(state), lambda s: end.close(s, closing), lambda s: s, state, sums
-        )
+        state = end.close_where(closes & running(state), state, closing, sums)
         if stop is not None:  # an early stop at a validation, once its epoch is closed
             state = state._replace(reason=jnp.where(stop, Stop.EARLY_STOPPING, state.reason))
         return state
@@ -574,19 +566,3 @@ class _Member:
             logs=logs,
             validations=state.validations,
         )
-
-
-def _when(
-    due: Bool[Array, ""],
-    fn: Callable[[Any], Any],
-    otherwise: Callable[[Any], Any],
-    state: TrainState,
-    sums: tuple[ValSums, ...] | None,
-) -> Any:
-    """`fn(state)` where `due`, else `otherwise(state)`: under a `cond` inside the run
-    (a validation not due is not computed), or both computed and selected where the host
-    added up the sums (`sums` given: `fn` only divides them).
-    """
-    if sums is None:
-        return jax.lax.cond(due, fn, otherwise, state)
-    return jax.tree.map(lambda a, b: jnp.where(due, a, b), fn(state), otherwise(state))
