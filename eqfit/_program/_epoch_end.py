@@ -164,8 +164,9 @@ class EpochEnd:
 
         def made(state: TrainState) -> tuple[TrainState, Bool[Array, ""], Any, Array]:
             assert state.validations is not None
+            dtype = state.validations.values.dtype
             state, stop, row, values = self.validating(state, sums or ())
-            return state, stop, row, values.astype(state.validations.values.dtype)
+            return state, stop, row, values.astype(dtype)
 
         state, stop, row, values = when(due, made, not_due, state, sums)
         table = state.validations
