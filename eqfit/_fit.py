@@ -501,6 +501,8 @@ def _compile_and_drive(
             raise _Planned(plan)
         options, loop, start, source, _, _ = ready
         costs = step_costs(loop, model, source, start, options, plan)
+        if costs is not None:  # a count of its FLOPs in a thread ends before `fit` does
+            stack.callback(costs.join)
         return train(ready, interrupt=interrupt, costs=costs, plan=plan, stack=stack, began=began)
 
 

@@ -173,7 +173,8 @@ class History:
         are known (after [`eqfit.plan`][], with `progress=True`, or where the MFU can be
         told: a GPU or TPU in eqfit's table, or `fit(..., peak_flops=)`), also
         `"flops_per_second"` (achieved, every device together) and, with a peak, `"mfu"`
-        (that over the devices' peak FLOP/s). With checkpoints,
+        (that over the devices' peak FLOP/s; both left out, with a `RuntimeWarning`, where
+        the step's FLOPs could not be counted). With checkpoints,
         `"checkpoint_blocked_seconds"`: the seconds the training waited at the epoch's
         checkpoints (0 in an epoch without one): in the background (a GPU's or TPU's
         default) the copy queued on the device, and a wait for the last write where it was

@@ -2,6 +2,7 @@
 enough to be worth a call of its own timed by itself.
 """
 
+import threading
 import time
 
 import equinox as eqx
@@ -89,3 +90,78 @@ def test_an_ensemble_is_timed_by_its_calls(getkey):
     seconds = history.throughput["epoch_seconds"]
     assert seconds.shape == (3,) and (seconds > 0).all()
     assert seconds.sum() <= history.wall_time
+
+
+def first_fit(getkey, loss, callbacks=()):
+    """A first fit of its own configuration (its own optimizer object) with a known peak:
+    it counts its step's FLOPs.
+    """
+    x, y = regression_data(getkey(), n=160, features=8)
+    model = eqfit.models.MLP(8, "scalar", 16, 1, key=getkey())
+    arguments = dict(
+        loss=loss,
+        optimizer=optax.adam(1e-3),
+        key=getkey(),
+        epochs=2,
+        batch_size=32,
+        microbatches=2,  # the run traces the loss on 16 rows, the count on the whole 32
+        peak_flops=1e12,
+    )
+    result = eqfit.fit(model, (x, y), callbacks=list(callbacks), **arguments)
+    return result, (model, (x, y), arguments)
+
+
+def test_a_first_fit_counts_its_flops_once_its_run_is_traced(getkey):
+    """The step's FLOPs are counted by tracing it once more, after the run's program is
+    traced (while XLA compiles it), not before the run begins.
+    """
+    traced = []  # the rows of each trace of the loss, and the run's beginning
+
+    def loss(model, x, y):
+        traced.append(x.shape[0])  # runs only while JAX traces
+        return eqfit.losses.mse(model, x, y)
+
+    class Begins:
+        stops_training = False
+
+        def on_train_begin(self, config):
+            traced.append("begin")
+
+        def on_epoch_end(self, epoch, logs):
+            pass
+
+    result, _ = first_fit(getkey, loss, [Begins()])
+    begin = traced.index("begin")
+    runs = [i for i, rows in enumerate(traced) if rows == 16]
+    counts = [i for i, rows in enumerate(traced) if rows == 32 and i > begin]
+    assert runs and min(runs) > begin
+    assert len(counts) == 1 and counts[0] > max(runs)
+    assert (result.history.throughput["mfu"] > 0).all()
+
+
+def test_a_first_fits_flops_are_those_of_the_plan(getkey):
+    result, (model, data, arguments) = first_fit(getkey, eqfit.losses.mse)
+    eqfit.clear_cache()  # the plan counts the step anew
+    plan = eqfit.plan(model, data, **arguments)
+    history = result.history
+    figures = history.throughput
+    samples = history.batch_sizes.sum(axis=1)
+    flops = plan.flops_per_step * samples / 32
+    np.testing.assert_allclose(figures["flops_per_second"] * figures["epoch_seconds"], flops)
+    np.testing.assert_allclose(figures["mfu"], figures["flops_per_second"] / 1e12)
+
+
+def test_a_count_of_the_flops_that_fails_is_a_warning(getkey):
+    # The count traces the step in a thread of its own: this loss refuses to be traced
+    # there. The run trains on, without the figures the count gives.
+    def loss(model, x, y):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("traced off the main thread")
+        return eqfit.losses.mse(model, x, y)
+
+    match = "could not count the FLOPs of a step.*RuntimeError: traced off the main thread"
+    with pytest.warns(RuntimeWarning, match=match):
+        result, _ = first_fit(getkey, loss)
+    history = result.history
+    assert set(history.throughput) == {"epoch_seconds", "steps_per_second", "samples_per_second"}
+    assert history.epochs == 2 and np.isfinite(history.loss).all()

@@ -404,6 +404,7 @@ class Drive:
         if self.current is None:  # traced while `start` compiles
             assert self.starting is not None
             self.current = self.starting.ready(call, feed.inputs, stop)
+        reader.throughput.before_call(call.lower, self.current, feed.inputs, stop)
         # XLA's CPU client runs a program that calls the host (`jax.debug.print`,
         # `jax.debug.callback`) in the calling thread: such a call returns done, its time
         # spent inside it, and a Ctrl-C is answered once it returns. So a call that returns

@@ -9,6 +9,9 @@ the throughput figures each epoch's values carry.
 """
 
 import collections
+import contextlib
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast, NamedTuple, Protocol, runtime_checkable, TypeVar
 
@@ -295,11 +298,71 @@ def copy_taken(tree: PyTree) -> PyTree:
     return jax.device_put(tree, may_alias=False)
 
 
-class Costs(NamedTuple):
-    """What a step costs, where it is known (the run's plan): for FLOP/s and MFU."""
+class Costs:
+    """What a step costs, for FLOP/s and MFU: its FLOPs over the whole batch (every
+    device's share together), and the peak FLOP/s of every device together (`None` if
+    unknown).
 
-    flops_per_step: float  # over the whole batch, every device's share together
-    peak_flops: float | None  # of every device together; `None` if unknown
+    The FLOPs are known (the run's plan's, or an earlier fit's), or `count()` counts them,
+    tracing the step once more: seconds for a large model. That count runs in a thread of
+    its own, begun (`start`) once the run's program is traced, so that it traces while
+    XLA compiles the run rather than ahead of it; the first epoch's figures wait for it
+    (`flops_per_step`), and `fit` for its end (`join`). An error of the count's is a
+    warning, and the figures are left out.
+    """
+
+    def __init__(
+        self,
+        flops_per_step: float | None,
+        peak_flops: float | None,
+        count: Callable[[], float] | None = None,
+    ):
+        self.counted, self.peak_flops, self.count = flops_per_step, peak_flops, count
+        self.thread: threading.Thread | None = None
+        self.error: Exception | None = None
+
+    def start(self, lower: Callable[..., Any], *args: Any) -> None:
+        """Begins the count, where there is one to make and it has not begun, once
+        `lower(*args)` has lowered the run's program for its first call: JAX keeps the
+        lowering, and the call then only compiles, while the count traces (XLA compiles
+        without Python's lock; tracing holds it). An error of `lower`'s is left to the
+        call, which raises it with eqfit's notes.
+        """
+        if self.count is None or self.thread is not None:
+            return
+        with contextlib.suppress(Exception):
+            lower(*args)
+        # Not a daemon: Python waits for it before it exits (`join` does, before `fit`
+        # returns), so that no exit leaves JAX tracing in the process.
+        self.thread = threading.Thread(target=self._count, args=(self.count,))
+        self.thread.start()
+
+    def _count(self, count: Callable[[], float]) -> None:
+        try:
+            self.counted = count()
+        except Exception as error:  # told by `join`, in the training thread
+            self.error = error
+
+    def flops_per_step(self) -> float | None:
+        """The step's FLOPs, once counted (here, if the count has not begun); `None`
+        where it failed.
+        """
+        self.start(lambda: None)
+        self.join()
+        return self.counted
+
+    def join(self) -> None:
+        """Waits for the count, if it began; warns of its error, once."""
+        if self.thread is not None:
+            self.thread.join()
+        error, self.error = self.error, None
+        if error is not None:
+            warnings.warn(
+                "eqfit could not count the FLOPs of a step, so the history has no "
+                f"`flops_per_second` or `mfu`: {type(error).__name__}: {error}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 class Throughput:
@@ -327,6 +390,14 @@ class Throughput:
         self.samples_per_step = samples_per_step
         self.calls: list[tuple[int, int, float]] = []  # steps begin, end, and seconds
         self.last: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=5)
+
+    def before_call(self, lower: Callable[..., Any], *args: Any) -> None:
+        """Before each call of the run, with `args`: the first begins the count of the
+        step's FLOPs, where they are to be counted, once `lower(*args)` has traced the
+        call's program (`Costs.start`): the count then traces while XLA compiles it.
+        """
+        if self.costs is not None:
+            self.costs.start(lower, *args)
 
     def record(self, begin: int, end: int, seconds: float) -> None:
         if end > begin:
@@ -368,11 +439,12 @@ class Throughput:
             "samples_per_second": self.samples(start, stop) / seconds,
         }
         costs = self.costs
-        if costs is not None:
+        per_step = None if costs is None else costs.flops_per_step()
+        if costs is not None and per_step is not None:
             # A smaller last batch costs less: each step's FLOPs go by its rows.
             full = (stop - start) * self.schedule.batch_size
             rows = self.schedule.samples(start, stop)
-            flops = costs.flops_per_step * (stop - start) * rows / full
+            flops = per_step * (stop - start) * rows / full
             figures["flops_per_second"] = flops / seconds
             if costs.peak_flops is not None:
                 figures["mfu"] = figures["flops_per_second"] / costs.peak_flops

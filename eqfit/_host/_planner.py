@@ -422,8 +422,9 @@ def step_costs(
 ) -> Costs | None:
     """What a step of the run costs, for its FLOP/s and MFU: the plan's, if there is one;
     else where eqfit can tell the MFU (a device of known peak, or `peak_flops=`), the
-    step's FLOPs, lowered once per configuration; else `None`: a plain `fit` on a device
-    of unknown peak does not pay for tracing its step once more.
+    step's FLOPs, lowered once per configuration: counted by the `Costs` in a thread while
+    XLA compiles the run (`Costs.start`), where no earlier fit counted them; else `None`:
+    a plain `fit` on a device of unknown peak does not pay for tracing its step once more.
     """
     if plan is not None:
         peak = None if plan.peak_flops is None else plan.peak_flops * plan.devices
@@ -433,11 +434,13 @@ def step_costs(
     flops = PROGRAM_CACHE.fact(program_key(loop), "flops_per_step")
     if flops is None and peak is None:
         return None
-    if flops is None:
-        inputs = loop.placement.start_inputs(start_args, loop.trains)
-        state = jax.eval_shape(start_program(loop), *inputs)[0]
-        flops = step_flops(loop, state, source.like, start_args.consts)
-    return Costs(flops.flops, None if peak is None else peak * len(devices))
+    peak = None if peak is None else peak * len(devices)
+    if flops is not None:
+        return Costs(flops.flops, peak)
+    inputs = loop.placement.start_inputs(start_args, loop.trains)
+    # Its shapes, here: no arrays are held while it counts (and JAX keeps `start`'s trace).
+    state = jax.eval_shape(start_program(loop), *inputs)[0]
+    return Costs(None, peak, lambda: step_flops(loop, state, source.like, start_args.consts).flops)
 
 
 def _device_peak(loop: Loop, model: PyTree, options: Any, devices: Sequence[Any]) -> float | None:
