@@ -95,3 +95,29 @@ def test_a_configuration_given_arrays_of_other_shapes_makes_their_state(getkey):
         assert np.all(np.isfinite(result.history.loss))
     assert_trees_equal(results[2].model, results[0].model)
     assert_trees_equal(results[2].opt_state, results[0].opt_state)
+
+
+def test_a_later_fit_copies_its_filled_state_on_the_device(getkey, capfd):
+    # Adam's zeros (and the records' fills) are kept on the device once made: a later fit
+    # copies them there, where putting them from the host's memory costs an accelerator a
+    # transfer as large as the model at every call. JAX's transfer guard logs each
+    # transfer from the host (to the process's stderr), naming its shape.
+    model = eqfit.models.MLP(5, "scalar", 7, 1, key=getkey())
+    x = jax.random.normal(getkey(), (48, 5))
+    data = (x, x.sum(axis=1))
+    kwargs = dict(
+        loss=eqfit.losses.mse, optimizer=optax.adam(1e-2), key=getkey(), epochs=2, batch_size=16
+    )
+    first = eqfit.fit(model, data, **kwargs)
+    capfd.readouterr()
+    with jax.transfer_guard_host_to_device("log_explicit"):
+        later = eqfit.fit(model, data, **kwargs)
+        jax.device_put(np.zeros((3, 11), np.float32))  # the log's own check: it is read
+    log = capfd.readouterr().err
+    assert "float32[3,11]" in log
+    for shape in ("[7,5]", "[7]", "[7,7]", "[1,7]"):  # the weights', and Adam's moments'
+        assert f"float32{shape}" not in log
+    assert_trees_equal(later.model, first.model)
+    assert_trees_equal(later.opt_state, first.opt_state)
+    eqfit.clear_cache()  # its kept arrays go with its programs: made again, the same
+    assert_trees_equal(eqfit.fit(model, data, **kwargs).model, first.model)

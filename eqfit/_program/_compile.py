@@ -91,7 +91,10 @@ def clear_cache() -> None:
     learning rate, and `fit(..., ensemble=True)` trains the whole sweep in one program.
     `jax.clear_caches()` frees the programs of every JAX function, eqfit's included.
     """
+    from ._uncompiled import DEVICE_FILLS  # it keeps its arrays beside these programs
+
     PROGRAM_CACHE.clear()
+    DEVICE_FILLS.clear()
 
 
 def default_cache_directory() -> Path:

@@ -12,8 +12,10 @@ with its compiled programs (`Recipe`, a fact of `PROGRAM_CACHE`): a later `fit` 
 traces nothing, and puts its arrays on the device in one call.
 """
 
+import collections
 import dataclasses
 import math
+import threading
 from collections.abc import Hashable
 from typing import Any
 
@@ -28,8 +30,9 @@ from ._compile import PROGRAM_CACHE
 # Filled arrays are made in the host's memory, then copied to the device: beyond this many
 # bytes of them, a compiled program that writes them on the device is the cheaper.
 FILL_BYTES = 1 << 26
-# A configuration's filled arrays are kept in the host's memory (for its later fits) up to
-# this many bytes of them; beyond, each `fit` fills them anew.
+# Filled arrays are kept on the device for later fits (copied there, not put from the
+# host's memory) up to this many bytes of them, across configurations; beyond, the least
+# recently used are dropped, and each `fit` fills them anew.
 KEPT_FILL_BYTES = 1 << 24
 
 
@@ -90,13 +93,12 @@ class Recipe:
     outs: tuple[_Out, ...] | None
     out_tree: Any = None
     filled: tuple[tuple[Any, tuple[int, ...], np.dtype], ...] = ()  # value, shape, dtype
-    kept: tuple[np.ndarray, ...] | None = None  # the filled arrays, if kept
 
-    def fills(self) -> tuple[np.ndarray, ...]:
-        """The filled arrays, in the host's memory: kept, or made anew."""
-        if self.kept is not None:
-            return self.kept
-        return tuple(_filled(value, shape, dtype) for value, shape, dtype in self.filled)
+    def fills(self) -> tuple[jax.Array | np.ndarray, ...]:
+        """The filled arrays: kept on the device (`DEVICE_FILLS`), or in the host's
+        memory, made anew.
+        """
+        return tuple(DEVICE_FILLS.get(value, shape, dtype) for value, shape, dtype in self.filled)
 
     @staticmethod
     def of(traced: Any, signature: Hashable, arguments: int) -> "Recipe":
@@ -134,13 +136,51 @@ class Recipe:
                 outs.append(made[var])
             else:
                 return none
-        recipe = Recipe(signature, tuple(outs), traced.out_tree, tuple(fills.filled))
-        if sum(math.prod(s) * d.itemsize for _, s, d in recipe.filled) > KEPT_FILL_BYTES:
-            return recipe
-        kept = recipe.fills()
-        for array in kept:  # put on the device at each fit, never written
-            array.setflags(write=False)
-        return dataclasses.replace(recipe, kept=kept)
+        return Recipe(signature, tuple(outs), traced.out_tree, tuple(fills.filled))
+
+
+class _DeviceFills:
+    """Filled arrays kept on the device for later fits, each value, shape, dtype and
+    default device once, the least recently used dropped beyond `KEPT_FILL_BYTES` of
+    them: a fit copies them on the device, where putting them from the host's memory
+    costs an accelerator a transfer at every fit (Adam's zeros, as large as the model).
+    Cleared by `eqfit.clear_cache()`.
+    """
+
+    def __init__(self) -> None:
+        self.arrays: collections.OrderedDict[Hashable, jax.Array] = collections.OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()  # fits may run in several threads at once
+
+    def get(self, value: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """The array of `shape` filled with `value`: kept on the default device, or made
+        in the host's memory where it is larger than all that is kept.
+        """
+        size = math.prod(shape) * dtype.itemsize
+        if size > KEPT_FILL_BYTES:
+            return _filled(value, shape, dtype)
+        where = jax.config.jax_default_device  # pyright: ignore[reportAttributeAccessIssue]
+        key = (value.tobytes(), shape, dtype, repr(where))
+        with self.lock:
+            if key in self.arrays:
+                self.arrays.move_to_end(key)
+                return self.arrays[key]
+        array = jax.device_put(_filled(value, shape, dtype))
+        with self.lock:
+            if key not in self.arrays:  # else another thread put it meanwhile
+                self.arrays[key], self.bytes = array, self.bytes + size
+            while self.bytes > KEPT_FILL_BYTES:
+                _, dropped = self.arrays.popitem(last=False)
+                self.bytes -= dropped.nbytes
+        return array
+
+    def clear(self) -> None:
+        with self.lock:
+            self.arrays.clear()
+            self.bytes = 0
+
+
+DEVICE_FILLS = _DeviceFills()
 
 
 class _Fills:
