@@ -84,7 +84,9 @@ PROGRAM_CACHE = ProgramCache()
 def clear_cache() -> None:
     """Frees every program eqfit compiled and keeps in memory: those of `fit`, `predict`,
     `evaluate`, `sharding.init` and the ready models' constructors (it keeps those of its
-    `PROGRAMS` = 32 most recent configurations). A later call compiles again what it needs.
+    `PROGRAMS` = 32 most recent configurations), and the filled arrays (optimizers' zeros)
+    that it keeps on the device for later fits (16 MiB at most). A later call compiles
+    again what it needs.
 
     For a sweep, no compilation at all is cheaper still: an optimizer whose
     hyperparameters are arrays (`optax.inject_hyperparams`) compiles once for every

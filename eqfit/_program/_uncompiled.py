@@ -4,8 +4,9 @@ zeros and a count).
 
 XLA:CPU takes tens of milliseconds to compile even such a program, and it compiles on
 every core there is: a first `fit` on a small machine waits for that, or shares the host
-with it while it traces the run. Copies of the arguments and filled numpy arrays put on
-the device are the same arrays, bit for bit, and compile nothing.
+with it while it traces the run. Copies of the arguments and filled arrays are the same
+arrays, bit for bit, and compile nothing; the filled arrays are kept on the device for
+later fits (`DEVICE_FILLS`), which copy them there.
 
 How the outputs are made is read off the program's jaxpr once per configuration and kept
 with its compiled programs (`Recipe`, a fact of `PROGRAM_CACHE`): a later `fit` of it
