@@ -502,7 +502,7 @@ def _compile_and_drive(
         options, loop, start, source, _, _ = ready
         costs = step_costs(loop, model, source, start, options, plan)
         if costs is not None:  # a count of its FLOPs in a thread ends before `fit` does
-            stack.callback(costs.join)
+            stack.push(lambda error, *_: costs.join(warn=error is None))
         return train(ready, interrupt=interrupt, costs=costs, plan=plan, stack=stack, began=began)
 
 

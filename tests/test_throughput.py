@@ -4,6 +4,7 @@ enough to be worth a call of its own timed by itself.
 
 import threading
 import time
+import warnings
 
 import equinox as eqx
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import regression_data
+from jax.sharding import AxisType, PartitionSpec as P
 
 import eqfit
 
@@ -151,17 +153,85 @@ def test_a_first_fits_flops_are_those_of_the_plan(getkey):
     np.testing.assert_allclose(figures["mfu"], figures["flops_per_second"] / 1e12)
 
 
-def test_a_count_of_the_flops_that_fails_is_a_warning(getkey):
-    # The count traces the step in a thread of its own: this loss refuses to be traced
-    # there. The run trains on, without the figures the count gives.
+def test_a_count_that_fails_in_its_thread_is_made_again_in_the_callers(getkey):
+    # The count traces the step in a thread of its own, where this loss refuses to be
+    # traced (as JAX's context, `jax.set_mesh` say, is the thread's own): it is made again
+    # in the training thread, and the figures are there.
     def loss(model, x, y):
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("traced off the main thread")
         return eqfit.losses.mse(model, x, y)
 
-    match = "could not count the FLOPs of a step.*RuntimeError: traced off the main thread"
+    result, (model, data, arguments) = first_fit(getkey, loss)
+    planned = eqfit.plan(model, data, **arguments)
+    throughput = result.history.throughput
+    seconds = np.asarray(throughput["epoch_seconds"])
+    steps = seconds * np.asarray(throughput["steps_per_second"])
+    np.testing.assert_allclose(
+        np.asarray(throughput["flops_per_second"]) * seconds, steps * planned.flops_per_step
+    )
+
+
+class Begun:
+    """A callback that marks the run's beginning (after the trace that finds the loss's
+    outputs, before the run's trace and the count's).
+    """
+
+    stops_training = False
+
+    def __init__(self) -> None:
+        self.begun = False
+
+    def on_train_begin(self, config):
+        self.begun = True
+
+    def on_epoch_end(self, epoch, logs):
+        pass
+
+
+def refusing_the_count(begun, nan=False):
+    """A loss that refuses the whole batch once the run has begun: the count traces it so
+    (the run's microbatches are half of it), in its thread and again in the training
+    thread.
+    """
+
+    def loss(model, x, y):
+        if begun.begun and x.shape[0] == 32:
+            raise RuntimeError("the whole batch at once")
+        value = eqfit.losses.mse(model, x, y)
+        return value * jax.numpy.nan if nan else value
+
+    return loss
+
+
+def test_a_count_of_the_flops_that_fails_is_a_warning(getkey):
+    # The run trains on, without the figures the count gives.
+    begun = Begun()
+    match = "could not count the FLOPs of a step.*RuntimeError: the whole batch at once"
     with pytest.warns(RuntimeWarning, match=match):
-        result, _ = first_fit(getkey, loss)
+        result, _ = first_fit(getkey, refusing_the_count(begun), [begun])
     history = result.history
     assert set(history.throughput) == {"epoch_seconds", "steps_per_second", "samples_per_second"}
     assert history.epochs == 2 and np.isfinite(history.loss).all()
+
+
+def test_a_failed_count_leaves_the_fits_own_error_to_raise(getkey):
+    # Where the fit raises (a loss not finite at its first step), the count's failure is
+    # not told: a warning then, an error under `-W error`, would hide the fit's.
+    begun = Begun()
+    with pytest.raises(eqfit.NonFiniteLossError):
+        first_fit(getkey, refusing_the_count(begun, nan=True), [begun])
+
+
+def test_a_first_fit_under_a_mesh_counts_its_flops(getkey):
+    # A loss that constrains its arrays' sharding traces only inside a mesh: the count,
+    # in its own thread, traces under the caller's.
+    def loss(model, x, y):
+        predicted = jax.lax.with_sharding_constraint(jax.vmap(model)(x), P())
+        return jax.numpy.mean((predicted - y) ** 2)
+
+    with jax.set_mesh(jax.make_mesh((1,), ("b",), axis_types=(AxisType.Auto,))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            result, _ = first_fit(getkey, loss)
+    assert np.all(np.asarray(result.history.throughput["flops_per_second"]) > 0)

@@ -9,7 +9,6 @@ the throughput figures each epoch's values carry.
 """
 
 import collections
-import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -305,10 +304,11 @@ class Costs:
 
     The FLOPs are known (the run's plan's, or an earlier fit's), or `count()` counts them,
     tracing the step once more: seconds for a large model. That count runs in a thread of
-    its own, begun (`start`) once the run's program is traced, so that it traces while
-    XLA compiles the run rather than ahead of it; the first epoch's figures wait for it
-    (`flops_per_step`), and `fit` for its end (`join`). An error of the count's is a
-    warning, and the figures are left out.
+    its own (under the caller's mesh: `in_thread`), begun (`start`) once the run's program
+    is traced, so that it traces while XLA compiles the run rather than ahead of it; the
+    first epoch's figures wait for it (`flops_per_step`), and `fit` for its end (`join`).
+    A count that fails there is made again in the training thread, in the caller's whole
+    context; an error of that one is a warning, and the figures are left out.
     """
 
     def __init__(
@@ -316,10 +316,12 @@ class Costs:
         flops_per_step: float | None,
         peak_flops: float | None,
         count: Callable[[], float] | None = None,
+        in_thread: Callable[[Callable[[], float]], Callable[[], float]] = lambda count: count,
     ):
         self.counted, self.peak_flops, self.count = flops_per_step, peak_flops, count
+        self.in_thread = in_thread
         self.thread: threading.Thread | None = None
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
 
     def start(self, lower: Callable[..., Any], *args: Any) -> None:
         """Begins the count, where there is one to make and it has not begun, once
@@ -330,33 +332,43 @@ class Costs:
         """
         if self.count is None or self.thread is not None:
             return
-        with contextlib.suppress(Exception):
+        try:
             lower(*args)
+        except Exception:
+            return  # the call raises it; nothing is counted
         # Not a daemon: Python waits for it before it exits (`join` does, before `fit`
         # returns), so that no exit leaves JAX tracing in the process.
-        self.thread = threading.Thread(target=self._count, args=(self.count,))
+        self.thread = threading.Thread(target=self._count, args=(self.in_thread(self.count),))
         self.thread.start()
 
     def _count(self, count: Callable[[], float]) -> None:
         try:
             self.counted = count()
-        except Exception as error:  # told by `join`, in the training thread
+        except BaseException as error:  # counted again by `flops_per_step`, or told
             self.error = error
 
     def flops_per_step(self) -> float | None:
-        """The step's FLOPs, once counted (here, if the count has not begun); `None`
-        where it failed.
+        """The step's FLOPs, once counted (here, in the training thread, if the count has
+        not begun or failed in its own); `None` where it failed here too.
         """
-        self.start(lambda: None)
+        if self.thread is not None:
+            self.thread.join()
+        if self.counted is None and self.count is not None:
+            self.thread, self.error = None, None
+            self._count(self.count)
+            self.count = None  # counted once more at most
         self.join()
         return self.counted
 
-    def join(self) -> None:
-        """Waits for the count, if it began; warns of its error, once."""
+    def join(self, warn: bool = True) -> None:
+        """Waits for the count, if it began; warns of its error, once (with `warn`: not
+        where `fit` is raising an error of its own, which a warning would hide under
+        `-W error`).
+        """
         if self.thread is not None:
             self.thread.join()
         error, self.error = self.error, None
-        if error is not None:
+        if error is not None and warn:
             warnings.warn(
                 "eqfit could not count the FLOPs of a step, so the history has no "
                 f"`flops_per_second` or `mfu`: {type(error).__name__}: {error}",

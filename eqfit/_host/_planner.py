@@ -9,7 +9,7 @@ same FLOPs.
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -32,6 +32,9 @@ from ._loader import Loader
 from ._observers import Costs
 from ._plan import ArgumentBytes, ArrayPlan, Memory, Plan
 from ._sources import Source
+
+
+_T = TypeVar("_T")
 
 
 def memory_of(compiled: Any) -> Memory:
@@ -440,7 +443,12 @@ def step_costs(
     inputs = loop.placement.start_inputs(start_args, loop.trains)
     # Its shapes, here: no arrays are held while it counts (and JAX keeps `start`'s trace).
     state = jax.eval_shape(start_program(loop), *inputs)[0]
-    return Costs(None, peak, lambda: step_flops(loop, state, source.like, start_args.consts).flops)
+    return Costs(
+        None,
+        peak,
+        lambda: step_flops(loop, state, source.like, start_args.consts).flops,
+        in_callers_mesh,
+    )
 
 
 def _device_peak(loop: Loop, model: PyTree, options: Any, devices: Sequence[Any]) -> float | None:
@@ -481,6 +489,22 @@ def _state_like(placement: Any, start: Any, start_inputs: tuple[Any, ...]) -> Py
     return jax.tree.map(laid_out, start.out_info[0])
 
 
+def in_callers_mesh(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """`fn` called under the mesh of the caller's context (`jax.set_mesh`), if any, from
+    another thread: JAX's context is the thread's own, and a step that constrains its
+    arrays' sharding traces only inside a mesh.
+    """
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        return fn
+
+    def called(*args: Any) -> _T:
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return called
+
+
 def _in_thread(fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
     """`fn(*args)` called in a thread of its own: XLA compiles without Python's lock, so
     the host traces on meanwhile. The thread is a `ThreadPoolExecutor`'s, which Python
@@ -488,7 +512,7 @@ def _in_thread(fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future
     down, included): a thread left at work by a Ctrl-C never meets a process gone.
     """
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(fn, *args)
+    future = pool.submit(in_callers_mesh(fn), *args)
     pool.shutdown(wait=False)  # the thread ends with the call
     return future
 

@@ -69,7 +69,7 @@ class EpochEnd:
         self, state: TrainState, sums: tuple[ValSums, ...] = ()
     ) -> tuple[TrainState, Int[Array, ""], Array]:
         """`close`, but the epoch's values: returned with their row of the epochs' table,
-        not yet written there (an ensemble's members write theirs at one row, `Program`).
+        not yet written there (an ensemble's members write theirs at one row: `close_where`).
         """
         loop, schedule = self.loop, self.loop.schedule
         row = schedule.record_row(state.step - 1)

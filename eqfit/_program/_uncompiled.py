@@ -149,7 +149,9 @@ class _DeviceFills:
     """
 
     def __init__(self) -> None:
-        self.arrays: collections.OrderedDict[Hashable, jax.Array] = collections.OrderedDict()
+        self.arrays: collections.OrderedDict[Hashable, tuple[jax.Array, int]] = (
+            collections.OrderedDict()
+        )  # each array, and its bytes
         self.bytes = 0
         self.lock = threading.Lock()  # fits may run in several threads at once
 
@@ -165,14 +167,14 @@ class _DeviceFills:
         with self.lock:
             if key in self.arrays:
                 self.arrays.move_to_end(key)
-                return self.arrays[key]
+                return self.arrays[key][0]
         array = jax.device_put(_filled(value, shape, dtype))
         with self.lock:
             if key not in self.arrays:  # else another thread put it meanwhile
-                self.arrays[key], self.bytes = array, self.bytes + size
+                self.arrays[key], self.bytes = (array, size), self.bytes + size
             while self.bytes > KEPT_FILL_BYTES:
-                _, dropped = self.arrays.popitem(last=False)
-                self.bytes -= dropped.nbytes
+                _, (_, dropped) = self.arrays.popitem(last=False)
+                self.bytes -= dropped
         return array
 
     def clear(self) -> None:
