@@ -233,5 +233,8 @@ def test_a_first_fit_under_a_mesh_counts_its_flops(getkey):
     with jax.set_mesh(jax.make_mesh((1,), ("b",), axis_types=(AxisType.Auto,))):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            result, _ = first_fit(getkey, loss)
+            result, (model, data, arguments) = first_fit(getkey, loss)
+        eqfit.clear_cache()
+        planned = eqfit.plan(model, data, **arguments)  # counted in a thread of its own too
     assert np.all(np.asarray(result.history.throughput["flops_per_second"]) > 0)
+    assert planned.flops_per_step > 0
