@@ -37,6 +37,7 @@ class ProgramCache:
         )
         self.facts: dict[Hashable, dict[Hashable, Any]] = {}
         self.lock = threading.Lock()  # fits may run in several threads at once
+        self.beside: list[Callable[[], None]] = []  # cleared with it (`keep_beside`)
 
     def get(self, key: Hashable, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
         """The program cached under `key`, made by `make()` if there is none."""
@@ -76,6 +77,14 @@ class ProgramCache:
         with self.lock:
             self.entries.clear()
             self.facts.clear()
+        for clear in self.beside:
+            clear()
+
+    def keep_beside(self, clear: Callable[[], None]) -> None:
+        """Has `clear()` called with `clear`: for what is kept beside the programs (the
+        filled arrays `_uncompiled` keeps on the device).
+        """
+        self.beside.append(clear)
 
 
 PROGRAM_CACHE = ProgramCache()
@@ -93,10 +102,7 @@ def clear_cache() -> None:
     learning rate, and `fit(..., ensemble=True)` trains the whole sweep in one program.
     `jax.clear_caches()` frees the programs of every JAX function, eqfit's included.
     """
-    from ._uncompiled import DEVICE_FILLS  # it keeps its arrays beside these programs
-
     PROGRAM_CACHE.clear()
-    DEVICE_FILLS.clear()
 
 
 def default_cache_directory() -> Path:

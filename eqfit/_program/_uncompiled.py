@@ -184,6 +184,7 @@ class _DeviceFills:
 
 
 DEVICE_FILLS = _DeviceFills()
+PROGRAM_CACHE.keep_beside(DEVICE_FILLS.clear)  # `eqfit.clear_cache()` drops them too
 
 
 class _Fills:
