@@ -96,9 +96,12 @@ class Recipe:
     filled: tuple[tuple[Any, tuple[int, ...], np.dtype], ...] = ()  # value, shape, dtype
 
     def fills(self) -> tuple[jax.Array | np.ndarray, ...]:
-        """The filled arrays: kept on the device (`DEVICE_FILLS`), or in the host's
-        memory, made anew.
+        """The filled arrays: kept on the device (`DEVICE_FILLS`) where all of them fit
+        there, else made anew in the host's memory (kept, they would push each other out,
+        each fit putting them from the host and copying them once more).
         """
+        if sum(math.prod(s) * d.itemsize for _, s, d in self.filled) > KEPT_FILL_BYTES:
+            return tuple(_filled(value, shape, dtype) for value, shape, dtype in self.filled)
         return tuple(DEVICE_FILLS.get(value, shape, dtype) for value, shape, dtype in self.filled)
 
     @staticmethod
@@ -155,13 +158,9 @@ class _DeviceFills:
         self.bytes = 0
         self.lock = threading.Lock()  # fits may run in several threads at once
 
-    def get(self, value: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """The array of `shape` filled with `value`: kept on the default device, or made
-        in the host's memory where it is larger than all that is kept.
-        """
+    def get(self, value: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+        """The array of `shape` filled with `value`, kept on the default device."""
         size = math.prod(shape) * dtype.itemsize
-        if size > KEPT_FILL_BYTES:
-            return _filled(value, shape, dtype)
         where = jax.config.jax_default_device  # pyright: ignore[reportAttributeAccessIssue]
         key = (value.tobytes(), shape, dtype, repr(where))
         with self.lock:
