@@ -178,8 +178,13 @@ def test_second_call_does_not_recompile(getkey, progress):
     # A new model of the same structure, new data of the same shapes, a new key.
     eqfit.fit(linear(getkey), regression_data(getkey(), 100), key=getkey(), **kwargs)
     assert len(traces) == first
-    # Another number of epochs is another program (the history is preallocated).
+    # Another number of epochs, or a first epoch, is the same program: it is compiled
+    # for the record's rows, the epochs rounded up to a power of two (8 at least).
     eqfit.fit(linear(getkey), data, key=getkey(), **{**kwargs, "epochs": 3})
+    eqfit.fit(linear(getkey), data, key=getkey(), **{**kwargs, "epochs": 8, "initial_epoch": 5})
+    assert len(traces) == first
+    # A run of more epochs than the record holds is another program.
+    eqfit.fit(linear(getkey), data, key=getkey(), **{**kwargs, "epochs": 9})
     assert len(traces) > first
 
 

@@ -287,8 +287,10 @@ def test_keep_best_with_mode_max_and_a_step_policy(tmp_path):
 
 def test_every_seconds_writes_inside_epochs(tmp_path):
     x, y = arrays()
-    # Calls grow 1, 2, 4, ... steps at first; a period shorter than any of them makes a
-    # checkpoint at the end of each.
+    # Calls grow 1, 2, 4, ... steps at first (where no run of the configuration, of any
+    # epochs, has shown its speed: none, once the cache is cleared); a period shorter
+    # than any of them makes a checkpoint at the end of each.
+    eqfit.clear_cache()
     policy = eqfit.Checkpoint(tmp_path, every_epochs=None, every_seconds=1e-6, keep=100)
     result = train((x, y), epochs=2, checkpoint=policy, progress=True)
     positions = [position(n, 13) for n in folders(tmp_path)]

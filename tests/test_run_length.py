@@ -18,7 +18,9 @@ from helpers import assert_trees_close
 import eqfit
 
 
-EPOCHS, BATCH, N = 37, 8, 96  # a record of (37, 12) cells: shapes no other array has
+EPOCHS, BATCH, N = 37, 8, 96  # 12 steps an epoch
+# The record's rows: the 37 epochs rounded up to a power of two (runs of 33 to 64 epochs
+# share the program), `(64, 12)` cells: shapes no other array has.
 OPTIMIZER = optax.adam(1e-2)  # one object for the module: fits share their programs
 
 
@@ -66,7 +68,7 @@ CASES = {
 
 # An instruction over a whole record: the steps' losses, values or batch sizes, `(epochs,
 # steps)` (a member axis first, values last), or their cells end to end.
-WHOLE = re.compile(r"\[(\d+,)?37,(12|14)(,\d+)?\]|\[(\d+,)?(444|518)(,\d+)?\]")
+WHOLE = re.compile(r"\[(\d+,)?64,(12|14)(,\d+)?\]|\[(\d+,)?(768|896)(,\d+)?\]")
 PASSES = ("copy(", "select(", "scatter(", "concatenate(")
 
 
@@ -100,10 +102,10 @@ def test_no_step_passes_over_the_whole_record(case):
     kwargs.setdefault("shuffle", False)
     plan = eqfit.plan(model, (x, y), key=jax.random.key(1), epochs=EPOCHS, **kwargs)
     hlo = plan.compiled.as_text()
-    assert re.search(r"37,(12|14)", hlo), "the record is not where the test looks"
+    assert re.search(r"64,(12|14)", hlo), "the record is not where the test looks"
     assert whole_record_instructions(hlo) == []
-    if "log_every" in kwargs:  # the call's n-th steps, not the run's: no (88, 5) of every one
-        assert not re.search(r"\[(88,5|440)(,\d+)?\]", hlo)
+    if "log_every" in kwargs:  # the call's n-th steps, not the run's: no (154, 5) of every one
+        assert not re.search(r"\[(154,5|770)(,\d+)?\]", hlo)
 
 
 def test_members_stopped_apart_record_as_each_alone():
@@ -207,7 +209,7 @@ def test_a_step_writes_its_record_and_leaves_the_rest_to_its_stretchs_end(case, 
     assert bodies, "no loop of steps where the test looks"
     for body in bodies:
         shapes = [line.split("=", 1)[1].strip().split(" ", 1)[0] for line in body if " = " in line]
-        assert "s32[37,12]{1,0}" not in shapes  # the batch sizes
+        assert "s32[64,12]{1,0}" not in shapes  # the batch sizes
         # The step's count, and its reason to stop (made with its finiteness): no
         # reason and step of a non-finite loss kept apart.
         counts = [line for line in body if re.search(r"= s32\[\] (fusion|select)\(", line)]
@@ -468,8 +470,9 @@ def test_members_write_an_epochs_and_a_validations_values_in_place():
         shuffle=False,
     )
     plan = eqfit.plan(members, (x, y), ensemble=True, epochs=EPOCHS, **kwargs)
-    # (3 members, 37 epochs, 4 values) and (3 members, 63 validations, 2 values).
-    tables = re.compile(r"\[3,(37,4|63,2)\]")
+    # (3 members, 64 epochs' rows, 4 values) and (3 members, 110 validations' rows (the
+    # most 768 steps reach), 2 values).
+    tables = re.compile(r"\[3,(64,4|110,2)\]")
     hlo = plan.compiled.as_text()
     assert tables.search(hlo), "the tables are not where the test looks"
     passes = [

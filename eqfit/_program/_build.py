@@ -128,7 +128,8 @@ def make_loop(
         check_monitor(loop.early_stopping.monitor, loop)
     if opt_state is not None:
         check_opt_state(loop, params, opt_state, consts)
-    return loop, StartArgs(params, opt_state, model_state, options.key, consts)
+    begin = np.int32(schedule.begin)
+    return loop, StartArgs(params, opt_state, model_state, options.key, consts, begin)
 
 
 def _traced_updates(

@@ -34,12 +34,16 @@ from ._state import (
 
 
 def program_key(loop: Loop) -> tuple[str, Loop]:
-    """Where the run's program compiled for `loop` is cached (with its speed)."""
-    return ("run", loop)
+    """Where the run's program compiled for `loop` is cached (with its speed): by its
+    shape, not its extent (`Loop.for_programs`).
+    """
+    return ("run", loop.for_programs())
 
 
 def program_for(loop: Loop) -> "Program":
     """The run's program for `loop`, as its `execution` makes it (cached)."""
+
+    loop = loop.for_programs()
 
     def make() -> Program:
         return loop.execution.program(
@@ -355,9 +359,8 @@ class StepCalls(Program):
         stopping: Callable[[], bool] | None = None,
         validation: ReadSet | None = None,
     ) -> tuple[TrainState, Report, int]:
-        schedule, position, fresh = self.loop.schedule, begin, True
-        if not schedule.learning:
-            stop = min(stop, schedule.total)
+        # `stop` is within the run: the drive stops its calls at the run's end.
+        position, fresh = begin, True
         # The device runs at most `AHEAD` calls behind the host: a signal then stops
         # training within a few steps, as the host sees it between calls.
         in_flight: collections.deque[Array] = collections.deque()

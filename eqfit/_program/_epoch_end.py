@@ -55,7 +55,7 @@ class EpochEnd:
             return when(due, lambda s: self.close(s, closing), lambda s: s, state, sums)
 
         def not_due(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
-            row = self.loop.schedule.record_row(state.step - 1)
+            row = self.loop.schedule.record_row(state.step - 1, state.first)
             return state, row, jnp.full(state.epoch_values.shape[-1:], jnp.nan)
 
         def closed(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
@@ -72,7 +72,7 @@ class EpochEnd:
         not yet written there (an ensemble's members write theirs at one row: `close_where`).
         """
         loop, schedule = self.loop, self.loop.schedule
-        row = schedule.record_row(state.step - 1)
+        row = schedule.record_row(state.step - 1, state.first)
         epoch = schedule.epoch_of(state.step - 1)
         values = epoch_values(state, row, loop)
         if loop.statistics:  # the accumulating metrics', from the epoch's statistics
@@ -158,7 +158,7 @@ class EpochEnd:
 
         def not_due(state: TrainState) -> tuple[TrainState, Bool[Array, ""], Any, Array]:
             assert state.validations is not None
-            row = every.row(self.loop.schedule, state.step)
+            row = every.row(self.loop.schedule, state.step, state.first)
             values = jnp.full(state.validations.values.shape[-1:], jnp.nan)
             return state, jnp.asarray(False), row, values.astype(state.validations.values.dtype)
 
@@ -184,7 +184,7 @@ class EpochEnd:
         assert isinstance(every, EveryNSteps) and state.validations is not None
         validate = self.summed(sums) if sums else self.validate
         values, label_error = validate(state, step)
-        row = every.row(loop.schedule, step)
+        row = every.row(loop.schedule, step, state.first)
         state = state._replace(label_error=label_error)
         rule, stop = loop.early_stopping, jnp.asarray(False)
         if rule is None or rule.monitor not in loop.val_names:
@@ -204,7 +204,7 @@ class EpochEnd:
         """
         every = self.loop.val_steps
         assert isinstance(every, EveryNSteps) and state.validations is not None
-        row, inside = every.last(self.loop.schedule, state.step)
+        row, inside = every.last(self.loop.schedule, state.step, state.first)
         safe = jnp.maximum(row, 0)
         table = state.validations
         values = jax.lax.dynamic_index_in_dim(table.values, safe, 0, False)

@@ -96,6 +96,14 @@ class Loop:
         """
         return self.schedule.batch_size if self.last_batch is None else self.last_batch
 
+    def for_programs(self) -> "Loop":
+        """The loop as the run's programs are compiled and cached for it: its schedule's
+        shape without the run's extent (`Schedule.shaped_for_programs`), so that a run
+        asked for other epochs (or another `initial_epoch`) compiles nothing anew.
+        """
+        shaped = self.schedule.shaped_for_programs()
+        return self if shaped is self.schedule else dataclasses.replace(self, schedule=shaped)
+
     @property
     def val_sets(self) -> tuple[str, ...] | None:
         """The validation sets' names (`()`: one unnamed set; `None`: no validation)."""

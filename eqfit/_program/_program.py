@@ -142,7 +142,7 @@ class _Member:
     def run(self, state: TrainState) -> tuple[TrainState, Report]:
         loop, schedule = self.loop, self.loop.schedule
         begin = state.step  # the call's first step
-        stop = jnp.minimum(jnp.asarray(self.stop, jnp.int32), schedule.total)
+        stop = jnp.asarray(self.stop, jnp.int32)  # within the run: the drive stops there
         if schedule.learning:  # each call's steps are recorded afresh, for the host
             state = fresh_record(state)
         step_key = self.step_key()
@@ -192,7 +192,7 @@ class _Member:
         step_key = self.step_key()
         begin = state.step
         boundary = loop.next_boundary(begin)  # the epoch's end, or a validation's step
-        end = jnp.minimum(jnp.minimum(until.stop, schedule.total), boundary)
+        end = jnp.minimum(until.stop, boundary)  # within the run, as `run`'s stop
         piece, passes = self.inputs.piece, schedule.passes
         if piece is not None:  # streamed: this piece's rows
             first, order = piece.first, jnp.asarray(piece.order)
@@ -475,7 +475,7 @@ class _Member:
             key,
             t,
         )
-        cell = schedule.record_cell(t)
+        cell = schedule.record_cell(t, state.first)
         if loop.members is not None and active is not None:
             # The running members' cell, the same for all: they step together, and a
             # member not stepping writes its cell's own value back. A write at each

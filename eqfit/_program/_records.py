@@ -93,7 +93,7 @@ def learned_state(loop: Loop, state: TrainState, first: Steps | None) -> TrainSt
     keeps it: the first epoch's steps so far (`first`, on the host; `None`: none) in its
     record.
     """
-    schedule = loop.schedule
+    schedule = loop.schedule.shaped_for_programs()  # the programs' record's rows
     members = () if loop.members is None else (loop.members,)
     shape = (*members, schedule.rows, schedule.columns)
     if first is None:
@@ -163,7 +163,7 @@ def logs_of(
     every, schedule = loop.log_every, loop.schedule
     if every is None:
         return None
-    first = schedule.begin // every  # the run's first n-th step is `(first + 1) * every`
+    first = schedule.multiples(state.first, every)  # the run's first n-th step's: `+ 1`
     rows = log_rows(loop)
     if begin is None:
         values = jax.vmap(lambda r: _log_row(loop, state, r))(jnp.arange(rows))
@@ -194,9 +194,10 @@ def _log_row(loop: Loop, state: TrainState, r: Int[Array, ""]) -> Float[Array, "
     every, schedule = loop.log_every, loop.schedule
     assert every is not None
     cells = state.step_loss.size
-    steps = (schedule.begin // every + r) * every + jnp.arange(every, dtype=jnp.int32)
-    cell = schedule.record_cell(steps)
-    inside = (steps >= schedule.begin) & (steps < state.step) & (cell < cells)
+    first = state.first  # the run's first step
+    steps = (schedule.multiples(first, every) + r) * every + jnp.arange(every, dtype=jnp.int32)
+    cell = schedule.record_cell(steps, first)
+    inside = (steps >= first) & (steps < state.step) & (cell < cells)
     index = jnp.clip(cell, 0, cells - 1)
 
     def gathered(record: Array, fill: Any) -> Array:

@@ -80,6 +80,8 @@ class Schedule:
     - `columns`: the steps each epoch's row of the run's record holds: `steps_per_epoch`,
         but while a loader's first epoch teaches its length (`steps_per_epoch` is then
         `UNKNOWN`), the most steps of one call, the host keeping each call's steps.
+    - `shaped`: whether this is a program's schedule (`shaped_for_programs`): the run's
+        extent left out, `epochs` the rows its record holds, `first_epoch` 0.
     """
 
     batch_size: int
@@ -88,6 +90,7 @@ class Schedule:
     epochs: int
     passes: Passes | None = None
     columns: int = 0  # 0: `steps_per_epoch`
+    shaped: bool = False
 
     def __post_init__(self) -> None:
         if not self.columns:
@@ -100,8 +103,23 @@ class Schedule:
 
     def learned(self, steps_per_epoch: int) -> "Schedule":
         """The schedule once the first epoch has shown its length."""
-        assert self.learning and self.first_epoch == 0
+        assert self.learning and self.first_epoch == 0 and not self.shaped
         return Schedule(self.batch_size, steps_per_epoch, 0, self.epochs)
+
+    def shaped_for_programs(self) -> "Schedule":
+        """The schedule as the run's programs are compiled for it: its shape (the batch,
+        the epoch's length, the passes) without its extent (`first_epoch`, `epochs`), the
+        record's rows rounded up (`record_capacity`). Runs of one configuration whose
+        extents differ share its programs, which read where a run begins from the state
+        (`TrainState.first`), and stop where the drive's calls stop: its `begin` and
+        `total` are not the run's, and nothing in a program asks them.
+        """
+        if self.shaped:
+            return self
+        rows = record_capacity(self.rows)
+        return Schedule(
+            self.batch_size, self.steps_per_epoch, 0, rows, self.passes, self.columns, True
+        )
 
     @property
     def begin(self) -> int:
@@ -117,7 +135,9 @@ class Schedule:
 
     @property
     def rows(self) -> int:
-        """Epochs in the run's record: those of this run, and one to trace with if none."""
+        """Epochs in the run's record: those of this run, and one to trace with if none;
+        of a program's schedule, the rows its record holds.
+        """
         return max(self.epochs - self.first_epoch, 1)
 
     # -- Steps and epochs. A position is a global step count: the steps done so far.
@@ -147,8 +167,11 @@ class Schedule:
 
     def multiples_run(self, n: int) -> int:
         """The n-th steps this run reaches, from its first step to its last (a table
-        with a row for each: `log_every`'s, `validation_every`'s).
+        with a row for each: `log_every`'s, `validation_every`'s); of a program's
+        schedule, the most that a run its record holds can reach, wherever it begins.
         """
+        if self.shaped:
+            return -(-self.rows * self.steps_per_epoch // n)
         return self.total // n - self.begin // n
 
     def next_multiple(self, position: _Int, n: int) -> _Int:
@@ -159,23 +182,28 @@ class Schedule:
         """Whether an epoch ends at `position` (whose number `every` divides)."""
         return position % (self.steps_per_epoch * every) == 0
 
-    def record_row(self, step: _Int) -> _Int:
-        """The row of the run's record (one per epoch of this run) that step `step` fills."""
-        return _div(step, self.steps_per_epoch) - self.first_epoch
+    def record_row(self, step: _Int, first: Any = None) -> _Int:
+        """The row of the run's record (one per epoch of this run) that step `step`
+        fills; `first`: the run's first step (`begin`; in a program, `TrainState.first`).
+        """
+        first = self.begin if first is None else first
+        return _div(step - first, self.steps_per_epoch)
 
     def record_column(self, step: _Int) -> _Int:
         return _mod(step, self.columns)
 
-    def record_cell(self, step: jax.Array) -> jax.Array:
+    def record_cell(self, step: jax.Array, first: Any = None) -> jax.Array:
         """The cell that step `step` fills in the run's record read as one row of cells
         (its rows end to end): `record_row * columns + record_column`. Where a row holds
-        an epoch, that is the step counted from the run's first, with no division: XLA:CPU
-        schedules a division's and a remainder's small operations apart from the step's
-        own, which a step of a tenth of a millisecond feels.
+        an epoch, that is the step counted from the run's first (`first`, as
+        `record_row`'s), with no division: XLA:CPU schedules a division's and a
+        remainder's small operations apart from the step's own, which a step of a tenth
+        of a millisecond feels.
         """
+        first = self.begin if first is None else first
         if self.columns == self.steps_per_epoch:
-            return step - self.first_epoch * self.steps_per_epoch
-        return self.record_row(step) * self.columns + self.record_column(step)
+            return step - first
+        return self.record_row(step, first) * self.columns + self.record_column(step)
 
     def locate(self, step: int) -> tuple[int, int]:
         """`(epoch, step within it)` of the step at index `step`, both counted from 1."""
@@ -240,6 +268,20 @@ class Schedule:
             if ended > position:
                 stop = ended
         return stop
+
+
+# The fewest rows a program's record holds (`record_capacity`): runs of up to this many
+# epochs share one program.
+MIN_RECORD_ROWS = 8
+
+
+def record_capacity(rows: int) -> int:
+    """The rows of the record a program is compiled with, for a run of `rows` epochs: the
+    next power of two, at least `MIN_RECORD_ROWS`. Runs of one configuration share a
+    program while their epochs round to the same; the record holds fewer than twice the
+    run's rows, and the host reads the run's own.
+    """
+    return max(MIN_RECORD_ROWS, 1 << (rows - 1).bit_length())
 
 
 def make_schedule(shape: SourceShape, options: Options) -> Schedule:

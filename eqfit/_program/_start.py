@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Key, PyTree
+from jaxtyping import Array, Int, Key, PyTree
 
 from .._step._labels import LabelError
 from .._step._statistics import zeros
@@ -25,8 +25,10 @@ def start(
     model_state: PyTree,
     key: Key[Array, ""],
     consts: Consts,
+    begin: Int[Array, ""],
 ) -> tuple[TrainState, Key[Array, "*members"]]:
-    """The training state at the start, and the key of each member (or the key).
+    """The training state at the start (at global step `begin`, the run's first), and
+    the key of each member (or the key).
 
     Its outputs are new buffers (`run` may donate them), never the caller's arrays, and
     never weakly typed (`strongly_typed`).
@@ -62,7 +64,8 @@ def start(
             average=average,
             loss_scale=loop.start_loss_scale(),
             stopping=stopping,
-            step=jnp.asarray(schedule.begin, jnp.int32),
+            step=jnp.copy(jnp.asarray(begin, jnp.int32)),  # own buffers: `run` donates them
+            first=jnp.copy(jnp.asarray(begin, jnp.int32)),
             reason=jnp.asarray(Stop.RUNNING, jnp.int32),
             nan_step=jnp.asarray(-1, jnp.int32),
             label_error=LabelError.none(),
@@ -93,6 +96,7 @@ def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*me
     unoptimised kernels round otherwise (no fused multiply-adds), and its state must be
     the bits a `jax.jit` of its `init` gives.
     """
+    loop = loop.for_programs()
     fn = functools.partial(start, loop)
     options = None if any(not u.loss for u in loop.updates) else START_OPTIONS
     return PROGRAM_CACHE.get(start_key(loop), lambda: jax.jit(fn, compiler_options=options))
@@ -100,7 +104,7 @@ def start_program(loop: Loop) -> Callable[..., tuple[TrainState, Key[Array, "*me
 
 def start_key(loop: Loop) -> tuple[str, Loop]:
     """Where `start_program(loop)` is cached (with what is known of it)."""
-    return ("start", loop)
+    return ("start", loop.for_programs())
 
 
 def made_before(loop: Loop) -> bool:

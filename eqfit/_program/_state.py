@@ -68,6 +68,7 @@ class StartArgs(NamedTuple):
     model_state: PyTree
     key: Key[Array, ""]
     consts: Consts
+    begin: Int[ArrayLike, ""]  # the run's first step (`Schedule.begin`)
 
 
 class TrainState(NamedTuple):
@@ -85,6 +86,9 @@ class TrainState(NamedTuple):
     loss_scale: LossScale | dict[str, LossScale] | None
     stopping: StoppingState | None
     step: Int[Array, ""]  # optimizer steps done since the first epoch ever: the position
+    # The run's first step (`Schedule.begin`), that of row 0 of its record: the programs
+    # are compiled for a run's shape, not its extent (`Schedule.shaped_for_programs`).
+    first: Int[Array, ""]
     reason: Int[Array, ""]  # a `Stop`: why the run stopped, if it did
     nan_step: Int[Array, ""]  # the first step whose loss was not finite, or -1
     label_error: LabelError  # the first label out of range met, if any

@@ -97,7 +97,7 @@ def settle(
         reason=jnp.where(stopped, end.reason, state.reason),
         nan_step=jnp.where(stopped & (state.nan_step < 0), last, state.nan_step),
     )
-    row = schedule.record_row(begin)
+    row = schedule.record_row(begin, state.first)
     first = schedule.record_column(begin)
     ran = state.step - begin
     columns = jnp.arange(schedule.columns)

@@ -49,7 +49,7 @@ class ScheduleLike(Protocol):
     def multiples_run(self, n: int) -> int: ...
     def next_multiple(self, position: Any, n: int) -> Any: ...
     def is_epoch_end(self, position: int, every: int = 1) -> bool: ...
-    def record_row(self, step: Any) -> Any: ...
+    def record_row(self, step: Any, first: Any = None) -> Any: ...
 
 
 class StepValidation(eqx.Module):
@@ -267,17 +267,20 @@ class EveryNSteps(StepValidation):
         """The n-th steps the run reaches, at least one: the rows of its table."""
         return max(self.passes(schedule, 1), 1)
 
-    def row(self, schedule: ScheduleLike, position: Any) -> Any:
+    def row(self, schedule: ScheduleLike, position: Any, first: Any = None) -> Any:
         """The row of the table that the validation after `position` (an int, or traced;
-        one that `n` divides) fills.
+        one that `n` divides) fills; `first`: the run's first step (`begin`; in a
+        program, the state's).
         """
-        return schedule.multiples(position, self.n) - schedule.begin // self.n - 1
+        first = schedule.begin if first is None else first
+        return schedule.multiples(position, self.n) - schedule.multiples(first, self.n) - 1
 
-    def last(self, schedule: ScheduleLike, step: Any) -> tuple[Any, Any]:
+    def last(self, schedule: ScheduleLike, step: Any, first: Any) -> tuple[Any, Any]:
         """The row of the last validation up to `step` (traced, an epoch's end), and
-        whether it is inside the epoch that ends there (and the run made it).
+        whether it is inside the epoch that ends there (and the run made it); `first` as
+        `row`'s.
         """
-        row = self.row(schedule, step)
+        row = self.row(schedule, step, first)
         last = schedule.multiples(step, self.n) * self.n
         return row, (last > step - schedule.steps_per_epoch) & (row >= 0)
 
