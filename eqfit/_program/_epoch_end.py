@@ -18,7 +18,7 @@ from .._step._statistics import values as accumulated_values, zeros
 from .._step._validation_steps import EveryNSteps
 from ._loop import Loop, Rebuilt
 from ._members import put_row
-from ._records import epoch_values, put
+from ._records import epoch_values, first_step, put
 from ._state import Inputs, Stop, TrainState, ValAt, Validations, ValSums
 
 
@@ -55,7 +55,7 @@ class EpochEnd:
             return when(due, lambda s: self.close(s, closing), lambda s: s, state, sums)
 
         def not_due(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
-            row = self.loop.schedule.record_row(state.step - 1, state.first)
+            row = self.loop.schedule.record_row(state.step - 1, first_step(self.loop, state))
             return state, row, jnp.full(state.epoch_values.shape[-1:], jnp.nan)
 
         def closed(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
@@ -72,7 +72,7 @@ class EpochEnd:
         not yet written there (an ensemble's members write theirs at one row: `close_where`).
         """
         loop, schedule = self.loop, self.loop.schedule
-        row = schedule.record_row(state.step - 1, state.first)
+        row = schedule.record_row(state.step - 1, first_step(loop, state))
         epoch = schedule.epoch_of(state.step - 1)
         values = epoch_values(state, row, loop)
         if loop.statistics:  # the accumulating metrics', from the epoch's statistics
@@ -158,7 +158,7 @@ class EpochEnd:
 
         def not_due(state: TrainState) -> tuple[TrainState, Bool[Array, ""], Any, Array]:
             assert state.validations is not None
-            row = every.row(self.loop.schedule, state.step, state.first)
+            row = every.row(self.loop.schedule, state.step, first_step(self.loop, state))
             values = jnp.full(state.validations.values.shape[-1:], jnp.nan)
             return state, jnp.asarray(False), row, values.astype(state.validations.values.dtype)
 
@@ -184,7 +184,7 @@ class EpochEnd:
         assert isinstance(every, EveryNSteps) and state.validations is not None
         validate = self.summed(sums) if sums else self.validate
         values, label_error = validate(state, step)
-        row = every.row(loop.schedule, step, state.first)
+        row = every.row(loop.schedule, step, first_step(loop, state))
         state = state._replace(label_error=label_error)
         rule, stop = loop.early_stopping, jnp.asarray(False)
         if rule is None or rule.monitor not in loop.val_names:
@@ -204,7 +204,8 @@ class EpochEnd:
         """
         every = self.loop.val_steps
         assert isinstance(every, EveryNSteps) and state.validations is not None
-        row, inside = every.last(self.loop.schedule, state.step, state.first)
+        first = first_step(self.loop, state)
+        row, inside = every.last(self.loop.schedule, state.step, first)
         safe = jnp.maximum(row, 0)
         table = state.validations
         values = jax.lax.dynamic_index_in_dim(table.values, safe, 0, False)

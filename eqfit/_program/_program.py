@@ -31,6 +31,7 @@ from ._loop import Loop, Rebuilt
 from ._members import some_member, steps_while
 from ._records import (
     add_running,
+    first_step,
     fresh_record,
     logs_of,
     masked,
@@ -392,7 +393,7 @@ class _Member:
         false, computed and dropped: the state comes back as it was (`masked`).
         """
         before, t, size = state, state.step, index.shape[0]
-        state, out, cell = self.advanced(state, index, full, step_key, active, batch)
+        state, out, place = self.advanced(state, index, full, step_key, active, batch)
         nan_step = jnp.where(~out.finite & (state.nan_step < 0), t, state.nan_step)
         label_error, end = self.labels_met(state, out, t)
         reason = state.reason
@@ -403,7 +404,7 @@ class _Member:
             nan_step=nan_step,
             label_error=label_error,
             running=add_running(state.running, out, size),
-            batch_sizes=put_cell(state.batch_sizes, size, cell, active),
+            batch_sizes=put_cell(state.batch_sizes, size, place, active),
         )
         return state if active is None else masked(active, state, before)
 
@@ -444,10 +445,10 @@ class _Member:
         step_key: Key[Array, ""] | None,
         active: Bool[Array, ""] | None,
         batch: PyTree,
-    ) -> tuple[TrainState, StepResult, Int[Array, ""]]:
+    ) -> tuple[TrainState, StepResult, tuple[Int[Array, ""], Int[Array, ""]]]:
         """The step's new parameters and states, at the next step, with its loss and
-        values in its cell of the record (returned); its other bookkeeping is the
-        caller's.
+        values in its cell of the record (whose place, `(row, column)`, it returns); its
+        other bookkeeping is the caller's.
         """
         loop, schedule = self.loop, self.loop.schedule
         t = state.step
@@ -475,12 +476,14 @@ class _Member:
             key,
             t,
         )
-        cell = schedule.record_cell(t, state.first)
         if loop.members is not None and active is not None:
             # The running members' cell, the same for all: they step together, and a
             # member not stepping writes its cell's own value back. A write at each
             # member's own cell would be a scatter in the `vmap`; this one is in place.
-            cell = jax.lax.pmax(cell, MEMBERS)
+            cell = jax.lax.pmax(schedule.record_cell(t, first_step(loop, state)), MEMBERS)
+            place = (cell // schedule.columns, cell % schedule.columns)
+        else:
+            place = schedule.record_place(t, first_step(loop, state))
         state = state._replace(
             params=out.params,
             opt_state=out.opt_state,
@@ -488,16 +491,16 @@ class _Member:
             average=out.average,
             loss_scale=out.loss_scale,
             step=t + 1,
-            step_loss=put_cell(state.step_loss, out.loss, cell, active),
+            step_loss=put_cell(state.step_loss, out.loss, place, active),
         )
         if loop.record.names:
-            values = put_cell(state.step_values, out.values, cell, active)
+            values = put_cell(state.step_values, out.values, place, active)
             state = state._replace(step_values=values)
         if out.statistics:  # a step whose loss is not finite is left out, as in the means
             summed = add(state.statistics, out.statistics)
             kept = jax.tree.map(lambda a, b: jnp.where(out.finite, a, b), summed, state.statistics)
             state = state._replace(statistics=kept)
-        return state, out, cell
+        return state, out, place
 
     def closed(self, state: TrainState, sums: tuple[ValSums, ...]) -> tuple[TrainState, Report]:
         """`close`'s (the program's) for one member: the epoch closed if its steps have

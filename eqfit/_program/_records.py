@@ -48,9 +48,11 @@ def put(record: Array, value: Any, *index: Any) -> Array:
     return update_slice(record, update, *index, *(0,) * value.ndim)
 
 
-def put_cell(record: Array, value: Any, cell: Any, active: Bool[Array, ""] | None = None) -> Array:
-    """`put` of a step's `value` into a record of `(rows, columns, ...)`, at `cell` of
-    its rows laid end to end (`Schedule.record_cell`); where `active` is false, the
+def put_cell(
+    record: Array, value: Any, place: tuple[Any, Any], active: Bool[Array, ""] | None = None
+) -> Array:
+    """`put` of a step's `value` into a record of `(rows, columns, ...)`, at its cell's
+    `place`, `(row, column)` (`Schedule.record_place`); where `active` is false, the
     cell's own value is put back.
 
     Written at the cell's row and column, never through a reshape of the record to its
@@ -58,7 +60,7 @@ def put_cell(record: Array, value: Any, cell: Any, active: Bool[Array, ""] | Non
     cost that grows with the run. And a masked step writes its one cell masked, where
     selecting between the records after and before the step reads and writes them whole.
     """
-    row, column = cell // record.shape[1], cell % record.shape[1]
+    row, column = place
     if active is not None:
         old = jax.lax.dynamic_index_in_dim(
             jax.lax.dynamic_index_in_dim(record, row, 0, False, allow_negative_indices=False),
@@ -163,7 +165,7 @@ def logs_of(
     every, schedule = loop.log_every, loop.schedule
     if every is None:
         return None
-    first = schedule.multiples(state.first, every)  # the run's first n-th step's: `+ 1`
+    first = schedule.multiples(first_step(loop, state), every)  # the first n-th's: `+ 1`
     rows = log_rows(loop)
     if begin is None:
         values = jax.vmap(lambda r: _log_row(loop, state, r))(jnp.arange(rows))
@@ -194,7 +196,7 @@ def _log_row(loop: Loop, state: TrainState, r: Int[Array, ""]) -> Float[Array, "
     every, schedule = loop.log_every, loop.schedule
     assert every is not None
     cells = state.step_loss.size
-    first = state.first  # the run's first step
+    first = first_step(loop, state)
     steps = (schedule.multiples(first, every) + r) * every + jnp.arange(every, dtype=jnp.int32)
     cell = schedule.record_cell(steps, first)
     inside = (steps >= first) & (steps < state.step) & (cell < cells)
@@ -213,6 +215,17 @@ def _log_row(loop: Loop, state: TrainState, r: Int[Array, ""]) -> Float[Array, "
 
 
 MEMBERS = "members"  # the axis an ensemble's programs are vmapped over (`each_member`)
+
+
+def first_step(loop: Loop, state: TrainState) -> Int[Array, ""]:
+    """The run's first step (`TrainState.first`), whence its record's rows count. In an
+    ensemble, the members' one (they begin together), as one value for all: rows and
+    cells made from it are then the members' own one, which they write in place, where
+    one of each member's would be a scatter in the members' `vmap`.
+    """
+    if loop.members is None:
+        return state.first
+    return jax.lax.pmax(state.first, MEMBERS)
 
 
 def any_member(more: Bool[Array, ""]) -> Bool[Array, ""]:

@@ -205,6 +205,19 @@ class Schedule:
             return step - first
         return self.record_row(step, first) * self.columns + self.record_column(step)
 
+    def record_place(self, step: jax.Array, first: Any) -> tuple[jax.Array, jax.Array]:
+        """`(row, column)` of the record that step `step` fills (`record_cell`'s, apart);
+        `first` as `record_row`'s. Where a row holds an epoch, the row is the step's epoch
+        less the run's first, each divided apart: a loop of steps computes `first`'s part
+        once, outside it, and the step's division and remainder by a constant fuse into
+        the kernels that write its cell (where `(step - first) // columns` would be two
+        kernels of their own at every step).
+        """
+        if self.columns == self.steps_per_epoch:
+            spe = self.steps_per_epoch
+            return _div(step, spe) - _div(first, spe), _mod(step, spe)
+        return self.record_row(step, first), self.record_column(step)
+
     def locate(self, step: int) -> tuple[int, int]:
         """`(epoch, step within it)` of the step at index `step`, both counted from 1."""
         epoch, within = epochs_and_steps(step, self.steps_per_epoch)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from ._loop import Loop
-from ._records import put
+from ._records import first_step, put
 from ._state import Stop, TrainState
 
 
@@ -97,7 +97,7 @@ def settle(
         reason=jnp.where(stopped, end.reason, state.reason),
         nan_step=jnp.where(stopped & (state.nan_step < 0), last, state.nan_step),
     )
-    row = schedule.record_row(begin, state.first)
+    row = schedule.record_row(begin, first_step(loop, state))
     first = schedule.record_column(begin)
     ran = state.step - begin
     columns = jnp.arange(schedule.columns)
