@@ -125,3 +125,27 @@ def values_told(recorder):
         return not (name.endswith(("_second", "_seconds")) or name == "mfu")
 
     return [(*t[:2], {k: v for k, v in t[2].items() if trained(k)}) for t in recorder.told]
+
+
+def test_a_plan_of_another_extent_counts_its_own_steps():
+    """`eqfit.plan` of a run of other epochs compiles nothing (its programs are the first
+    run's) and counts that run's steps, validations and FLOPs, not the first's.
+    """
+    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=OPTIMIZER,
+        key=jax.random.key(1),
+        batch_size=BATCH,
+        validation_data=arrays(1),
+        validation_every=3,
+    )
+    first = eqfit.plan(model, arrays(), epochs=2, **kwargs)
+    assert (first.steps, first.validations) == (10, 3)
+    with programs_compiled() as names:
+        plan = eqfit.plan(model, arrays(), epochs=7, initial_epoch=4, **kwargs)
+    assert names == []
+    # Steps 21 to 35; validations after steps 21, 24, ..., 33.
+    assert (plan.steps, plan.validations) == (15, 5)
+    assert plan.flops == plan.flops_per_step * 15 + plan.validation_flops * 5
+    assert plan.memory == first.memory  # the same programs

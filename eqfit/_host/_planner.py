@@ -238,6 +238,12 @@ def validation_flops(loop: Loop, state: TrainState, val_data: PyTree, consts: Co
     return _lowered_flops(loop, validate, state, val_data, consts)
 
 
+def run_steps(loop: Loop) -> int | None:
+    """The steps of the run (`None` while its epoch's length is to be learned)."""
+    schedule = loop.schedule
+    return None if schedule.learning else schedule.total - schedule.begin
+
+
 def validation_passes(loop: Loop) -> int:
     """The validation passes of the run: its epochs whose number `validation_freq`
     divides, or its steps that `validation_every` does (0 without validation).
@@ -279,7 +285,8 @@ def make_plan(
     if plan is None:
         plan = _compile_plan(loop, model, source, val_data, start_args, options)
         PROGRAM_CACHE.set_fact(program_key(loop), name, plan)
-    return plan
+    # Runs of other extents share the programs (`Loop.for_programs`), not the steps.
+    return dataclasses.replace(plan, steps=run_steps(loop), validations=validation_passes(loop))
 
 
 def _validation_like(loop: Loop, val_data: PyTree | None) -> PyTree | None:
@@ -389,7 +396,7 @@ def _compile_plan_in(
         start_memory=memory_of(start),
         flops_per_step=step.flops,
         validation_flops=validation.flops,
-        steps=None if schedule.learning else schedule.total - schedule.begin,
+        steps=run_steps(loop),
         validations=validation_passes(loop),
         arrays=array_plans(loop, model),
         devices=len(devices),

@@ -291,8 +291,8 @@ MIN_RECORD_ROWS = 8
 def record_capacity(rows: int) -> int:
     """The rows of the record a program is compiled with, for a run of `rows` epochs: the
     next power of two, at least `MIN_RECORD_ROWS`. Runs of one configuration share a
-    program while their epochs round to the same; the record holds fewer than twice the
-    run's rows, and the host reads the run's own.
+    program while their epochs round to the same; the record holds under twice the run's
+    rows (or 8), and the host reads the run's own.
     """
     return max(MIN_RECORD_ROWS, 1 << (rows - 1).bit_length())
 
