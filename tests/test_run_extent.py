@@ -5,12 +5,15 @@ only the extent compiles nothing, and trains as a run whose programs were compil
 another record. Compiles counted by JAX's compile events, in any thread.
 """
 
+import pathlib
+import shutil
+
 import equinox as eqx
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import programs_compiled, Recorder
+from helpers import assert_trees_close, programs_compiled, Recorder
 
 import eqfit
 
@@ -149,3 +152,41 @@ def test_a_plan_of_another_extent_counts_its_own_steps():
     assert (plan.steps, plan.validations) == (15, 5)
     assert plan.flops == plan.flops_per_step * 15 + plan.validation_flops * 5
     assert plan.memory == first.memory  # the same programs
+
+
+# A checkpoint of 3 epochs written by eqfit before the training state held the run's first
+# step (`92d75b0`, 2026-12-07): its record's rows the run's own (3, and 5 validations).
+BEFORE_FIRST = pathlib.Path(__file__).parent / "checkpoints" / "before_first"
+
+
+@pytest.mark.parametrize("epochs", [3, 5])
+def test_a_checkpoint_of_the_earlier_state_is_continued(tmp_path, epochs):
+    """A checkpoint of the state's earlier layout is continued, by the same run (nothing
+    more to train) or one of more epochs, as the run trained whole.
+    """
+    shutil.copytree(BEFORE_FIRST, tmp_path / "run")
+    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
+    kwargs = dict(
+        loss=eqfit.losses.mse,
+        optimizer=OPTIMIZER,
+        key=jax.random.key(1),
+        batch_size=BATCH,
+        epochs=epochs,
+        validation_data=arrays(1),
+        validation_every=3,
+    )
+    policy = eqfit.Checkpoint(tmp_path / "run", keep=1)
+    resumed = eqfit.fit(model, arrays(), checkpoint=policy, **kwargs)
+    whole = eqfit.fit(model, arrays(), **kwargs)
+    # The checkpoint was written by another process, whose XLA options are not the
+    # suite's (`conftest.py`): the same run, to float rounding.
+    assert_trees_close(resumed.model, whole.model, rtol=1e-5, atol=1e-6)
+    assert_trees_close(resumed.opt_state, whole.opt_state, rtol=1e-5, atol=1e-6)
+    history, expected = resumed.history, whole.history
+    assert history.loss.shape == (epochs,) and history.step_loss.shape == (epochs, 5)
+    np.testing.assert_allclose(history.loss, expected.loss, rtol=1e-5)
+    np.testing.assert_allclose(history.step_loss, expected.step_loss, rtol=1e-5)
+    np.testing.assert_array_equal(history.batch_sizes, expected.batch_sizes)
+    np.testing.assert_array_equal(history.validation_steps, expected.validation_steps)
+    val = history.validations["val_loss"]
+    np.testing.assert_allclose(val, expected.validations["val_loss"], rtol=1e-5)

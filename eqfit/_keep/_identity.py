@@ -126,22 +126,33 @@ def as_plain(value: Any) -> Any:
 _ROWS = (".step_loss", ".step_values", ".batch_sizes", ".epoch_values", ".validations")
 
 
+# The state's run's first step, which checkpoints written before it was in the state
+# (eqfit of 2026-12-07 and earlier) lack: their runs are continued, `first` the run's.
+_FIRST = ".first"
+
+
 def grows(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a checkpoint of configuration `saved` is of the run `now` asked for fewer
     epochs, which `now` continues: nothing differs but the last epoch, later now, and the
     rows of the state's record (`_ROWS`), more now. Nothing else in a run depends on how
     many epochs it has (the shuffles, the keys and the validations are counted from its
-    first step), so the longer run continued equals it run from the start.
+    first step), so the longer run continued equals it run from the start. A checkpoint
+    of the state's earlier layout (no `first`, the record's rows the run's own epochs) is
+    continued likewise, by a run of as many epochs or more.
     """
     saved, now = without_fingerprints(saved), without_fingerprints(now)  # compared apart
     differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
-    if "epochs" not in differ or not differ <= {"epochs", "state"}:
+    older = "state" in differ and _FIRST not in {path for path, *_ in saved["state"]}
+    if not ("epochs" in differ or older) or not differ <= {"epochs", "state"}:
         return False
     (first, end), (first_now, end_now) = saved["epochs"], now["epochs"]
-    if first != first_now or end >= end_now or len(saved["state"]) != len(now["state"]):
+    state_now = [d for d in now["state"] if not (older and d[0] == _FIRST)]
+    if first != first_now or end > end_now or (end == end_now and not older):
+        return False
+    if len(saved["state"]) != len(state_now):
         return False
     for (path, shape, dtype), (path_now, shape_now, dtype_now) in zip(
-        saved["state"], now["state"], strict=True
+        saved["state"], state_now, strict=True
     ):
         if (path, dtype) != (path_now, dtype_now) or len(shape) != len(shape_now):
             return False
@@ -159,6 +170,8 @@ def shaped_as(like: PyTree, described: list[list[Any]]) -> PyTree:
     shapes = {path: tuple(shape) for path, shape, _ in described}
 
     def shaped(path: Any, x: Any) -> Any:
+        if jax.tree_util.keystr(path) not in shapes:  # `first`, of an earlier layout
+            return None
         shape = shapes[jax.tree_util.keystr(path)]
         if x.shape == shape:
             return x

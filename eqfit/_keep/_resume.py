@@ -33,6 +33,8 @@ def resume(store: Checkpoints, state: TrainState, schedule: Schedule) -> tuple[T
     restored = store.restore(like, shorter)
     if restored is None:
         return state, schedule.begin
+    if restored.first is None:  # of the state's earlier layout: the run's (`grows`)
+        restored = restored._replace(first=fresh.first)
     restored = grafted(fresh, restored)
     assert store.restored is not None
     if hyperparams_changed(store.restored, store.config):  # allowed, or `restore` refused it
