@@ -34,6 +34,21 @@ def mse_aux(model, x, y):
     return (error**2).mean(), {"abs": abs(error).mean()}
 
 
+def mlp(key=jax.random.key(0)):
+    return eqfit.models.MLP(3, "scalar", 8, 1, key=key)
+
+
+# A run that validates after every third step: `plan`'s and the earlier checkpoint's.
+VALIDATED = dict(
+    loss=eqfit.losses.mse,
+    optimizer=OPTIMIZER,
+    key=jax.random.key(1),
+    batch_size=BATCH,
+    validation_data=arrays(1),
+    validation_every=3,
+)
+
+
 class Batches:
     """A loader with a length, in order."""
 
@@ -64,10 +79,9 @@ CASES = {
 def fit(case, **extent):
     kwargs = dict(CASES[case])
     recorder = Recorder()
-    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
+    model = mlp()
     if kwargs.get("ensemble"):
-        keys = jax.random.split(jax.random.key(0), 3)
-        model = eqx.filter_vmap(lambda k: eqfit.models.MLP(3, "scalar", 8, 1, key=k))(keys)
+        model = eqx.filter_vmap(mlp)(jax.random.split(jax.random.key(0), 3))
     data = arrays()
     if kwargs.pop("loader", False):
         data = Batches(*data)
@@ -134,19 +148,11 @@ def test_a_plan_of_another_extent_counts_its_own_steps():
     """`eqfit.plan` of a run of other epochs compiles nothing (its programs are the first
     run's) and counts that run's steps, validations and FLOPs, not the first's.
     """
-    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
-    kwargs = dict(
-        loss=eqfit.losses.mse,
-        optimizer=OPTIMIZER,
-        key=jax.random.key(1),
-        batch_size=BATCH,
-        validation_data=arrays(1),
-        validation_every=3,
-    )
-    first = eqfit.plan(model, arrays(), epochs=2, **kwargs)
+    model = mlp()
+    first = eqfit.plan(model, arrays(), epochs=2, **VALIDATED)
     assert (first.steps, first.validations) == (10, 3)
     with programs_compiled() as names:
-        plan = eqfit.plan(model, arrays(), epochs=7, initial_epoch=4, **kwargs)
+        plan = eqfit.plan(model, arrays(), epochs=7, initial_epoch=4, **VALIDATED)
     assert names == []
     # Steps 21 to 35; validations after steps 21, 24, ..., 33.
     assert (plan.steps, plan.validations) == (15, 5)
@@ -165,16 +171,7 @@ def test_a_checkpoint_of_the_earlier_state_is_continued(tmp_path, epochs):
     more to train) or one of more epochs, as the run trained whole.
     """
     shutil.copytree(BEFORE_FIRST, tmp_path / "run")
-    model = eqfit.models.MLP(3, "scalar", 8, 1, key=jax.random.key(0))
-    kwargs = dict(
-        loss=eqfit.losses.mse,
-        optimizer=OPTIMIZER,
-        key=jax.random.key(1),
-        batch_size=BATCH,
-        epochs=epochs,
-        validation_data=arrays(1),
-        validation_every=3,
-    )
+    model, kwargs = mlp(), dict(VALIDATED, epochs=epochs)
     policy = eqfit.Checkpoint(tmp_path / "run", keep=1)
     resumed = eqfit.fit(model, arrays(), checkpoint=policy, **kwargs)
     whole = eqfit.fit(model, arrays(), **kwargs)
