@@ -29,6 +29,7 @@ from ._host._plan import (
     Plan as Plan,
 )
 from ._keep._checkpoint import CheckpointError as CheckpointError
+from ._keep._writer import wait_for_checkpoints as wait_for_checkpoints
 from ._predict import predict as predict
 from ._program._compile import (
     clear_cache as clear_cache,

@@ -392,7 +392,8 @@ def fit(
         on a GPU or TPU, in the training thread on a CPU: the policy's `background`),
         every `checkpoint_every` epochs (or as the policy says),
         at the run's end and at the step where a signal stopped it; `fit` returns once
-        the last is committed. Calling `fit` again with the same directory resumes from
+        the last is committed (in the background, once it is copied:
+        [`eqfit.wait_for_checkpoints`][]). Calling `fit` again with the same directory resumes from
         the newest good checkpoint, inside an epoch or at its end, and ends with the
         same bits as an uninterrupted run; one written by another configuration is
         refused, as is one of other data, validation data, metrics or optimizer

@@ -6,6 +6,7 @@ the training waited at its checkpoints. The disk is slowed through Python's audi
 (`sys.addaudithook`), which see every file opened: nothing of eqfit's is patched.
 """
 
+import errno
 import logging
 import os
 import shutil
@@ -32,8 +33,9 @@ class SlowDisk:
     openings of files named `name` to write each wait until `release()` lets one through.
     """
 
-    def __init__(self, directory: Path, name: str, held: int):
+    def __init__(self, directory: Path, name: str, held: int, fails: bool = False):
         self.directory, self.name, self.held = str(directory) + os.sep, name, held
+        self.fails = fails  # a held opening, once let through, fails (a disk gone read-only)
         self.opened: list[tuple[str, str, int]] = []
         self.gate = threading.Semaphore(0)
         self.stuck = False  # a held opening was never released
@@ -49,6 +51,8 @@ class SlowDisk:
             self.held -= 1
             # Released by the test; a bug that never releases it fails the test, not the suite.
             self.stuck |= not self.gate.acquire(timeout=120)
+            if self.fails:
+                raise OSError(errno.EROFS, "Read-only file system (the test's disk)")
 
     def writes(self, name: str) -> set[int]:
         """The threads that opened files named `name` to write."""
@@ -165,6 +169,7 @@ def test_training_goes_on_while_a_slow_disk_holds_a_checkpoints_write(
                     disk.release()
 
         result = eqfit.fit(model, data, checkpoint=policy, callbacks=[Watch()], **kwargs)
+        eqfit.wait_for_checkpoints()  # in the background, the last write goes on after `fit`
 
     # Epochs 2 and 3 ended, and were told, while the checkpoint of epoch 2 was held unwritten.
     assert seen[2][0] == [] and seen[3][0] == []
@@ -198,6 +203,7 @@ def test_a_checkpoint_due_while_the_last_is_written_waits_for_it_and_says_so_onc
     policy = eqfit.Checkpoint(tmp_path, every_epochs=1, background=background)
     with SlowDisk(tmp_path, held, held=3) as disk, WaitsReleased(disk) as waits:
         result = eqfit.fit(model, data, checkpoint=policy, **kwargs)
+        eqfit.wait_for_checkpoints()
 
     levels = [record.levelno for record in waits.records]
     assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
@@ -257,6 +263,7 @@ def test_orbax_checkpoints_are_digested_and_committed_beside_the_training(
                     disk.release()
 
         result = eqfit.fit(model, data, checkpoint=policy, callbacks=[Watch()], **kwargs)
+        eqfit.wait_for_checkpoints()
 
     assert seen[2][0] == [] and seen[3][0] == []
     training = seen[1][1]
@@ -277,3 +284,46 @@ def test_orbax_checkpoints_are_digested_and_committed_beside_the_training(
         return eqfit.fit(model, data, **more, **kwargs)
 
     assert_resumes_from_the_one_before_the_newest(tmp_path, policy, full, fit)
+
+
+def test_fit_returns_while_its_last_checkpoint_is_written_in_the_background(getkey, tmp_path):
+    """In the background (a GPU's or TPU's default) `fit` returns once its last checkpoint's
+    state is copied, as Orbax's asynchronous checkpoints do: the write goes on, and a `fit`
+    that reads the directory and `wait_for_checkpoints` wait for it.
+    """
+    model, data, kwargs = small_run(getkey)
+    full = eqfit.fit(model, data, **kwargs)
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=4, background=True)  # the run's end's
+    told: list[int] = []
+
+    class Told:
+        def on_epoch_end(self, epoch, logs):
+            told.append(epoch)
+
+    with SlowDisk(tmp_path, "state.eqx", held=1):
+        result = eqfit.fit(model, data, checkpoint=policy, **kwargs)
+        assert checkpoints(tmp_path) == []  # returned with its write held
+    # The held write let through as the block closed: `fit` again waits for it, and resumes
+    # from it: the run is whole, no epoch is trained (none told).
+    again = eqfit.fit(model, data, checkpoint=policy, callbacks=[Told()], **kwargs)
+    assert told == [] and checkpoints(tmp_path) == ["ckpt-000004-000000"]
+    eqfit.wait_for_checkpoints()
+    assert_trees_equal(result.model, full.model)
+    assert_trees_equal(again.model, full.model)
+
+
+def test_a_last_write_that_fails_after_fit_returned_is_logged_and_raised_by_the_wait(
+    getkey, tmp_path, caplog
+):
+    model, data, kwargs = small_run(getkey)
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=4, background=True)
+    with caplog.at_level(logging.ERROR, logger="eqfit"):
+        with SlowDisk(tmp_path, "state.eqx", held=1, fails=True) as disk:
+            result = eqfit.fit(model, data, checkpoint=policy, **kwargs)  # the training's whole
+            disk.release()
+            with pytest.raises(eqfit.CheckpointError, match="Read-only file system"):
+                eqfit.wait_for_checkpoints()
+    eqfit.wait_for_checkpoints()  # raised once
+    assert checkpoints(tmp_path) == [] and result.history.step_loss.shape[0] == 4
+    (record,) = [r for r in caplog.records if "failed as it was written after" in r.message]
+    assert record.levelno == logging.ERROR and str(tmp_path) in record.message

@@ -28,7 +28,8 @@ class Checkpoint:
     one), at the run's end, and at the step where a signal stopped it (Ctrl-C, SIGTERM,
     SIGUSR1). It may fall inside an epoch: a run resumed from it goes on bit for bit.
     Each is written where it costs the run least (`background`); `fit` returns once the
-    last is committed.
+    last is committed, or in the background once its state is copied (its write goes on:
+    [`eqfit.wait_for_checkpoints`][] waits for it).
 
     **Arguments:**
 
@@ -64,7 +65,11 @@ class Checkpoint:
         logger says once a run (a warning; each later wait at its DEBUG level). Each
         epoch's `history.throughput["checkpoint_blocked_seconds"]` says how long the
         training waited at its checkpoints. A failed write raises
-        [`eqfit.CheckpointError`][] with the training so far. With several processes
+        [`eqfit.CheckpointError`][] with the training so far. In the background the
+        run's last write goes on as `fit` returns, as Orbax's asynchronous checkpoints
+        do: a `fit` reading the directory, the process's exit and
+        [`eqfit.wait_for_checkpoints`][] wait for it, and the last raises its error (which
+        the `eqfit` logger has said). With several processes
         (`jax.distributed`) it is written in the training thread whatever this says:
         every process takes part, in step with the training's collectives.
     - `allow_changes`: what a run resumed from these checkpoints may change, on purpose:

@@ -8,6 +8,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -17,7 +18,7 @@ from jaxtyping import PyTree
 from .._core._policy import Checkpoint
 from .._keep._checkpoint import Checkpoints
 from .._keep._identity import learned_config
-from .._keep._writer import Writer
+from .._keep._writer import go_on, Writer
 from .._program._schedule import Schedule
 from .._program._state import stopped_at_non_finite, TrainState
 from .._step._record import CHECKPOINT_BLOCKED
@@ -157,6 +158,14 @@ class Checkpointing(Observer):
         stopped = self.interrupt.stopping and not self.schedule.learning
         if stopped and position != self.saved_at:
             self._save(position, state, True)
+        self.writer.check()
+        if self.background and not stopped:
+            # In the background the run's last write goes on as `fit` returns (the
+            # process's exit, a run reading the directory and `wait_for_checkpoints` wait
+            # for it), as Orbax's asynchronous checkpoints do. Stopped by a signal, the
+            # process is about to end: `fit` returns with its checkpoint committed.
+            go_on(Path(self.store.directory), self.writer)
+            self.writer = Writer()
         self.writer.wait()
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from .._core._version import __version__
 from .._program._schedule import epochs_and_steps
 from ._files import CHECKSUMS, file_checksum, fsync_dir, read_leaves, write_file, write_leaves
 from ._fingerprint import changed, without_fingerprints
+from ._writer import after, waited_for
 
 
 FORMAT = 3  # 2: a sequence number orders checkpoints; 3: a CRC32, where 2 had a SHA-256
@@ -133,6 +134,7 @@ class Checkpoints:
                 f"Cannot create the checkpoint directory {self.directory}: {e.strerror}."
             ) from None
         _check_writable(self.directory)
+        waited_for(self.directory)  # an earlier run's last write, going on after it
         self._lock = _lock(self.directory)
         try:
             self._remove_litter()
@@ -150,8 +152,8 @@ class Checkpoints:
 
     def close(self) -> None:
         """Releases the directory's lock."""
-        if self._lock is not None:
-            self._lock.close()
+        if self._lock is not None:  # once the run's last write is done, if it goes on
+            after(self.directory, self._lock.close)
             self._lock = None
 
     def _remove_litter(self) -> None:
@@ -472,8 +474,8 @@ def newest_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     `None` if there is none. Read before the run is planned (a loader's epoch length is
     kept in it); its state is checked when the run restores it.
     """
-    found = []
-    path = Path(directory)
+    found, path = [], Path(directory)
+    waited_for(path)  # an earlier run's last write, going on after it
     for folder in path.iterdir() if path.is_dir() else ():
         if _NAME.match(folder.name) and folder.is_dir():
             try:
