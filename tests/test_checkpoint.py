@@ -250,6 +250,7 @@ def test_a_state_of_arrays_larger_than_the_writes_pieces_is_written_whole(
     full = eqfit.fit(model, data, **kwargs)
     policy = eqfit.Checkpoint(tmp_path, background=background)
     assert_trees_equal(eqfit.fit(model, data, checkpoint=policy, **kwargs).model, full.model)
+    eqfit.wait_for_checkpoints()  # in the background, the last write goes on after `fit`
     newest = tmp_path / "ckpt-000003-000000"
     state = (newest / "state.eqx").read_bytes()
     assert len(state) > 3 * 700 * 700 * 4

@@ -140,6 +140,7 @@ def test_a_checkpoint_inside_an_epoch_resumes_bit_for_bit(tmp_path, kind, progre
         tmp_path / "all", every_epochs=None, every_steps=5, keep=100, background=background
     )
     checkpointed = train(data_of(kind, tmp_path), progress=progress, checkpoint=policy)
+    eqfit.wait_for_checkpoints()  # in the background, the last write goes on after `fit`
     assert_same_run(checkpointed, whole)  # checkpoints change nothing
     names = folders(tmp_path / "all")
     positions = [position(n, 13) for n in names]
@@ -264,6 +265,7 @@ def test_keep_best_keeps_the_best_epoch_beside_the_newest(tmp_path, background):
     # A rate that overshoots: the validation loss does not fall every epoch.
     policy = eqfit.Checkpoint(tmp_path, keep=1, keep_best="val_loss", background=background)
     result = train((x, y), epochs=8, checkpoint=policy, optimizer=OVERSHOOTS)
+    eqfit.wait_for_checkpoints()
     losses = result.history.val_loss
     best = int(np.argmin(losses)) + 1
     expected = {f"ckpt-{best:06d}-000000", "ckpt-000008-000000"}
@@ -316,7 +318,8 @@ def test_background_says_which_thread_writes(tmp_path, monkeypatch, background):
     training goes past its step, so the callback of its epoch sees it; by default on the
     CPU backend the training thread writes the state's file and a thread commits it
     (waits for the disk, renames it); with `True` a background thread does all of it.
-    Every one is committed before `fit` returns.
+    Every one is committed before `fit` returns; in the background, but the last, whose
+    write `wait_for_checkpoints` waits for.
     """
     from eqfit._keep._checkpoint import Checkpoints
 
@@ -336,6 +339,7 @@ def test_background_says_which_thread_writes(tmp_path, monkeypatch, background):
     policy = eqfit.Checkpoint(directory, keep=100, background=background)
     sees = SeesCheckpoints(directory)
     result = train((x, y), epochs=4, checkpoint=policy, callbacks=[sees])
+    eqfit.wait_for_checkpoints()
     assert_same_run(result, train((x, y), epochs=4))
     assert folders(directory) == [f"ckpt-{e:06d}-000000" for e in range(1, 5)]
     assert len(writes) == len(commits) == 4

@@ -66,10 +66,10 @@ class Checkpoint:
         epoch's `history.throughput["checkpoint_blocked_seconds"]` says how long the
         training waited at its checkpoints. A failed write raises
         [`eqfit.CheckpointError`][] with the training so far. In the background the
-        run's last write goes on as `fit` returns, as Orbax's asynchronous checkpoints
-        do: a `fit` reading the directory, the process's exit and
-        [`eqfit.wait_for_checkpoints`][] wait for it, and the last raises its error (which
-        the `eqfit` logger has said). With several processes
+        run's last write goes on as `fit` returns (queued behind any write in flight),
+        as Orbax's asynchronous checkpoints do: a `fit` reading the directory, the
+        process's exit and [`eqfit.wait_for_checkpoints`][] wait for it, and the last
+        raises its error (which the `eqfit` logger has said). With several processes
         (`jax.distributed`) it is written in the training thread whatever this says:
         every process takes part, in step with the training's collectives.
     - `allow_changes`: what a run resumed from these checkpoints may change, on purpose:

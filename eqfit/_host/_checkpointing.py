@@ -80,10 +80,11 @@ class Checkpointing(Observer):
 
     A checkpoint that falls due while the write before it is still going waits for it
     (one write at a time, one copy of the state at a time), and says so: the first time
-    a run waits, as a warning of the `eqfit` logger, then at its DEBUG level. The
-    seconds the training thread spends at each checkpoint (`blocked`: the copy queued,
-    or the state written, and any such wait) go to the figures of its epoch
-    (`epoch_figures`).
+    a run waits, as a warning of the `eqfit` logger, then at its DEBUG level; but the
+    run's last in the background, queued behind it, whose write goes on as `fit`
+    returns (`go_on`). The seconds the training thread spends at each checkpoint
+    (`blocked`: the copy queued, or the state written, and any such wait) go to the
+    figures of its epoch (`epoch_figures`).
     """
 
     def __init__(
@@ -191,13 +192,21 @@ class Checkpointing(Observer):
         taken = self.take(state)
         if self.background is None:
             self.background = in_background(self.policy.background, taken)
-        self._wait_for_write(position)
+        # The run's last, in the background, queued behind the write in flight: the
+        # training is over, and the device's copy waits for the write as it would have.
+        last = self.background and position >= schedule.total and not self.interrupt.stopping
+        if not last:
+            self._wait_for_write(position)
         if self.background:
             # Queued behind the call: the device copies it. Held in a list that the
             # writer's thread empties, so that the device's copy is let go once it is on
             # the host, not at the end of the write.
             held = [copy_taken(taken)]
-            self.writer.submit(lambda: self._begin(self.host(held.pop()), due, row)())
+            write = lambda: self._begin(self.host(held.pop()), due, row)()  # noqa: E731
+            if last:
+                self.writer.queue(write)
+            else:
+                self.writer.submit(write)
         elif self.policy.background is None:
             # The state's file is written here, from its buffers, before the next call
             # donates them; the wait for the disk, the manifest and the rename go on in

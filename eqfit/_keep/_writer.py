@@ -30,6 +30,21 @@ class Writer:
         self.thread = threading.Thread(target=self._run, args=(write,), daemon=True)
         self.thread.start()
 
+    def queue(self, write: Callable[[], Any]) -> None:
+        """Starts `write()` in the background once the write in flight is done, without
+        waiting for it here (nothing if that write fails: its error is raised).
+        """
+        before = self.thread
+
+        def after() -> None:
+            if before is not None:
+                before.join()
+            if self.error is None:
+                write()
+
+        self.thread = threading.Thread(target=self._run, args=(after,), daemon=True)
+        self.thread.start()
+
     def _run(self, write: Callable[[], Any]) -> None:
         try:
             write()
