@@ -127,6 +127,7 @@ def train(directory: Path) -> None:
         assert_type(e.result, eqfit.FitResult[Any])
     except eqfit.CheckpointError as e:
         print(e.result)
+    assert_type(eqfit.wait_for_checkpoints(), None)
 
     eqfit.enable_compilation_cache(directory / "jax")
     eqfit.clear_cache()
