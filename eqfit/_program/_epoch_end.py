@@ -56,7 +56,8 @@ class EpochEnd:
 
         def not_due(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
             row = self.loop.schedule.record_row(state.step - 1, first_step(self.loop, state))
-            return state, row, jnp.full(state.epoch_values.shape[-1:], jnp.nan)
+            values = state.epoch_values
+            return state, row, jnp.full(values.shape[-1:], jnp.nan, values.dtype)
 
         def closed(state: TrainState) -> tuple[TrainState, Int[Array, ""], Array]:
             state, row, values = self.closing(state, closing)
@@ -91,12 +92,16 @@ class EpochEnd:
             else:
                 validated = epoch % validation.freq == 0
 
-                def not_due(state: TrainState) -> tuple[Array, LabelError]:
-                    return jnp.full(len(loop.val_names), jnp.nan), state.label_error
+                dtype = state.epoch_values.dtype  # a float64 loss's too, under x64
 
-                val, label_error = jax.lax.cond(
-                    validated, lambda s: validate(s, epoch), not_due, state
-                )
+                def due(state: TrainState) -> tuple[Array, LabelError]:
+                    val, label_error = validate(state, epoch)
+                    return val.astype(dtype), label_error
+
+                def not_due(state: TrainState) -> tuple[Array, LabelError]:
+                    return jnp.full(len(loop.val_names), jnp.nan, dtype), state.label_error
+
+                val, label_error = jax.lax.cond(validated, due, not_due, state)
             values = jnp.concatenate([values, val])
             state = state._replace(label_error=label_error)
         state = state._replace(running=jnp.zeros(2))

@@ -25,7 +25,9 @@ def update_slice(array: Array, update: Array, *start: Int[ArrayLike, ""]) -> Arr
 
 
 def _written(array: Array, update: Array, *start: Int[ArrayLike, ""]) -> Array:
-    return jax.lax.dynamic_update_slice(array, update, start, allow_negative_indices=False)
+    # Of one integer type, as XLA asks: a Python 0 is an int64 under `jax_enable_x64`.
+    places = [jnp.asarray(s, jnp.int32) for s in start]
+    return jax.lax.dynamic_update_slice(array, update, places, allow_negative_indices=False)
 
 
 @custom_vmap
