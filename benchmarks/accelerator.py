@@ -808,7 +808,7 @@ def checkpoint_run(
         wall = time.perf_counter() - start
         # In the background `fit` returns with its last write going on: waited for here,
         # outside the timed run, so that the next run does not share the host with it.
-        eqfit.wait_for_checkpoints()
+        eqfit.wait_for_checkpoints(folder)
         committed = time.perf_counter() - start
         written = sorted(p.name for p in Path(folder).iterdir()) if checkpointed else []
     finally:

@@ -163,6 +163,9 @@ def main() -> None:
             checkpoint=policy,
         )
         took = time.perf_counter() - began
+        # In the background `fit` returns with its last write going on: waited for, untimed,
+        # before the folder goes and the next run begins.
+        eqfit.wait_for_checkpoints(directory)
         shutil.rmtree(directory, ignore_errors=True)
         return took, result
 

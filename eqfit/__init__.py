@@ -28,7 +28,7 @@ from ._host._plan import (
     Memory as Memory,
     Plan as Plan,
 )
-from ._keep._checkpoint import CheckpointError as CheckpointError
+from ._keep._directory import CheckpointError as CheckpointError
 from ._keep._writer import wait_for_checkpoints as wait_for_checkpoints
 from ._predict import predict as predict
 from ._program._compile import (

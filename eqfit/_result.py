@@ -15,7 +15,7 @@ from ._core._typing import Model, ModelState, OptState
 from ._history import History, NonFinite, StopReason
 from ._host._drive import Outcome
 from ._host._observers import Throughput
-from ._keep._checkpoint import CheckpointError
+from ._keep._directory import CheckpointError
 from ._program._loop import Loop
 from ._program._schedule import Schedule
 from ._program._skeleton import unwrap

@@ -265,7 +265,8 @@ def test_orbax_checkpoints_are_digested_and_committed_beside_the_training(
                     disk.release()
 
         result = eqfit.fit(model, data, checkpoint=policy, callbacks=[Watch()], **kwargs)
-        eqfit.wait_for_checkpoints()
+        # Under `shard=` `fit` returns with its last write committed, in the background too.
+        assert checkpoints(tmp_path) == ["ckpt-000002-000000", "ckpt-000004-000000"]
 
     assert seen[2][0] == [] and seen[3][0] == []
     training = seen[1][1]
@@ -288,7 +289,9 @@ def test_orbax_checkpoints_are_digested_and_committed_beside_the_training(
     assert_resumes_from_the_one_before_the_newest(tmp_path, policy, full, fit)
 
 
-def test_fit_returns_while_its_last_checkpoint_is_written_in_the_background(getkey, tmp_path):
+def test_fit_returns_while_its_last_checkpoint_is_written_in_the_background(
+    getkey, tmp_path, capsys
+):
     """In the background (a GPU's or TPU's default) `fit` returns once its last checkpoint's
     state is copied, as Orbax's asynchronous checkpoints do: the last checkpoint is queued
     behind the write in flight, the writes go on, and a `fit` that reads the directory and
@@ -304,8 +307,12 @@ def test_fit_returns_while_its_last_checkpoint_is_written_in_the_background(getk
             told.append(epoch)
 
     with SlowDisk(tmp_path, "state.eqx", held=1):  # epoch 2's write, held to the block's end
-        result = eqfit.fit(model, data, checkpoint=policy, **kwargs)
+        result = eqfit.fit(model, data, checkpoint=policy, progress="lines", **kwargs)
         assert checkpoints(tmp_path) == []  # returned, the last queued behind the held write
+    # The log's last line names the checkpoint being written.
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("training done at epoch 4/4")
+    assert last.endswith(f"checkpoint: {tmp_path / 'ckpt-000004-000000'} (being written)")
     # The held write let through as the block closed: `fit` again waits for both, and
     # resumes from the last: the run is whole, no epoch is trained (none told).
     again = eqfit.fit(model, data, checkpoint=policy, callbacks=[Told()], **kwargs)
@@ -316,18 +323,23 @@ def test_fit_returns_while_its_last_checkpoint_is_written_in_the_background(getk
     assert_trees_equal(again.model, full.model)
 
 
+@pytest.mark.parametrize("every", [4, 2], ids=["the last", "the one before it"])
 def test_a_last_write_that_fails_after_fit_returned_is_logged_and_raised_by_the_wait(
-    getkey, tmp_path, caplog
+    getkey, tmp_path, caplog, every
 ):
+    """The last write fails, or the one before it, which the last waits behind: either way
+    the last is not written, the log says so, and `wait_for_checkpoints` raises the error.
+    """
     model, data, kwargs = small_run(getkey)
-    policy = eqfit.Checkpoint(tmp_path, every_epochs=4, background=True)
+    policy = eqfit.Checkpoint(tmp_path, every_epochs=every, background=True)
     with caplog.at_level(logging.ERROR, logger="eqfit"):
         with SlowDisk(tmp_path, "state.eqx", held=1, fails=True) as disk:
             result = eqfit.fit(model, data, checkpoint=policy, **kwargs)  # the training's whole
             disk.release()
             with pytest.raises(eqfit.CheckpointError, match="Read-only file system"):
-                eqfit.wait_for_checkpoints()
+                eqfit.wait_for_checkpoints(tmp_path)
     eqfit.wait_for_checkpoints()  # raised once
     assert checkpoints(tmp_path) == [] and result.history.step_loss.shape[0] == 4
-    (record,) = [r for r in caplog.records if "failed as it was written after" in r.message]
+    (record,) = [r for r in caplog.records if "failed after `fit` returned" in r.message]
     assert record.levelno == logging.ERROR and str(tmp_path) in record.message
+    assert "ckpt-000004-000000 was not written" in record.message

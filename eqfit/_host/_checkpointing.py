@@ -17,9 +17,10 @@ from jaxtyping import PyTree
 
 from .._core._policy import Checkpoint
 from .._keep._checkpoint import Checkpoints
+from .._keep._files import folder_name
 from .._keep._identity import learned_config
 from .._keep._writer import go_on, Writer
-from .._program._schedule import Schedule
+from .._program._schedule import epochs_and_steps, Schedule
 from .._program._state import stopped_at_non_finite, TrainState
 from .._step._record import CHECKPOINT_BLOCKED
 from .._step._validation_steps import AtEpochEnds, StepValidation
@@ -81,8 +82,9 @@ class Checkpointing(Observer):
     A checkpoint that falls due while the write before it is still going waits for it
     (one write at a time, one copy of the state at a time), and says so: the first time
     a run waits, as a warning of the `eqfit` logger, then at its DEBUG level; but the
-    run's last in the background, queued behind it, whose write goes on as `fit`
-    returns (`go_on`). The seconds the training thread spends at each checkpoint
+    run's last in the background, queued behind it (its copy taken to the host
+    meanwhile: two on the host, one on the device), whose write goes on as `fit`
+    returns (`go_on`; not under `shard=`). The seconds the training thread spends at each checkpoint
     (`blocked`: the copy queued, or the state written, and any such wait) go to the
     figures of its epoch (`epoch_figures`).
     """
@@ -160,12 +162,15 @@ class Checkpointing(Observer):
         if stopped and position != self.saved_at:
             self._save(position, state, True)
         self.writer.check()
-        if self.background and not stopped:
+        if self.background and not stopped and not self.store.collective:
             # In the background the run's last write goes on as `fit` returns (the
             # process's exit, a run reading the directory and `wait_for_checkpoints` wait
             # for it), as Orbax's asynchronous checkpoints do. Stopped by a signal, the
-            # process is about to end: `fit` returns with its checkpoint committed.
-            go_on(Path(self.store.directory), self.writer)
+            # process is about to end: `fit` returns with its checkpoint committed. Orbax's
+            # own writes (`shard=`) need its thread pools, which the exit closes before it
+            # waits for threads: `fit` waits for them.
+            epoch, step = epochs_and_steps(position, self.schedule.steps_per_epoch)
+            go_on(Path(self.store.directory) / folder_name(epoch, step), self.writer)
             self.writer = Writer()
         self.writer.wait()
 
@@ -202,11 +207,10 @@ class Checkpointing(Observer):
             # writer's thread empties, so that the device's copy is let go once it is on
             # the host, not at the end of the write.
             held = [copy_taken(taken)]
-            write = lambda: self._begin(self.host(held.pop()), due, row)()  # noqa: E731
-            if last:
-                self.writer.queue(write)
+            if last:  # taken to the host beside the write in flight: the device's let go
+                self.writer.queue(lambda: self.host(held.pop()), self._whole(due, row))
             else:
-                self.writer.submit(write)
+                self.writer.submit(lambda: self._whole(due, row)(self.host(held.pop())))
         elif self.policy.background is None:
             # The state's file is written here, from its buffers, before the next call
             # donates them; the wait for the disk, the manifest and the rename go on in
@@ -228,6 +232,10 @@ class Checkpointing(Observer):
             _LOG.log(level, _WAITS, position, self.writing, self.store.directory)
             self.waited = True
         self.writer.wait()
+
+    def _whole(self, due: bool, row: int | None) -> Callable[[PyTree], Any]:
+        """The whole write of a state on the host (`_begin` and its commit)."""
+        return lambda host: self._begin(host, due, row)()
 
     def _begin(self, host: PyTree, due: bool, row: int | None) -> Callable[[], Any]:
         """Writes `host` (a state on the host) if `due`, or if its epoch (record row

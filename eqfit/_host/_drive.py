@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .._core._execution import check_steps
-from .._keep._checkpoint import CheckpointError
+from .._keep._directory import CheckpointError
 from .._program._calls import Program, program_key
 from .._program._compile import PROGRAM_CACHE, Starting
 from .._program._loop import Loop

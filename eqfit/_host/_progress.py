@@ -349,8 +349,8 @@ class Lines(Observer):
         if self.began is not None:
             line += f", in {duration(time.monotonic() - self.began)}"
         newest = None if self.newest is None else self.newest()
-        if newest is not None:
-            line += f"; checkpoint: {newest}"
+        if newest is not None:  # in the background, the last may still be written
+            line += f"; checkpoint: {newest}" + ("" if newest.exists() else " (being written)")
         self._write(line)
 
     def _where(self) -> str:

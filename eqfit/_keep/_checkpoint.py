@@ -7,9 +7,7 @@ import math
 import os
 import re
 import shutil
-import socket
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -23,7 +21,16 @@ from jaxtyping import PyTree
 from .._core._policy import KEEP
 from .._core._version import __version__
 from .._program._schedule import epochs_and_steps
-from ._files import CHECKSUMS, file_checksum, fsync_dir, read_leaves, write_file, write_leaves
+from ._directory import check_writable, CheckpointError, lock
+from ._files import (
+    CHECKSUMS,
+    file_checksum,
+    folder_name,
+    fsync_dir,
+    read_leaves,
+    write_file,
+    write_leaves,
+)
 from ._fingerprint import changed, without_fingerprints
 from ._writer import after, waited_for
 
@@ -51,14 +58,6 @@ def position(state: Any) -> int:
     step = np.asarray(state.step).reshape(-1)
     stopped = np.asarray(state.reason).reshape(-1) != 0  # not `Stop.RUNNING`
     return int(step[~stopped].max() if (~stopped).any() else step.max())
-
-
-class CheckpointError(OSError):
-    """A checkpoint could not be written (or its directory used). `result` holds the
-    training result so far, when there is one.
-    """
-
-    result: Any = None
 
 
 class Checkpoints:
@@ -133,9 +132,9 @@ class Checkpoints:
             raise CheckpointError(
                 f"Cannot create the checkpoint directory {self.directory}: {e.strerror}."
             ) from None
-        _check_writable(self.directory)
+        check_writable(self.directory)
         waited_for(self.directory)  # an earlier run's last write, going on after it
-        self._lock = _lock(self.directory)
+        self._lock = lock(self.directory)
         try:
             self._remove_litter()
         except BaseException:
@@ -268,7 +267,7 @@ class Checkpoints:
         }
         if value is not None and self.best is not None:
             head["monitor"] = {"name": self.best[0], "value": float(value)}
-        final = self.directory / f"ckpt-{epoch:06d}-{step:06d}"
+        final = self.directory / folder_name(epoch, step)
         try:
             written = self._put(final, payload)
         except OSError as e:
@@ -470,9 +469,8 @@ _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def newest_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The configuration of the newest checkpoint in `directory` whose manifest reads;
-    `None` if there is none. Read before the run is planned (a loader's epoch length is
-    kept in it); its state is checked when the run restores it.
+    """The configuration of the newest checkpoint in `directory` whose manifest reads, or
+    `None`; read before the run is planned (a loader's epoch length), its state unchecked.
     """
     found, path = [], Path(directory)
     waited_for(path)  # an earlier run's last write, going on after it
@@ -505,49 +503,6 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     if not sums or not all(isinstance(manifest[kind], str) for kind in sums):
         raise ValueError("its manifest has no checksum (a str 'crc32' or 'sha256')")
     return manifest
-
-
-def _lock(directory: Path) -> Any:
-    """An exclusive lock on `directory` (through a `.lock` file in it), naming its holder;
-    refused with the holder's name if another run has it.
-    """
-    import fcntl
-
-    path = directory / ".lock"
-    try:
-        handle = open(path, "a+")  # noqa: SIM115 (held until `close`)
-    except OSError as e:
-        raise CheckpointError(f"Cannot open the lock file {path}: {e.strerror}.") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise CheckpointError(
-            f"The checkpoint directory {directory} is in use by another run ({holder}). "
-            "Wait for it to end, or give another directory."
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n")
-    handle.flush()
-    return handle
-
-
-def _check_writable(directory: Path) -> None:
-    """Writes and removes a file, so that a directory that cannot take checkpoints is
-    found before training rather than at its first checkpoint.
-    """
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=directory)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(
-            f"Cannot write to the checkpoint directory {directory} ({e.strerror}); training "
-            "has not started. Give a directory this process can write to."
-        ) from None
 
 
 def _mismatch(folder: Path, saved: dict[str, Any], now: dict[str, Any]) -> str:

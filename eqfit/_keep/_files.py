@@ -17,6 +17,13 @@ import numpy as np
 from jaxtyping import PyTree
 
 
+def folder_name(epoch: int, step: int) -> str:
+    """The name of the checkpoint folder of `epoch` epochs done and `step` steps into the
+    next.
+    """
+    return f"ckpt-{epoch:06d}-{step:06d}"
+
+
 def fsync_dir(path: Path) -> None:
     """Fsyncs the directory `path`: a rename or a new file in it is then on disk."""
     fd = os.open(path, os.O_RDONLY)

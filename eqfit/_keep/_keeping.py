@@ -28,7 +28,7 @@ from .._program._schedule import Schedule
 from .._program._state import TrainState
 from ._checkpoint import Checkpoints
 from ._resume import resume
-from ._writer import waited_for
+from ._writer import going, waited_for
 
 
 KEEP_BEST = "`checkpoint`'s `keep_best`"
@@ -252,7 +252,8 @@ class Stored(Kept):
         return cast(_State, resumed), position
 
     def newest(self) -> Path | None:
-        return self.store.newest()
+        # The run's last, where it goes on after `fit` returns (`go_on`), being written.
+        return going(self.store.directory) or self.store.newest()
 
     def observers(self, make: Callable[[Checkpoints, Checkpoint], _Observer]) -> list[_Observer]:
         return [make(self.store, self.policy)]

@@ -3,6 +3,7 @@ goes on; and the last write of a run, which goes on after `fit` returns (`go_on`
 """
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -30,17 +31,20 @@ class Writer:
         self.thread = threading.Thread(target=self._run, args=(write,), daemon=True)
         self.thread.start()
 
-    def queue(self, write: Callable[[], Any]) -> None:
-        """Starts `write()` in the background once the write in flight is done, without
-        waiting for it here (nothing if that write fails: its error is raised).
+    def queue(self, take: Callable[[], Any], write: Callable[[Any], Any]) -> None:
+        """Starts, in the background, `take()` (a state's copy taken to the host, beside
+        the write in flight), then once that write is done `write(taken)`, without waiting
+        for anything here (the write skipped if the one before it failed: its error is
+        raised).
         """
         before = self.thread
 
         def after() -> None:
+            taken = take()
             if before is not None:
                 before.join()
             if self.error is None:
-                write()
+                write(taken)
 
         self.thread = threading.Thread(target=self._run, args=(after,), daemon=True)
         self.thread.start()
@@ -71,19 +75,19 @@ class Writer:
 
 
 class _Going:
-    """A run's last write, going on after the run (`go_on`): a thread that is not a
-    daemon, so that the process's exit waits for it, waits for the write and then runs
-    what waited for it (`after`: the directory's lock let go).
+    """A run's last write, going on after the run (`go_on`) into `folder`: a thread that
+    is not a daemon, so that the process's exit waits for it, waits for the write and
+    then runs what waited for it (`after`: the directory's lock let go).
     """
 
-    def __init__(self, directory: Path, writer: Writer):
-        self.directory = directory
+    def __init__(self, folder: Path, writer: Writer):
+        self.folder, self.directory = folder, folder.parent
         self.error: BaseException | None = None
         self.reported = False  # its error raised by `wait_for_checkpoints` once
         self.then: list[Callable[[], None]] = []
         self.done = threading.Event()
         self.thread = threading.Thread(
-            target=self._run, args=(writer,), name=f"eqfit checkpoint {directory}"
+            target=self._run, args=(writer,), name=f"eqfit checkpoint {folder}"
         )
 
     def told(self) -> BaseException | None:
@@ -94,11 +98,14 @@ class _Going:
         try:
             writer.wait()
         except BaseException as e:
-            self.error = e
+            # Kept without its frames, which hold the state that was written.
+            e.__context__ = e.__cause__ = None
+            self.error = e.with_traceback(None)
             _LOG.error(
-                "The last checkpoint of a run in %s failed as it was written after `fit` "
-                "returned (the newest checkpoint there is the one before it): %s",
+                "A checkpoint write in %s failed after `fit` returned, and %s was not "
+                "written: %s. The newest checkpoint there is the last one committed.",
                 self.directory,
+                self.folder.name,
                 e,
             )
         finally:
@@ -113,15 +120,23 @@ _GUARD = threading.Lock()
 _GOING: list[_Going] = []  # every run's last write in this process, newest last
 
 
-def go_on(directory: Path, writer: Writer) -> None:
-    """Lets `writer`'s write in flight (a run's last) go on while `fit` returns: the
-    process's exit, `waited_for(directory)` and `wait_for_checkpoints` wait for it.
+def go_on(folder: Path, writer: Writer) -> None:
+    """Lets `writer`'s writes in flight (a run's last, into `folder`) go on while `fit`
+    returns: the process's exit, `waited_for` and `wait_for_checkpoints` wait for them.
     """
-    going = _Going(directory.resolve(), writer)
+    going = _Going(folder.resolve(), writer)
     with _GUARD:  # the writes done and told are forgotten
         _GOING[:] = [g for g in _GOING if not g.done.is_set() or g.told() is not None]
         _GOING.append(going)
     going.thread.start()
+
+
+def going(directory: Path) -> Path | None:
+    """The folder of the write going on in `directory` after its run, if one is."""
+    directory = directory.resolve()
+    with _GUARD:
+        folders = [g.folder for g in _GOING if g.directory == directory and not g.done.is_set()]
+    return folders[-1] if folders else None
 
 
 def after(directory: Path, then: Callable[[], None]) -> None:
@@ -147,27 +162,32 @@ def waited_for(directory: Path) -> BaseException | None:
     return going[-1].error if going else None
 
 
-def wait_for_checkpoints() -> None:
-    """Waits for every checkpoint still being written.
+def wait_for_checkpoints(directory: str | os.PathLike[str] | None = None) -> None:
+    """Waits for the checkpoints still being written after their `fit` returned.
 
     On a GPU or TPU (`eqfit.Checkpoint`'s `background`), `fit` returns once its last
     checkpoint's state is copied on the device, and the write goes on beside what comes
     next, as Orbax's asynchronous checkpoints do: this waits for it, as the process's exit
     does, and as a `fit` with the same directory does before it reads it.
 
+    **Arguments:**
+
+    - `directory`: the checkpoint directory whose writes to wait for; `None`, every one.
+
     **Raises:**
 
-    [`eqfit.CheckpointError`][] (or the write's own error) if a write that went on after
-    its `fit` returned failed, once; the `eqfit` logger has said so already.
+    [`eqfit.CheckpointError`][] (or the write's own error) if such a write failed, once;
+    the `eqfit` logger has said so already.
     """
+    where = None if directory is None else Path(directory).resolve()
     with _GUARD:
-        going = list(_GOING)
-    for g in going:
+        waited = [g for g in _GOING if where is None or g.directory == where]
+    for g in waited:
         g.thread.join()
     with _GUARD:
-        errors = [e for g in going if (e := g.told()) is not None]
-        for g in going:
+        errors = [e for g in waited if (e := g.told()) is not None]
+        for g in waited:
             g.reported = True
-        _GOING[:] = [g for g in _GOING if g not in going]
+        _GOING[:] = [g for g in _GOING if g not in waited]
     if errors:
         raise errors[0]
