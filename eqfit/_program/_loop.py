@@ -228,6 +228,7 @@ class Loop:
             batch=self.step.batch,
             guard=not self.step.replays,
             guard_where=placement_devices(self.placement)[0].platform != "cpu",
+            guard_in_place=self.members is not None,
             remat=self.step.remat,
         )
         return Rebuilt(objective, combine, step, init, lay_out)

@@ -466,6 +466,11 @@ class _Member:
                 self.parts.step, axis_name=None, microbatch=loop.microbatch(size)
             )
         key = None if step_key is None else jax.random.fold_in(step_key, t)
+        if active is not None:
+            # Masked (a stopped member's step, `PerStep`'s): the guard stays the `cond`'s
+            # select, with which XLA fuses the mask's; ordered to update in place, each
+            # update would be a kernel of its own (`Step.guard_in_place`).
+            step = dataclasses.replace(step, guard_in_place=False)
         out = step(
             state.params,
             state.opt_state,

@@ -8,6 +8,7 @@ leaves a non-finite update unapplied.
 are a hand loop's (one device, no microbatches, no norms, no layout).
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -106,6 +107,9 @@ class UpdateContext(eqx.Module):
     guard: bool = True
     # The guard as a `where` over the state's leaves, not a `cond` (`Step.guard_where`).
     guard_where: bool = False
+    # In an ensemble's `vmap`, where the guard's `cond` is a select of both its branches:
+    # the same select, made so that XLA updates the optimizer state in place (`_selected`).
+    guard_in_place: bool = False
     remat: Remat | None = None
     recompute: bool = True
 
@@ -253,6 +257,8 @@ class UpdateContext(eqx.Module):
         if norms:
             carry += (jnp.zeros((), jnp.float32),)
         guarded = self.guard or loss_scale is not None
+        if guarded and self.guard_in_place and not self.guard_where:
+            return self._selected(optimizer, carry, grads, extra, new_state, applies)
         if guarded and not self.guard_where:
             # A `cond`, not a `where` over every leaf, which would compute and select the
             # whole update even for finite losses.
@@ -272,6 +278,38 @@ class UpdateContext(eqx.Module):
         if norms:  # recorded as the guard's skipped update records it: 0
             out = (*out[:-1], jnp.where(applies, out[-1], 0.0))
         return out
+
+    def _selected(
+        self,
+        optimizer: optax.GradientTransformationExtraArgs,
+        carry: tuple[Any, ...],
+        grads: PyTree,
+        extra: dict[str, Any],
+        new_state: PyTree,
+        applies: Bool[Array, ""],
+    ) -> tuple[Any, ...]:
+        """`_apply`'s guard where the members' `vmap` makes its `cond` a select of both
+        branches (`_select`): the same values, computed in an order that lets XLA update
+        the optimizer state in place.
+
+        Selected as the `cond`'s outputs, each parameter's new value (whose kernel
+        computes Adam's moments again) reads the state as it was, and the state's select
+        overwrites it in place; the two kernels unordered, XLA copies each array of the
+        state every step. Here the new state is computed again from the gradients, each
+        read after its parameter's new value (`_read_after`): each moment's kernel comes
+        after its parameter's, and XLA computes the moments twice, as it did.
+        """
+        assert self.lay_out is None  # an ensemble takes no `shard=`
+        trained, opt_state, kept = carry[:3]
+        updates, state = optimizer.update(grads, opt_state, trained, **extra)
+        keep = functools.partial(_select, applies)
+        selected = jax.tree.map(keep, eqx.apply_updates(trained, updates), trained)
+        state = _state_after(optimizer, selected, grads, opt_state, state, trained, extra)
+        out = (selected, jax.tree.map(keep, state, opt_state), jax.tree.map(keep, new_state, kept))
+        if not self.norms:
+            return out
+        norm = optax.tree.norm(updates).astype(jnp.float32)
+        return (*out, keep(norm, jnp.zeros((), jnp.float32)))  # as skipped: 0
 
     def measure(
         self,
@@ -338,6 +376,58 @@ class UpdateContext(eqx.Module):
     def device_mean(self, x: Array) -> Array:
         """`x`'s mean over the devices (`x` itself on one)."""
         return x if self.axis_name is None else jax.lax.pmean(x, self.axis_name)
+
+
+def _select(applies: Bool[Array, ""], new: Any, old: Any) -> Any:
+    """`new` where `applies`, else `old`: the select the members' `vmap` makes of a `cond`
+    on `applies`, operand for operand (`select_n` on its index), so that XLA compiles the
+    arithmetic around it as it did: on the CPU, the operands' order decides which product
+    an FMA takes in, the result's last bit.
+    """
+    if not eqx.is_array(new):
+        return new
+    index = jnp.broadcast_to(applies.astype(jnp.int32), jnp.shape(old))
+    return jax.lax.select_n(index, old, new)
+
+
+def _read_after(x: Any, p: Any) -> Any:
+    """`x` itself, read after `p`: times one, computed from `p` (its first element is NaN
+    or is not), which XLA keeps and which orders the kernels that read `x` so after `p`'s.
+    (LLVM folds it away inside the kernel.) Only floating-point arrays, where `x * 1`
+    is `x` exactly.
+    """
+    if not (eqx.is_array(x) and eqx.is_array(p) and jnp.issubdtype(x.dtype, jnp.floating)):
+        return x
+    if p.size == 0:
+        return x
+    nan = jnp.isnan(jnp.ravel(p)[0])
+    return x * (nan | ~nan).astype(x.dtype)
+
+
+def _state_after(
+    optimizer: optax.GradientTransformationExtraArgs,
+    selected: PyTree,
+    grads: PyTree,
+    opt_state: PyTree,
+    state: PyTree,
+    trained: PyTree,
+    extra: dict[str, Any],
+) -> PyTree:
+    """`state` (`optimizer`'s new state from `grads` and `opt_state`) computed again, from
+    the gradients each read after its parameter's new value in `selected` (`_read_after`):
+    the same values. `state` itself where that computation calls `grad_fn` (SAM's opaque
+    mode), which would compute the loss's gradient a second time.
+    """
+    calls = []
+
+    def grad_fn(*args: Any) -> Any:
+        calls.append(args)
+        return extra["grad_fn"](*args)
+
+    again = extra | {"grad_fn": grad_fn} if "grad_fn" in extra else extra
+    later = jax.tree.map(_read_after, grads, selected)
+    _, recomputed = optimizer.update(later, opt_state, trained, **again)
+    return state if calls else recomputed
 
 
 def on_any_device(labels: LabelError | None, axis_name: str) -> LabelError | None:

@@ -130,6 +130,10 @@ class Step(eqx.Module):
     # core waits for a `cond`'s predicate at every step and whose branch copies the state
     # in and out (`benchmarks/guards.py`); the CPU keeps the `cond`.
     guard_where: bool = False
+    # An ensemble's step, in the members' `vmap`, where the guard's `cond` is a select of
+    # both branches: the same select, made so that XLA updates the optimizer state in
+    # place (`UpdateContext.guard_in_place`).
+    guard_in_place: bool = False
     # With `remat=`: the policy each `eqfit.Update`'s forward pass is checkpointed by
     # (its own over it); `recompute` false: none is, whatever the policies, where the
     # step is traced to count its FLOPs (the model's).
@@ -308,6 +312,7 @@ class Step(eqx.Module):
             metric_means=tuple(n for n in self.objective.means if n in self.objective.metric_names),
             guard=self.guard,
             guard_where=self.guard_where,
+            guard_in_place=self.guard_in_place,
             remat=self.remat,
             recompute=self.recompute,
         )
