@@ -40,9 +40,11 @@ class Writer:
         before = self.thread
 
         def after() -> None:
-            taken = take()
-            if before is not None:
-                before.join()
+            try:
+                taken = take()
+            finally:  # one write at a time, even where the copy failed
+                if before is not None:
+                    before.join()
             if self.error is None:
                 write(taken)
 
@@ -150,16 +152,15 @@ def after(directory: Path, then: Callable[[], None]) -> None:
     then()
 
 
-def waited_for(directory: Path) -> BaseException | None:
-    """Waits for the writes still going in `directory` (of runs that have returned), and
-    returns the error of the newest, if it failed.
+def waited_for(directory: Path) -> None:
+    """Waits for the writes still going in `directory`, of runs that have returned (an
+    error of theirs is logged, and raised by `wait_for_checkpoints`).
     """
     directory = directory.resolve()
     with _GUARD:
         going = [g for g in _GOING if g.directory == directory]
     for g in going:
         g.thread.join()
-    return going[-1].error if going else None
 
 
 def wait_for_checkpoints(directory: str | os.PathLike[str] | None = None) -> None:
