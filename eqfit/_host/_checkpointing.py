@@ -162,14 +162,16 @@ class Checkpointing(Observer):
         if stopped and position != self.saved_at:
             self._save(position, state, True)
         self.writer.check()
-        if self.background and not stopped and not self.store.collective:
+        going = self.writer.busy() and self.background
+        if going and not stopped and not self.store.collective:
             # In the background the run's last write goes on as `fit` returns (the
             # process's exit, a run reading the directory and `wait_for_checkpoints` wait
             # for it), as Orbax's asynchronous checkpoints do. Stopped by a signal, the
             # process is about to end: `fit` returns with its checkpoint committed. Orbax's
             # own writes (`shard=`) need its thread pools, which the exit closes before it
             # waits for threads: `fit` waits for them.
-            epoch, step = epochs_and_steps(position, self.schedule.steps_per_epoch)
+            assert self.writing is not None
+            epoch, step = epochs_and_steps(self.writing, self.schedule.steps_per_epoch)
             go_on(Path(self.store.directory) / folder_name(epoch, step), self.writer)
             self.writer = Writer()
         self.writer.wait()
