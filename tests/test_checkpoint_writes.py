@@ -7,18 +7,22 @@ the training waited at its checkpoints. The disk is slowed through Python's audi
 """
 
 import errno
+import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import textwrap
 import threading
+import zlib
 from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal, regression_data
+from helpers import assert_trees_equal, regression_data, worker_env
 from jax.sharding import Mesh
 
 import eqfit
@@ -343,3 +347,51 @@ def test_a_last_write_that_fails_after_fit_returned_is_logged_and_raised_by_the_
     (record,) = [r for r in caplog.records if "failed after `fit` returned" in r.message]
     assert record.levelno == logging.ERROR and str(tmp_path) in record.message
     assert "ckpt-000004-000000 was not written" in record.message
+
+
+EXITS_AT_ONCE = textwrap.dedent(
+    """
+    import os, sys, time
+    import jax, numpy as np, optax
+    import eqfit
+
+    directory = sys.argv[1]
+
+    def slow_last_write(event, args):  # the last state's file opened a second late
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(directory):
+            if args[0].endswith("state.eqx") and "w" in str(args[1]):
+                slow_last_write.seen += 1
+                if slow_last_write.seen == 3:
+                    time.sleep(1.0)
+
+    slow_last_write.seen = 0
+    sys.addaudithook(slow_last_write)
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    model = eqfit.models.MLP(4, "scalar", 8, 1, key=jax.random.key(0))
+    eqfit.fit(model, (x, x.sum(1)), loss=eqfit.losses.mse, optimizer=optax.adam(1e-2),
+              key=jax.random.key(1), epochs=3, batch_size=16,
+              checkpoint=eqfit.Checkpoint(directory, background=True))
+    print("returned with", sorted(p for p in os.listdir(directory) if p.startswith("ckpt")))
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_process_exit_waits_for_the_last_write_going_on(tmp_path):
+    """A script that ends as `fit` returns, its last write still going: the exit waits for
+    it, and the checkpoint is whole.
+    """
+    directory = str(tmp_path) + os.sep
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_AT_ONCE, directory],
+        env=worker_env(Path(__file__).parent),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ckpt-000003-000000" not in done.stdout  # it returned before the last was written
+    assert checkpoints(tmp_path) == ["ckpt-000002-000000", "ckpt-000003-000000"]
+    manifest = json.loads((tmp_path / "ckpt-000003-000000" / "manifest.json").read_text())
+    state = (tmp_path / "ckpt-000003-000000" / "state.eqx").read_bytes()
+    assert manifest["crc32"] == f"{zlib.crc32(state):08x}"
