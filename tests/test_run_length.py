@@ -326,21 +326,10 @@ def loop_bodies(hlo: str) -> list[list[tuple[str, str, list[str]]]]:
 
 
 @pytest.mark.slow
-def test_members_that_all_run_step_unmasked():
-    """While every member of an ensemble runs, its steps run in a loop of their own, with
-    no mask of each member's step: each weight matrix and its optimizer state selected
-    once (by the NaN guard, which keeps an update that is not finite out), not again by
-    the mask, and each record's cell written as one place, not read back first (as the
-    mask reads it, or a scatter's check that the place is in range).
-    """
-    make = lambda key: eqx.nn.MLP(3, 4, 5, 1, key=key)  # noqa: E731
-    members = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), 3))
+def ensemble_plan(members, loss):
+    """The plan of `members` trained together on `arrays()` with `loss`."""
     x, y = arrays()
-
-    def loss(model, x, y):
-        return jnp.mean((jax.vmap(model)(x).sum(axis=1) - y) ** 2)
-
-    plan = eqfit.plan(
+    return eqfit.plan(
         members,
         (x, y),
         key=jax.random.key(1),
@@ -350,17 +339,40 @@ def test_members_that_all_run_step_unmasked():
         optimizer=OPTIMIZER,
         ensemble=True,
     )
+
+
+def hlo_f32(array) -> str:
+    """A float32 array's shape as HLO writes it: `f32[3,4,5]`."""
+    return "f32[" + ",".join(map(str, array.shape)) + "]"
+
+
+def reads_record(body) -> bool:
+    """Whether a loop's body reads a record's cell back (a masked step's)."""
+    reads = ("dynamic-slice", "gather")
+    return any(op in reads and WHOLE.search(args[0]) for _, op, args in body if args)
+
+
+def test_members_that_all_run_step_unmasked():
+    """While every member of an ensemble runs, its steps run in a loop of their own, with
+    no mask of each member's step: each weight matrix and its optimizer state selected
+    once (by the NaN guard, which keeps an update that is not finite out), not again by
+    the mask, and each record's cell written as one place, not read back first (as the
+    mask reads it, or a scatter's check that the place is in range).
+    """
+    make = lambda key: eqx.nn.MLP(3, 4, 5, 1, key=key)  # noqa: E731
+    members = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), 3))
+
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x).sum(axis=1) - y) ** 2)
+
+    plan = ensemble_plan(members, loss)
     # The weight matrices' shapes, a member axis first: (3, 5, 3) and (3, 4, 5).
-    weights = [a.shape for a in jax.tree.leaves(eqx.filter(members, eqx.is_array)) if a.ndim == 3]
-    shapes = {"f32[" + ",".join(map(str, s)) + "]" for s in weights}
+    weights = [a for a in jax.tree.leaves(eqx.filter(members, eqx.is_array)) if a.ndim == 3]
+    shapes = {hlo_f32(a) for a in weights}
     kept = 3 * len(weights)  # each matrix, and Adam's two moments of it
 
     def selects(body):
         return sum(op == "select" and shape.split("{")[0] in shapes for shape, op, _ in body)
-
-    def reads_record(body):
-        reads = ("dynamic-slice", "gather")
-        return any(op in reads and WHOLE.search(args[0]) for _, op, args in body if args)
 
     bodies = loop_bodies(plan.compiled.as_text())
     steps = [body for body in bodies if any(op == "dot" for _, op, _ in body)]
@@ -376,26 +388,13 @@ def test_members_update_their_optimizer_state_in_place():
     their own kernels overwrite, and XLA copied both moments of every parameter each step.
     """
     members = eqx.filter_vmap(mlp)(jax.random.split(jax.random.key(0), 3))
-    x, y = arrays()
-    plan = eqfit.plan(
-        members,
-        (x, y),
-        key=jax.random.key(1),
-        epochs=EPOCHS,
-        batch_size=BATCH,
-        loss=bce_aux,
-        optimizer=OPTIMIZER,
-        ensemble=True,
-    )
-    arrays_ = jax.tree.leaves(eqx.filter(members, eqx.is_array))
-    params = collections.Counter("f32[" + ",".join(map(str, a.shape)) + "]" for a in arrays_)
-
-    def unmasked(body):  # a loop of steps that reads no record's cell back (no mask)
-        reads = ("dynamic-slice", "gather")
-        masked = any(op in reads and WHOLE.search(args[0]) for _, op, args in body if args)
-        return any(op == "dot" for _, op, _ in body) and not masked
-
-    steps = [body for body in loop_bodies(plan.compiled.as_text()) if unmasked(body)]
+    plan = ensemble_plan(members, bce_aux)
+    params = collections.Counter(map(hlo_f32, jax.tree.leaves(eqx.filter(members, eqx.is_array))))
+    steps = [
+        body  # a loop of steps that reads no record's cell back (no mask)
+        for body in loop_bodies(plan.compiled.as_text())
+        if any(op == "dot" for _, op, _ in body) and not reads_record(body)
+    ]
     assert steps, "no loop of unmasked steps where the test looks"
     for body in steps:
         copies = collections.Counter(shape.split("{")[0] for shape, op, _ in body if op == "copy")
