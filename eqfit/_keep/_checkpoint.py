@@ -374,6 +374,7 @@ class Checkpoints:
         (called with its configuration) gives the shape to read it into instead: a
         shorter run's that this one continues.
         """
+        waited_for(self.directory)  # a run's last write, going on after it (a replay's)
         for _, folder, manifest in self._checkpoints():
             shape, saved = like, manifest["config"]
             if without_fingerprints(saved) != without_fingerprints(self.config):

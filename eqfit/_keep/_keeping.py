@@ -28,7 +28,7 @@ from .._program._schedule import Schedule
 from .._program._state import TrainState
 from ._checkpoint import Checkpoints
 from ._resume import resume
-from ._writer import going, waited_for
+from ._writer import going
 
 
 KEEP_BEST = "`checkpoint`'s `keep_best`"
@@ -246,8 +246,6 @@ class Stored(Kept):
 
     def resume(self, state: _State, schedule: Schedule) -> tuple[_State, int]:
         assert not isinstance(state, Starting)  # made before the store opened
-        # A replay's: the run's last write may go on still (a failed one was logged).
-        waited_for(self.store.directory)
         resumed, position = resume(self.store, state, schedule)
         return cast(_State, resumed), position
 
