@@ -246,17 +246,12 @@ class _Reader:
         position = max(int(step.max()), self.done)  # members stopped early are behind
         begin, self.done = self.done, position
         self.clock.steps += position - begin
-        ended = []
-        first, last = schedule.epochs_ended(begin) + 1, schedule.epochs_ended(position) + 1
-        # An ensemble's values are its members' mean, leaving out members that stopped:
-        # the epochs read together, in one pass over their table (a long run reads
-        # thousands).
-        rows = table.reshape(-1, *table.shape[-2:])[
-            :, first - 1 - schedule.first_epoch : last - 1 - schedule.first_epoch
-        ]
-        names = self.loop.log_names
-        means = _mean_of_finished(rows).tolist() if last > first else []
-        for epoch, values in zip(range(first, last), means):
+        ended, names = [], self.loop.log_names
+        done, now = schedule.epochs_ended(begin), schedule.epochs_ended(position)
+        # Read in one pass; an ensemble's values: the mean of the members not stopped.
+        rows = table.reshape(-1, *table.shape[-2:])[:, done - schedule.first_epoch :]
+        means = _mean_of_finished(rows[:, : now - done]).tolist() if now > done else []
+        for epoch, values in zip(range(done + 1, now + 1), means):
             logs = dict(zip(names, values))
             figures = self.throughput.epoch(epoch)
             start = (epoch - 1) * schedule.steps_per_epoch
