@@ -275,6 +275,8 @@ def test_checkpoints_carry_a_crc32_and_those_with_a_sha256_still_resume(getkey, 
     model, data, kwargs = small_run(getkey)
     full = eqfit.fit(model, data, **kwargs)
     eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
+    # On a GPU or TPU the writes are in the background: the last may still be written.
+    eqfit.wait_for_checkpoints(tmp_path)
     newest, older = tmp_path / "ckpt-000004-000000", tmp_path / "ckpt-000003-000000"
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["crc32"] == f"{zlib.crc32((newest / 'state.eqx').read_bytes()):08x}"
@@ -302,6 +304,7 @@ def test_stale_folders_that_sort_last_do_not_evict_new_checkpoints(getkey, tmp_p
     (tmp_path / ".tmp-abc").mkdir()  # and a write cut short
     with pytest.warns(UserWarning, match=r"ckpt-00000[89]-000000: its manifest is a JSON NoneType"):
         eqfit.fit(model, data, checkpoint=tmp_path, **kwargs)
+    eqfit.wait_for_checkpoints(tmp_path)  # a GPU's or TPU's last write, in the background
     names = checkpoints(tmp_path)
     assert "ckpt-000003-000000" in names and "ckpt-000004-000000" in names  # kept
     assert not (tmp_path / ".tmp-abc").exists()  # litter removed
@@ -311,6 +314,7 @@ def test_checkpoint_every(getkey, tmp_path):
     model, data, kwargs = small_run(getkey)
     kwargs["epochs"] = 5
     eqfit.fit(model, data, checkpoint=tmp_path, checkpoint_every=2, **kwargs)
+    eqfit.wait_for_checkpoints(tmp_path)  # a GPU's or TPU's last write, in the background
     assert checkpoints(tmp_path) == ["ckpt-000004-000000", "ckpt-000005-000000"]
     with pytest.raises(ValueError, match=r"`checkpoint_every` must be an integer of 1 or more"):
         eqfit.fit(model, data, checkpoint=tmp_path, checkpoint_every=0, **kwargs)
