@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -261,6 +262,47 @@ def test_a_log_says_where_and_why_a_run_stopped_early(tmp_path, capsys):
         f"checkpoint: {re.escape(str(tmp_path))}/ckpt-000002-000000",
         lines[-1],
     ), lines
+
+
+@pytest.mark.parametrize("members", [None, 3])
+def test_a_line_inside_an_epoch_gives_the_mean_loss_of_its_steps_so_far(
+    members, capsys, monkeypatch
+):
+    """A line written inside an epoch gives the mean loss of the epoch's steps so far, as
+    the history records them, those of the calls before it in the epoch too (an
+    ensemble's: the members' mean). A new configuration's first calls end after 1, 2,
+    4, ... steps; with almost no interval between lines, each that ends inside an epoch
+    writes one.
+    """
+    monkeypatch.setenv("EQFIT_LINE_SECONDS", "1e-9")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 11)).astype(np.float32)  # 40 steps an epoch
+    y = (x @ rng.normal(size=(11, 1)) + 0.1 * rng.normal(size=(200, 1))).astype(np.float32)
+
+    def make(key):
+        return eqx.nn.MLP(11, 1, 13, 1, key=key)
+
+    keys = jax.random.split(jax.random.key(0), members or 1)
+    model = make(keys[0]) if members is None else eqx.filter_vmap(make)(keys)
+    result = eqfit.fit(
+        model,
+        (x, y),
+        key=jax.random.key(1),
+        epochs=2,
+        batch_size=5,
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(1e-2),
+        ensemble=members is not None,
+        progress="lines",
+    )
+    lines = re.findall(r"epoch (\d)/2, step (\d+)/80: loss=(\S+)", capsys.readouterr().err)
+    assert lines, "no line inside an epoch"
+    step_loss = result.history.step_loss.reshape(2, 40, -1)  # an ensemble's: members last
+    for epoch, step, loss in lines:
+        done = int(step) - 40 * (int(epoch) - 1)  # the epoch's steps so far
+        assert 0 < done < 40
+        expected = step_loss[int(epoch) - 1, :done].mean()
+        assert float(loss) == pytest.approx(expected, rel=1e-3), (epoch, step, loss)
 
 
 # A long epoch in a log: a line about every `INTERVAL` seconds between its epoch lines (an

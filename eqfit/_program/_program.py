@@ -31,6 +31,7 @@ from ._loop import Loop, Rebuilt
 from ._members import some_member, steps_while
 from ._records import (
     add_running,
+    epoch_values,
     first_step,
     fresh_record,
     logs_of,
@@ -403,7 +404,7 @@ class _Member:
             reason=reason,
             nan_step=nan_step,
             label_error=label_error,
-            running=add_running(state.running, out, size),
+            running=self.running_with(state, out, size),
             batch_sizes=put_cell(state.batch_sizes, size, place, active),
         )
         return state if active is None else masked(active, state, before)
@@ -422,8 +423,30 @@ class _Member:
         t = state.step
         state, out, _ = self.advanced(state, index, full, step_key, None, batch)
         label_error, end = self.labels_met(state, out, t)
-        running = add_running(state.running, out, index.shape[0])
+        running = self.running_with(state, out, index.shape[0])
         return state._replace(label_error=label_error, running=running), end
+
+    def running_with(self, state: TrainState, out: StepResult, size: int) -> Array:
+        """The running mean's sums with the step's, where the record is emptied for each
+        call (a loader's first epoch, while it teaches the epoch's length): else the
+        record's row holds the epoch's steps, and the report reads the mean there
+        (`epoch_loss`), once a call rather than at every step.
+        """
+        if not self.loop.schedule.learning:
+            return state.running
+        return add_running(state.running, out, size)
+
+    def epoch_loss(self, state: TrainState) -> Array:
+        """The mean loss of the epoch so far: of the steps of its row of the record (as
+        the epoch's own value, once it ends: `Record.epoch_values`), or the running mean
+        where the record is emptied for each call; NaN before its first step.
+        """
+        if self.loop.schedule.learning:
+            return state.running[0] / state.running[1]
+        first = first_step(self.loop, state)
+        row = self.loop.schedule.record_row(jnp.maximum(state.step - 1, first), first)
+        loss = epoch_values(state, row, self.loop)[0]
+        return jnp.where(state.step > first, loss, jnp.nan)
 
     def labels_met(
         self, state: TrainState, out: StepResult, t: Int[Array, ""]
@@ -565,7 +588,7 @@ class _Member:
             nan_step=state.nan_step,
             label_error=state.label_error,
             best_epoch=jnp.asarray(best, jnp.int32),
-            epoch_loss=state.running[0] / state.running[1],
+            epoch_loss=self.epoch_loss(state),
             epoch_values=state.epoch_values,
             trained=trained,
             steps=Steps(state.step_loss[0], state.step_values[0], state.batch_sizes[0])

@@ -1,7 +1,8 @@
 """The run's records inside its training state: each step's loss, values and batch size
 at its cell of `(rows, columns)` (`Schedule.record_cell`), each epoch's values at its
-row, and the bar's running mean; emptied for each call, written without a scatter, read
-at a row, and laid out anew where a run learns its epoch's length.
+row, and, while a run learns its epoch's length, the bar's running mean; emptied for each
+call (then), written without a scatter, read at a row, and laid out anew once the length
+is learned.
 """
 
 from typing import Any
@@ -20,7 +21,8 @@ from ._state import Steps, TrainState
 def add_running(running: Float[Array, "2"], out: StepResult, size: int) -> Float[Array, "2"]:
     """`running`, the bar's running mean's sums, with the step's: its loss times its
     weight (the batch size, or a weighted mean's weight), and the weight; nothing for a
-    step whose loss is not finite.
+    step whose loss is not finite. Kept only where the record is emptied for each call
+    (`_Member.running_with`).
     """
     if out.weight is None:
         pair = jnp.stack([out.loss * size, size])
