@@ -10,11 +10,13 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -37,9 +39,12 @@ class SlowDisk:
     openings of files named `name` to write each wait until `release()` lets one through.
     """
 
-    def __init__(self, directory: Path, name: str, held: int, fails: bool = False):
+    def __init__(
+        self, directory: Path, name: str, held: int, fails: bool = False, seconds: float = 0.0
+    ):
         self.directory, self.name, self.held = str(directory) + os.sep, name, held
         self.fails = fails  # a held opening, once let through, fails (a disk gone read-only)
+        self.seconds = seconds  # how long each opening of `name` to write takes
         self.opened: list[tuple[str, str, int]] = []
         self.gate = threading.Semaphore(0)
         self.stuck = False  # a held opening was never released
@@ -51,6 +56,8 @@ class SlowDisk:
         if not path.startswith(self.directory):
             return
         self.opened.append((path[len(self.directory) :], mode, threading.get_ident()))
+        if os.path.basename(path) == self.name and "w" in mode:
+            time.sleep(self.seconds)
         if os.path.basename(path) == self.name and "w" in mode and self.held > 0:
             self.held -= 1
             # Released by the test; a bug that never releases it fails the test, not the suite.
@@ -325,6 +332,38 @@ def test_fit_returns_while_its_last_checkpoint_is_written_in_the_background(
     eqfit.wait_for_checkpoints()
     assert_trees_equal(result.model, full.model)
     assert_trees_equal(again.model, full.model)
+
+
+def test_a_run_stopped_early_names_the_checkpoint_its_last_write_makes(tmp_path, capsys):
+    """A run that early stopping ends while its writes go on in the background: the host
+    has queued a call past the stop (calls go ahead of the reads, where a step takes a
+    while), whose checkpoint holds the state at the stop. The log's last line names the
+    folder that write makes, of the step the run stopped at, and it is there once written.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 2)).astype(np.float32)
+    model = eqfit.models.MLP(2, "scalar", 1024, 3, key=jax.random.key(0))  # steps of a while
+    with SlowDisk(tmp_path, "state.eqx", held=0, seconds=0.3):  # each write outlasts a call
+        eqfit.fit(
+            model,
+            (x, x.sum(axis=1)),
+            loss=eqfit.losses.mse,
+            optimizer=optax.sgd(0.01),
+            key=jax.random.key(1),
+            epochs=10,
+            batch_size=8,
+            validation_split=0.25,
+            # Never better by this much: stopped after the second epoch.
+            early_stopping=eqfit.EarlyStopping(patience=1, min_delta=1e9),
+            checkpoint=eqfit.Checkpoint(tmp_path, background=True),
+            progress="lines",
+        )
+        eqfit.wait_for_checkpoints(tmp_path)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("training stopped early (early_stopping) at epoch 2/10, step 6/30")
+    named = Path(re.search(r"checkpoint: (\S+)", last).group(1))
+    assert named == tmp_path / "ckpt-000002-000000", last
+    assert checkpoints(tmp_path)[-1] == named.name
 
 
 @pytest.mark.parametrize("every", [4, 2], ids=["the last", "the one before it"])

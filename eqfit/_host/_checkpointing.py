@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._core._policy import Checkpoint
-from .._keep._checkpoint import Checkpoints
+from .._keep._checkpoint import Checkpoints, position as position_of
 from .._keep._files import folder_name
 from .._keep._identity import learned_config
 from .._keep._writer import go_on, Writer
@@ -171,7 +171,10 @@ class Checkpointing(Observer):
             # own writes (`shard=`) need its thread pools, which the exit closes before it
             # waits for threads: `fit` waits for them.
             assert self.writing is not None
-            epoch, step = epochs_and_steps(self.writing, self.schedule.steps_per_epoch)
+            # Named as its write names it, by the step its state holds: a call queued
+            # past a stop (early stopping's, a NaN's) holds the stop's step, not its end.
+            written = min(self.writing, position_of(state))
+            epoch, step = epochs_and_steps(written, self.schedule.steps_per_epoch)
             go_on(Path(self.store.directory) / folder_name(epoch, step), self.writer)
             self.writer = Writer()
         self.writer.wait()
