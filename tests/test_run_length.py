@@ -187,9 +187,10 @@ def step_loop_bodies(hlo: str) -> list[list[str]]:
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_a_step_writes_its_record_and_leaves_the_rest_to_its_stretchs_end(case, shuffle):
     """One model's step, in a run that stops at a non-finite loss, writes its loss and
-    values and the running mean's sums, nothing else of the run's: the batch sizes, the
-    reason to stop and the step of a non-finite loss are written once, where its stretch
-    of steps ends (what a step of small kernels would otherwise pay a kernel for each).
+    values, nothing else of the run's: the batch sizes, the reason to stop and the step
+    of a non-finite loss are written once, where its stretch of steps ends (what a step
+    of small kernels would otherwise pay a kernel for each), and the epoch's mean loss so
+    far (the bar's) is read from the record once a call, not summed at every step.
     """
     kwargs = dict(CASES[case])
     x, y = arrays()
@@ -215,6 +216,7 @@ def test_a_step_writes_its_record_and_leaves_the_rest_to_its_stretchs_end(case, 
         # reason and step of a non-finite loss kept apart.
         counts = [line for line in body if re.search(r"= s32\[\] (fusion|select)\(", line)]
         assert len(counts) <= 2, counts
+        assert "f32[2]{0}" not in shapes  # the running mean's two sums
 
 
 @pytest.mark.slow
