@@ -36,8 +36,13 @@ length's cost per step over the shortest's (the aim: within 1.10x, and within 1.
 floor). `--memory` also runs the aux case's longest run in a fresh process and compares
 its resident memory with `eqfit.plan`'s figure.
 
+`--cpus 1` runs the whole process, both sides, on one CPU (`os.sched_setaffinity`): on a
+small shared machine whose timings swing by tens of percent between runs, its ratios
+repeat; it measures the steps without XLA's thread pool handing small kernels to another
+core, so give its figures beside the default's, not for them.
+
     python benchmarks/long_runs.py [--epochs 100 1000 10000] [--cases aux ...]
-        [--repeats 3] [--memory] [--quick] [--out PATH]
+        [--repeats 3] [--memory] [--quick] [--cpus N] [--out PATH]
 """
 
 import argparse
@@ -482,9 +487,12 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--quick", action="store_true", help="10 and 100 epochs, 1 repeat")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/long_runs.json"))
+    parser.add_argument("--cpus", type=int, default=None, help="run on this many CPUs only")
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.repeats, args.per_step_epochs = [10, 100], 1, 10
+    if args.cpus is not None:  # before JAX starts its backend, which sizes its threads by it
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
     started, load = time.perf_counter(), load_average()
     results = measure(args.cases, args.epochs, args.per_step_epochs, args.repeats)
     header = ["case", *(f"{e:,} epochs: eqfit / floor us (ratio)" for e in args.epochs)]
