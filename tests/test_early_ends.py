@@ -194,8 +194,9 @@ def test_ctrl_c_answers_soon_and_ends_cleanly(data, progress, host_callback, sig
         assert int(trained) >= 1 and changed == "True"
         assert int(count) == int(trained)  # the state is that of the last call finished
         assert int(trained) < steps  # inside the epoch: not at its end
-        # Answered within a call or two (about half a second each).
-        assert arrived - sent < 1.5, output[-2000:]
+        # Answered within a call or two (about half a second each; 0.5-0.9 s seen here),
+        # where the epoch would take many seconds more: a loaded machine once took 1.9 s.
+        assert arrived - sent < 2.5, output[-2000:]
 
 
 @pytest.mark.heavy
