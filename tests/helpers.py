@@ -5,6 +5,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+import eqfit
 
 
 def regression_data(key, n=200, features=4):
@@ -125,3 +128,23 @@ def pair(seed=0):
 # The several-updates tests' data: 48 rows of 3 features, a linear target.
 PAIR_X = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
 PAIR_Y = PAIR_X.sum(1, keepdims=True) + 0.5
+
+
+def fit_stopped_after_two_epochs(model, **kwargs):
+    """`fit` of `model` (2 features in, a scalar out) on 32 rows, 10 epochs of 3 steps,
+    that early stopping ends after its second epoch (step 6 of 30); `kwargs` add to it.
+    """
+    x = np.random.default_rng(0).normal(size=(32, 2)).astype(np.float32)
+    return eqfit.fit(
+        model,
+        (x, x.sum(axis=1)),
+        loss=eqfit.losses.mse,
+        optimizer=optax.sgd(0.01),
+        key=jax.random.key(1),
+        epochs=10,
+        batch_size=8,
+        validation_split=0.25,
+        # Never better by this much: stopped after the second epoch.
+        early_stopping=eqfit.EarlyStopping(patience=1, min_delta=1e9),
+        **kwargs,
+    )

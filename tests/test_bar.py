@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import worker_env
+from helpers import fit_stopped_after_two_epochs, worker_env
 
 import eqfit
 from eqfit._host._progress import wrapped
@@ -241,23 +241,8 @@ def test_a_log_says_where_and_why_a_run_stopped_early(tmp_path, capsys):
     that its checkpoint is being written, where the writes are in the background: a GPU's
     or TPU's default).
     """
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 2)).astype(np.float32)
     model = eqfit.models.LinearRegression(2, key=jax.random.key(0))
-    eqfit.fit(
-        model,
-        (x, x.sum(axis=1)),
-        loss=eqfit.losses.mse,
-        optimizer=optax.sgd(0.01),
-        key=jax.random.key(1),
-        epochs=10,
-        batch_size=8,
-        validation_split=0.25,
-        # Never better by this much: stopped after the second epoch.
-        early_stopping=eqfit.EarlyStopping(patience=1, min_delta=1e9),
-        checkpoint=tmp_path,
-        progress=True,
-    )
+    fit_stopped_after_two_epochs(model, checkpoint=tmp_path, progress=True)
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in lines[1:3]] == ["epoch 1/10", "epoch 2/10"]
     assert re.fullmatch(

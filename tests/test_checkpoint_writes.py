@@ -24,7 +24,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal, regression_data, worker_env
+from helpers import (
+    assert_trees_equal,
+    fit_stopped_after_two_epochs,
+    regression_data,
+    worker_env,
+)
 from jax.sharding import Mesh
 
 import eqfit
@@ -342,24 +347,10 @@ def test_a_run_stopped_early_names_the_checkpoint_its_last_write_makes(tmp_path,
     while), whose checkpoint holds the state at the stop. The log's last line names the
     folder that write makes, of the step the run stopped at, and it is there once written.
     """
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 2)).astype(np.float32)
     model = eqfit.models.MLP(2, "scalar", 1024, 3, key=jax.random.key(0))  # steps of a while
+    policy = eqfit.Checkpoint(tmp_path, background=True)
     with SlowDisk(tmp_path, "state.eqx", held=0, seconds=0.3):  # each write outlasts a call
-        eqfit.fit(
-            model,
-            (x, x.sum(axis=1)),
-            loss=eqfit.losses.mse,
-            optimizer=optax.sgd(0.01),
-            key=jax.random.key(1),
-            epochs=10,
-            batch_size=8,
-            validation_split=0.25,
-            # Never better by this much: stopped after the second epoch.
-            early_stopping=eqfit.EarlyStopping(patience=1, min_delta=1e9),
-            checkpoint=eqfit.Checkpoint(tmp_path, background=True),
-            progress="lines",
-        )
+        fit_stopped_after_two_epochs(model, checkpoint=policy, progress="lines")
         eqfit.wait_for_checkpoints(tmp_path)
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("training stopped early (early_stopping) at epoch 2/10, step 6/30")
